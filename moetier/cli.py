@@ -1,0 +1,117 @@
+"""`moetier`: one command with subcommands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moetier import presets
+from moetier.errors import MoetierError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="moetier: serve Mixture-of-Experts models larger than GPU memory.")
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Hugging Face checkpoint directory "
+                                         "(default: the embedded tiny model, made on first use)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same tokens)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message, with --chat."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not printed."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16."),
+    expert_backend: str = typer.Option("resident", "--expert-backend", help="Where routed experts live: resident."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text from a prompt, streaming tokens as they are produced."""
+    from moetier.default_model import default_model_dir
+    from moetier.generate import Generator
+    from moetier.sampler import SamplingParams
+    from moetier.tokenizer import TokenizerError
+
+    try:
+        if system and not chat:
+            raise MoetierError("--system needs --chat")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
+        model_dir = model if model is not None else default_model_dir()
+        gen = Generator.from_dir(model_dir, dtype=dtype, expert_backend=expert_backend)
+        ids = gen.prompt_ids(prompt, chat=chat, system=system)
+
+        def stream(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        result = gen.generate(ids, params, on_text=None if as_json else stream)
+    except (MoetierError, TokenizerError) as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps({
+            "model": str(model_dir),
+            "prompt_token_ids": result.prompt_ids,
+            "token_ids": result.output_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stop": result.stop,
+            "timings": {**result.timings, "load_s": gen.load_report.seconds},
+        }))
+    else:
+        t = result.timings
+        sys.stdout.write("\n")
+        typer.echo(f"[{len(result.output_ids)} tokens, finish={result.finish_reason}; prefill "
+                   f"{len(ids)} tokens in {t['prefill_s'] * 1e3:.1f} ms, decode {t['decode_tok_per_s']:.1f} tok/s]",
+                   err=True)
+
+
+@app.command("make-checkpoint")
+def make_checkpoint_cmd(
+    preset: str = typer.Option(..., "--preset", help=f"Shape: {', '.join(presets.names())}."),
+    out: Path = typer.Option(..., "--out", help="Directory to write (must be empty or absent)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers."),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32 or float16."),
+    fused_experts: bool = typer.Option(False, "--fused-experts",
+                                       help="Store experts fused (transformers 5 layout) instead of per expert."),
+    shard_gib: float = typer.Option(4.0, "--shard-size-gib", help="Largest shard, in GiB."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
+) -> None:
+    """Write a random-weight checkpoint of a named shape, with a tokenizer."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from moetier.writer import make_checkpoint
+
+    try:
+        cfg = presets.preset(preset, layers)
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+                      TransferSpeedColumn(), TimeRemainingColumn(), transient=False) as bar:
+            task = bar.add_task(f"{preset} ({cfg.num_layers} layers)", total=None)
+            path = make_checkpoint(out, preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
+                                   shard_bytes=int(shard_gib * 2**30), overwrite=overwrite,
+                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except MoetierError as e:
+        _fail(e)
+    typer.echo(f"wrote {path}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Model code, one file per architecture family; shared layers in layers.py."""

@@ -1,0 +1,163 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B) in our own code.
+
+Decoder layer: x + attn(rms(x)); then h + mlp(rms(h)), where mlp is a routed MoE (softmax top-k
+router, optional renormalisation) or, for mlp_only_layers and off the sparse step, a dense SwiGLU.
+Attention is GQA with RMSNorm on each head's q and k before rotary.
+
+Weights are fused where that saves launches (qkv, gate_up); the loader maps checkpoint names onto
+them (moetier.loader). Routed experts live in an ExpertBackend chosen after loading.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.config import ModelConfig
+from moetier.experts.backends import ExpertBackend, ExpertWeights
+from moetier.kv import KVCache
+from moetier.models.layers import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        h = cfg.hidden_size
+        self.qkv = _param((self.hq + 2 * self.hkv) * self.d, h, dtype=dtype, device=device)  # [q; k; v] rows
+        self.o = _param(h, self.hq * self.d, dtype=dtype, device=device)
+        self.qkv_bias = _param((self.hq + 2 * self.hkv) * self.d, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.o_bias = _param(h, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.q_norm = _param(self.d, dtype=dtype, device=device)
+        self.k_norm = _param(self.d, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int,
+                start: int) -> torch.Tensor:
+        # x: [T, H] at positions [start, start + T)
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = rms_norm(q.view(t, self.hq, self.d), self.q_norm, self.eps)
+        k = rms_norm(k.view(t, self.hkv, self.d), self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(layer, start, k, v.view(t, self.hkv, self.d))
+        keys, values = kv.read(layer, start + t)
+        out = causal_attention(q, keys, values, start)  # [T, Hq, D]
+        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.w13 = _param(2 * inter, hidden, dtype=dtype, device=device)  # [gate; up]
+        self.w2 = _param(hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_mul(F.linear(x, self.w13)), self.w2)
+
+
+RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer = layer
+        self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
+        self.gate = _param(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device)
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        # Filled by the loader, then handed to the backend; the backend owns them afterwards.
+        self.weights: ExpertWeights | None = ExpertWeights(
+            w13=torch.empty(e, 2 * i, h, dtype=dtype, device=device),
+            w2=torch.empty(e, h, i, dtype=dtype, device=device),
+        )
+        self.experts: ExpertBackend | None = None
+        self.route_hook: RouteHook | None = None  # sees (layer, ids, weights); may replace them
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> topk_ids [T, k] int64, topk_weights [T, k] in x.dtype
+        logits = F.linear(x, self.gate)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        if self.route_hook is not None:
+            ids, weights = self.route_hook(self.layer, ids, weights)
+        return self.experts.forward(x, ids, weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer, self.eps = layer, cfg.rms_norm_eps
+        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.attn = Attention(cfg, dtype, device)
+        self.mlp: MoE | DenseMLP = (
+            MoE(cfg, layer, dtype, device) if cfg.is_moe_layer(layer)
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, kv, self.layer, start)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device), persistent=False)
+
+    def moe_blocks(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def set_expert_backends(self, make: Callable[[int, ExpertWeights], ExpertBackend]) -> None:
+        """Hand each MoE layer's loaded expert weights to a backend, built by make(layer, weights)."""
+        for moe in self.moe_blocks():
+            if moe.weights is None:
+                raise RuntimeError("expert backends are already set; weights were handed over once")
+            moe.experts = make(moe.layer, moe.weights)
+            moe.weights = None
+
+    def new_kv_cache(self, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """input_ids: [T] continuing the sequence held in kv -> last hidden states [T, H].
+
+        Writes the new tokens' keys and values and advances kv by T.
+        """
+        t, start = input_ids.shape[0], kv.length
+        kv.check_room(t)
+        positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, start)
+        kv.advance(t)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, H] -> [T, V] float32
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,50 @@
+"""Shared fixtures: checkpoints written by our writer and by transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    # Tests never write into the user's cache directory.
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path_factory.getbasetemp() / "moetier-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The `tiny` preset in float32, written once per test session."""
+    from moetier.writer import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", "tiny", seed=0, dtype="float32")
+
+
+def hf_checkpoint(out: Path, preset: str, seed: int, max_shard_size: str | None = None) -> Path:
+    """A random Qwen3MoeForCausalLM from transformers, saved with save_pretrained, plus our tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetier import presets
+    from moetier.tokenizer import write_tokenizer
+
+    d = presets.preset_dict(preset, dtype="float32")
+    d.pop("architectures"), d.pop("model_type")
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**d)).eval()
+    # transformers initialises norms to 1; random norms make the parity test see every weight.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    write_tokenizer(out)
+    return out
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MOETIER_NO_GPU") is None

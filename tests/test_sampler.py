@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.errors import MoetierError
+from moetier.sampler import SamplingParams, filter_top_k_top_p, sample
+
+
+def draw(logits, params, n):
+    g = params.generator()
+    return [int(sample(logits[None], [params], [g])[0]) for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 1000)
+    p = SamplingParams(temperature=0.0)
+    got = sample(logits, [p] * 5, [p.generator()] * 5)
+    assert torch.equal(got, logits.argmax(-1))
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    logits = torch.randn(300)
+    a = draw(logits, SamplingParams(temperature=1.0, seed=7), 50)
+    b = draw(logits, SamplingParams(temperature=1.0, seed=7), 50)
+    c = draw(logits, SamplingParams(temperature=1.0, seed=8), 50)
+    assert a == b and a != c
+
+
+def test_top_k_never_leaves_its_support():
+    logits = torch.randn(200)
+    support = set(torch.topk(logits, 5).indices.tolist())
+    picks = draw(logits, SamplingParams(temperature=2.0, top_k=5, seed=1), 400)
+    assert set(picks) <= support and len(set(picks)) == 5
+
+
+def test_top_p_never_leaves_its_support():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
+    logits = probs.log()
+    # p = 0.75: 0.5 + 0.3 passes it, so exactly the first two tokens stay.
+    picks = draw(logits, SamplingParams(temperature=1.0, top_p=0.75, seed=2), 400)
+    assert set(picks) == {0, 1}
+    picks = draw(logits, SamplingParams(temperature=1.0, top_p=0.85, seed=3), 600)
+    assert set(picks) == {0, 1, 2}
+
+
+def test_top_p_tiny_keeps_the_top_token():
+    logits = torch.randn(2, 50)
+    out = filter_top_k_top_p(logits, torch.tensor([0, 3]), torch.tensor([1e-6, 1.0]))
+    assert torch.isfinite(out[0]).sum() == 1 and out[0].argmax() == logits[0].argmax()
+    assert torch.isfinite(out[1]).sum() == 3
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    picks = torch.tensor(draw(probs.log(), SamplingParams(temperature=1.0, seed=4), 4000))
+    freq = torch.bincount(picks, minlength=4).float() / len(picks)
+    assert (freq - probs).abs().max() < 0.03
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([0.0, 1.0])
+    cold = draw(logits, SamplingParams(temperature=0.1, seed=5), 300)
+    hot = draw(logits, SamplingParams(temperature=5.0, seed=5), 300)
+    assert cold.count(1) > 295 and 100 < hot.count(1) < 220
+
+
+def test_rows_are_independent_of_batch():
+    logits = torch.randn(3, 100)
+    ps = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    batch = sample(logits, ps, [p.generator() for p in ps])
+    alone = [int(sample(logits[i:i + 1], [ps[i]], [ps[i].generator()])[0]) for i in range(3)]
+    assert batch.tolist() == alone
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(max_tokens=-1), dict(stop=[""])])
+def test_invalid_params(bad):
+    with pytest.raises(MoetierError, match="invalid sampling parameters"):
+        SamplingParams(**bad).validate()
