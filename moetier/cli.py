@@ -21,6 +21,18 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
+def pick_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MoetierError("--device cuda: no CUDA device is visible; use --device cpu")
+    if name not in ("cuda", "cpu"):
+        raise MoetierError(f"--device {name!r}: choose auto, cuda or cpu")
+    return name
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
@@ -36,11 +48,20 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not printed."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16."),
-    expert_backend: str = typer.Option("resident", "--expert-backend", help="Where routed experts live: resident."),
+    expert_backend: str = typer.Option("resident", "--expert-backend",
+                                       help="Where routed experts live: resident, slots (an HBM slot cache over "
+                                            "pinned host memory) or uva (read from host memory on every use)."),
+    expert_slots: Optional[int] = typer.Option(None, "--expert-slots",
+                                               help="Slots per MoE layer for --expert-backend slots "
+                                                    "(default: half the experts)."),
+    decode_tokens: int = typer.Option(32, "--decode-tokens",
+                                      help="Steps of more tokens than this (prefill) bypass the expert cache."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda when available), cuda or cpu."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     from moetier.default_model import default_model_dir
+    from moetier.experts.placement import ExpertOptions
     from moetier.generate import Generator
     from moetier.sampler import SamplingParams
     from moetier.tokenizer import TokenizerError
@@ -48,10 +69,13 @@ def generate(
     try:
         if system and not chat:
             raise MoetierError("--system needs --chat")
+        if expert_slots is not None and expert_backend != "slots":
+            raise MoetierError("--expert-slots needs --expert-backend slots")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
         model_dir = model if model is not None else default_model_dir()
-        gen = Generator.from_dir(model_dir, dtype=dtype, expert_backend=expert_backend)
+        experts = ExpertOptions(backend=expert_backend, slots=expert_slots, decode_tokens=decode_tokens)
+        gen = Generator.from_dir(model_dir, dtype=dtype, experts=experts, device=pick_device(device))
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
 
         def stream(text: str) -> None:

@@ -16,6 +16,7 @@ import torch
 from moetier.config import ModelConfig
 from moetier.detokenizer import StopStrings, StreamDecoder
 from moetier.errors import MoetierError
+from moetier.experts.placement import ExpertOptions
 from moetier.loader import LoadReport, load_model
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 from moetier.sampler import SamplingParams, sample
@@ -52,14 +53,14 @@ class Generator:
         self.load_report = load_report
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype: str = "auto", expert_backend: str = "resident",
+    def from_dir(cls, model_dir: str | Path, dtype: str = "auto", experts: ExpertOptions | None = None,
                  device: str = "cpu") -> Generator:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise MoetierError(f"--model {model_dir}: no such directory")
         ModelConfig.from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
-        cfg, model, report = load_model(model_dir, dtype=dtype, device=device, expert_backend=expert_backend)
+        cfg, model, report = load_model(model_dir, dtype=dtype, device=device, experts=experts)
         if tokenizer.vocab_size > cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                f"{cfg.vocab_size}: tokenizer.json does not belong to this model")

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from moetier.checkpoint import Checkpoint, validate
 from moetier.config import ModelConfig
 from moetier.errors import MoetierError
-from moetier.experts.backends import make_backend
+from moetier.experts.placement import ExpertOptions
 from moetier.models.qwen3_moe import MoE, Qwen3MoeForCausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -65,18 +65,18 @@ def destination(model: Qwen3MoeForCausalLM, name: str) -> torch.Tensor | None:
         return {"o_proj": a.o if kind == "weight" else a.o_bias, "q_norm": a.q_norm, "k_norm": a.k_norm}.get(proj)
     mlp = layer.mlp
     if isinstance(mlp, MoE):
-        w = mlp.weights
+        w13, w2 = mlp.layout.w13(mlp.rows), mlp.layout.w2(mlp.rows)
         i = cfg.moe_intermediate_size
         if rest == "mlp.gate.weight":
             return mlp.gate
         if rest == "mlp.experts.gate_up_proj":
-            return w.w13
+            return w13
         if rest == "mlp.experts.down_proj":
-            return w.w2
+            return w2
         e = _EXPERT.fullmatch(rest)
         if e:
             expert, proj = int(e.group(1)), e.group(2)
-            return {"gate_proj": w.w13[expert, :i], "up_proj": w.w13[expert, i:], "down_proj": w.w2[expert]}[proj]
+            return {"gate_proj": w13[expert, :i], "up_proj": w13[expert, i:], "down_proj": w2[expert]}[proj]
         return None
     i = cfg.intermediate_size
     return {"mlp.gate_proj.weight": mlp.w13[:i], "mlp.up_proj.weight": mlp.w13[i:],
@@ -111,7 +111,7 @@ def load_weights(model: Qwen3MoeForCausalLM, ckpt: Checkpoint, names: dict[str, 
     return done
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", expert_backend: str = "resident",
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
                progress: Callable[[int, int], None] | None = None
                ) -> tuple[ModelConfig, Qwen3MoeForCausalLM, LoadReport]:
     t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
     names = validate(cfg, ckpt)  # before any weight is allocated
-    model = Qwen3MoeForCausalLM(cfg, torch_dtype, device)
+    model = Qwen3MoeForCausalLM(cfg, torch_dtype, device, experts)
     n = load_weights(model, ckpt, names, progress)
-    model.set_expert_backends(lambda layer, weights: make_backend(expert_backend, weights))
+    model.build_experts()
     return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n)

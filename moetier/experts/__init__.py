@@ -1,5 +1,1 @@
-"""Routed experts: the backends that compute them and, later, the tiers that hold them."""
-
-from moetier.experts.backends import BACKENDS, ExpertBackend, ExpertWeights, ResidentExperts, make_backend
-
-__all__ = ["BACKENDS", "ExpertBackend", "ExpertWeights", "ResidentExperts", "make_backend"]
+"""Routed experts: the tiers that hold them (store, slots) and the backends that compute them."""

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.config import ModelConfig
-from moetier.experts.backends import ExpertBackend, ExpertWeights
+from moetier.experts.backends import ExpertBackend
+from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.store import RowLayout
 from moetier.kv import KVCache
 from moetier.models.layers import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul
 
@@ -68,17 +70,15 @@ RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
+                 placement: ExpertPlacement):
         super().__init__()
         self.layer = layer
         self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
         self.gate = _param(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device)
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        # Filled by the loader, then handed to the backend; the backend owns them afterwards.
-        self.weights: ExpertWeights | None = ExpertWeights(
-            w13=torch.empty(e, 2 * i, h, dtype=dtype, device=device),
-            w2=torch.empty(e, h, i, dtype=dtype, device=device),
-        )
+        self.layout: RowLayout = placement.layout
+        # Filled by the loader (device memory or the host store), then handed to the backend.
+        self.rows: torch.Tensor | None = placement.rows(layer)  # [E, R]
         self.experts: ExpertBackend | None = None
         self.route_hook: RouteHook | None = None  # sees (layer, ids, weights); may replace them
 
@@ -99,14 +99,15 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
+                 placement: ExpertPlacement):
         super().__init__()
         self.layer, self.eps = layer, cfg.rms_norm_eps
         self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.post_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.attn = Attention(cfg, dtype, device)
         self.mlp: MoE | DenseMLP = (
-            MoE(cfg, layer, dtype, device) if cfg.is_moe_layer(layer)
+            MoE(cfg, layer, dtype, device, placement) if cfg.is_moe_layer(layer)
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         )
 
@@ -116,11 +117,14 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 experts: ExpertOptions | None = None):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.placement = ExpertPlacement(cfg, dtype, self.device, experts or ExpertOptions())
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, self.placement)
+                                    for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -129,13 +133,24 @@ class Qwen3MoeForCausalLM(nn.Module):
     def moe_blocks(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
-    def set_expert_backends(self, make: Callable[[int, ExpertWeights], ExpertBackend]) -> None:
-        """Hand each MoE layer's loaded expert weights to a backend, built by make(layer, weights)."""
+    def build_experts(self) -> None:
+        """After loading: hand each MoE layer's rows to its backend."""
         for moe in self.moe_blocks():
-            if moe.weights is None:
-                raise RuntimeError("expert backends are already set; weights were handed over once")
-            moe.experts = make(moe.layer, moe.weights)
-            moe.weights = None
+            if moe.rows is None:
+                raise RuntimeError("expert backends are already built")
+            moe.experts = self.placement.build(moe.layer, moe.rows)
+            moe.rows = None
+
+    def expert_stats(self) -> dict[str, int]:
+        """Cache counters summed over layers (one host read per layer; call between steps)."""
+        total = {"hits": 0, "misses": 0, "overflow": 0, "steps": 0, "bypassed": 0}
+        for moe in self.moe_blocks():
+            cache = getattr(moe.experts, "cache", None)
+            if cache is not None:
+                for k, v in cache.read_stats().items():
+                    total[k] += v
+            total["bypassed"] += moe.experts.bypassed
+        return total
 
     def new_kv_cache(self, max_len: int) -> KVCache:
         c = self.cfg

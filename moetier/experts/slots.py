@@ -1,0 +1,129 @@
+"""The per-layer HBM slot cache: which experts sit in which slots, and what one step must move.
+
+State (device tensors, updated in place so a CUDA graph can replay the step):
+    expert_slot [E] int32   slot holding each expert, -1 when absent
+    slot_expert [S] int32   expert in each slot, -1 when empty
+    stamp       [S] int64   step of each slot's last use (-1: never), for least-recently-used
+    clock       [1] int64   steps taken
+    stats       [4] int64   hits, misses (filled), overflow (read over the link), steps
+
+One step, given topk_ids [T, k] (semantics shared by the torch reference here and the fused Triton
+kernel in kernels.py, which tests hold to each other):
+  1. needed = the distinct experts of the step, in order of first appearance.
+  2. A needed expert already in a slot is a hit. The others are misses, ranked by first appearance.
+  3. Victims are the slots no needed expert holds, in order of (stamp, slot): empty slots first,
+     then the least recently used. Miss r takes victim r; its row is copied in from the host store.
+  4. When misses outnumber victims, the rest overflow: read over the link for this step only, so
+     no expert is ever unreachable and no slot the step uses is ever evicted.
+  5. Every slot the step uses gets stamp = clock; clock += 1.
+Output: slot ids [T, k] (-1 for overflow pairs) and the miss list (expert, slot) for the fill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HITS, MISSES, OVERFLOW, STEPS = range(4)
+
+
+@dataclass
+class MissList:
+    """Rows to copy this step: host row `expert[r]` into slot `slot[r]` for r < count."""
+
+    expert: torch.Tensor  # [max_misses] int32
+    slot: torch.Tensor  # [max_misses] int32
+    count: torch.Tensor  # [1] int32
+
+
+class SlotCache:
+    def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu"):
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"slots must be in 1..{num_experts}, got {num_slots}")
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.expert_slot = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+        self.slot_expert = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        self.stamp = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        self.expert_slot.fill_(-1)
+        self.slot_expert.fill_(-1)
+        self.stamp.fill_(-1)
+        self.clock.zero_()
+        self.stats.zero_()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k).clone() for k in ("expert_slot", "slot_expert", "stamp", "clock", "stats")}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in state.items():
+            getattr(self, k).copy_(v)
+
+    def read_stats(self) -> dict[str, int]:
+        """One host read of the counters (a sync; call between steps, never inside one)."""
+        h, m, o, s = self.stats.tolist()
+        return {"hits": h, "misses": m, "overflow": o, "steps": s}
+
+    def check(self) -> None:
+        """Integrity: the two maps are inverses, no expert sits in two slots, stamps within the clock."""
+        es, se = self.expert_slot.cpu(), self.slot_expert.cpu()
+        resident = se[se >= 0]
+        assert resident.unique().numel() == resident.numel(), "an expert is resident in two slots"
+        for slot, expert in enumerate(se.tolist()):
+            if expert >= 0:
+                assert es[expert] == slot, f"slot {slot} holds expert {expert} but the map says {int(es[expert])}"
+        for expert, slot in enumerate(es.tolist()):
+            if slot >= 0:
+                assert 0 <= slot < self.num_slots and se[slot] == expert, f"expert {expert} -> slot {slot} is stale"
+        assert int((es >= 0).sum()) == resident.numel(), "maps disagree on how many experts are resident"
+        clock = int(self.clock)
+        assert bool((self.stamp.cpu() < clock).all()), "a stamp is ahead of the clock"
+
+    @torch.no_grad()
+    def step_reference(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, MissList]:
+        """The torch reference of one step (CPU or GPU; syncs freely). -> slot ids [T, k], misses."""
+        flat = topk_ids.reshape(-1).long()
+        # 1. distinct experts in order of first appearance
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.long, device=flat.device)
+        first.scatter_reduce_(0, inverse, torch.arange(flat.numel(), device=flat.device), "amin")
+        needed = uniq[torch.argsort(first)]
+        # 2. hits and misses
+        slot_of = self.expert_slot[needed].long()
+        hit = slot_of >= 0
+        misses = needed[~hit]
+        # 3. victims: slots not used this step, by (stamp, slot)
+        used = torch.zeros(self.num_slots, dtype=torch.bool, device=flat.device)
+        used[slot_of[hit]] = True
+        free = (~used).nonzero().flatten()
+        order = torch.argsort(self.stamp[free] * self.num_slots + free)
+        victims = free[order]
+        n_fill = min(misses.numel(), victims.numel())
+        fill_expert, fill_slot = misses[:n_fill], victims[:n_fill]
+        # 4. update the maps
+        old = self.slot_expert[fill_slot].long()
+        self.expert_slot[old[old >= 0]] = -1
+        self.expert_slot[fill_expert] = fill_slot.int()
+        self.slot_expert[fill_slot] = fill_expert.int()
+        # 5. stamps, clock, stats
+        slots = self.expert_slot[flat].long()
+        self.stamp[slots[slots >= 0]] = self.clock
+        self.clock += 1
+        self.stats += torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1], device=flat.device)
+        cap = flat.numel()
+        miss = MissList(
+            expert=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),
+            slot=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),
+            count=torch.tensor([n_fill], dtype=torch.int32, device=flat.device),
+        )
+        miss.expert[:n_fill] = fill_expert.int()
+        miss.slot[:n_fill] = fill_slot.int()
+        return slots.int().view_as(topk_ids), miss
+
+    def warm(self, experts: list[int]) -> MissList:
+        """Place experts into slots as if one step had asked for them (for benchmarks and tests)."""
+        ids = torch.tensor(experts, dtype=torch.int64, device=self.expert_slot.device)[None]
+        return self.step_reference(ids)[1]

@@ -1,0 +1,122 @@
+"""The host tier: every routed expert of every MoE layer, one contiguous row per expert.
+
+A row is [gate_up (2I x H) | down (H x I)] in the model dtype; quantized formats will append their
+scales to the same row. The loader fills rows straight from the checkpoint, so the experts exist
+once in RAM.
+
+On CUDA machines each layer's block is pinned at its exact size: page-aligned memory registered
+with cudaHostRegister. torch's pinned allocator would round every block up to a power of two
+(3.22 GB pins 4 GiB, reference 000), which is how host budgets silently break.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from moetier.errors import MoetierError
+
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where gate_up and down sit inside one expert row."""
+
+    hidden: int
+    inter: int
+
+    @property
+    def w13_numel(self) -> int:
+        return 2 * self.inter * self.hidden
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.inter * self.hidden
+
+    def w13(self, rows: torch.Tensor) -> torch.Tensor:
+        # rows [N, numel] -> [N, 2I, H] (a view)
+        return rows[:, : self.w13_numel].view(rows.shape[0], 2 * self.inter, self.hidden)
+
+    def w2(self, rows: torch.Tensor) -> torch.Tensor:
+        # rows [N, numel] -> [N, H, I] (a view)
+        return rows[:, self.w13_numel:].view(rows.shape[0], self.hidden, self.inter)
+
+
+def _aligned_empty(nbytes: int) -> tuple[torch.Tensor, int]:
+    """A uint8 CPU tensor of exactly `nbytes` whose start is page-aligned (cudaHostRegister needs it).
+
+    Over-allocates by one page at most; returns the tensor and the bytes allocated.
+    """
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip: skip + nbytes], nbytes + PAGE
+
+
+class _Registration:
+    """Keeps a cudaHostRegister'ed range registered exactly as long as its memory lives."""
+
+    def __init__(self, base: torch.Tensor):
+        self.base = base  # holds the memory alive
+        self.ptr = base.data_ptr()
+        # cudaHostRegisterPortable (1) | cudaHostRegisterMapped (2): visible to every context, on the
+        # device at the same address under unified addressing.
+        err = torch.cuda.cudart().cudaHostRegister(self.ptr, base.numel(), 3)
+        if int(err) != 0:
+            raise MoetierError(f"cudaHostRegister of {base.numel()} bytes failed with error {int(err)}; "
+                               "the host may be out of lockable memory (ulimit -l)")
+
+    def __del__(self) -> None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class HostStore:
+    """Per MoE layer a block [E, row] in host memory, pinned at exact size when `pin` is set."""
+
+    def __init__(self, layers: list[int], num_experts: int, layout: RowLayout, dtype: torch.dtype, pin: bool):
+        self.layout, self.dtype, self.num_experts = layout, dtype, num_experts
+        self.row_bytes = layout.numel * dtype.itemsize
+        self.requested_bytes = 0
+        self.allocated_bytes = 0  # what the process really holds, page alignment included
+        self.pinned_bytes = 0
+        self._blocks: dict[int, torch.Tensor] = {}
+        self._registrations: list[_Registration] = []
+        for layer in layers:
+            nbytes = num_experts * self.row_bytes
+            base, allocated = _aligned_empty(nbytes)
+            if pin:
+                self._registrations.append(_Registration(base))
+                self.pinned_bytes += nbytes
+            self.requested_bytes += nbytes
+            self.allocated_bytes += allocated
+            self._blocks[layer] = base.view(dtype).view(num_experts, layout.numel)
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """[E, row] CPU tensor of one layer (pinned when the store is)."""
+        return self._blocks[layer]
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._registrations)
+
+    def report(self) -> dict[str, int]:
+        return {"requested_bytes": self.requested_bytes, "allocated_bytes": self.allocated_bytes,
+                "pinned_bytes": self.pinned_bytes, "blocks": len(self._blocks), "row_bytes": self.row_bytes}
+
+
+class DevicePointer:
+    """Hands a Triton kernel the device address of pinned host memory (unified addressing: the same
+    address as on the host). Triton only asks an argument for data_ptr() and dtype."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor  # keeps the memory alive
+        self.dtype = tensor.dtype
+        self._ptr = tensor.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._ptr
