@@ -133,6 +133,33 @@ def make_checkpoint_cmd(
     typer.echo(f"wrote {path}")
 
 
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (need a CUDA GPU).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("layer")
+def bench_layer(
+    preset: list[str] = typer.Option(["qwen3-30b-a3b", "glm-5"], "--preset", help="MoE shapes (repeatable)."),
+    steps: int = typer.Option(200, "--steps", help="Layer calls per graph replay."),
+    hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows."),
+    slot_frac: float = typer.Option(0.5, "--slots-frac", help="Slots per layer as a share of the experts."),
+    tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the JSON record here."),
+) -> None:
+    """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates."""
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail(MoetierError("bench layer needs a CUDA GPU"))
+    from moetier.bench.common import write_json
+    from moetier.bench.layer import run, table
+
+    data = run(list(preset), steps, [float(h) for h in hits.split(",")], slot_frac, tune)
+    if out:
+        write_json(out, data)
+    typer.echo(table(data))
+
+
 def main() -> None:
     app()
 

@@ -45,6 +45,3 @@ def hf_checkpoint(out: Path, preset: str, seed: int, max_shard_size: str | None 
     write_tokenizer(out)
     return out
 
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available() and os.environ.get("MOETIER_NO_GPU") is None

@@ -1,0 +1,117 @@
+"""Timing and bookkeeping shared by the benchmarks: event-timed CUDA graphs, link measurements,
+and the JSON record (machine, commit, command) every result carries."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GB = 1e9
+GiB = 2**30
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / GiB, 1))
+    return info
+
+
+def commit() -> str:
+    if os.environ.get("MOETIER_COMMIT"):
+        return os.environ["MOETIER_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def record(kind: str, results: dict) -> dict:
+    return {"benchmark": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+            "commit": commit(), "command": " ".join(["moetier", *sys.argv[1:]]), **results}
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def time_graph(build: Callable[[], None], reset: Callable[[], None] | None = None, reps: int = 7) -> float:
+    """Capture build() in a CUDA graph; median milliseconds of one replay, reset() before each (untimed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compile kernels, allocate buffers
+        if reset:
+            reset()
+        build()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    if reset:
+        reset()
+    with torch.cuda.graph(graph):
+        build()
+    times = []
+    for _ in range(reps + 1):
+        if reset:
+            reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def time_eager(fn: Callable[[], None], reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def links(nbytes: int = GiB, row_bytes: int | None = None) -> dict[str, float]:
+    """Host-to-device over the copy engine, device-to-device (read + write) in GB/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 255)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    out = {
+        "h2d_copy_engine_GBps": nbytes / GB / (time_eager(lambda: dev.copy_(host, non_blocking=True)) / 1e3),
+        "d2d_GBps": 2 * nbytes / GB / (time_eager(lambda: dev2.copy_(dev)) / 1e3),
+    }
+    if row_bytes:
+        n = max(1, nbytes // row_bytes)
+
+        def rows() -> None:
+            for i in range(n):
+                dev[i * row_bytes:(i + 1) * row_bytes].copy_(host[i * row_bytes:(i + 1) * row_bytes], non_blocking=True)
+        out["h2d_copy_engine_row_GBps"] = n * row_bytes / GB / (time_eager(rows) / 1e3)
+    del host, dev, dev2
+    return out
