@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 BIG32 = 2**31 - 1
+REGS_LIMIT = 16384  # largest [BLOCK_N, BLOCK_S] the register bookkeeping takes
 
 
 @triton.jit
@@ -86,6 +87,63 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + 1)
 
 
+@triton.jit
+def _bookkeeping_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
+                      slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots,
+                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    # The same step as _bookkeeping, for small steps (a decode batch of a few tokens): every set
+    # operation is a [BLOCK_N, BLOCK_N] or [BLOCK_N, BLOCK_S] comparison in registers, so the step
+    # costs two dependent rounds of loads and one of stores, with no barrier.
+    pos = tl.arange(0, BLOCK_N)
+    pmask = pos < n
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_slots
+    ids = tl.load(ids_ptr + pos, mask=pmask, other=-1).to(tl.int32)
+    clock = tl.load(clock_ptr)
+    stamp = tl.load(stamp_ptr + s, mask=smask, other=0)
+    held = tl.load(slot_expert_ptr + s, mask=smask, other=-1)
+    slot0 = tl.load(expert_slot_ptr + ids, mask=pmask, other=-1)
+
+    # 1. first appearance: the lowest position holding the same id
+    same = (ids[:, None] == ids[None, :]) & pmask[None, :]
+    first = tl.min(tl.where(same, pos[None, :], BLOCK_N), axis=1)
+    is_first = pmask & (first == pos)
+    # 2. hits and the slots they use
+    hit = is_first & (slot0 >= 0)
+    miss = is_first & (slot0 < 0)
+    used = tl.max((hit[:, None] & (slot0[:, None] == s[None, :])).to(tl.int32), axis=0)
+    # 3. victims by (stamp, slot)
+    big = 9223372036854775807
+    key = tl.sort(tl.where(smask & (used == 0), (stamp + 1) * num_slots + s, big))
+    n_free = tl.sum((key != big).to(tl.int32), axis=0)
+    ordered = (key % num_slots).to(tl.int32)
+    # 4. miss r takes victim r (a one-hot gather), evicting the expert it held
+    miss_i = miss.to(tl.int32)
+    rank = tl.cumsum(miss_i, axis=0) - 1
+    n_miss = tl.sum(miss_i, axis=0)
+    fill = miss & (rank < n_free)
+    victim = tl.sum(tl.where(rank[:, None] == s[None, :], ordered[None, :], 0), axis=1)
+    old = tl.sum(tl.where(victim[:, None] == s[None, :], held[None, :], 0), axis=1)
+    # NOTE: evicted experts are never needed this step, so these stores touch disjoint addresses.
+    tl.store(expert_slot_ptr + old, -1, mask=fill & (old >= 0))
+    tl.store(expert_slot_ptr + ids, victim, mask=fill)
+    tl.store(slot_expert_ptr + victim, ids, mask=fill)
+    tl.store(miss_expert_ptr + rank, ids, mask=fill)
+    tl.store(miss_slot_ptr + rank, victim, mask=fill)
+    n_fill = tl.minimum(n_miss, n_free)
+    tl.store(miss_count_ptr, n_fill)
+    # 5. every position takes the slot of its first appearance (-1: overflow)
+    at_first = tl.where(fill, victim, tl.where(hit, slot0, -1))
+    slot = tl.sum(tl.where(first[:, None] == pos[None, :], at_first[None, :], 0), axis=1)
+    tl.store(slots_out_ptr + pos, slot, mask=pmask)
+    tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
+    tl.store(clock_ptr, clock + 1)
+    tl.store(stats_ptr + 0, tl.load(stats_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_fill.to(tl.int64))
+    tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + (n_miss - n_fill).to(tl.int64))
+    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + 1)
+
+
 class Scratch:
     """Per-cache scratch of the bookkeeping kernel, sized once (fixed addresses for graphs)."""
 
@@ -105,13 +163,18 @@ def bookkeeping(cache, scratch: Scratch, topk_ids: torch.Tensor) -> torch.Tensor
     n = topk_ids.numel()
     if n > scratch.max_pairs:
         raise ValueError(f"{n} (token, expert) pairs exceed the {scratch.max_pairs} this cache was sized for")
-    _bookkeeping[(1,)](
-        topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
-        scratch.first, scratch.used, scratch.victim, scratch.slots_out, scratch.miss_expert, scratch.miss_slot,
-        scratch.miss_count, cache.num_slots,
-        BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_S=max(16, triton.next_power_of_2(cache.num_slots)),
-        num_warps=4,
-    )
+    block_n = max(16, triton.next_power_of_2(n))
+    block_s = max(16, triton.next_power_of_2(cache.num_slots))
+    if block_n <= 64 and block_n * block_s <= REGS_LIMIT:
+        _bookkeeping_regs[(1,)](
+            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
+            scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots,
+            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4)
+    else:
+        _bookkeeping[(1,)](
+            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
+            scratch.first, scratch.used, scratch.victim, scratch.slots_out, scratch.miss_expert,
+            scratch.miss_slot, scratch.miss_count, cache.num_slots, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4)
     return scratch.slots_out[:n].view(topk_ids.shape)
 
 
