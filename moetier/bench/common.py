@@ -82,11 +82,17 @@ def time_graph(build: Callable[[], None], reset: Callable[[], None] | None = Non
     return statistics.median(times[1:])
 
 
-def time_eager(fn: Callable[[], None], reps: int = 7) -> float:
+def time_eager(fn: Callable[[], None], reps: int = 7, reset: Callable[[], None] | None = None) -> float:
+    """Median milliseconds of fn() on the current stream, reset() before each run (untimed)."""
+    if reset:
+        reset()
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if reset:
+            reset()
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -98,8 +98,10 @@ def _bookkeeping_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, c
     pmask = pos < n
     s = tl.arange(0, BLOCK_S)
     smask = s < num_slots
+    # Everything independent is loaded up front, so the step waits on two rounds of loads only.
     ids = tl.load(ids_ptr + pos, mask=pmask, other=-1).to(tl.int32)
     clock = tl.load(clock_ptr)
+    stats = tl.load(stats_ptr + tl.arange(0, 4))
     stamp = tl.load(stamp_ptr + s, mask=smask, other=0)
     held = tl.load(slot_expert_ptr + s, mask=smask, other=-1)
     slot0 = tl.load(expert_slot_ptr + ids, mask=pmask, other=-1)
@@ -138,10 +140,10 @@ def _bookkeeping_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, c
     tl.store(slots_out_ptr + pos, slot, mask=pmask)
     tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
     tl.store(clock_ptr, clock + 1)
-    tl.store(stats_ptr + 0, tl.load(stats_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
-    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_fill.to(tl.int64))
-    tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + (n_miss - n_fill).to(tl.int64))
-    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + 1)
+    four = tl.arange(0, 4)
+    step = tl.where(four == 0, tl.sum(hit.to(tl.int64), axis=0),
+                    tl.where(four == 1, n_fill.to(tl.int64), tl.where(four == 2, (n_miss - n_fill).to(tl.int64), 1)))
+    tl.store(stats_ptr + four, stats + step)
 
 
 class Scratch:
@@ -169,7 +171,7 @@ def bookkeeping(cache, scratch: Scratch, topk_ids: torch.Tensor) -> torch.Tensor
         _bookkeeping_regs[(1,)](
             topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
             scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots,
-            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4)
+            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=1)  # one warp: reductions stay in shuffles
     else:
         _bookkeeping[(1,)](
             topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
