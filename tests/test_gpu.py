@@ -39,13 +39,20 @@ def random_ids(g, t, k=K, e=E, dup=False):
     return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("num_slots", [8, 20, 64])
-def test_bookkeeping_kernel_matches_reference(num_slots):
+def test_bookkeeping_kernel_matches_reference(num_slots, fused):
+    """Both bookkeeping kernels (registers for small steps, barriers for large) and the fused
+    step + fill against the torch reference; with `fused`, every slot must also hold its row."""
     from moetier.experts import kernels
     from moetier.experts.slots import SlotCache
+    from moetier.experts.store import DevicePointer
 
     ref, gpu = SlotCache(E, num_slots), SlotCache(E, num_slots, "cuda")
     scratch = kernels.Scratch(E, num_slots, 64 * K, torch.device("cuda"))
+    host = torch.randn(E, 4100).to(torch.bfloat16).pin_memory()
+    slot_rows = torch.zeros(num_slots, 4100, dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator().manual_seed(num_slots)
     hot = torch.randperm(E, generator=g)[:num_slots]
     for i in range(400):
@@ -60,7 +67,12 @@ def test_bookkeeping_kernel_matches_reference(num_slots):
         else:
             ids = random_ids(g, [1, 2, 5][case - 3])
         want_slots, want_miss = ref.step_reference(ids)
-        got_slots = kernels.bookkeeping(gpu, scratch, ids.cuda())
+        if fused and kernels.fits_registers(ids.numel(), num_slots):
+            got_slots = kernels.step_fill(gpu, scratch, ids.cuda(), DevicePointer(host), slot_rows, sms, block=1024)
+        else:
+            got_slots = kernels.bookkeeping(gpu, scratch, ids.cuda())
+            kernels.copy_rows(DevicePointer(host), slot_rows, scratch, 2 * sms, block=1024)
+        assert int(scratch.sync.abs().sum()) == 0, "step_fill left its flag raised"
         assert torch.equal(got_slots.cpu(), want_slots), f"step {i}"
         n = int(want_miss.count)
         assert int(scratch.miss_count) == n
@@ -69,6 +81,10 @@ def test_bookkeeping_kernel_matches_reference(num_slots):
         for name in ("expert_slot", "slot_expert", "stamp", "clock", "stats"):
             assert torch.equal(getattr(gpu, name).cpu(), getattr(ref, name)), f"step {i}: {name}"
         gpu.check()
+        held = gpu.slot_expert.cpu()
+        for slot in range(num_slots):
+            if held[slot] >= 0:
+                assert torch.equal(slot_rows[slot].cpu(), host[held[slot]]), f"step {i}: slot {slot} holds stale bytes"
     s = ref.read_stats()
     assert s["hits"] > 0 and s["misses"] > 0 and (num_slots == 64 or s["overflow"] > 0)
 
@@ -98,7 +114,7 @@ def test_copy_kernel_moves_exact_rows():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("t", [1, 3, 32])
 def test_expert_kernel_matches_torch(dtype, tol, t):
-    from moetier.experts import kernels
+    from moetier.experts import gemm
     from moetier.experts.backends import combine, expert_pairs, row_fetch
     from moetier.experts.store import DevicePointer
 
@@ -114,18 +130,19 @@ def test_expert_kernel_matches_torch(dtype, tol, t):
     out = torch.full((t, 200), float("nan"), dtype=dtype, device="cuda")
     # half the pairs from device rows, half over the link from the host store
     slot_ids = torch.where(torch.rand(t, K, generator=g) < 0.5, ids, -1).int()
-    kernels.expert_mlp(x.cuda(), slot_ids.cuda(), ids.cuda(), w.cuda(), dev, DevicePointer(host), 200, 72, h, out)
+    gemm.expert_mlp(x.cuda(), slot_ids.cuda(), ids.cuda(), w.cuda(), dev, DevicePointer(host), 200, 72, h, out)
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err <= tol, err
 
 
-def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps():
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps(fused):
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 
     store, layout = rows_for()
     host = store.rows(0)
     resident = ResidentExperts(host.cuda(), layout, K, decode_tokens=4)
-    slots = SlotExperts(host, layout, K, num_slots=K, decode_tokens=4, device="cuda")  # S = top-k
+    slots = SlotExperts(host, layout, K, num_slots=K, decode_tokens=4, device="cuda", fused=fused)  # S = top-k
     uva = UvaExperts(host, layout, K, decode_tokens=4, device="cuda")
     t = 2
     x = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")

@@ -13,7 +13,7 @@ import math
 import torch
 
 from moetier.bench.common import GB, links, record, time_eager, time_graph
-from moetier.experts import kernels
+from moetier.experts import gemm, kernels
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.slots import SlotCache
 from moetier.experts.store import DevicePointer, HostStore, RowLayout
@@ -96,7 +96,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         def run() -> None:
             for j in range(steps):
                 ids = uni[j]
-                kernels.expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._h,
+                gemm.expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._h,
                                    resident._decode_out(x), gu, dn)
         return run
 
@@ -113,7 +113,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
                     print(f"  {name} {which} {cfg}: {type(err).__name__}")
             best[which] = min(timings, key=timings.get)
             res[f"tune_{which}"] = {str(c): t for c, t in timings.items()}
-        kernels.GATE_UP_CONFIG, kernels.DOWN_CONFIG = best["gate_up"], best["down"]
+        gemm.GATE_UP_CONFIG, gemm.DOWN_CONFIG = best["gate_up"], best["down"]
         res["kernel_config"] = {"gate_up": best["gate_up"], "down": best["down"]}
 
     rows = []
@@ -127,10 +127,15 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     rows.append({"row": "uva", "ms": t_uva, "hit": 0.0, "GBps": expert_bytes / GB / (t_uva / 1e3),
                  "bound_ms": expert_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3})
 
+    streams = {hit: hit_stream(e, num_slots, k, steps, hit, seed + 2) for hit in hits}
+    if tune:
+        res["tune_bookkeeping_warps"] = sweep_bookkeeping(host, layout, k, num_slots, streams, steps)
+        kernels.BOOKKEEPING_WARPS = min(res["tune_bookkeeping_warps"], key=lambda w: sum(
+            res["tune_bookkeeping_warps"][w].values()))
     for hit in hits:
-        ids, init, want = hit_stream(e, num_slots, k, steps, hit, seed + 2)
+        ids, init, want = streams[hit]
         ids = ids.cuda()
-        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda")
+        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda", fused=False)
         init_dev = {n: v.cuda() for n, v in init.items()}
         slots.slots[:] = dev_rows[init["slot_expert"].long().clamp(min=0)]  # contents match the maps
         sc = slots._scratch
@@ -148,18 +153,39 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         t_full = time_graph(lambda: [slots.forward(x, ids[j], w) for j in range(steps)], reset) / steps
         got = slots.cache.read_stats()
         assert got == want, f"the GPU cache took {got}, the stream was built for {want}"
+        slots.fused = True
+        t_fused = time_graph(lambda: [slots.forward(x, ids[j], w) for j in range(steps)], reset) / steps
+        assert slots.cache.read_stats() == want, "the fused step took other hits than the stream was built for"
         miss_bytes = got["misses"] / steps * row_bytes
         target = t_res + miss_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3
         rows.append({"row": f"slots {hit:.0%}", "ms": t_full, "hit": got["hits"] / (got["hits"] + got["misses"]),
                      "bookkeeping_ms": t_bk, "fill_ms": t_fill - t_bk, "gemm_ms": t_full - t_fill,
                      "miss_MB_per_layer": miss_bytes / 1e6,
                      "fill_GBps": miss_bytes / GB / ((t_fill - t_bk) / 1e3) if miss_bytes else None,
-                     "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target})
+                     "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target,
+                     "fused_ms": t_fused, "fused_vs_resident": t_fused / t_res})
         del slots
     res["rows"] = rows
     res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
     res["prefill_crossover"] = bench_crossover(host, layout, e, k, num_slots, seed)
     return res
+
+
+def sweep_bookkeeping(host, layout, k, num_slots, streams, steps) -> dict:
+    """Per-step bookkeeping time (us) by warps per program, on each hit-rate stream."""
+    out = {}
+    for warps in (1, 2, 4, 8):
+        kernels.BOOKKEEPING_WARPS = warps
+        out[warps] = {}
+        for hit, (ids, init, _) in streams.items():
+            ids = ids.cuda()
+            cache = SlotCache(host.shape[0], num_slots, "cuda")
+            sc = kernels.Scratch(host.shape[0], num_slots, 64 * k, torch.device("cuda"))
+            init_dev = {n: v.cuda() for n, v in init.items()}
+            t = time_graph(lambda: [kernels.bookkeeping(cache, sc, ids[j]) for j in range(steps)],
+                           lambda: cache.load_state(init_dev))
+            out[warps][str(hit)] = t / steps * 1e3
+    return out
 
 
 def bench_fills(host: torch.Tensor, dev_rows: torch.Tensor, row_bytes: int, e: int, k: int) -> list[dict]:
@@ -227,7 +253,7 @@ def table(data: dict) -> str:
                      f"GB/s (rows {l.get('h2d_copy_engine_row_GBps', 0):.1f}), HBM copy {l['d2d_GBps']:.0f} GB/s; "
                      f"kernels {r.get('kernel_config', 'default')}")
         lines.append(f"{'row':<12}{'ms/layer':>10}{'bound ms':>10}{'x bound':>9}{'x resident':>11}{'bookkeep us':>12}"
-                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}")
+                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}{'fused ms':>10}{'fused x res':>12}")
         t_res = r["rows"][0]["ms"]
         for row in r["rows"]:
             def f(key, scale=1.0, fmt="{:.3f}"):
@@ -235,7 +261,11 @@ def table(data: dict) -> str:
                 return fmt.format(v * scale) if isinstance(v, (int, float)) else "-"
             lines.append(f"{row['row']:<12}{row['ms']:>10.3f}{row['bound_ms']:>10.3f}{row['ms'] / row['bound_ms']:>9.2f}"
                          f"{row['ms'] / t_res:>11.2f}{f('bookkeeping_ms', 1e3, '{:.1f}'):>12}{f('fill_ms'):>9}"
-                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}")
+                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}{f('fused_ms'):>10}"
+                         f"{f('fused_vs_resident', 1, '{:.2f}'):>12}")
+        if "tune_bookkeeping_warps" in r:
+            lines.append("bookkeeping us by warps: " + "; ".join(
+                f"{w}: " + ", ".join(f"{h} {t:.1f}" for h, t in v.items()) for w, v in r["tune_bookkeeping_warps"].items()))
         lines.append("fills: " + "; ".join(
             f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms" + (f" ({x['kernel_GBps']:.1f} GB/s), copy engine "
                                                                  f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s)"

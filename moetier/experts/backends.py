@@ -36,7 +36,7 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torc
     `keys` [T, k] names the row each pair reads; fetch(key) gives that row's weights. Rows are visited
     one at a time over the pairs that use them, pairs in flat order; a pair's result depends only on
     its token and its row's bytes, so which rows hold which expert never changes a bit.
-    NOTE: host-side loop over used rows (syncs); the CUDA decode path is kernels.expert_mlp.
+    NOTE: host-side loop over used rows (syncs); the CUDA decode path is gemm.expert_mlp.
     """
     t, k = keys.shape
     flat = keys.reshape(-1)
@@ -97,10 +97,10 @@ class ExpertBackend(ABC):
         return self._out[: hidden.shape[0]]
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
-        from moetier.experts import kernels
+        from moetier.experts import gemm
 
-        return kernels.expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                                  self.layout.hidden, self.layout.inter, self._h, self._decode_out(hidden))
+        return gemm.expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
+                               self.layout.hidden, self.layout.inter, self._h, self._decode_out(hidden))
 
 
 class ResidentExperts(ExpertBackend):
@@ -156,13 +156,15 @@ class SlotExperts(ExpertBackend):
     name = "slots"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
-                 decode_tokens: int = 32, device: torch.device | str = "cpu", fill: str = "kernel"):
+                 decode_tokens: int = 32, device: torch.device | str = "cpu", fill: str = "kernel",
+                 fused: bool = True):
         super().__init__(layout, top_k, decode_tokens, device)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
         self.host = host_rows
         self.fill = fill
+        self.fused = fused  # kernel fill: step and fill in one launch where the step fits registers
         self.cache = SlotCache(num_experts, num_slots, self.device)
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
         if self.cuda:
@@ -170,8 +172,8 @@ class SlotExperts(ExpertBackend):
 
             self._host_dev = DevicePointer(host_rows)
             self._scratch = kernels.Scratch(num_experts, num_slots, decode_tokens * top_k, self.device)
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._copy_programs = 2 * sms
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._copy_programs = 2 * self._sms
             self._copy_stream = torch.cuda.Stream(self.device)
 
     def forward(self, hidden, topk_ids, topk_weights):
@@ -186,6 +188,9 @@ class SlotExperts(ExpertBackend):
             return combine(expert_pairs(hidden, keys, self._fetch), topk_weights)
         from moetier.experts import kernels
 
+        if self.fill == "kernel" and self.fused and kernels.fits_registers(topk_ids.numel(), self.cache.num_slots):
+            slot_ids = kernels.step_fill(self.cache, self._scratch, topk_ids, self._host_dev, self.slots, self._sms)
+            return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
         slot_ids = kernels.bookkeeping(self.cache, self._scratch, topk_ids)
         if self.fill == "kernel":
             kernels.copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
