@@ -54,7 +54,7 @@ def generate(
     expert_slots: Optional[int] = typer.Option(None, "--expert-slots",
                                                help="Slots per MoE layer for --expert-backend slots "
                                                     "(default: half the experts)."),
-    decode_tokens: int = typer.Option(32, "--decode-tokens",
+    decode_tokens: int = typer.Option(16, "--decode-tokens",
                                       help="Steps of more tokens than this (prefill) bypass the expert cache."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cuda or cpu."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),

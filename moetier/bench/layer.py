@@ -135,7 +135,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     for hit in hits:
         ids, init, want = streams[hit]
         ids = ids.cuda()
-        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda", fused=False)
+        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda")
         init_dev = {n: v.cuda() for n, v in init.items()}
         slots.slots[:] = dev_rows[init["slot_expert"].long().clamp(min=0)]  # contents match the maps
         sc = slots._scratch
@@ -153,17 +153,13 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         t_full = time_graph(lambda: [slots.forward(x, ids[j], w) for j in range(steps)], reset) / steps
         got = slots.cache.read_stats()
         assert got == want, f"the GPU cache took {got}, the stream was built for {want}"
-        slots.fused = True
-        t_fused = time_graph(lambda: [slots.forward(x, ids[j], w) for j in range(steps)], reset) / steps
-        assert slots.cache.read_stats() == want, "the fused step took other hits than the stream was built for"
         miss_bytes = got["misses"] / steps * row_bytes
         target = t_res + miss_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3
         rows.append({"row": f"slots {hit:.0%}", "ms": t_full, "hit": got["hits"] / (got["hits"] + got["misses"]),
                      "bookkeeping_ms": t_bk, "fill_ms": t_fill - t_bk, "gemm_ms": t_full - t_fill,
                      "miss_MB_per_layer": miss_bytes / 1e6,
                      "fill_GBps": miss_bytes / GB / ((t_fill - t_bk) / 1e3) if miss_bytes else None,
-                     "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target,
-                     "fused_ms": t_fused, "fused_vs_resident": t_fused / t_res})
+                     "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target})
         del slots
     res["rows"] = rows
     res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
@@ -253,7 +249,7 @@ def table(data: dict) -> str:
                      f"GB/s (rows {l.get('h2d_copy_engine_row_GBps', 0):.1f}), HBM copy {l['d2d_GBps']:.0f} GB/s; "
                      f"kernels {r.get('kernel_config', 'default')}")
         lines.append(f"{'row':<12}{'ms/layer':>10}{'bound ms':>10}{'x bound':>9}{'x resident':>11}{'bookkeep us':>12}"
-                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}{'fused ms':>10}{'fused x res':>12}")
+                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}")
         t_res = r["rows"][0]["ms"]
         for row in r["rows"]:
             def f(key, scale=1.0, fmt="{:.3f}"):
@@ -261,8 +257,7 @@ def table(data: dict) -> str:
                 return fmt.format(v * scale) if isinstance(v, (int, float)) else "-"
             lines.append(f"{row['row']:<12}{row['ms']:>10.3f}{row['bound_ms']:>10.3f}{row['ms'] / row['bound_ms']:>9.2f}"
                          f"{row['ms'] / t_res:>11.2f}{f('bookkeeping_ms', 1e3, '{:.1f}'):>12}{f('fill_ms'):>9}"
-                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}{f('fused_ms'):>10}"
-                         f"{f('fused_vs_resident', 1, '{:.2f}'):>12}")
+                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}")
         if "tune_bookkeeping_warps" in r:
             lines.append("bookkeeping us by warps: " + "; ".join(
                 f"{w}: " + ", ".join(f"{h} {t:.1f}" for h, t in v.items()) for w, v in r["tune_bookkeeping_warps"].items()))

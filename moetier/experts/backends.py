@@ -108,7 +108,7 @@ class ResidentExperts(ExpertBackend):
 
     name = "resident"
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 32):
+    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 16):
         super().__init__(layout, top_k, decode_tokens, rows.device)
         self.rows = rows  # [E, R]
 
@@ -126,7 +126,7 @@ class UvaExperts(ExpertBackend):
 
     name = "uva"
 
-    def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 32,
+    def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 16,
                  device: torch.device | str = "cpu"):
         super().__init__(layout, top_k, decode_tokens, device)
         self.host = host_rows  # [E, R] on the CPU
@@ -156,15 +156,13 @@ class SlotExperts(ExpertBackend):
     name = "slots"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
-                 decode_tokens: int = 32, device: torch.device | str = "cpu", fill: str = "kernel",
-                 fused: bool = True):
+                 decode_tokens: int = 16, device: torch.device | str = "cpu", fill: str = "kernel"):
         super().__init__(layout, top_k, decode_tokens, device)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
         self.host = host_rows
         self.fill = fill
-        self.fused = fused  # kernel fill: step and fill in one launch where the step fits registers
         self.cache = SlotCache(num_experts, num_slots, self.device)
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
         if self.cuda:
@@ -172,8 +170,8 @@ class SlotExperts(ExpertBackend):
 
             self._host_dev = DevicePointer(host_rows)
             self._scratch = kernels.Scratch(num_experts, num_slots, decode_tokens * top_k, self.device)
-            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._copy_programs = 2 * self._sms
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._copy_programs = 2 * sms
             self._copy_stream = torch.cuda.Stream(self.device)
 
     def forward(self, hidden, topk_ids, topk_weights):
@@ -188,9 +186,6 @@ class SlotExperts(ExpertBackend):
             return combine(expert_pairs(hidden, keys, self._fetch), topk_weights)
         from moetier.experts import kernels
 
-        if self.fill == "kernel" and self.fused and kernels.fits_registers(topk_ids.numel(), self.cache.num_slots):
-            slot_ids = kernels.step_fill(self.cache, self._scratch, topk_ids, self._host_dev, self.slots, self._sms)
-            return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
         slot_ids = kernels.bookkeeping(self.cache, self._scratch, topk_ids)
         if self.fill == "kernel":
             kernels.copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)

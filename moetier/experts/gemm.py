@@ -69,9 +69,17 @@ def _down(h_ptr, weight_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, out_ptr, t
     tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-# (BLOCK_N, BLOCK_K, num_warps) per kernel; chosen by `moetier bench layer` on the H200.
-GATE_UP_CONFIG = (16, 256, 4)
-DOWN_CONFIG = (16, 256, 4)
+# (BLOCK_N, BLOCK_K, num_warps), from the tuning sweep of `moetier bench layer` on the H200
+# (bench/results/h200-layer.json): (8, 512, 4) is within 1% of the best gate_up on both shapes; down
+# wants longer rows of K when the intermediate size is large (GLM-5, I 2048: 0.153 ms against 0.164).
+GATE_UP_CONFIG = None  # None: the rule below; the bench sets a tuple to sweep
+DOWN_CONFIG = None
+
+
+def configs(inter: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    gate_up = GATE_UP_CONFIG or (8, 512, 4)
+    down = DOWN_CONFIG or ((8, 512, 4) if inter >= 1536 else (8, 256, 4))
+    return gate_up, down
 
 
 def expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -82,10 +90,11 @@ def expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, 
     out [T, H] in x.dtype. Deterministic: each output sums its k experts in slot order."""
     t, k = topk_ids.shape
     row = dev_rows.shape[1]
-    bn, bk, nw = gate_up_config or GATE_UP_CONFIG
+    default_gate_up, default_down = configs(inter)
+    bn, bk, nw = gate_up_config or default_gate_up
     _gate_up[(t * k, triton.cdiv(inter, bn))](x, dev_rows, host_rows, slot_ids, topk_ids, h, k, hidden, inter, row,
                                              BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-    bn, bk, nw = down_config or DOWN_CONFIG
+    bn, bk, nw = down_config or default_down
     _down[(t, triton.cdiv(hidden, bn))](h, topk_weights, dev_rows, host_rows, slot_ids, topk_ids, out, k, hidden,
                                         inter, row, 2 * inter * hidden, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     return out

@@ -2,7 +2,6 @@
 
     bookkeeping   one step of the cache (slot ids, map updates, miss list)  <-> SlotCache.step_reference
     copy_rows     miss list -> slots, reading host rows across the link      <-> index_copy on the rows
-    step_fill     both in one launch: program 0 does the step, all copy       <-> the two above
 
 No host sync anywhere: counts and lists stay on the device, grids are fixed, and a step without
 misses costs a masked early exit, so a CUDA graph can replay the whole MoE layer.
@@ -16,7 +15,9 @@ import triton.language as tl
 
 BIG32 = 2**31 - 1
 REGS_LIMIT = 16384  # largest [BLOCK_N, BLOCK_S] the register bookkeeping takes
-BOOKKEEPING_WARPS = 4  # measured by `moetier bench layer` (1 warp: 4.4 us, 4 warps: 3.3 us per step)
+# Measured by `moetier bench layer` on the H200 (Qwen3-30B shape, hit / miss step): 1 warp 1.8 / 3.6 us,
+# 4 warps 1.6 / 3.4 us, 8 warps 1.5 / 3.4 us.
+BOOKKEEPING_WARPS = 4
 COPY_BLOCK = 8192  # elements per copy work item
 
 
@@ -174,33 +175,6 @@ def _copy_chunks(src_ptr, dst_ptr, miss_expert_ptr, miss_slot_ptr, total, row, c
         tl.store(dst_ptr + s * row + c, v, mask=m)
 
 
-@triton.jit
-def _step_fill(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
-               slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots,
-               src_ptr, dst_ptr, row, chunks, sync_ptr,
-               BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
-    # One launch for the step and its fill: program 0 does the step and raises a flag; the others
-    # wait for it, then every program copies its share of the missed rows. The last program out
-    # lowers the flag, so the next launch starts from sync == [0, 0].
-    # NOTE: needs every program resident at once (the grid is at most one program per SM), or the
-    # waiting programs could starve program 0.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if pid == 0:
-        _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr, slots_out_ptr,
-                   miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots, BLOCK_N, BLOCK_S)
-        tl.debug_barrier()
-        tl.atomic_xchg(sync_ptr, 1, sem="release")
-    else:
-        while tl.atomic_add(sync_ptr, 0, sem="acquire") == 0:
-            pass
-    total = tl.load(miss_count_ptr, cache_modifier=".cg") * chunks
-    _copy_chunks(src_ptr, dst_ptr, miss_expert_ptr, miss_slot_ptr, total, row, chunks, pid, nprog, BLOCK)
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == nprog - 1:
-        tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(sync_ptr, 0)
-
-
 class Scratch:
     """Per-cache scratch of the bookkeeping kernel, sized once (fixed addresses for graphs)."""
 
@@ -213,7 +187,6 @@ class Scratch:
         self.miss_expert = torch.full((max_pairs,), -1, dtype=torch.int32, device=device)
         self.miss_slot = torch.full((max_pairs,), -1, dtype=torch.int32, device=device)
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
-        self.sync = torch.zeros(2, dtype=torch.int32, device=device)  # step_fill's flag and arrivals
 
 
 def bookkeeping(cache, scratch: Scratch, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -259,17 +232,3 @@ def fits_registers(n: int, num_slots: int) -> bool:
     block_n = max(16, triton.next_power_of_2(n))
     return block_n <= 64 and block_n * max(16, triton.next_power_of_2(num_slots)) <= REGS_LIMIT
 
-
-def step_fill(cache, scratch: Scratch, topk_ids: torch.Tensor, src, dst: torch.Tensor, programs: int,
-              block: int = COPY_BLOCK) -> torch.Tensor:
-    """bookkeeping + copy_rows in one launch (small steps only: see fits_registers). -> slot ids [T, k]."""
-    n = topk_ids.numel()
-    assert fits_registers(n, cache.num_slots) and n <= scratch.max_pairs
-    row = dst.shape[1]
-    _step_fill[(programs,)](
-        topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
-        scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots,
-        src, dst, row, triton.cdiv(row, block), scratch.sync,
-        BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_S=max(16, triton.next_power_of_2(cache.num_slots)),
-        BLOCK=block, num_warps=4)
-    return scratch.slots_out[:n].view(topk_ids.shape)
