@@ -22,6 +22,28 @@ COPY_BLOCK = 8192  # elements per copy work item
 
 
 @triton.jit
+def _write_fills(expert_slot_ptr, slot_expert_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
+                 ids, victim, old, rank, fill, n_miss, n_free):
+    # Miss `rank` moves into `victim`, evicting `old`; the miss list records it for the fill.
+    # NOTE: evicted experts are never needed this step, so these stores touch disjoint addresses.
+    tl.store(expert_slot_ptr + old, -1, mask=fill & (old >= 0))
+    tl.store(expert_slot_ptr + ids, victim, mask=fill)
+    tl.store(slot_expert_ptr + victim, ids, mask=fill)
+    tl.store(miss_expert_ptr + rank, ids, mask=fill)
+    tl.store(miss_slot_ptr + rank, victim, mask=fill)
+    n_fill = tl.minimum(n_miss, n_free)
+    tl.store(miss_count_ptr, n_fill)
+    return n_fill
+
+
+@triton.jit
+def _stats_step(four, hit, n_miss, n_fill):
+    # What one step adds to [hits, misses, overflow, steps].
+    return tl.where(four == 0, tl.sum(hit.to(tl.int64), axis=0),
+                    tl.where(four == 1, n_fill.to(tl.int64), tl.where(four == 2, (n_miss - n_fill).to(tl.int64), 1)))
+
+
+@triton.jit
 def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                  first_ptr, used_ptr, victim_ptr, slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
                  num_slots, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -65,14 +87,8 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     fill = miss & (rank < n_free)
     victim = tl.load(victim_ptr + rank, mask=fill, other=0, cache_modifier=".cg")
     old = tl.load(slot_expert_ptr + victim, mask=fill, other=-1, cache_modifier=".cg")
-    tl.store(expert_slot_ptr + old, -1, mask=fill & (old >= 0))
-    tl.debug_barrier()
-    tl.store(expert_slot_ptr + ids, victim, mask=fill)
-    tl.store(slot_expert_ptr + victim, ids, mask=fill)
-    tl.store(miss_expert_ptr + rank, ids, mask=fill)
-    tl.store(miss_slot_ptr + rank, victim, mask=fill)
-    n_fill = tl.minimum(n_miss, n_free)
-    tl.store(miss_count_ptr, n_fill)
+    n_fill = _write_fills(expert_slot_ptr, slot_expert_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
+                          ids, victim, old, rank, fill, n_miss, n_free)
     tl.debug_barrier()
 
     # 5. slot ids out, stamps, clock, stats; restore scratch
@@ -82,10 +98,8 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     tl.store(first_ptr + ids, 2147483647, mask=pmask)
     tl.store(used_ptr + s, 0, mask=smask)
     tl.store(clock_ptr, clock + 1)
-    tl.store(stats_ptr + 0, tl.load(stats_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
-    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_fill.to(tl.int64))
-    tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + (n_miss - n_fill).to(tl.int64))
-    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + 1)
+    four = tl.arange(0, 4)
+    tl.store(stats_ptr + four, tl.load(stats_ptr + four) + _stats_step(four, hit, n_miss, n_fill))
 
 
 @triton.jit
@@ -133,23 +147,15 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         fill = miss & (rank < n_free)
         victim = tl.sum(tl.where(rank[:, None] == s[None, :], ordered[None, :], 0), axis=1)
         old = tl.sum(tl.where(victim[:, None] == s[None, :], held[None, :], 0), axis=1)
-        # NOTE: evicted experts are never needed this step, so these stores touch disjoint addresses.
-        tl.store(expert_slot_ptr + old, -1, mask=fill & (old >= 0))
-        tl.store(expert_slot_ptr + ids, victim, mask=fill)
-        tl.store(slot_expert_ptr + victim, ids, mask=fill)
-        tl.store(miss_expert_ptr + rank, ids, mask=fill)
-        tl.store(miss_slot_ptr + rank, victim, mask=fill)
-        n_fill = tl.minimum(n_miss, n_free)
-        tl.store(miss_count_ptr, n_fill)
+        n_fill = _write_fills(expert_slot_ptr, slot_expert_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
+                              ids, victim, old, rank, fill, n_miss, n_free)
         # 5. every position takes the slot of its first appearance (-1: overflow)
         at_first = tl.where(fill, victim, tl.where(hit, slot0, -1))
         slot = tl.sum(tl.where(first[:, None] == pos[None, :], at_first[None, :], 0), axis=1)
         tl.store(slots_out_ptr + pos, slot, mask=pmask)
         tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
     tl.store(clock_ptr, clock + 1)
-    step = tl.where(four == 0, tl.sum(hit.to(tl.int64), axis=0),
-                    tl.where(four == 1, n_fill.to(tl.int64), tl.where(four == 2, (n_miss - n_fill).to(tl.int64), 1)))
-    tl.store(stats_ptr + four, stats + step)
+    tl.store(stats_ptr + four, stats + _stats_step(four, hit, n_miss, n_fill))
 
 
 @triton.jit
