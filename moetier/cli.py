@@ -21,18 +21,6 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
-def pick_device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MoetierError("--device cuda: no CUDA device is visible; use --device cpu")
-    if name not in ("cuda", "cpu"):
-        raise MoetierError(f"--device {name!r}: choose auto, cuda or cpu")
-    return name
-
-
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
@@ -61,6 +49,7 @@ def generate(
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     from moetier.default_model import default_model_dir
+    from moetier.engine import pick_device
     from moetier.experts.placement import ExpertOptions
     from moetier.generate import Generator
     from moetier.sampler import SamplingParams

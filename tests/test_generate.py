@@ -60,7 +60,7 @@ def test_seeded_sampling_repeats(gen):
 
 
 def test_context_and_prompt_errors(gen):
-    with pytest.raises(MoetierError, match="exceeds the model's context of 4096 tokens"):
+    with pytest.raises(MoetierError, match="exceeds the context of 4096 tokens"):
         gen.generate([1] * 4000, SamplingParams(max_tokens=200))
     with pytest.raises(MoetierError, match="prompt token ids must be in"):
         gen.generate([gen.cfg.vocab_size], SamplingParams(max_tokens=2))

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+
+from moetier.kv import Sequence
 from safetensors.torch import load_file, save_file
 
 from moetier.generate import Generator
@@ -44,8 +46,8 @@ def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, gen.cfg.vocab_size, (13,), generator=g)
 
-    kv = model.new_kv_cache(64)
-    ours = model.logits(model.forward(prompt, kv))
+    cache = Sequence(model, 64)
+    ours = model.logits(cache.forward(prompt))
     with torch.no_grad():
         want = ref(prompt[None]).logits[0].float()
     assert rel_err(ours, want) <= 1e-5
@@ -54,7 +56,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
     for _ in range(DECODE_STEPS):
         nxt = int(ours[-1].argmax())
         seq.append(nxt)
-        ours = model.logits(model.forward(torch.tensor([nxt]), kv))
+        ours = model.logits(cache.forward(torch.tensor([nxt])))
         with torch.no_grad():
             want = ref(torch.tensor([seq])).logits[0, -1:].float()  # no cache: also checks our KV cache
         assert rel_err(ours, want) <= 1e-5
@@ -91,8 +93,8 @@ def test_fused_expert_layout_loads_the_same_model(tmp_path):
 
     a, b = Generator.from_dir(path, dtype="float32"), Generator.from_dir(fused, dtype="float32")
     ids = torch.arange(3, 40)
-    la = a.model.logits(a.model.forward(ids, a.model.new_kv_cache(64)))
-    lb = b.model.logits(b.model.forward(ids, b.model.new_kv_cache(64)))
+    la = a.model.logits(Sequence(a.model, 64).forward(ids))
+    lb = b.model.logits(Sequence(b.model, 64).forward(ids))
     assert torch.equal(la, lb)
     # and the fused layout matches transformers too
     with torch.no_grad():
@@ -109,7 +111,7 @@ def test_bfloat16_tracks_transformers(tmp_path):
     gen = Generator.from_dir(path, dtype="bfloat16")
     assert gen.model.embed.dtype == torch.bfloat16
     ids = torch.arange(5, 30)
-    ours = gen.model.logits(gen.model.forward(ids, gen.model.new_kv_cache(64)))
+    ours = gen.model.logits(Sequence(gen.model, 64).forward(ids))
     with torch.no_grad():
         want = ref(ids[None]).logits[0].float()
     assert rel_err(ours, want) <= 2e-2

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from moetier.kv import Sequence
+
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.slots import SlotCache
@@ -96,11 +98,11 @@ def lockstep(path, steps, backends):
     models = {}
     for name, opts in backends.items():
         _, models[name], _ = load_model(path, experts=opts)
-    kvs = {n: m.new_kv_cache(steps + 16) for n, m in models.items()}
+    seqs = {n: Sequence(m, steps + 16) for n, m in models.items()}
     tok = torch.tensor([5, 17, 300, 42, 9])
     g = torch.Generator().manual_seed(1)
     for i in range(steps):
-        logits = {n: m.logits(m.forward(tok, kvs[n])) for n, m in models.items()}
+        logits = {n: m.logits(seqs[n].forward(tok)) for n, m in models.items()}
         for n in models:
             assert torch.equal(logits[n], logits["resident"]), f"{n} differs from resident at step {i}"
         for n, m in models.items():

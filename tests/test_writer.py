@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 
 import torch
+
+from moetier.kv import Sequence
 from safetensors import safe_open
 
 from moetier.checkpoint import Checkpoint
@@ -50,8 +52,8 @@ def test_fused_layout_holds_the_same_weights(tmp_path):
     _, ma, _ = load_model(a)
     _, mb, _ = load_model(b)
     ids = torch.arange(20)
-    la = ma.logits(ma.forward(ids, ma.new_kv_cache(32)))
-    lb = mb.logits(mb.forward(ids, mb.new_kv_cache(32)))
+    la = ma.logits(Sequence(ma, 32).forward(ids))
+    lb = mb.logits(Sequence(mb, 32).forward(ids))
     assert torch.equal(la, lb)
 
 

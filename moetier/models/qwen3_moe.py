@@ -20,8 +20,9 @@ from moetier.config import ModelConfig
 from moetier.experts.backends import ExpertBackend
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import RowLayout
+from moetier.attention import AttnBatch, paged_attention, write_kv
 from moetier.kv import KVCache
-from moetier.models.layers import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul
+from moetier.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -41,18 +42,17 @@ class Attention(nn.Module):
         self.q_norm = _param(self.d, dtype=dtype, device=device)
         self.k_norm = _param(self.d, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, layer: int,
-                start: int) -> torch.Tensor:
-        # x: [T, H] at positions [start, start + T)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch, kv: KVCache,
+                layer: int) -> torch.Tensor:
+        # x: [N, H], the new tokens of every sequence in the step
         t = x.shape[0]
         qkv = F.linear(x, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = rms_norm(q.view(t, self.hq, self.d), self.q_norm, self.eps)
         k = rms_norm(k.view(t, self.hkv, self.d), self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(layer, start, k, v.view(t, self.hkv, self.d))
-        keys, values = kv.read(layer, start + t)
-        out = causal_attention(q, keys, values, start)  # [T, Hq, D]
+        write_kv(kv.k[layer], kv.v[layer], k, v.view(t, self.hkv, self.d), batch.slot_mapping)
+        out = paged_attention(q, kv.k[layer], kv.v[layer], batch)  # [N, Hq, D]
         return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
 
 
@@ -111,8 +111,9 @@ class DecoderLayer(nn.Module):
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, kv, self.layer, start)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch, kv: KVCache
+                ) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, batch, kv, self.layer)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
 
@@ -152,24 +153,16 @@ class Qwen3MoeForCausalLM(nn.Module):
             total["bypassed"] += moe.experts.bypassed
         return total
 
-    def new_kv_cache(self, max_len: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_layers, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
-
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """input_ids: [T] continuing the sequence held in kv -> last hidden states [T, H].
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: KVCache) -> torch.Tensor:
+        """input_ids: [N], the new tokens of the step's sequences -> last hidden states [N, H].
 
-        Writes the new tokens' keys and values and advances kv by T.
+        Writes the new tokens' keys and values into their pages (batch.slot_mapping) first.
         """
-        t, start = input_ids.shape[0], kv.length
-        kv.check_room(t)
-        positions = torch.arange(start, start + t, device=self.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         x = F.embedding(input_ids, self.embed)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, start)
-        kv.advance(t)
+            x = layer(x, cos, sin, batch, kv)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

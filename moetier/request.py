@@ -1,0 +1,83 @@
+"""A request as the engine tracks it, and the output record callers get back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moetier.detokenizer import StopStrings, StreamDecoder
+from moetier.sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no KV held: new, or preempted and to be recomputed
+    RUNNING = "running"  # holds pages; computes tokens every step it is scheduled
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    decoder: StreamDecoder
+    stops: StopStrings
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose keys and values sit in this request's pages
+    pages: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop: str | None = None
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        """Token i of prompt + output."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def metrics(self) -> dict[str, float | int | str | None]:
+        first = self.token_times[0] if self.token_times else None
+        last = self.token_times[-1] if self.token_times else None
+        decode = len(self.token_times) - 1
+        return {
+            "arrival": self.arrival,
+            "queue_s": None if self.first_scheduled is None else self.first_scheduled - self.arrival,
+            "ttft_s": None if first is None else first - self.arrival,
+            "decode_tok_per_s": decode / (last - first) if decode > 0 and last > first else 0.0,
+            "e2e_s": None if last is None else last - self.arrival,
+            "token_times": [t - self.arrival for t in self.token_times],
+            "prompt_tokens": len(self.prompt_ids),
+            "output_tokens": len(self.output_ids),
+            "preemptions": self.preemptions,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    delta: str  # text produced by the step that made this output
+    finished: bool
+    finish_reason: str | None
+    stop: str | None
+    metrics: dict
+
+    @classmethod
+    def of(cls, req: Request, delta: str) -> RequestOutput:
+        return cls(req.id, list(req.prompt_ids), list(req.output_ids), req.text, delta,
+                   req.status is Status.FINISHED, req.finish_reason, req.stop, req.metrics())
