@@ -122,7 +122,7 @@ def make_checkpoint_cmd(
     typer.echo(f"wrote {path}")
 
 
-bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (need a CUDA GPU).")
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")
 
 
@@ -135,7 +135,7 @@ def bench_layer(
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the JSON record here."),
 ) -> None:
-    """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates."""
+    """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -144,6 +144,31 @@ def bench_layer(
     from moetier.bench.layer import run, table
 
     data = run(list(preset), steps, [float(h) for h in hits.split(",")], slot_frac, tune)
+    if out:
+        write_json(out, data)
+    typer.echo(table(data))
+
+
+@bench_app.command("batch")
+def bench_batch(
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint (default: the embedded model)."),
+    requests: int = typer.Option(32, "--requests"),
+    prompt_len: int = typer.Option(64, "--prompt-len", help="Longest prompt; prompts are half to all of it."),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    device: str = typer.Option("auto", "--device"),
+    expert_backend: str = typer.Option("resident", "--expert-backend"),
+    expert_slots: Optional[int] = typer.Option(None, "--expert-slots"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the JSON record here."),
+) -> None:
+    """The same requests one after another and as one continuous batch (CPU or CUDA)."""
+    from moetier.bench.batch import run, table
+    from moetier.bench.common import write_json
+
+    try:
+        data = run(str(model) if model else None, requests, prompt_len, max_tokens, device, expert_backend,
+                   expert_slots)
+    except MoetierError as e:
+        _fail(e)
     if out:
         write_json(out, data)
     typer.echo(table(data))

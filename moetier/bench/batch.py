@@ -1,0 +1,53 @@
+"""`moetier bench batch`: N requests one after another against the same N as one continuous batch,
+on the same engine, same weights and same prompts. Works on the CPU and on CUDA."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moetier.bench.common import record
+from moetier.engine import LLM
+from moetier.experts.placement import ExpertOptions
+from moetier.sampler import SamplingParams
+
+
+def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(prompt_len // 2, prompt_len + 1, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(n)]
+    return prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in range(n)]
+
+
+def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, backend: str,
+        slots: int | None, seed: int = 0) -> dict:
+    llm = LLM(model, device=device, experts=ExpertOptions(backend, slots=slots))
+    prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
+    llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures
+
+    t0 = time.perf_counter()
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    t_alone = time.perf_counter() - t0
+    steps0 = llm.steps
+    t0 = time.perf_counter()
+    batch = llm.generate(prompts, params)
+    t_batch = time.perf_counter() - t0
+    out_tokens = sum(len(o.output_ids) for o in batch)
+    same = [a.output_ids for a in alone] == [b.output_ids for b in batch]
+    return record("batch", {
+        "model": str(llm.model_dir), "device": str(llm.model.device), "expert_backend": backend,
+        "requests": n, "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
+        "one_by_one_s": t_alone, "batched_s": t_batch, "speedup": t_alone / t_batch,
+        "one_by_one_tok_per_s": out_tokens / t_alone, "batched_tok_per_s": out_tokens / t_batch,
+        "batched_steps": llm.steps - steps0, "greedy_tokens_identical": same,
+    })
+
+
+def table(d: dict) -> str:
+    return (f"{d['requests']} requests, {d['prompt_tokens']} prompt and {d['output_tokens']} output tokens on "
+            f"{d['device']} ({d['expert_backend']}):\n"
+            f"  one after another  {d['one_by_one_s']:8.2f} s  {d['one_by_one_tok_per_s']:8.1f} output tok/s\n"
+            f"  continuous batch   {d['batched_s']:8.2f} s  {d['batched_tok_per_s']:8.1f} output tok/s  "
+            f"({d['batched_steps']} steps)\n"
+            f"  speedup {d['speedup']:.2f}x; greedy tokens identical: {d['greedy_tokens_identical']}")
