@@ -23,6 +23,7 @@ from moetier.config import ModelConfig
 from moetier.detokenizer import StopStrings, StreamDecoder
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
+from moetier.graphs import DecodeGraphs
 from moetier.kv import KVCache, PagePool
 from moetier.loader import load_model
 from moetier.request import Request, RequestOutput, Status
@@ -58,7 +59,8 @@ def pick_device(name: str) -> str:
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
                  experts: ExpertOptions | None = None, kv_tokens: int = 32768, page_size: int = 16,
-                 max_num_tokens: int = 512, max_num_seqs: int = 64, max_model_len: int | None = None):
+                 max_num_tokens: int = 512, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 cuda_graphs: bool = True):
         if model is None:
             from moetier.default_model import default_model_dir
 
@@ -78,11 +80,16 @@ class LLM:
         c = self.cfg
         max_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         num_pages = math.ceil(kv_tokens / page_size)
-        self.kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, self.model.dtype,
+        max_len = min(max_len, num_pages * page_size)
+        # One page more than the pool hands out: padding rows of graph-replayed steps write there.
+        self.kv = KVCache(c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim, self.model.dtype,
                           self.model.device)
-        self.scheduler = Scheduler(PagePool(num_pages), page_size, max_num_tokens, max_num_seqs,
-                                   min(max_len, kv_tokens))
-        self.runner = ModelRunner(self.model, self.kv)
+        self.scheduler = Scheduler(PagePool(num_pages), page_size, max_num_tokens, max_num_seqs, max_len)
+        graphs = None
+        if cuda_graphs and self.model.device.type == "cuda":
+            graphs = DecodeGraphs(self.model, self.kv, scratch_page=num_pages,
+                                  max_pages_per_seq=math.ceil(max_len / page_size))
+        self.runner = ModelRunner(self.model, self.kv, graphs)
         self._ids = itertools.count()
         self.steps = 0
 

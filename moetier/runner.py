@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.graphs import DecodeGraphs
 from moetier.kv import KVCache, make_batch
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 from moetier.sampler import sample
@@ -21,13 +22,20 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3MoeForCausalLM, kv: KVCache):
-        self.model, self.kv = model, kv
+    def __init__(self, model: Qwen3MoeForCausalLM, kv: KVCache, graphs: DecodeGraphs | None = None):
+        self.model, self.kv, self.graphs = model, kv, graphs
+        self.graph_steps = 0
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         if not step.seqs:
             return StepResult({}, 0)
+        if self.graphs is not None and self.graphs.fits(step.seqs):
+            logits = self.graphs.run(step.seqs)
+            self.graph_steps += 1
+            reqs = [s.request for s in step.seqs]
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+            return StepResult({r.id: t for r, t in zip(reqs, tokens)}, len(reqs))
         dev = self.model.device
         ids = [t for s in step.seqs for t in s.token_ids]
         batch = make_batch([(s.start, s.num_tokens, s.request.pages) for s in step.seqs], self.kv.page_size, dev)

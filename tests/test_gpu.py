@@ -200,3 +200,27 @@ def test_generate_on_gpu_slots_equals_resident(tiny_ckpt):
         if name == "slots":
             assert gen.model.expert_stats()["misses"] > 200
     assert outs["slots"] == outs["resident"] == outs["uva"]
+
+
+def test_engine_batch_on_gpu_slots_and_graphs_equals_alone(tiny_ckpt):
+    """Issue 4's GPU gate: a batch of 32 mixed requests through the slots backend with decode steps
+    replayed from CUDA graphs gives every request the tokens it gets alone."""
+    from moetier.engine import LLM
+    from tests.test_engine import workload
+
+    prompts, params = workload()
+    llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), max_num_seqs=8, max_num_tokens=64)
+    batch = [o.output_ids for o in llm.generate(prompts, params)]
+    assert llm.runner.graph_steps > 20
+    alone = [llm.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    assert batch == alone
+    eager = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), cuda_graphs=False)
+    assert [o.output_ids for o in eager.generate(prompts, params)] == alone
+    assert llm.metrics()["expert_stats"]["misses"] > 100
+    llm.scheduler.check()
+
+
+def ExpertOptionsSlots():
+    from moetier.experts.placement import ExpertOptions
+
+    return ExpertOptions("slots", slots=4)
