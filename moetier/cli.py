@@ -44,13 +44,19 @@ def generate(
                                                     "(default: half the experts)."),
     decode_tokens: int = typer.Option(16, "--decode-tokens",
                                       help="Steps of more tokens than this (prefill) bypass the expert cache."),
+    expert_slots_file: Optional[Path] = typer.Option(None, "--expert-slots-file",
+                                                     help="Slots per MoE layer (from `moetier trace plan-slots`)."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Slot cache victims: lru or lfru."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cuda or cpu."),
+    record_trace: Optional[Path] = typer.Option(None, "--record-trace", help="Write the routing of this run."),
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace",
+                                                help="Route by this trace's experts instead of the router's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     from moetier.default_model import default_model_dir
     from moetier.engine import pick_device
-    from moetier.experts.placement import ExpertOptions
+    from moetier.experts.placement import ExpertOptions, read_slots_file
     from moetier.generate import Generator
     from moetier.sampler import SamplingParams
     from moetier.tokenizer import TokenizerError
@@ -58,13 +64,16 @@ def generate(
     try:
         if system and not chat:
             raise MoetierError("--system needs --chat")
-        if expert_slots is not None and expert_backend != "slots":
-            raise MoetierError("--expert-slots needs --expert-backend slots")
+        if (expert_slots is not None or expert_slots_file is not None) and expert_backend != "slots":
+            raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
         model_dir = model if model is not None else default_model_dir()
-        experts = ExpertOptions(backend=expert_backend, slots=expert_slots, decode_tokens=decode_tokens)
-        gen = Generator.from_dir(model_dir, dtype=dtype, experts=experts, device=pick_device(device))
+        per_layer = read_slots_file(expert_slots_file) if expert_slots_file else {}
+        experts = ExpertOptions(backend=expert_backend, slots=expert_slots, slots_per_layer=per_layer,
+                                decode_tokens=decode_tokens, policy=cache_policy)
+        gen = Generator.from_dir(model_dir, dtype=dtype, experts=experts, device=pick_device(device),
+                                 record_trace=record_trace, replay_trace=replay_trace)
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
 
         def stream(text: str) -> None:
@@ -72,6 +81,7 @@ def generate(
             sys.stdout.flush()
 
         result = gen.generate(ids, params, on_text=None if as_json else stream)
+        gen.llm.close()
     except (MoetierError, TokenizerError) as e:
         _fail(e)
     if as_json:
@@ -83,6 +93,7 @@ def generate(
             "finish_reason": result.finish_reason,
             "stop": result.stop,
             "timings": {**result.timings, "load_s": gen.load_report.seconds},
+            "experts": gen.llm.metrics()["expert_stats"],
         }))
     else:
         t = result.timings
@@ -121,6 +132,10 @@ def make_checkpoint_cmd(
         _fail(e)
     typer.echo(f"wrote {path}")
 
+
+from moetier.traces.cli import app as trace_app  # noqa: E402
+
+app.add_typer(trace_app, name="trace")
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")

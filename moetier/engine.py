@@ -60,7 +60,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
                  experts: ExpertOptions | None = None, kv_tokens: int = 32768, page_size: int = 16,
                  max_num_tokens: int = 512, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, record_trace: str | Path | None = None,
+                 replay_trace: str | Path | None = None):
         if model is None:
             from moetier.default_model import default_model_dir
 
@@ -85,10 +86,23 @@ class LLM:
         self.kv = KVCache(c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim, self.model.dtype,
                           self.model.device)
         self.scheduler = Scheduler(PagePool(num_pages), page_size, max_num_tokens, max_num_seqs, max_len)
+        self.recorder = self.replayer = None
+        if record_trace is not None:
+            from moetier.traces.hooks import Recorder
+
+            self.recorder = Recorder(self.model, record_trace, model=str(model_dir), source="moetier engine")
+            cuda_graphs = False  # the recorder reads ids on the host every step
+        if replay_trace is not None:
+            from moetier.traces.format import read_trace
+            from moetier.traces.hooks import Replayer
+
+            self.replayer = Replayer(self.model, read_trace(replay_trace))
         graphs = None
         if cuda_graphs and self.model.device.type == "cuda":
             graphs = DecodeGraphs(self.model, self.kv, scratch_page=num_pages,
                                   max_pages_per_seq=math.ceil(max_len / page_size))
+            if self.replayer is not None:
+                self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self._ids = itertools.count()
         self.steps = 0
@@ -131,6 +145,8 @@ class LLM:
         """Schedule, run, sample, detokenize: one step. Returns an output per request that changed."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
+        if self.recorder is not None:
+            self.recorder.end_step([q.request.id for q in plan.seqs], [q.num_tokens for q in plan.seqs])
         got = self.scheduler.update(plan, result.sampled, self.eos_ids)
         self.steps += 1
         outputs = []
@@ -173,6 +189,12 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def close(self) -> None:
+        """Finish a recorded trace (the file is complete only after this)."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
 
     def metrics(self) -> dict:
         s = self.scheduler

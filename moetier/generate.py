@@ -29,7 +29,7 @@ class Generator:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str = "auto", experts: ExpertOptions | None = None,
-                 device: str = "cpu", **engine: int) -> Generator:
+                 device: str = "cpu", **engine) -> Generator:
         return cls(LLM(model_dir, dtype=dtype, device=device, experts=experts, **engine))
 
     def prompt_ids(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:

@@ -16,13 +16,14 @@ import torch  # noqa: E402
 
 from moetier.experts import gemm, kernels  # noqa: E402
 from moetier.experts.backends import combine, expert_pairs, row_fetch  # noqa: E402
-from moetier.experts.slots import SlotCache  # noqa: E402
+from moetier.experts.slots import SlotCache, policy_for  # noqa: E402
 from moetier.experts.store import RowLayout  # noqa: E402
 
 
-def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int) -> dict:
+def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy: str = "lru") -> dict:
     g = torch.Generator().manual_seed(seed)
-    ref, ker = SlotCache(num_experts, num_slots), SlotCache(num_experts, num_slots)
+    pol = policy_for(policy, num_slots, 4)
+    ref, ker = SlotCache(num_experts, num_slots, policy=pol), SlotCache(num_experts, num_slots, policy=pol)
     scratch = kernels.Scratch(num_experts, num_slots, 128, torch.device("cpu"))
     for step in range(steps):
         t, k = [1, 2, 3, 20][step % 4], 4  # 20 x 4 = 80 pairs take the barrier kernel
@@ -33,7 +34,7 @@ def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int) -> dict
         want_slots, want_miss = ref.step_reference(ids)
         got_slots = kernels.bookkeeping(ker, scratch, ids)
         assert torch.equal(want_slots, got_slots), (step, want_slots, got_slots)
-        for name in ("expert_slot", "slot_expert", "stamp", "clock", "stats"):
+        for name in ("expert_slot", "slot_expert", "stamp", "clock", "stats", "freq", "fepoch"):
             assert torch.equal(getattr(ref, name), getattr(ker, name)), (step, name)
         n = int(want_miss.count)
         assert int(scratch.miss_count) == n
@@ -61,8 +62,8 @@ def expert_mlp(seed: int) -> float:
 
 
 if __name__ == "__main__":
-    for e, s in ((32, 6), (64, 20), (128, 64)):
-        print("bookkeeping", e, s, bookkeeping(e, s, steps=120, seed=e + s))
+    for e, s, policy in ((32, 6, "lru"), (64, 20, "lru"), (128, 64, "lru"), (32, 6, "lfru"), (64, 20, "lfru")):
+        print("bookkeeping", policy, e, s, bookkeeping(e, s, steps=120, seed=e + s, policy=policy))
     err = expert_mlp(0)
     assert err < 1e-5, err
     print("expert_mlp rel err", err)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moetier.experts.slots import SlotCache
+from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer, RowLayout
 from moetier.models.layers import silu_mul
 
@@ -156,14 +156,15 @@ class SlotExperts(ExpertBackend):
     name = "slots"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
-                 decode_tokens: int = 16, device: torch.device | str = "cpu", fill: str = "kernel"):
+                 decode_tokens: int = 16, device: torch.device | str = "cpu", fill: str = "kernel",
+                 policy: str = "lru"):
         super().__init__(layout, top_k, decode_tokens, device)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
         self.host = host_rows
         self.fill = fill
-        self.cache = SlotCache(num_experts, num_slots, self.device)
+        self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k))
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
         if self.cuda:
             from moetier.experts import kernels

@@ -22,6 +22,27 @@ COPY_BLOCK = 8192  # elements per copy work item
 
 
 @triton.jit
+def _epoch(clock, half_life):
+    return tl.where(half_life > 0, clock // tl.maximum(half_life, 1), 0)
+
+
+@triton.jit
+def _freq_now(freq_ptr, fepoch_ptr, experts, mask, epoch):
+    # An expert's use count as of `epoch`: halved once per half-life since it was last brought up to date.
+    f = tl.load(freq_ptr + experts, mask=mask, other=0)
+    age = tl.minimum(epoch - tl.load(fepoch_ptr + experts, mask=mask, other=0), 31).to(tl.int32)
+    return (f >> age).to(tl.int64)
+
+
+@triton.jit
+def _count_uses(freq_ptr, fepoch_ptr, ids, is_first, epoch):
+    # One more use of every needed expert (its first position in the step stores it).
+    now = _freq_now(freq_ptr, fepoch_ptr, ids, is_first, epoch)
+    tl.store(freq_ptr + ids, (now + 1).to(tl.int32), mask=is_first)
+    tl.store(fepoch_ptr + ids, epoch.to(tl.int32), mask=is_first)
+
+
+@triton.jit
 def _write_fills(expert_slot_ptr, slot_expert_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
                  ids, victim, old, rank, fill, n_miss, n_free):
     # Miss `rank` moves into `victim`, evicting `old`; the miss list records it for the fill.
@@ -46,7 +67,8 @@ def _stats_step(four, hit, n_miss, n_fill):
 @triton.jit
 def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                  first_ptr, used_ptr, victim_ptr, slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
-                 num_slots, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+                 num_slots, freq_ptr, fepoch_ptr, weight, half_life,
+                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_FREQ: tl.constexpr):
     # One program does the whole step; see slots.py for the semantics. Scratch between steps:
     # first[E] == BIG32 and used[S] == 0 (restored before the program ends).
     # NOTE: loads of state written earlier in this program use .cg (L2) and follow a barrier.
@@ -73,6 +95,10 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     smask = s < num_slots
     used = tl.load(used_ptr + s, mask=smask, other=1, cache_modifier=".cg")
     stamp = tl.load(stamp_ptr + s, mask=smask, other=0, cache_modifier=".cg")
+    if USE_FREQ:
+        epoch = _epoch(clock, half_life)
+        held = tl.load(slot_expert_ptr + s, mask=smask, other=-1, cache_modifier=".cg")
+        stamp = stamp + weight * _freq_now(freq_ptr, fepoch_ptr, held, smask & (held >= 0), epoch)
     big = 9223372036854775807
     key = tl.where(smask & (used == 0), (stamp + 1) * num_slots + s, big)
     key = tl.sort(key)
@@ -97,6 +123,8 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
     tl.store(first_ptr + ids, 2147483647, mask=pmask)
     tl.store(used_ptr + s, 0, mask=smask)
+    if USE_FREQ:
+        _count_uses(freq_ptr, fepoch_ptr, ids, is_first, _epoch(clock, half_life))
     tl.store(clock_ptr, clock + 1)
     four = tl.arange(0, 4)
     tl.store(stats_ptr + four, tl.load(stats_ptr + four) + _stats_step(four, hit, n_miss, n_fill))
@@ -105,7 +133,8 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
 @triton.jit
 def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots,
-               BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+               freq_ptr, fepoch_ptr, weight, half_life,
+               BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_FREQ: tl.constexpr):
     # The same step as _bookkeeping, for small steps (a decode batch of a few tokens): every set
     # operation is a [BLOCK_N, BLOCK_N] or [BLOCK_N, BLOCK_S] comparison in registers, so the step
     # waits on two rounds of loads and no barrier. Everything independent is loaded up front.
@@ -136,6 +165,9 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         smask = s < num_slots
         stamp = tl.load(stamp_ptr + s, mask=smask, other=0)
         held = tl.load(slot_expert_ptr + s, mask=smask, other=-1)
+        if USE_FREQ:  # held experts are not needed this step: their counts are not being updated
+            stamp = stamp + weight * _freq_now(freq_ptr, fepoch_ptr, held, smask & (held >= 0),
+                                               _epoch(clock, half_life))
         # 2. slots the hits use; 3. victims by (stamp, slot) among the rest
         used = tl.max((hit[:, None] & (slot0[:, None] == s[None, :])).to(tl.int32), axis=0)
         big = 9223372036854775807
@@ -154,6 +186,8 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         slot = tl.sum(tl.where(first[:, None] == pos[None, :], at_first[None, :], 0), axis=1)
         tl.store(slots_out_ptr + pos, slot, mask=pmask)
         tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
+    if USE_FREQ:
+        _count_uses(freq_ptr, fepoch_ptr, ids, is_first, _epoch(clock, half_life))
     tl.store(clock_ptr, clock + 1)
     tl.store(stats_ptr + four, stats + _stats_step(four, hit, n_miss, n_fill))
 
@@ -161,9 +195,11 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
 @triton.jit
 def _bookkeeping_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                       slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots,
-                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+                      freq_ptr, fepoch_ptr, weight, half_life,
+                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_FREQ: tl.constexpr):
     _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr, slots_out_ptr,
-               miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots, BLOCK_N, BLOCK_S)
+               miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots, freq_ptr, fepoch_ptr, weight,
+               half_life, BLOCK_N, BLOCK_S, USE_FREQ)
 
 
 @triton.jit
@@ -202,16 +238,19 @@ def bookkeeping(cache, scratch: Scratch, topk_ids: torch.Tensor) -> torch.Tensor
         raise ValueError(f"{n} (token, expert) pairs exceed the {scratch.max_pairs} this cache was sized for")
     block_n = max(16, triton.next_power_of_2(n))
     block_s = max(16, triton.next_power_of_2(cache.num_slots))
+    pol = cache.policy
+    freq = (cache.freq, cache.fepoch, pol.weight, pol.half_life)
     if fits_registers(n, cache.num_slots):
         _bookkeeping_regs[(1,)](
             topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
-            scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots,
-            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=BOOKKEEPING_WARPS)
+            scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots, *freq,
+            BLOCK_N=block_n, BLOCK_S=block_s, USE_FREQ=pol.uses_freq, num_warps=BOOKKEEPING_WARPS)
     else:
         _bookkeeping[(1,)](
             topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
             scratch.first, scratch.used, scratch.victim, scratch.slots_out, scratch.miss_expert,
-            scratch.miss_slot, scratch.miss_count, cache.num_slots, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4)
+            scratch.miss_slot, scratch.miss_count, cache.num_slots, *freq,
+            BLOCK_N=block_n, BLOCK_S=block_s, USE_FREQ=pol.uses_freq, num_warps=4)
     return scratch.slots_out[:n].view(topk_ids.shape)
 
 

@@ -22,6 +22,7 @@ class ExpertOptions:
     # decode path wins up to 16 tokens on the Qwen3-30B and GLM-5 shapes, the bypass from 32 or 64.
     decode_tokens: int = 16
     fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
+    policy: str = "lru"  # victim order of the slot cache: lru or lfru (docs/traces.md)
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         s = self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
@@ -43,6 +44,12 @@ class ExpertPlacement:
                                     f"num_experts ({cfg.num_experts})")
         if options.decode_tokens < 1:
             problems.append(f"the decode token threshold must be >= 1, got {options.decode_tokens}")
+        if options.policy not in ("lru", "lfru"):
+            problems.append(f"cache policy {options.policy!r}: choose lru or lfru")
+        unknown = sorted(set(options.slots_per_layer) - set(cfg.moe_layers))
+        if unknown:
+            problems.append(f"the slots file names layers {unknown}, which are not MoE layers of this model "
+                            f"({cfg.moe_layers[0]}..{cfg.moe_layers[-1]})")
         if options.fill not in ("kernel", "copy"):
             problems.append(f"fill must be 'kernel' or 'copy', got {options.fill!r}")
         if problems:
@@ -65,4 +72,17 @@ class ExpertPlacement:
         if o.backend == "uva":
             return UvaExperts(rows, self.layout, k, o.decode_tokens, self.device)
         return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.cfg.num_experts), o.decode_tokens,
-                           self.device, o.fill)
+                           self.device, o.fill, o.policy)
+
+
+def read_slots_file(path) -> dict[int, int]:
+    """Slots per layer from `moetier trace plan-slots` output: {"slots": {"layer": S, ...}, ...}."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+        return {int(layer): int(s) for layer, s in data["slots"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MoetierError(f"--expert-slots-file {path}: not a slots file ({e}); make one with "
+                           "`moetier trace plan-slots`") from None

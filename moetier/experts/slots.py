@@ -6,16 +6,21 @@ State (device tensors, updated in place so a CUDA graph can replay the step):
     stamp       [S] int64   step of each slot's last use (-1: never), for least-recently-used
     clock       [1] int64   steps taken
     stats       [4] int64   hits, misses (filled), overflow (read over the link), steps
+    freq        [E] int32   uses of each expert, halved every half_life steps (LFRU only)
+    fepoch      [E] int32   the half-life epoch freq was last brought up to date in
 
 One step, given topk_ids [T, k] (semantics shared by the torch reference here and the fused Triton
 kernel in kernels.py, which tests hold to each other):
   1. needed = the distinct experts of the step, in order of first appearance.
   2. A needed expert already in a slot is a hit. The others are misses, ranked by first appearance.
-  3. Victims are the slots no needed expert holds, in order of (stamp, slot): empty slots first,
-     then the least recently used. Miss r takes victim r; its row is copied in from the host store.
+  3. Victims are the slots no needed expert holds, in order of (key, slot): empty slots first
+     (key -1), then the least recently used. Under LRU key = stamp; under LFRU (frequency-weighted
+     LRU) key = stamp + weight * freq of the slot's expert, so each use buys `weight` steps of life.
+     Miss r takes victim r; its row is copied in from the host store.
   4. When misses outnumber victims, the rest overflow: read over the link for this step only, so
      no expert is ever unreachable and no slot the step uses is ever evicted.
-  5. Every slot the step uses gets stamp = clock; clock += 1.
+  5. Every slot the step uses gets stamp = clock; every needed expert's freq += 1 (decayed first:
+     freq >> (clock // half_life - fepoch)); clock += 1.
 Output: slot ids [T, k] (-1 for overflow pairs) and the miss list (expert, slot) for the fill.
 """
 
@@ -26,6 +31,40 @@ from dataclasses import dataclass
 import torch
 
 HITS, MISSES, OVERFLOW, STEPS = range(4)
+STATE = ("expert_slot", "slot_expert", "stamp", "clock", "stats", "freq", "fepoch")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """Victim order. weight 0 is LRU; a huge weight with no decay is LFU (simulator only)."""
+
+    name: str = "lru"
+    weight: int = 0  # steps of life each use of an expert buys
+    half_life: int = 0  # steps after which uses count half; 0: never
+
+    @property
+    def uses_freq(self) -> bool:
+        return self.weight > 0
+
+    def epoch(self, clock: int) -> int:
+        return clock // self.half_life if self.half_life else 0
+
+
+def lfru(num_slots: int, top_k: int, lives: int = 1, half_lives: int = 8) -> CachePolicy:
+    """LFRU scaled to the cache: a use buys `lives` LRU lifetimes (S / k steps each); uses count
+    half after `half_lives` lifetimes."""
+    life = max(1, num_slots // top_k)
+    return CachePolicy("lfru", weight=lives * life, half_life=half_lives * life)
+
+
+def policy_for(name: str, num_slots: int, top_k: int) -> CachePolicy:
+    if name == "lru":
+        return CachePolicy()
+    if name == "lfru":
+        return lfru(num_slots, top_k)
+    if name == "lfu":
+        return CachePolicy("lfu", weight=1 << 40)
+    raise ValueError(f"unknown cache policy {name!r}; choose lru or lfru")
 
 
 @dataclass
@@ -38,17 +77,22 @@ class MissList:
 
 
 class SlotCache:
-    def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu",
+                 policy: CachePolicy = CachePolicy()):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in 1..{num_experts}, got {num_slots}")
-        self.num_experts, self.num_slots = num_experts, num_slots
+        self.num_experts, self.num_slots, self.policy = num_experts, num_slots, policy
         self.expert_slot = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
         self.slot_expert = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.stamp = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+        self.freq = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        self.fepoch = torch.zeros(num_experts, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
+        self.freq.zero_()
+        self.fepoch.zero_()
         self.expert_slot.fill_(-1)
         self.slot_expert.fill_(-1)
         self.stamp.fill_(-1)
@@ -56,7 +100,7 @@ class SlotCache:
         self.stats.zero_()
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k).clone() for k in ("expert_slot", "slot_expert", "stamp", "clock", "stats")}
+        return {k: getattr(self, k).clone() for k in STATE}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         for k, v in state.items():
@@ -95,14 +139,27 @@ class SlotCache:
         slot_of = self.expert_slot[needed].long()
         hit = slot_of >= 0
         misses = needed[~hit]
-        # 3. victims: slots not used this step, by (stamp, slot)
+        # 3. victims: slots not used this step, by (key, slot)
         used = torch.zeros(self.num_slots, dtype=torch.bool, device=flat.device)
         used[slot_of[hit]] = True
         free = (~used).nonzero().flatten()
-        order = torch.argsort(self.stamp[free] * self.num_slots + free)
+        key = self.stamp[free]
+        clock, pol = int(self.clock), self.policy
+        epoch = pol.epoch(clock)
+        if pol.uses_freq:
+            held = self.slot_expert[free].long()
+            live = held >= 0
+            f = torch.zeros_like(key)
+            h = held[live]
+            f[live] = (self.freq[h] >> (epoch - self.fepoch[h]).clamp(max=31)).long()
+            key = torch.where(live, key + pol.weight * f, key)
+        order = torch.argsort((key + 1) * self.num_slots + free)
         victims = free[order]
         n_fill = min(misses.numel(), victims.numel())
         fill_expert, fill_slot = misses[:n_fill], victims[:n_fill]
+        if pol.uses_freq:
+            self.freq[needed] = (self.freq[needed] >> (epoch - self.fepoch[needed]).clamp(max=31)) + 1
+            self.fepoch[needed] = epoch
         # 4. update the maps
         old = self.slot_expert[fill_slot].long()
         self.expert_slot[old[old >= 0]] = -1
@@ -126,4 +183,7 @@ class SlotCache:
     def warm(self, experts: list[int]) -> MissList:
         """Place experts into slots as if one step had asked for them (for benchmarks and tests)."""
         ids = torch.tensor(experts, dtype=torch.int64, device=self.expert_slot.device)[None]
-        return self.step_reference(ids)[1]
+        stats = self.stats.clone()
+        miss = self.step_reference(ids)[1]
+        self.stats.copy_(stats)
+        return miss

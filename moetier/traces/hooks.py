@@ -1,0 +1,88 @@
+"""The engine's side of routing traces: a recorder that writes the experts each MoE layer chose, and
+a replayer that makes the router choose the experts a trace says.
+
+Both attach to the model's MoE blocks as `route_hook(layer, topk_ids, topk_weights)`. The recorder
+reads ids back to the host once per step (recording is a measurement mode; the engine runs it
+without CUDA graphs). The replayer is device-side only (a cursor tensor advanced in place), so it
+replays inside the decode graph too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.errors import MoetierError
+from moetier.traces.format import Trace, TraceWriter
+
+
+class Recorder:
+    def __init__(self, net, path, **meta):  # meta: model name, source, ... for the header
+        self.blocks = net.moe_blocks()
+        cfg = net.cfg
+        self.layers = [b.layer for b in self.blocks]
+        self.writer = TraceWriter(path, cfg.num_experts, cfg.top_k, self.layers, weights=True, **meta)
+        self._ids: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}
+        self._streams: dict[str, int] = {}
+        for b in self.blocks:
+            if b.route_hook is not None:
+                raise MoetierError("the model's router already has a hook (a replay?); record and replay "
+                                   "cannot run together")
+            b.route_hook = self._hook
+
+    def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
+        self._ids[layer], self._weights[layer] = ids, weights
+        return ids, weights
+
+    def end_step(self, request_ids: list[str], counts: list[int]) -> None:
+        """Write the step just run: `counts[i]` tokens of request `request_ids[i]`, in token order."""
+        if not self._ids:
+            return
+        ids = torch.stack([self._ids[layer] for layer in self.layers]).cpu().numpy()
+        weights = torch.stack([self._weights[layer].float() for layer in self.layers]).cpu().numpy()
+        seq = np.repeat([self._streams.setdefault(r, len(self._streams)) for r in request_ids], counts)
+        self.writer.write(ids, weights, seq, prefill=max(counts) > 1)
+        self._ids.clear()
+        self._weights.clear()
+
+    def close(self) -> None:
+        for b in self.blocks:
+            b.route_hook = None
+        self.writer.close()
+
+
+class Replayer:
+    """Drives the router from a trace: token i of the run gets the ids of token i (mod length) of the
+    trace, layer by layer (model MoE layer j takes traced layer j mod L). The weights stay computed."""
+
+    def __init__(self, model, trace: Trace):
+        cfg = model.cfg
+        if trace.num_experts != cfg.num_experts or trace.top_k != cfg.top_k:
+            raise MoetierError(f"the trace routes top-{trace.top_k} of {trace.num_experts} experts; the model "
+                               f"routes top-{cfg.top_k} of {cfg.num_experts}: make or record a trace for this model")
+        if trace.num_tokens == 0:
+            raise MoetierError("the trace holds no tokens")
+        self.blocks = model.moe_blocks()
+        dev = model.device
+        self.ids = torch.as_tensor(trace.ids, device=dev)  # [N, L, k]
+        self.length = trace.num_tokens
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.slot = {b.layer: i % trace.ids.shape[1] for i, b in enumerate(self.blocks)}
+        self.last = self.blocks[-1].layer
+        for b in self.blocks:
+            if b.route_hook is not None:
+                raise MoetierError("the model's router already has a hook; record and replay cannot run together")
+            b.route_hook = self._hook
+
+    def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
+        t = ids.shape[0]
+        rows = (self.cursor + torch.arange(t, device=ids.device)) % self.length
+        out = self.ids[rows, self.slot[layer]]
+        if layer == self.last:
+            self.cursor.add_(t)  # in place: a graph replay advances it too
+        return out, weights
+
+    def close(self) -> None:
+        for b in self.blocks:
+            b.route_hook = None

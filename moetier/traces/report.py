@@ -1,0 +1,97 @@
+"""Simulation reports: per-policy tables with bytes and predicted decode time, and the PNG curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moetier.errors import MoetierError
+from moetier.traces.format import Trace
+from moetier.traces.plan import grid_for
+from moetier.traces.simulate import Physics, simulate
+
+# The H200 figures of bench/results/h200-layer.json, used when nothing else is given.
+DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS = 4165.0, 55.4
+MOE_SHAPES = {"glm-5": (6144, 2048)}
+
+
+def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None, measured: Path | None) -> Physics:
+    if measured is not None:
+        try:
+            data = json.loads(Path(measured).read_text())
+            links = next(iter(data["shapes"].values()))["links"]
+            hbm, link = hbm or links["d2d_GBps"], link or links["h2d_copy_engine_GBps"]
+        except (OSError, ValueError, KeyError, StopIteration) as e:
+            raise MoetierError(f"--measured {measured}: not a `moetier bench layer` JSON ({e})") from None
+    dense = 0
+    if preset in MOE_SHAPES:
+        h, i = MOE_SHAPES[preset]
+    else:
+        from moetier.presets import preset as model_preset
+
+        c = model_preset(preset)
+        h, i = c.hidden_size, c.moe_intermediate_size
+        routed = len(c.moe_layers) * c.num_experts * 3 * h * i
+        dense = (c.num_parameters() - routed) * 2  # bf16 weights read every token (LM head included)
+    return Physics(hbm or DEFAULT_HBM_GBPS, link or DEFAULT_LINK_GBPS, 3 * h * i * 2, dense)
+
+
+def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_layer: dict[int, int] | None,
+                   phys: Physics) -> dict:
+    layers, n = trace.layers, trace.num_tokens
+    configs = [("per-layer file", per_layer)] if per_layer else [(str(s), {layer: s for layer in layers})
+                                                                    for s in slots]
+    rows, lines = [], []
+    lines.append(f"{'policy':<8}{'slots':>16}{'hit rate':>10}{'link MB/token':>15}{'ms/token':>10}"
+                 f"{'tok/s':>8}   (row {phys.row_bytes / 1e6:.2f} MB, HBM {phys.hbm_GBps:.0f} GB/s, "
+                 f"link {phys.link_GBps:.1f} GB/s, {len(layers)} layers)")
+    for name, plan in configs:
+        for pol in policies:
+            per = []
+            for i, layer in enumerate(layers):
+                c = simulate(trace.layer_ids(i), trace.num_experts, plan[layer], pol, trace.top_k)
+                per.append(c)
+            hits = sum(c.hits for c in per)
+            misses = sum(c.misses for c in per)
+            over = sum(c.overflow for c in per)
+            rate = hits / max(1, hits + misses + over)
+            ms = phys.ms_per_token(trace.top_k, len(layers), misses / n, over / n)
+            link_mb = (misses + over) / n * phys.row_bytes / 1e6
+            rows.append({"policy": pol, "slots": name, "hit_rate": rate, "link_MB_per_token": link_mb,
+                         "ms_per_token": ms, "per_layer_hit_rate": [c.hit_rate for c in per]})
+            lines.append(f"{pol:<8}{name:>16}{rate:>10.1%}{link_mb:>15.1f}{ms:>10.2f}{1e3 / ms:>8.1f}")
+    return {"trace_tokens": n, "layers": layers, "physics": phys.__dict__, "rows": rows, "table": "\n".join(lines)}
+
+
+def curves(trace: Trace, policies: list[str]) -> tuple[list[int], dict[str, list[float]]]:
+    grid = grid_for(trace.num_experts, trace.top_k)
+    out = {}
+    for pol in policies:
+        out[pol] = [float(np.mean([simulate(trace.layer_ids(i), trace.num_experts, s, pol, trace.top_k).hit_rate
+                                   for i in range(trace.ids.shape[1])])) for s in grid]
+    return grid, out
+
+
+def plot_curves(trace: Trace, policies: list[str], path: Path, title: str | None = None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MoetierError("--plot needs matplotlib: pip install 'moetier[plot]'") from None
+    grid, hit = curves(trace, policies)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for pol, rates in hit.items():
+        ax.plot(grid, [100 * r for r in rates], marker="o", ms=3, label=pol)
+    ax.set_xlabel(f"slots per layer (of {trace.num_experts} experts)")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title or f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, top-{trace.top_k}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
