@@ -61,7 +61,7 @@ class LLM:
                  experts: ExpertOptions | None = None, kv_tokens: int = 32768, page_size: int = 16,
                  max_num_tokens: int = 512, max_num_seqs: int = 64, max_model_len: int | None = None,
                  cuda_graphs: bool = True, record_trace: str | Path | None = None,
-                 replay_trace: str | Path | None = None):
+                 replay_trace: str | Path | None = None, trace_meta: dict | None = None):
         if model is None:
             from moetier.default_model import default_model_dir
 
@@ -90,7 +90,8 @@ class LLM:
         if record_trace is not None:
             from moetier.traces.hooks import Recorder
 
-            self.recorder = Recorder(self.model, record_trace, model=str(model_dir), source="moetier engine")
+            meta = {"model": str(model_dir), "source": "moetier engine", **(trace_meta or {})}
+            self.recorder = Recorder(self.model, record_trace, **meta)
             cuda_graphs = False  # the recorder reads ids on the host every step
         if replay_trace is not None:
             from moetier.traces.format import read_trace

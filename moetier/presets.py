@@ -46,7 +46,8 @@ _PUBLISHED = {
 # count, top-k, odd sizes, tied embeddings, dense layers between MoE layers. The vocabulary is at
 # least the size of the generated tokenizer (moetier.tokenizer.write_tokenizer).
 _TINY = {
-    # The embedded default model of `moetier generate`.
+    # The shape of the random-weight test model (the embedded default model, tiny-stdlib, has the
+    # same expert shape but a trained 448-token vocabulary and tied embeddings).
     "tiny": {
         "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,

@@ -29,7 +29,7 @@ def test_generate_default_model_json_and_stream(cache):
     out = json.loads(p.stdout)
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
     assert out["prompt_token_ids"] and set(out["timings"]) >= {"prefill_s", "ttft_s", "decode_tok_per_s"}
-    assert (cache / "models").is_dir()
+    assert out["model"].endswith("tiny-stdlib")
     streamed = run("generate", "Tell me a story", "--max-tokens", "12", "--ignore-eos", env_cache=cache)
     assert streamed.stdout == out["text"] + "\n"
     assert "12 tokens" in streamed.stderr and "tok/s" in streamed.stderr

@@ -39,15 +39,17 @@ def random_ids(g, t, k=K, e=E, dup=False):
     return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
 @pytest.mark.parametrize("num_slots", [8, 20, 64])
-def test_bookkeeping_kernel_matches_reference(num_slots):
+def test_bookkeeping_kernel_matches_reference(num_slots, policy):
     """Both bookkeeping kernels (registers for small steps, barriers for large) against the torch
     reference, with the copy kernel after each step: every slot must also hold its row."""
     from moetier.experts import kernels
-    from moetier.experts.slots import SlotCache
+    from moetier.experts.slots import SlotCache, policy_for
     from moetier.experts.store import DevicePointer
 
-    ref, gpu = SlotCache(E, num_slots), SlotCache(E, num_slots, "cuda")
+    pol = policy_for(policy, num_slots, K)
+    ref, gpu = SlotCache(E, num_slots, policy=pol), SlotCache(E, num_slots, "cuda", policy=pol)
     scratch = kernels.Scratch(E, num_slots, 64 * K, torch.device("cuda"))
     host = torch.randn(E, 4100).to(torch.bfloat16).pin_memory()
     slot_rows = torch.zeros(num_slots, 4100, dtype=torch.bfloat16, device="cuda")
@@ -73,7 +75,7 @@ def test_bookkeeping_kernel_matches_reference(num_slots):
         assert int(scratch.miss_count) == n
         assert torch.equal(scratch.miss_expert[:n].cpu(), want_miss.expert[:n])
         assert torch.equal(scratch.miss_slot[:n].cpu(), want_miss.slot[:n])
-        for name in ("expert_slot", "slot_expert", "stamp", "clock", "stats"):
+        for name in ("expert_slot", "slot_expert", "stamp", "clock", "stats", "freq", "fepoch"):
             assert torch.equal(getattr(gpu, name).cpu(), getattr(ref, name)), f"step {i}: {name}"
         gpu.check()
         held = gpu.slot_expert.cpu()
@@ -130,13 +132,14 @@ def test_expert_kernel_matches_torch(dtype, tol, t):
     assert err <= tol, err
 
 
-def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps():
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps(policy):
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 
     store, layout = rows_for()
     host = store.rows(0)
     resident = ResidentExperts(host.cuda(), layout, K, decode_tokens=4)
-    slots = SlotExperts(host, layout, K, num_slots=K, decode_tokens=4, device="cuda")  # S = top-k
+    slots = SlotExperts(host, layout, K, num_slots=K, decode_tokens=4, device="cuda", policy=policy)  # S = top-k
     uva = UvaExperts(host, layout, K, decode_tokens=4, device="cuda")
     t = 2
     x = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")

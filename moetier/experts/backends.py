@@ -157,7 +157,7 @@ class SlotExperts(ExpertBackend):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 16, device: torch.device | str = "cpu", fill: str = "kernel",
-                 policy: str = "lru"):
+                 policy: str = "lfru"):
         super().__init__(layout, top_k, decode_tokens, device)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")

@@ -22,7 +22,8 @@ class ExpertOptions:
     # decode path wins up to 16 tokens on the Qwen3-30B and GLM-5 shapes, the bypass from 32 or 64.
     decode_tokens: int = 16
     fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
-    policy: str = "lru"  # victim order of the slot cache: lru or lfru (docs/traces.md)
+    # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
+    policy: str = "lfru"
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         s = self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))

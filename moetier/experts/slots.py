@@ -50,7 +50,7 @@ class CachePolicy:
         return clock // self.half_life if self.half_life else 0
 
 
-def lfru(num_slots: int, top_k: int, lives: int = 1, half_lives: int = 8) -> CachePolicy:
+def lfru(num_slots: int, top_k: int, lives: int = 1, half_lives: int = 16) -> CachePolicy:
     """LFRU scaled to the cache: a use buys `lives` LRU lifetimes (S / k steps each); uses count
     half after `half_lives` lifetimes."""
     life = max(1, num_slots // top_k)

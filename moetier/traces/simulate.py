@@ -42,6 +42,27 @@ def _needed(step: np.ndarray) -> list[int]:
     return list(dict.fromkeys(int(e) for e in step.reshape(-1)))  # first-appearance order
 
 
+def _step(needed: list[int], heap: list, key: list[int], expert_slot: list[int], slot_expert: list[int]
+          ) -> tuple[list[int], list[int]]:
+    """Misses of the step and the victims they take: the smallest valid (key, slot) heap entries
+    among slots the step does not use. Fills the maps. Entries whose key is not the slot's current
+    key are stale and dropped; used slots get fresh entries from the caller after the step."""
+    used = {expert_slot[e] for e in needed if expert_slot[e] >= 0}
+    misses = [e for e in needed if expert_slot[e] < 0]
+    victims: list[int] = []
+    while len(victims) < len(misses) and heap:
+        k, s = heapq.heappop(heap)
+        if k != key[s] or s in used:
+            continue
+        victims.append(s)
+    for e, s in zip(misses, victims):
+        old = slot_expert[s]
+        if old >= 0:
+            expert_slot[old] = -1
+        expert_slot[e], slot_expert[s] = s, e
+    return misses, victims
+
+
 def simulate_policy(steps: Iterable[np.ndarray], num_experts: int, num_slots: int, policy: CachePolicy) -> Counts:
     """The slot cache's step (moetier.experts.slots) in plain Python with a heap of (key, slot)."""
     expert_slot = [-1] * num_experts
@@ -68,19 +89,7 @@ def simulate_policy(steps: Iterable[np.ndarray], num_experts: int, num_slots: in
             heap = [(k, s) for s, k in enumerate(key)]
             heapq.heapify(heap)
         needed = _needed(step)
-        used = {expert_slot[e] for e in needed if expert_slot[e] >= 0}
-        misses = [e for e in needed if expert_slot[e] < 0]
-        victims: list[int] = []
-        while len(victims) < len(misses) and heap:
-            k, s = heapq.heappop(heap)
-            if k != key[s] or s in used:
-                continue  # stale, or needed by this step (it gets a new entry below)
-            victims.append(s)
-        for e, s in zip(misses, victims):
-            old = slot_expert[s]
-            if old >= 0:
-                expert_slot[old] = -1
-            expert_slot[e], slot_expert[s] = s, e
+        misses, victims = _step(needed, heap, key, expert_slot, slot_expert)
         if w:
             for e in needed:
                 freq[e] = (freq[e] >> min(ep - fepoch[e], 31)) + 1
@@ -116,19 +125,7 @@ def simulate_belady(steps: Sequence[np.ndarray], num_experts: int, num_slots: in
     prio = [-(n + 1)] * num_slots
     counts = Counts()
     for t, needed in enumerate(needed_per_step):
-        used = {expert_slot[e] for e in needed if expert_slot[e] >= 0}
-        misses = [e for e in needed if expert_slot[e] < 0]
-        victims = []
-        while len(victims) < len(misses) and heap:
-            p, s = heapq.heappop(heap)
-            if p != prio[s] or s in used:
-                continue
-            victims.append(s)
-        for e, s in zip(misses, victims):
-            old = slot_expert[s]
-            if old >= 0:
-                expert_slot[old] = -1
-            expert_slot[e], slot_expert[s] = s, e
+        misses, victims = _step(needed, heap, prio, expert_slot, slot_expert)
         for e in needed:
             s = expert_slot[e]
             if s >= 0:
