@@ -145,7 +145,7 @@ def test_plan_slots_beats_an_even_split_and_loads(tiny_ckpt, tmp_path):
     ids = np.stack(layers, axis=1)
     write_trace(tmp_path / "t.mtrace", ids, {"experts": 32, "top_k": 4, "layers": [0, 1, 2, 3]})
     p = plan(read_trace(tmp_path / "t.mtrace"), budget=48, policy="lru")
-    assert p["used"] <= 48 and p["link_reads_per_token"] <= p["even_link_reads_per_token"]
+    assert p["used"] == 48 and p["link_reads_per_token"] < p["even_link_reads_per_token"]
     assert p["slots"]["1"] < p["slots"]["0"]  # the skewed layer needs fewer slots than the flat one
     (tmp_path / "slots.json").write_text(json.dumps(p))
     per_layer = read_slots_file(tmp_path / "slots.json")

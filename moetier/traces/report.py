@@ -25,17 +25,17 @@ def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None
             hbm, link = hbm or links["d2d_GBps"], link or links["h2d_copy_engine_GBps"]
         except (OSError, ValueError, KeyError, StopIteration) as e:
             raise MoetierError(f"--measured {measured}: not a `moetier bench layer` JSON ({e})") from None
-    dense = 0
+    dense, layers = 0, len(trace.layers)
     if preset in MOE_SHAPES:
-        h, i = MOE_SHAPES[preset]
+        h, i = MOE_SHAPES[preset]  # the experts alone: no dense bytes known
     else:
         from moetier.presets import preset as model_preset
 
         c = model_preset(preset)
-        h, i = c.hidden_size, c.moe_intermediate_size
-        routed = len(c.moe_layers) * c.num_experts * 3 * h * i
+        h, i, layers = c.hidden_size, c.moe_intermediate_size, len(c.moe_layers)
+        routed = layers * c.num_experts * 3 * h * i
         dense = (c.num_parameters() - routed) * 2  # bf16 weights read every token (LM head included)
-    return Physics(hbm or DEFAULT_HBM_GBPS, link or DEFAULT_LINK_GBPS, 3 * h * i * 2, dense)
+    return Physics(hbm or DEFAULT_HBM_GBPS, link or DEFAULT_LINK_GBPS, 3 * h * i * 2, layers, dense)
 
 
 def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_layer: dict[int, int] | None,
@@ -46,7 +46,7 @@ def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_laye
     rows, lines = [], []
     lines.append(f"{'policy':<8}{'slots':>16}{'hit rate':>10}{'link MB/token':>15}{'ms/token':>10}"
                  f"{'tok/s':>8}   (row {phys.row_bytes / 1e6:.2f} MB, HBM {phys.hbm_GBps:.0f} GB/s, "
-                 f"link {phys.link_GBps:.1f} GB/s, {len(layers)} layers)")
+                 f"link {phys.link_GBps:.1f} GB/s, {phys.moe_layers} MoE layers from {len(layers)} traced)")
     for name, plan in configs:
         for pol in policies:
             per = []
@@ -57,8 +57,9 @@ def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_laye
             misses = sum(c.misses for c in per)
             over = sum(c.overflow for c in per)
             rate = hits / max(1, hits + misses + over)
-            ms = phys.ms_per_token(trace.top_k, len(layers), misses / n, over / n)
-            link_mb = (misses + over) / n * phys.row_bytes / 1e6
+            per_layer = len(layers) * n
+            ms = phys.ms_per_token(trace.top_k, misses / per_layer, over / per_layer)
+            link_mb = (misses + over) / per_layer * phys.moe_layers * phys.row_bytes / 1e6
             rows.append({"policy": pol, "slots": name, "hit_rate": rate, "link_MB_per_token": link_mb,
                          "ms_per_token": ms, "per_layer_hit_rate": [c.hit_rate for c in per]})
             lines.append(f"{pol:<8}{name:>16}{rate:>10.1%}{link_mb:>15.1f}{ms:>10.2f}{1e3 / ms:>8.1f}")

@@ -162,10 +162,11 @@ class Physics:
     hbm_GBps: float
     link_GBps: float
     row_bytes: int  # one routed expert
+    moe_layers: int  # of the model the time is for (a trace may cover fewer: its mean layer stands in)
     dense_bytes_per_token: int = 0  # attention, norms, router, LM head: read from HBM every token
 
-    def ms_per_token(self, top_k: int, layers: int, misses_per_token: float, overflow_per_token: float = 0.0
-                     ) -> float:
-        hbm = (top_k * layers - overflow_per_token) * self.row_bytes + self.dense_bytes_per_token
-        link = (misses_per_token + overflow_per_token) * self.row_bytes
+    def ms_per_token(self, top_k: int, misses_per_layer: float, overflow_per_layer: float = 0.0) -> float:
+        """misses_per_layer, overflow_per_layer: per token, averaged over the traced layers."""
+        hbm = self.moe_layers * (top_k - overflow_per_layer) * self.row_bytes + self.dense_bytes_per_token
+        link = self.moe_layers * (misses_per_layer + overflow_per_layer) * self.row_bytes
         return (hbm / (self.hbm_GBps * 1e9) + link / (self.link_GBps * 1e9)) * 1e3
