@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moetier.experts.slots import CachePolicy, lfru
 from moetier.traces.format import read_trace
 from moetier.traces.report import curves
-from moetier.traces.simulate import simulate
+from moetier.traces.simulate import simulate, simulate_policy, token_steps
 from moetier.traces.stats import summary
 
 
@@ -42,12 +43,20 @@ def main() -> None:
             policies[slots] = {pol: float(np.mean([simulate(t.layer_ids(i), e, slots, pol, k).hit_rate
                                                    for i in range(t.ids.shape[1])]))
                                for pol in ("lru", "lfu", "lfru", "belady")}
+        sweep = {}
+        for slots in (e // 4, e // 2):  # LFRU's two parameters, in LRU lifetimes (S / k steps)
+            for lives, half in [(0, 0)] + [(w, h) for w in (1, 2, 4, 8) for h in (4, 16, 0)]:
+                pol = CachePolicy() if lives == 0 else (lfru(slots, k, lives, half) if half else
+                                                        CachePolicy("lfru", lives * max(1, slots // k), 0))
+                sweep[f"{slots} slots, weight {lives}, half-life {half or 'none'}"] = float(np.mean(
+                    [simulate_policy(token_steps(t.layer_ids(i)), e, slots, pol).hit_rate
+                     for i in range(t.ids.shape[1])]))
         grid, hit = curves(t, ["lru", "lfu", "lfru", "belady"])
         name = Path(path).stem
         report[name] = {"tokens": int(t.ids.shape[0]), "experts": e, "top_k": k, "layers": t.ids.shape[1],
                         "coverage90": s["coverage90"], "reuse": s["reuse"], "coverage90_per_layer":
                         s["coverage90_per_layer"], "reuse_per_layer": s["reuse_per_layer"],
-                        "policies": policies, "grid": grid, "curves": hit, "meta": t.meta}
+                        "policies": policies, "lfru_sweep": sweep, "grid": grid, "curves": hit, "meta": t.meta}
         for pol, rates in hit.items():
             ax.plot(grid, [100 * r for r in rates], marker="o", ms=2.5, label=pol)
         ax.set_title(f"{name} (top-{k} of {e}, {t.ids.shape[0]} tokens)", fontsize=9)
