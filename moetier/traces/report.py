@@ -45,7 +45,7 @@ def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_laye
                                                                     for s in slots]
     rows, lines = [], []
     lines.append(f"{'policy':<8}{'slots':>16}{'hit rate':>10}{'link MB/token':>15}{'ms/token':>10}"
-                 f"{'tok/s':>8}   (row {phys.row_bytes / 1e6:.2f} MB, HBM {phys.hbm_GBps:.0f} GB/s, "
+                 f"{'tok/s':>10}   (row {phys.row_bytes / 1e6:.2f} MB, HBM {phys.hbm_GBps:.0f} GB/s, "
                  f"link {phys.link_GBps:.1f} GB/s, {phys.moe_layers} MoE layers from {len(layers)} traced)")
     for name, plan in configs:
         for pol in policies:
@@ -62,7 +62,8 @@ def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_laye
             link_mb = (misses + over) / per_layer * phys.moe_layers * phys.row_bytes / 1e6
             rows.append({"policy": pol, "slots": name, "hit_rate": rate, "link_MB_per_token": link_mb,
                          "ms_per_token": ms, "per_layer_hit_rate": [c.hit_rate for c in per]})
-            lines.append(f"{pol:<8}{name:>16}{rate:>10.1%}{link_mb:>15.1f}{ms:>10.2f}{1e3 / ms:>8.1f}")
+            lines.append(f"{pol:<8}{name:>16}{rate:>10.1%}{link_mb:>15.1f}{ms:>10.3f}{1e3 / ms:>10.1f}"
+                         f"   per layer: {' '.join(f'{c.hit_rate:.0%}' for c in per)}")
     return {"trace_tokens": n, "layers": layers, "physics": phys.__dict__, "rows": rows, "table": "\n".join(lines)}
 
 
