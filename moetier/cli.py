@@ -149,6 +149,8 @@ def bench_layer(
     hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows."),
     slot_frac: float = typer.Option(0.5, "--slots-frac", help="Slots per layer as a share of the experts."),
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
+    policy: str = typer.Option("lfru", "--cache-policy", help="Slot cache policy of the slots rows."),
+    extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the JSON record here."),
 ) -> None:
     """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
@@ -159,7 +161,7 @@ def bench_layer(
     from moetier.bench.common import write_json
     from moetier.bench.layer import run, table
 
-    data = run(list(preset), steps, [float(h) for h in hits.split(",")], slot_frac, tune)
+    data = run(list(preset), steps, [float(h) for h in hits.split(",")], slot_frac, tune, policy, extras)
     if out:
         write_json(out, data)
     typer.echo(table(data))

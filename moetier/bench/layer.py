@@ -15,7 +15,7 @@ import torch
 from moetier.bench.common import GB, links, record, time_eager, time_graph
 from moetier.experts import gemm, kernels
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-from moetier.experts.slots import SlotCache
+from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer, HostStore, RowLayout
 
 # MoE shapes of architectures that have no preset yet (published config.json values).
@@ -42,11 +42,10 @@ def fill_random(rows: torch.Tensor, seed: int) -> None:
         flat[start:start + n].copy_(block[:n])
 
 
-def hit_stream(experts: int, slots: int, top_k: int, steps: int, hit: float, seed: int):
-    """Ids [steps, 1, k] that hit a warm LRU cache of `slots` at rate `hit` (misses spread evenly).
-
-    Returns (ids, initial cache state, the stats the stream must produce)."""
-    cache = SlotCache(experts, slots)
+def hit_stream(experts: int, slots: int, top_k: int, steps: int, hit: float, seed: int, policy: str = "lfru"):
+    """Ids [steps, 1, k] that hit a warm cache of `slots` under `policy` at rate `hit` (misses spread
+    evenly). Returns (ids, initial cache state, the stats the stream must produce)."""
+    cache = SlotCache(experts, slots, policy=policy_for(policy, slots, top_k))
     cache.warm(list(range(slots)))
     cache.stats.zero_()
     init = cache.state()
@@ -70,7 +69,8 @@ def uniform_stream(experts: int, top_k: int, steps: int, tokens: int, seed: int)
                         for _ in range(steps)])
 
 
-def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune: bool, seed: int = 0) -> dict:
+def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune: bool, seed: int = 0,
+                policy: str = "lfru", extras: bool = True) -> dict:
     s = moe_shape(name)
     h, i, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
     layout = RowLayout(h, i)
@@ -82,7 +82,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     row_bytes = store.row_bytes
     num_slots = max(k, int(e * slot_frac))
     link = links(row_bytes=row_bytes)
-    res: dict = {"shape": {**s, "row_bytes": row_bytes, "slots": num_slots, "dtype": "bf16"},
+    res: dict = {"shape": {**s, "row_bytes": row_bytes, "slots": num_slots, "dtype": "bf16", "policy": policy},
                  "host_store": store.report(), "links": link}
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -127,15 +127,15 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     rows.append({"row": "uva", "ms": t_uva, "hit": 0.0, "GBps": expert_bytes / GB / (t_uva / 1e3),
                  "bound_ms": expert_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3})
 
-    streams = {hit: hit_stream(e, num_slots, k, steps, hit, seed + 2) for hit in hits}
+    streams = {hit: hit_stream(e, num_slots, k, steps, hit, seed + 2, policy) for hit in hits}
     if tune:
-        res["tune_bookkeeping_warps"] = sweep_bookkeeping(host, layout, k, num_slots, streams, steps)
+        res["tune_bookkeeping_warps"] = sweep_bookkeeping(host, layout, k, num_slots, streams, steps, policy)
         kernels.BOOKKEEPING_WARPS = min(res["tune_bookkeeping_warps"], key=lambda w: sum(
             res["tune_bookkeeping_warps"][w].values()))
     for hit in hits:
         ids, init, want = streams[hit]
         ids = ids.cuda()
-        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda")
+        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda", policy=policy)
         init_dev = {n: v.cuda() for n, v in init.items()}
         slots.slots[:] = dev_rows[init["slot_expert"].long().clamp(min=0)]  # contents match the maps
         sc = slots._scratch
@@ -162,12 +162,13 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
                      "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target})
         del slots
     res["rows"] = rows
-    res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
-    res["prefill_crossover"] = bench_crossover(host, layout, e, k, num_slots, seed)
+    if extras:
+        res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
+        res["prefill_crossover"] = bench_crossover(host, layout, e, k, num_slots, seed)
     return res
 
 
-def sweep_bookkeeping(host, layout, k, num_slots, streams, steps) -> dict:
+def sweep_bookkeeping(host, layout, k, num_slots, streams, steps, policy) -> dict:
     """Per-step bookkeeping time (us) by warps per program, on each hit-rate stream."""
     out = {}
     for warps in (1, 2, 4, 8):
@@ -175,7 +176,7 @@ def sweep_bookkeeping(host, layout, k, num_slots, streams, steps) -> dict:
         out[warps] = {}
         for hit, (ids, init, _) in streams.items():
             ids = ids.cuda()
-            cache = SlotCache(host.shape[0], num_slots, "cuda")
+            cache = SlotCache(host.shape[0], num_slots, "cuda", policy_for(policy, num_slots, k))
             sc = kernels.Scratch(host.shape[0], num_slots, 64 * k, torch.device("cuda"))
             init_dev = {n: v.cuda() for n, v in init.items()}
             t = time_graph(lambda: [kernels.bookkeeping(cache, sc, ids[j]) for j in range(steps)],
@@ -232,10 +233,11 @@ def bench_crossover(host: torch.Tensor, layout: RowLayout, e: int, k: int, num_s
     return out
 
 
-def run(presets: list[str], steps: int, hits: list[float], slot_frac: float, tune: bool) -> dict:
+def run(presets: list[str], steps: int, hits: list[float], slot_frac: float, tune: bool, policy: str = "lfru",
+        extras: bool = True) -> dict:
     results = {"steps": steps, "shapes": {}}
     for name in presets:
-        results["shapes"][name] = bench_shape(name, steps, hits, slot_frac, tune)
+        results["shapes"][name] = bench_shape(name, steps, hits, slot_frac, tune, policy=policy, extras=extras)
         torch.cuda.empty_cache()
     return record("layer", results)
 
@@ -261,6 +263,8 @@ def table(data: dict) -> str:
         if "tune_bookkeeping_warps" in r:
             lines.append("bookkeeping us by warps: " + "; ".join(
                 f"{w}: " + ", ".join(f"{h} {t:.1f}" for h, t in v.items()) for w, v in r["tune_bookkeeping_warps"].items()))
+        if "fills" not in r:
+            continue
         lines.append("fills: " + "; ".join(
             f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms" + (f" ({x['kernel_GBps']:.1f} GB/s), copy engine "
                                                                  f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s)"
