@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,6 @@ class ModelConfig:
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-
-    @property
-    def expert_numel(self) -> int:
-        """Elements in one routed expert (gate, up and down)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
 
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
@@ -224,8 +219,3 @@ class ModelConfig:
             "initializer_range": 0.02,
             "use_cache": True,
         }
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        d = asdict(self)
-        d.update(changes)
-        return ModelConfig(**d)

@@ -77,10 +77,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 

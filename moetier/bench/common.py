@@ -119,5 +119,4 @@ def links(nbytes: int = GiB, row_bytes: int | None = None) -> dict[str, float]:
             for i in range(n):
                 dev[i * row_bytes:(i + 1) * row_bytes].copy_(host[i * row_bytes:(i + 1) * row_bytes], non_blocking=True)
         out["h2d_copy_engine_row_GBps"] = n * row_bytes / GB / (time_eager(rows) / 1e3)
-    del host, dev, dev2
     return out

@@ -160,7 +160,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
                      "miss_MB_per_layer": miss_bytes / 1e6,
                      "fill_GBps": miss_bytes / GB / ((t_fill - t_bk) / 1e3) if miss_bytes else None,
                      "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target})
-        del slots
+        slots = None  # free its device slots before the next row allocates
     res["rows"] = rows
     if extras:
         res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
@@ -229,7 +229,7 @@ def bench_crossover(host: torch.Tensor, layout: RowLayout, e: int, k: int, num_s
         t_decode = time_graph(lambda: slots.forward(x, ids, w), reset)
         t_bypass = time_eager(lambda: slots._bypass(x, ids, w), reps=3, reset=reset)
         out.append({"tokens": t, "decode_ms": t_decode, "bypass_ms": t_bypass})
-        del slots
+        slots = None  # free its device slots before the next row allocates
     return out
 
 

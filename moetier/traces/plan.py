@@ -9,8 +9,6 @@ while the move saves reads. So a plan never reads more than the even split it st
 
 from __future__ import annotations
 
-import numpy as np
-
 from moetier.errors import MoetierError
 from moetier.traces.format import Trace
 from moetier.traces.simulate import simulate
@@ -85,9 +83,3 @@ def plan(trace: Trace, budget: int, policy: str = "lru") -> dict:
         "even_link_reads_per_token": sum(c[start] for c in curves) / n,
         "curves": {str(layers[i]): c for i, c in enumerate(curves)},
     }
-
-
-def mean_hit_rate(trace: Trace, slots: dict[int, int], policy: str = "lru") -> float:
-    rates = [simulate(trace.layer_ids(i), trace.num_experts, slots[layer], policy, trace.top_k).hit_rate
-             for i, layer in enumerate(trace.layers)]
-    return float(np.mean(rates))
