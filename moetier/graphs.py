@@ -25,14 +25,17 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         dev = model.device
         b = self.max_batch
-        self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(b, dtype=torch.int64, device=dev)
+        width = max_pages_per_seq
+        # The static inputs are views of two device blocks (int64: ids, positions, slots; int32:
+        # context lengths, page table) with pinned host twins, so a step fills them with two copies.
+        self._dev64 = torch.zeros(3 * b, dtype=torch.int64, device=dev)
+        self._dev32 = torch.zeros(b * (1 + width), dtype=torch.int32, device=dev)
+        self._host64 = torch.zeros(3 * b, dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(b * (1 + width), dtype=torch.int32, pin_memory=True)
+        self.ids, self.positions, self.slots = self._dev64.view(3, b)
+        self.seq_lens = self._dev32[:b]
+        self.page_table = self._dev32[b:].view(b, width)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
-        self.page_table = torch.zeros(b, max_pages_per_seq, dtype=torch.int32, device=dev)
-        # one pinned staging row per step: ids, positions, slots, seq_lens, then the page table
-        self._stage = torch.zeros(b * (4 + max_pages_per_seq), dtype=torch.int64, pin_memory=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -85,10 +88,12 @@ class DecodeGraphs:
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
         b, page, width = self.max_batch, self.kv.page_size, self.page_table.shape[1]
-        st = self._stage.view(-1)
-        st.zero_()
-        ids, pos, slot, lens = st[:b], st[b:2 * b], st[2 * b:3 * b], st[3 * b:4 * b]
-        table = st[4 * b:].view(b, width)
+        # NOTE: the host blocks are rewritten each step; the previous step's copy has finished,
+        # because its sampling read the logits back to the host.
+        ids, pos, slot = self._host64.view(3, b)
+        lens, table = self._host32[:b], self._host32[b:].view(b, width)
+        ids.zero_()
+        pos.zero_()
         slot.fill_(self.scratch * page)
         lens.fill_(1)
         table.fill_(self.scratch)
@@ -98,13 +103,8 @@ class DecodeGraphs:
             pos[i] = p
             slot[i] = r.pages[p // page] * page + p % page
             lens[i] = p + 1
-            table[i, : len(r.pages)] = torch.tensor(r.pages)
-        dev = self.ids.device
-        staged = st.to(dev, non_blocking=True)
-        self.ids.copy_(staged[:b])
-        self.positions.copy_(staged[b:2 * b])
-        self.slots.copy_(staged[2 * b:3 * b])
-        self.seq_lens.copy_(staged[3 * b:4 * b])
-        self.page_table.copy_(staged[4 * b:].view(b, width))
+            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:n]

@@ -73,6 +73,19 @@ _TINY = {
 }
 
 
+# MoE layer shapes of architectures without a model preset yet (published config.json values):
+# hidden size, expert intermediate size, routed experts, top-k.
+MOE_SHAPES = {"glm-5": {"hidden": 6144, "inter": 2048, "experts": 256, "top_k": 8}}
+
+
+def moe_shape(name: str) -> dict[str, int]:
+    """The routed-expert shape of a model preset or of MOE_SHAPES."""
+    if name in MOE_SHAPES:
+        return MOE_SHAPES[name]
+    c = preset(name)
+    return {"hidden": c.hidden_size, "inter": c.moe_intermediate_size, "experts": c.num_experts, "top_k": c.top_k}
+
+
 def names() -> list[str]:
     return sorted([*_PUBLISHED, *_TINY])
 

@@ -17,19 +17,9 @@ from moetier.experts import gemm, kernels
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer, HostStore, RowLayout
+from moetier.presets import moe_shape
 
-# MoE shapes of architectures that have no preset yet (published config.json values).
-MOE_SHAPES = {"glm-5": {"hidden": 6144, "inter": 2048, "experts": 256, "top_k": 8}}
 CONFIGS = [(16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 512, 8), (8, 512, 4), (32, 256, 8), (4, 512, 4), (64, 64, 4)]
-
-
-def moe_shape(name: str) -> dict[str, int]:
-    if name in MOE_SHAPES:
-        return MOE_SHAPES[name]
-    from moetier.presets import preset
-
-    c = preset(name)
-    return {"hidden": c.hidden_size, "inter": c.moe_intermediate_size, "experts": c.num_experts, "top_k": c.top_k}
 
 
 def fill_random(rows: torch.Tensor, seed: int) -> None:

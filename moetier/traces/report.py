@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 
 from moetier.errors import MoetierError
+from moetier.presets import MOE_SHAPES
 from moetier.traces.format import Trace
 from moetier.traces.plan import grid_for
 from moetier.traces.simulate import Physics, simulate
 
 # The H200 figures of bench/results/h200-layer.json, used when nothing else is given.
 DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS = 4165.0, 55.4
-MOE_SHAPES = {"glm-5": (6144, 2048)}
 
 
 def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None, measured: Path | None) -> Physics:
@@ -26,8 +26,8 @@ def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None
         except (OSError, ValueError, KeyError, StopIteration) as e:
             raise MoetierError(f"--measured {measured}: not a `moetier bench layer` JSON ({e})") from None
     dense, layers = 0, len(trace.layers)
-    if preset in MOE_SHAPES:
-        h, i = MOE_SHAPES[preset]  # the experts alone: no dense bytes known
+    if preset in MOE_SHAPES:  # the experts alone: no dense bytes known
+        h, i = MOE_SHAPES[preset]["hidden"], MOE_SHAPES[preset]["inter"]
     else:
         from moetier.presets import preset as model_preset
 

@@ -33,6 +33,13 @@ class Counts:
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
+    def add(self, needed: list[int], misses: list[int], victims: list[int]) -> None:
+        """Count one step: needed experts, the missing ones, and the slots they got."""
+        self.hits += len(needed) - len(misses)
+        self.misses += len(victims)
+        self.overflow += len(misses) - len(victims)
+        self.steps += 1
+
     def as_dict(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "overflow": self.overflow, "steps": self.steps,
                 "hit_rate": self.hit_rate}
@@ -100,10 +107,7 @@ def simulate_policy(steps: Iterable[np.ndarray], num_experts: int, num_slots: in
                 stamp[s] = t
                 key[s] = slot_key(s, ep)
                 heapq.heappush(heap, (key[s], s))
-        counts.hits += len(needed) - len(misses)
-        counts.misses += len(victims)
-        counts.overflow += len(misses) - len(victims)
-        counts.steps += 1
+        counts.add(needed, misses, victims)
     return counts
 
 
@@ -131,10 +135,7 @@ def simulate_belady(steps: Sequence[np.ndarray], num_experts: int, num_slots: in
             if s >= 0:
                 prio[s] = -nxt[t][e]
                 heapq.heappush(heap, (prio[s], s))
-        counts.hits += len(needed) - len(misses)
-        counts.misses += len(victims)
-        counts.overflow += len(misses) - len(victims)
-        counts.steps += 1
+        counts.add(needed, misses, victims)
     return counts
 
 
