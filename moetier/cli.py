@@ -42,7 +42,7 @@ def generate(
     expert_slots: Optional[int] = typer.Option(None, "--expert-slots",
                                                help="Slots per MoE layer for --expert-backend slots "
                                                     "(default: half the experts)."),
-    decode_tokens: int = typer.Option(16, "--decode-tokens",
+    decode_tokens: int = typer.Option(64, "--decode-tokens",
                                       help="Steps of more tokens than this (prefill) bypass the expert cache."),
     expert_slots_file: Optional[Path] = typer.Option(None, "--expert-slots-file",
                                                      help="Slots per MoE layer (from `moetier trace plan-slots`)."),
@@ -165,6 +165,73 @@ def bench_layer(
     if out:
         write_json(out, data)
     typer.echo(table(data))
+
+
+@bench_app.command("decode")
+def bench_decode(
+    preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to this many layers."),
+    model: Optional[Path] = typer.Option(None, "--model", help="A checkpoint to use instead of random weights."),
+    budget: list[str] = typer.Option(["100%", "50%", "25%"], "--expert-budget",
+                                     help="Share of routed-expert bytes in HBM (repeatable)."),
+    trace: Path = typer.Option(Path("data/traces/qwen3-30b-like.mtrace"), "--trace", help="Routing to replay."),
+    batch: list[int] = typer.Option([1, 8], "--batch", help="Decode batch sizes (repeatable)."),
+    backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
+    tokens: int = typer.Option(64, "--tokens", help="Timed decode steps per run."),
+    warmup: int = typer.Option(32, "--warmup", help="Untimed decode steps first (they also fill the cache)."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
+    hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
+    policy: str = typer.Option("lfru", "--cache-policy", help="Slot cache policy."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens", help="Steps up to this many tokens use the cache."),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tok/s against expert budget."),
+) -> None:
+    """Decode tok/s through the engine for resident, slots, uva and transformers+accelerate (CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail(MoetierError("bench decode needs a CUDA GPU"))
+    from moetier.bench import decode
+    from moetier.bench.common import record, write_json
+    from moetier.presets import preset as make_preset
+
+    try:
+        budgets = [parse_budget(b) for b in budget]
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        unknown = sorted(set(names) - {"resident", "uva", "slots", "hf"})
+        if unknown:
+            raise MoetierError(f"--backends: unknown {unknown}; choose from resident, uva, slots, hf")
+        if not trace.is_file():
+            raise MoetierError(f"--trace {trace}: no such file; make one with `moetier trace synth`")
+        cfg = None if model else make_preset(preset, layers, "bfloat16")
+    except MoetierError as e:
+        _fail(e)
+    args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
+            "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset}
+    if model:
+        from moetier.config import ModelConfig
+
+        cfg = ModelConfig.from_dir(model)
+    data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
+                                       str(model) if model else None))
+    if out:
+        write_json(out, data)
+    if plot:
+        decode.plot(data, str(plot))
+    typer.echo(decode.table(data["rows"]))
+    typer.echo(f"greedy tokens equal to resident: {data['greedy_tokens_equal_to_resident']}")
+
+
+def parse_budget(text: str) -> float:
+    """'50%' or '0.5' -> 0.5, in (0, 1]."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise MoetierError(f"--expert-budget {text!r}: give a share like 50% or 0.5") from None
+    if not 0 < value <= 1:
+        raise MoetierError(f"--expert-budget {text!r}: must be above 0% and at most 100%")
+    return value
 
 
 @bench_app.command("batch")

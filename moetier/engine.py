@@ -23,9 +23,10 @@ from moetier.config import ModelConfig
 from moetier.detokenizer import StopStrings, StreamDecoder
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
-from moetier.graphs import DecodeGraphs
+from moetier.graphs import SIZES as GRAPH_SIZES, DecodeGraphs
 from moetier.kv import KVCache, PagePool
 from moetier.loader import load_model
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 from moetier.request import Request, RequestOutput, Status
 from moetier.runner import ModelRunner
 from moetier.sampler import SamplingParams
@@ -58,10 +59,10 @@ def pick_device(name: str) -> str:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
-                 experts: ExpertOptions | None = None, kv_tokens: int = 32768, page_size: int = 16,
-                 max_num_tokens: int = 512, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 cuda_graphs: bool = True, record_trace: str | Path | None = None,
-                 replay_trace: str | Path | None = None, trace_meta: dict | None = None):
+                 experts: ExpertOptions | None = None, **engine: object):
+        """Load a checkpoint directory (default: the embedded tiny model). `engine`: the options of
+        `setup` (kv_tokens, page_size, max_num_tokens, max_num_seqs, max_model_len, cuda_graphs,
+        record_trace, replay_trace, trace_meta)."""
         if model is None:
             from moetier.default_model import default_model_dir
 
@@ -69,15 +70,29 @@ class LLM:
         model_dir = Path(model).expanduser()
         if not model_dir.is_dir():
             raise MoetierError(f"--model {model_dir}: no such directory")
-        self.model_dir = model_dir
         ModelConfig.from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.cfg, self.model, self.load_report = load_model(model_dir, dtype=dtype, device=pick_device(device),
-                                                            experts=experts)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=pick_device(device), experts=experts)
+        eos = eos_ids_of(model_dir, cfg, tokenizer)
+        self.setup(net, tokenizer, eos, model_dir, **engine)
+
+    @classmethod
+    def from_model(cls, model: Qwen3MoeForCausalLM, tokenizer: Tokenizer, **engine: object) -> LLM:
+        """An engine over a model built in memory (benchmarks: random weights too large for a file)."""
+        self = cls.__new__(cls)
+        self.load_report = None
+        self.setup(model, tokenizer, set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids), None, **engine)
+        return self
+
+    def setup(self, model: Qwen3MoeForCausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
+              kv_tokens: int = 32768, page_size: int = 16, max_num_tokens: int = 512, max_num_seqs: int = 64,
+              max_model_len: int | None = None, cuda_graphs: bool = True, record_trace: str | Path | None = None,
+              replay_trace: str | Path | None = None, trace_meta: dict | None = None) -> None:
+        self.model_dir, self.tokenizer, self.model, self.cfg = model_dir, tokenizer, model, model.cfg
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
                                f"{self.cfg.vocab_size}: tokenizer.json does not belong to this model")
-        self.eos_ids = eos_ids_of(model_dir, self.cfg, self.tokenizer)
+        self.eos_ids = eos_ids
         c = self.cfg
         max_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         num_pages = math.ceil(kv_tokens / page_size)
@@ -100,8 +115,11 @@ class LLM:
             self.replayer = Replayer(self.model, read_trace(replay_trace))
         graphs = None
         if cuda_graphs and self.model.device.type == "cuda":
+            # Decode steps above the experts' decode threshold take the eager prefill path.
+            cap = min(max_num_seqs, self.model.placement.options.decode_tokens)
+            sizes = [n for n in GRAPH_SIZES if n <= cap] or [1]
             graphs = DecodeGraphs(self.model, self.kv, scratch_page=num_pages,
-                                  max_pages_per_seq=math.ceil(max_len / page_size))
+                                  max_pages_per_seq=math.ceil(max_len / page_size), sizes=sizes)
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(self.model, self.kv, graphs)
@@ -128,7 +146,7 @@ class LLM:
                     request_id: str | None = None) -> str:
         params = (params or SamplingParams()).validate()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, self.encode(prompt), params, params.generator(self.model.device),
+        req = Request(rid, self.encode(prompt), params, params.noise_seed(),
                       StreamDecoder(self.tokenizer), StopStrings(params.stop))
         if params.max_tokens == 0:
             raise MoetierError("max_tokens must be at least 1")
@@ -192,10 +210,13 @@ class LLM:
         return [final[i] for i in ids]
 
     def close(self) -> None:
-        """Finish a recorded trace (the file is complete only after this)."""
+        """Finish a recorded trace (the file is complete only after this); unhook a replayed one."""
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
+        if self.replayer is not None:
+            self.replayer.close()
+            self.replayer = None
 
     def metrics(self) -> dict:
         s = self.scheduler

@@ -1,10 +1,15 @@
-"""CUDA graphs of the decode step: every layer, from token ids to logits, for batch sizes 1, 2, 4
-and 8 (a step of another size pads up to the next one). Sampling stays outside the graph.
+"""CUDA graphs of the decode step: every layer from token ids to logits, then the sampler, for batch
+sizes 1, 2, 4, 8 and up (a step of another size pads up to the next captured one).
 
-The graph reads its inputs from static buffers (token ids, positions, KV slots, context lengths,
-page tables) that each step overwrites in place; padding rows write their keys into a scratch page
-that no request owns and attend to that page only. The slot cache's state lives in device tensors,
-so replays advance it exactly as eager steps would.
+Per size there is one graph of the model (ids -> logits) and one small graph of the sampler per
+sampling mode (greedy, sample, filter: sampler.mode_of), replayed back to back with no host work in
+between; the only host read of a step is its sampled tokens. Splitting the sampler off keeps three
+modes from tripling the model captures.
+
+Every graph reads its inputs from static buffers (token ids, positions, KV slots, context lengths,
+page tables, sampling parameters) that each step overwrites in place; padding rows write their keys
+into a scratch page that no request owns and attend to that page only. The slot cache's state
+lives in device tensors, so replays advance it exactly as eager steps would.
 """
 
 from __future__ import annotations
@@ -13,63 +18,91 @@ import torch
 
 from moetier.attention import AttnBatch
 from moetier.kv import KVCache
+from moetier.sampler import mode_of, sample_rows
 from moetier.scheduler import ScheduledSeq
 
-SIZES = (1, 2, 4, 8)
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+MODES = ("greedy", "sample", "filter")
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES):
+    def __init__(self, model, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4]):
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.sizes = tuple(sorted(sizes))
-        self.max_batch = self.sizes[-1]
+        self.max_batch = b = self.sizes[-1]
         dev = model.device
-        b = self.max_batch
-        width = max_pages_per_seq
-        # The static inputs are views of two device blocks (int64: ids, positions, slots; int32:
-        # context lengths, page table) with pinned host twins, so a step fills them with two copies.
-        self._dev64 = torch.zeros(3 * b, dtype=torch.int64, device=dev)
-        self._dev32 = torch.zeros(b * (1 + width), dtype=torch.int32, device=dev)
-        self._host64 = torch.zeros(3 * b, dtype=torch.int64, pin_memory=True)
-        self._host32 = torch.zeros(b * (1 + width), dtype=torch.int32, pin_memory=True)
-        self.ids, self.positions, self.slots = self._dev64.view(3, b)
+        self.width = width = max_pages_per_seq
+        # The static inputs are views of two device blocks with pinned host twins, so a step fills
+        # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps;
+        # 32-bit: context lengths, page table (int32), then temperature and top_p (float32 bits).
+        self._dev64 = torch.zeros(6 * b, dtype=torch.int64, device=dev)
+        self._dev32 = torch.zeros(b * (3 + width), dtype=torch.int32, device=dev)
+        self._host64 = torch.zeros(6 * b, dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)
+        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps = self._dev64.view(6, b)
         self.seq_lens = self._dev32[:b]
-        self.page_table = self._dev32[b:].view(b, width)
+        self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
+        self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.tokens: dict[tuple[int, str], torch.Tensor] = {}
         self._capture()
 
     def _batch(self, n: int, max_ctx: int) -> AttnBatch:
         return AttnBatch(self.positions[:n], self.slots[:n], self.query_start[:n + 1], self.seq_lens[:n],
                          self.page_table[:n], list(range(n + 1)), [max_ctx] * n, 1)
 
-    def _pad(self) -> None:
-        self.ids.zero_()
-        self.positions.zero_()
-        self.slots.fill_(self.scratch * self.kv.page_size)
-        self.seq_lens.fill_(1)
-        self.page_table.fill_(self.scratch)
+    def _host_views(self):
+        b, w = self.max_batch, self.width
+        h64, h32 = self._host64.view(6, b), self._host32
+        return (*h64, h32[:b], h32[b:b * (1 + w)].view(b, w), *h32[b * (1 + w):].view(torch.float32).view(2, b))
+
+    def _pad_host(self) -> None:
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
+        for t in (ids, pos, top_k, seeds, steps, temp):
+            t.zero_()
+        slot.fill_(self.scratch * self.kv.page_size)
+        lens.fill_(1)
+        table.fill_(self.scratch)
+        top_p.fill_(1.0)
+
+    def _upload(self) -> None:
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+
+    def _sampler(self, n: int, mode: str) -> torch.Tensor:
+        return sample_rows(self.logits[n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n],
+                           self.steps[:n], mode)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         # The attention kernel sizes its key splits from the host lengths: capture for the longest
         # context a sequence can have, so every replay is covered.
-        max_ctx = self.page_table.shape[1] * self.kv.page_size
+        max_ctx = self.width * self.kv.page_size
         pool = torch.cuda.graph_pool_handle()
+        self._pad_host()
+        self._upload()
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             batch = self._batch(n, max_ctx)
-            self._pad()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
-                self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                for mode in MODES:
+                    self._sampler(n, mode)
             torch.cuda.current_stream().wait_stream(side)
             self._reset_experts()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
             self.graphs[n] = graph
+            for mode in MODES:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.tokens[n, mode] = self._sampler(n, mode)
+                self.samplers[n, mode] = graph
         self._reset_experts()
 
     def _reset_experts(self) -> None:
@@ -84,19 +117,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """Replay the decode graph for these one-token steps -> logits [len(seqs), V] float32."""
+        """Replay the decode step for these one-token steps -> sampled token ids [len(seqs)] (device)."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
-        b, page, width = self.max_batch, self.kv.page_size, self.page_table.shape[1]
-        # NOTE: the host blocks are rewritten each step; the previous step's copy has finished,
-        # because its sampling read the logits back to the host.
-        ids, pos, slot = self._host64.view(3, b)
-        lens, table = self._host32[:b], self._host32[b:].view(b, width)
-        ids.zero_()
-        pos.zero_()
-        slot.fill_(self.scratch * page)
-        lens.fill_(1)
-        table.fill_(self.scratch)
+        page = self.kv.page_size
+        # NOTE: the host blocks are rewritten each step; the previous step's copies have finished,
+        # because the caller read its sampled tokens back to the host.
+        self._pad_host()
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
         for i, s in enumerate(seqs):
             r, p = s.request, s.start
             ids[i] = r.token(p)
@@ -104,7 +132,10 @@ class DecodeGraphs:
             slot[i] = r.pages[p // page] * page + p % page
             lens[i] = p + 1
             table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+            top_k[i], seeds[i], steps[i] = r.params.top_k, r.seed, len(r.output_ids)
+            temp[i], top_p[i] = r.params.temperature, r.params.top_p
+        self._upload()
+        mode = mode_of([s.request.params for s in seqs])
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        self.samplers[size, mode].replay()
+        return self.tokens[size, mode][:n]

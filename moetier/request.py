@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from moetier.detokenizer import StopStrings, StreamDecoder
 from moetier.sampler import SamplingParams
 
@@ -23,7 +21,7 @@ class Request:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the noise seed of its sampling (sampler.py): its own, or drawn at arrival
     decoder: StreamDecoder
     stops: StopStrings
     arrival: float = field(default_factory=time.perf_counter)

@@ -31,10 +31,9 @@ class ModelRunner:
         if not step.seqs:
             return StepResult({}, 0)
         if self.graphs is not None and self.graphs.fits(step.seqs):
-            logits = self.graphs.run(step.seqs)
+            tokens = self.graphs.run(step.seqs).tolist()  # the step's one host read
             self.graph_steps += 1
             reqs = [s.request for s in step.seqs]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             return StepResult({r.id: t for r, t in zip(reqs, tokens)}, len(reqs))
         dev = self.model.device
         ids = [t for s in step.seqs for t in s.token_ids]
@@ -46,5 +45,6 @@ class ModelRunner:
         last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
         logits = self.model.logits(hidden[last])
         reqs = [step.seqs[i].request for i in rows]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs]
+                        ).tolist()
         return StepResult({r.id: t for r, t in zip(reqs, tokens)}, len(ids))

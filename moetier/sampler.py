@@ -1,17 +1,25 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeded per request.
+"""Sampling: greedy, temperature, top-k, top-p, seeded per request, on device tensors only.
 
-Works on a batch of rows, each with its own parameters, so the serving engine can sample a mixed
-batch in one call. Seeded rows draw their noise from their own generator, so a request's tokens do
-not depend on what else shares its batch.
+Works on a batch of rows, each with its own parameters, so the engine samples a mixed batch in one
+call, and the same function runs inside the CUDA graph of the decode step (no host syncs, fixed
+shapes). The noise is counter-based, not drawn from a generator's state: row i's noise for vocab
+entry v is a hash of (its request's seed, the index of the token being sampled, v). So a request's
+tokens depend only on its own seed and logits, never on what else shares its batch, on whether the
+step ran eagerly or from a graph, or on a preemption that recomputed it.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 from moetier.errors import MoetierError
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2^31: a 32-bit value times one stays below 2^63, so int64 never overflows.
+_M1, _M2, _M3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39
 
 
 @dataclass
@@ -35,19 +43,36 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be in [0, 2^63), got {self.seed}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
         if problems:
             raise MoetierError("invalid sampling parameters: " + "; ".join(problems))
         return self
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        if self.seed is not None:
-            g.manual_seed(self.seed)
-        else:
-            g.seed()
-        return g
+    def noise_seed(self) -> int:
+        """The seed of this request's noise: its own, or a fresh random one."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
+
+    @property
+    def filters(self) -> bool:
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # x: int64 in [0, 2^32) -> int64 in [0, 2^32); a xor-shift-multiply mixer (three rounds).
+    for m in (_M1, _M2, _M3):
+        x = ((x ^ (x >> 16)) * m) & _MASK32
+    return x ^ (x >> 15)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seeds, steps: [B] int64 -> [B, V] float32 in (0, 1), a pure function of (seed, step, v)."""
+    key = _hash32(_hash32((seeds ^ (seeds >> 32)) & _MASK32) ^ (steps & _MASK32))  # [B]
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _hash32((key[:, None] + v[None, :] * _M2) & _MASK32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -70,23 +95,43 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64."""
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                seeds: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
+    """logits [B, V] float32; temperature, top_p [B] float32; top_k, seeds, steps [B] int64 -> [B] int64.
+
+    mode: "greedy" (every row argmax), "sample" (temperature only) or "filter" (top-k / top-p too);
+    the caller picks the cheapest mode that covers its rows. Rows with temperature 0 stay greedy in
+    every mode. Graph-safe: fixed shapes, no host reads.
+    """
     greedy = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not rows:
+    if mode == "greedy":
         return greedy
+    hot = temperature > 0
+    scaled = logits / torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
+    if mode == "filter":
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p; in log space, logits - log(q).
+    q = -torch.log(uniform_noise(seeds, steps, logits.shape[1]))
+    picked = (scaled - torch.log(q)).argmax(dim=-1)
+    return torch.where(hot, picked, greedy)
+
+
+def mode_of(params: list[SamplingParams]) -> str:
+    if any(p.filters for p in params):
+        return "filter"
+    return "sample" if any(p.temperature > 0 for p in params) else "greedy"
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """Eager entry: logits [B, V] float32 -> token ids [B] int64. seeds: each row's noise seed;
+    steps: the index of the token each row samples (its output length so far)."""
     dev = logits.device
-    sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
-    sub = filter_top_k_top_p(
-        sub,
-        torch.tensor([params[i].top_k for i in rows], device=dev),
-        torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
+    return sample_rows(
+        logits,
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+        torch.tensor(seeds, dtype=torch.int64, device=dev),
+        torch.tensor(steps, dtype=torch.int64, device=dev),
+        mode_of(params),
     )
-    probs = torch.softmax(sub, dim=-1)
-    # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p; q comes from each row's generator.
-    noise = torch.stack([torch.empty(sub.shape[1], device=dev).exponential_(generator=generators[i]) for i in rows])
-    picked = (probs / noise).argmax(dim=-1)
-    out = greedy.clone()
-    out[torch.tensor(rows, device=dev)] = picked
-    return out

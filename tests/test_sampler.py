@@ -8,14 +8,14 @@ from moetier.sampler import SamplingParams, filter_top_k_top_p, sample
 
 
 def draw(logits, params, n):
-    g = params.generator()
-    return [int(sample(logits[None], [params], [g])[0]) for _ in range(n)]
+    seed = params.noise_seed()
+    return [int(sample(logits[None], [params], [seed], [i])[0]) for i in range(n)]
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 1000)
     p = SamplingParams(temperature=0.0)
-    got = sample(logits, [p] * 5, [p.generator()] * 5)
+    got = sample(logits, [p] * 5, [0] * 5, [0] * 5)
     assert torch.equal(got, logits.argmax(-1))
 
 
@@ -68,8 +68,8 @@ def test_temperature_sharpens():
 def test_rows_are_independent_of_batch():
     logits = torch.randn(3, 100)
     ps = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    batch = sample(logits, ps, [p.generator() for p in ps])
-    alone = [int(sample(logits[i:i + 1], [ps[i]], [ps[i].generator()])[0]) for i in range(3)]
+    batch = sample(logits, ps, [p.seed for p in ps], [5, 6, 7])
+    alone = [int(sample(logits[i:i + 1], [ps[i]], [ps[i].seed], [5 + i])[0]) for i in range(3)]
     assert batch.tolist() == alone
 
 
@@ -78,3 +78,37 @@ def test_rows_are_independent_of_batch():
 def test_invalid_params(bad):
     with pytest.raises(MoetierError, match="invalid sampling parameters"):
         SamplingParams(**bad).validate()
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_step():
+    from moetier.sampler import uniform_noise
+
+    u = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 50_000)
+    assert u.shape == (3, 50_000) and bool(((u > 0) & (u < 1)).all())
+    for row in u:  # moments of U(0, 1): mean 1/2, variance 1/12; no value repeated much
+        assert abs(float(row.mean()) - 0.5) < 0.01 and abs(float(row.var()) - 1 / 12) < 0.005
+        assert row.unique().numel() > 49_000
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    again = uniform_noise(torch.tensor([2, 1]), torch.tensor([0, 1]), 50_000)
+    assert torch.equal(again[0], u[2]) and torch.equal(again[1], u[1])
+    # neighbouring entries are uncorrelated
+    c = torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1]
+    assert abs(float(c)) < 0.02
+
+
+def test_greedy_rows_stay_greedy_in_a_sampling_batch():
+    logits = torch.randn(4, 300)
+    ps = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=1),
+          SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3, seed=2)]
+    got = sample(logits, ps, [0, 1, 0, 2], [0, 0, 0, 0])
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    assert got[3] in torch.topk(logits[3], 3).indices
+
+
+def test_mode_is_the_cheapest_that_covers_the_batch():
+    from moetier.sampler import mode_of
+
+    assert mode_of([SamplingParams()]) == "greedy"
+    assert mode_of([SamplingParams(), SamplingParams(temperature=0.7)]) == "sample"
+    assert mode_of([SamplingParams(temperature=0.7, top_p=0.9)]) == "filter"
+    assert mode_of([SamplingParams(top_k=5)]) == "greedy"  # top-k means nothing when greedy

@@ -11,8 +11,9 @@ An expert's weights are one row [gate_up (2I x H) | down (H x I)] (store.RowLayo
 computes each (token, expert) pair with the same ops and sums the k outputs in slot order, so the
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
-`decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe), and
-larger steps (prefill) take an eager per-expert path that bypasses the cache.
+`decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe): the
+per-pair GEMV (gemm.py) for one token, the grouped GEMM (grouped.py, each distinct row read once) for
+more. Larger steps (prefill) take an eager per-expert path that bypasses the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from moetier.experts.store import DevicePointer, RowLayout
 from moetier.models.layers import silu_mul
 
 Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2I, H], w2 [H, I])
+# Decode steps of up to this many tokens run the GEMV (tuned for M = 1), larger ones the grouped GEMM.
+# NOTE: the two round differently, so a token's bits alone differ from its bits in a batch; 0 runs the
+# grouped GEMM everywhere, whose pair results never depend on the other tokens of the step.
+GEMV_TOKENS = 1
 
 
 def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torch.Tensor:
@@ -79,8 +84,11 @@ class ExpertBackend(ABC):
         self.bypassed = 0  # steps that took the prefill path (host-side count, prefill is eager)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            pairs = decode_tokens * top_k
-            self._h = torch.empty(pairs, layout.inter, dtype=torch.float32, device=self.device)
+            from moetier.experts import grouped
+
+            # shared by every backend of this shape (see grouped.Scratch); _h is the GEMV's part of it
+            self._work = grouped.Scratch.shared(decode_tokens * top_k, layout.hidden, layout.inter, self.device)
+            self._h = self._work.h
             self._out: torch.Tensor | None = None
 
     @abstractmethod
@@ -97,10 +105,14 @@ class ExpertBackend(ABC):
         return self._out[: hidden.shape[0]]
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
-        from moetier.experts import gemm
+        from moetier.experts import gemm, grouped
 
-        return gemm.expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                               self.layout.hidden, self.layout.inter, self._h, self._decode_out(hidden))
+        # NOTE: the kernel is chosen by T alone, so all backends run the same one and stay bit-exact.
+        h, i, out = self.layout.hidden, self.layout.inter, self._decode_out(hidden)
+        if hidden.shape[0] <= GEMV_TOKENS:
+            return gemm.expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, h, i, self._h, out)
+        return grouped.grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, h, i,
+                                          self._work, out)
 
 
 class ResidentExperts(ExpertBackend):
@@ -108,7 +120,7 @@ class ResidentExperts(ExpertBackend):
 
     name = "resident"
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 16):
+    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 64):
         super().__init__(layout, top_k, decode_tokens, rows.device)
         self.rows = rows  # [E, R]
 
@@ -126,7 +138,7 @@ class UvaExperts(ExpertBackend):
 
     name = "uva"
 
-    def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 16,
+    def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 64,
                  device: torch.device | str = "cpu"):
         super().__init__(layout, top_k, decode_tokens, device)
         self.host = host_rows  # [E, R] on the CPU
@@ -156,7 +168,7 @@ class SlotExperts(ExpertBackend):
     name = "slots"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
-                 decode_tokens: int = 16, device: torch.device | str = "cpu", fill: str = "kernel",
+                 decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
                  policy: str = "lfru"):
         super().__init__(layout, top_k, decode_tokens, device)
         if fill not in ("kernel", "copy"):

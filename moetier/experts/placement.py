@@ -18,9 +18,10 @@ class ExpertOptions:
     backend: str = "resident"
     slots: int | None = None  # slots per MoE layer (slots backend); default half the experts
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # overrides `slots` by layer
-    # Steps of more tokens (prefill) bypass the cache. Measured on the H200 (bench layer): the cached
-    # decode path wins up to 16 tokens on the Qwen3-30B and GLM-5 shapes, the bypass from 32 or 64.
-    decode_tokens: int = 16
+    # Steps of more tokens (prefill) bypass the cache. With the per-pair GEMV the cached decode path won
+    # up to 16 tokens on the H200 (bench layer, Qwen3-30B and GLM-5 shapes); 64 comes from the grouped
+    # kernel (grouped.py), which reads each distinct expert once per step. Not yet measured on the H200.
+    decode_tokens: int = 64
     fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"

@@ -5,7 +5,9 @@ router, optional renormalisation) or, for mlp_only_layers and off the sparse ste
 Attention is GQA with RMSNorm on each head's q and k before rotary.
 
 Weights are fused where that saves launches (qkv, gate_up); the loader maps checkpoint names onto
-them (moetier.loader). Routed experts live in an ExpertBackend chosen after loading.
+them (moetier.loader). Routed experts live in an ExpertBackend chosen after loading. On CUDA the
+small per-layer operations are fused Triton kernels (moetier.models.fused: norm with the residual
+add, q/k norm with rotary and the KV write, router); the CPU path is the plain torch they mirror.
 """
 
 from __future__ import annotations
@@ -29,6 +31,41 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # x, delta: [N, H] -> (rms_norm(x + delta), x + delta); x itself when delta is None.
+    if x.is_cuda:
+        from moetier.models import fused
+
+        return fused.rms_norm(x, weight, eps, delta)
+    if delta is not None:
+        x = x + delta
+    return rms_norm(x, weight, eps), x
+
+
+def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
+                              ) -> torch.Tensor:
+    # qkv: [N, (Hq + 2 Hkv) * D] -> q [N, Hq, D]; writes k and v into the caches at slot_mapping.
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = rms_norm(q.view(t, num_heads, d), q_norm, eps)
+    k = rms_norm(k.view(t, num_kv_heads, d), k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    write_kv(k_cache, v_cache, k, v.view(t, num_kv_heads, d), slot_mapping)
+    return q
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits: [T, E] -> ids [T, k] int64, weights [T, k] in logits.dtype
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -47,11 +84,14 @@ class Attention(nn.Module):
         # x: [N, H], the new tokens of every sequence in the step
         t = x.shape[0]
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = rms_norm(q.view(t, self.hq, self.d), self.q_norm, self.eps)
-        k = rms_norm(k.view(t, self.hkv, self.d), self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv.k[layer], kv.v[layer], k, v.view(t, self.hkv, self.d), batch.slot_mapping)
+        args = (qkv, self.q_norm, self.k_norm, cos, sin, kv.k[layer], kv.v[layer], batch.slot_mapping,
+                self.hq, self.hkv, self.eps)
+        if qkv.is_cuda:
+            from moetier.models import fused
+
+            q = fused.qk_norm_rope_kv(*args)
+        else:
+            q = qk_norm_rope_kv_reference(*args)
         out = paged_attention(q, kv.k[layer], kv.v[layer], batch)  # [N, Hq, D]
         return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
 
@@ -85,11 +125,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk_ids [T, k] int64, topk_weights [T, k] in x.dtype
         logits = F.linear(x, self.gate)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(logits.dtype)
+        if logits.is_cuda:
+            from moetier.models import fused
+
+            return fused.route_topk(logits, self.top_k, self.norm_topk)
+        return route_reference(logits, self.top_k, self.norm_topk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -111,10 +151,13 @@ class DecoderLayer(nn.Module):
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch, kv: KVCache
-                ) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, batch, kv, self.layer)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttnBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream enters as x + delta (delta: the previous layer's MLP output, None
+        before the first layer) and leaves the same way, so each add shares a launch with a norm."""
+        h, x = add_rms_norm(x, delta, self.input_norm, self.eps)
+        h, x = add_rms_norm(x, self.attn(h, cos, sin, batch, kv, self.layer), self.post_norm, self.eps)
+        return x, self.mlp(h)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -160,10 +203,10 @@ class Qwen3MoeForCausalLM(nn.Module):
         Writes the new tokens' keys and values into their pages (batch.slot_mapping) first.
         """
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        x = F.embedding(input_ids, self.embed)
+        x, delta = F.embedding(input_ids, self.embed), None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, kv)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x, delta = layer(x, delta, cos, sin, batch, kv)
+        return add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

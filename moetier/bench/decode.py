@@ -1,0 +1,313 @@
+"""`moetier bench decode`: decode tokens per second through the whole engine, ours against the
+peers, on the same weights in one run.
+
+One random-weight model (made in memory: the full Qwen3-30B-A3B is 61 GB, more than the disk
+holds as a file) or a given checkpoint; its routed experts sit once in the pinned host store and
+every backend is built over that store in turn: resident (a device copy), slots at each expert
+budget, uva, and the peer users try first, transformers with accelerate offloading the same share
+of expert bytes (bench/peer_hf.py). Routing is replayed from a trace, so every backend computes the
+same experts. Each row carries its roofline: HBM bytes per step over the measured HBM bandwidth plus
+link bytes per step over the measured host-to-GPU bandwidth, and achieved over roofline.
+
+Steps are timed through `LLM.step()` (scheduler, graph replay, sampling, detokenizing), after warm-up
+steps that also fill the slot cache; graph capture and kernel compilation happen before any timing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moetier.bench.common import GB, links
+from moetier.config import ModelConfig
+from moetier.engine import LLM
+from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
+from moetier.experts.placement import ExpertOptions
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
+from moetier.sampler import SamplingParams
+from moetier.tokenizer import Tokenizer, write_tokenizer
+from moetier.traces.format import Trace
+
+
+@dataclass
+class Bed:
+    """The model, its experts' host rows by MoE layer, and what the roofline needs to know."""
+
+    model: Qwen3MoeForCausalLM
+    host: dict[int, torch.Tensor]  # layer -> [E, R] pinned
+    tokenizer: Tokenizer
+    row_bytes: int
+    dense_bytes: int  # weights every step reads besides the routed experts
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Bed:
+    """Random weights made on the device; routed experts copied into the (pinned) host store."""
+    model = Qwen3MoeForCausalLM(cfg, dtype, device, ExpertOptions("uva"))
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm") or "_norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        for moe in model.moe_blocks():
+            rows = moe.rows
+            for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
+                b = min(a + 16, rows.shape[0])
+                rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
+                                .normal_(0.0, 0.02, generator=g))
+    return _bed(model)
+
+
+def loaded_bed(path: str) -> Bed:
+    from moetier.loader import load_model
+
+    _, model, _ = load_model(path, dtype="bf16", device="cuda", experts=ExpertOptions("uva"))
+    return _bed(model, Tokenizer.from_dir(path))
+
+
+def _bed(model: Qwen3MoeForCausalLM, tokenizer: Tokenizer | None = None) -> Bed:
+    host = {moe.layer: moe.rows for moe in model.moe_blocks()}
+    for moe in model.moe_blocks():
+        moe.rows = None
+    if tokenizer is None:
+        with tempfile.TemporaryDirectory() as d:
+            write_tokenizer(d)
+            tokenizer = Tokenizer.from_dir(d)
+    first = next(iter(host.values()))
+    # A step reads every dense weight once, but only its tokens' rows of the embedding.
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_word_embeddings:
+        dense -= model.embed.numel() * model.embed.element_size()
+    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense)
+
+
+def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64) -> int:
+    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none)."""
+    cfg, dev = bed.cfg, bed.model.device
+    for moe in bed.model.moe_blocks():
+        moe.experts = None  # free the previous backend's device memory first
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend == "slots" else 0
+    bed.model.placement.options = ExpertOptions(backend, slots=slots or None, decode_tokens=decode_tokens,
+                                                policy=policy)
+    layout, k = bed.model.placement.layout, cfg.top_k
+    for moe in bed.model.moe_blocks():
+        rows = bed.host[moe.layer]
+        if backend == "resident":
+            moe.experts = ResidentExperts(rows.to(dev, copy=True), layout, k, decode_tokens)
+        elif backend == "uva":
+            moe.experts = UvaExperts(rows, layout, k, decode_tokens, dev)
+        else:
+            moe.experts = SlotExperts(rows, layout, k, slots, decode_tokens, dev, "kernel", policy)
+    return slots
+
+
+def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
+    """Mean distinct experts per MoE layer per step when steps read `batch` consecutive trace tokens
+    from [start, end) (the replay cursor wraps around the trace)."""
+    ids = trace.ids  # [N, L, k]
+    n = ids.shape[0]
+    counts = []
+    for s in range(start, end, batch):
+        rows = np.arange(s, s + batch) % n
+        step = ids[rows]  # [batch, L, k]
+        counts.extend(len(np.unique(step[:, layer])) for layer in range(ids.shape[1]))
+    return float(np.mean(counts)) if counts else 0.0
+
+
+def roofline(bed: Bed, batch: int, step_experts: float, link_experts: float, hbm_GBps: float, link_GBps: float
+             ) -> dict:
+    """Per step: every dense weight once, `step_experts` rows per MoE layer from HBM and
+    `link_experts` rows per MoE layer across the link. -> bytes, seconds, tok/s."""
+    layers = len(bed.host)
+    hbm = bed.dense_bytes + step_experts * layers * bed.row_bytes
+    link = link_experts * layers * bed.row_bytes
+    seconds = hbm / (hbm_GBps * GB) + link / (link_GBps * GB)
+    return {"hbm_bytes_per_step": hbm, "link_bytes_per_step": link, "roofline_step_ms": seconds * 1e3,
+            "roofline_tok_s": batch / seconds}
+
+
+def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int) -> dict:
+    """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.tokenizer.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=warmup + tokens, ignore_eos=True)
+    reqs = [llm.scheduler.requests[llm.add_request(p, params)] for p in prompts]
+    while min(len(r.output_ids) for r in reqs) < warmup:
+        llm.step()
+    stats0, steps0, graphs0 = llm.model.expert_stats(), llm.steps, llm.runner.graph_steps
+    cursor0 = int(llm.replayer.cursor) if llm.replayer else 0
+    done0 = sum(len(r.output_ids) for r in reqs)
+    step_times = []
+    if llm.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = last = time.perf_counter()
+    while llm.has_unfinished():
+        llm.step()  # its sampled tokens were read back: the step is complete
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last = now
+    seconds = last - t0
+    stats1 = llm.model.expert_stats()
+    delta = {k: stats1[k] - stats0[k] for k in stats1}
+    looked = delta["hits"] + delta["misses"] + delta["overflow"]
+    made = sum(len(r.output_ids) for r in reqs) - done0
+    return {
+        "batch": batch, "timed_tokens": made, "timed_steps": llm.steps - steps0,
+        "graph_steps": llm.runner.graph_steps - graphs0, "seconds": seconds,
+        "tok_s": made / seconds, "step_ms_median": statistics.median(step_times) * 1e3,
+        "step_ms_mean": seconds / len(step_times) * 1e3,
+        "expert_stats": delta, "hit_rate": delta["hits"] / looked if looked else None,
+        "cursor": [cursor0, int(llm.replayer.cursor) if llm.replayer else 0],
+        "tokens": [r.output_ids for r in reqs],
+    }
+
+
+def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
+                 args: dict, bw: dict) -> list[dict]:
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
+    prompt_len = args["prompt_len"]
+    llm = LLM.from_model(bed.model, bed.tokenizer, replay_trace=trace_path, max_num_seqs=max(batches),
+                         max_num_tokens=max(512, max(batches) * prompt_len),
+                         kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16))
+    rows = []
+    try:
+        for b in batches:
+            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            st = r["expert_stats"]
+            if backend == "slots":
+                per = max(1, st["steps"])  # layer-steps: every counter is summed over layers
+                hbm_experts = (st["hits"] + st["misses"]) / per
+                link_experts = (st["misses"] + st["overflow"]) / per
+            else:
+                distinct = distinct_per_step(trace, *r["cursor"], b)
+                hbm_experts, link_experts = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
+            roof = roofline(bed, b, hbm_experts, link_experts, bw["hbm_GBps"], bw["link_GBps"])
+            rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                         **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
+                         "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
+    finally:
+        llm.close()
+    return rows
+
+
+def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:
+    from moetier.bench.peer_hf import build_hf_peer
+
+    use_backend(bed, "uva")  # our experts stay in the host store only: the GPU is the peer's
+    peer = build_hf_peer(bed.model, budget, host_rows=bed.host)
+    peer.replay(trace.ids)
+    rows = []
+    try:
+        g = torch.Generator().manual_seed(args["seed"])
+        for b in batches:
+            prompts = torch.randint(0, bed.tokenizer.vocab_size, (b, args["prompt_len"]), generator=g).tolist()
+            r = peer.decode(prompts, args["hf_tokens"], warmup=1)
+            # The peer streams every offloaded layer's experts, all of them, at every forward.
+            offloaded = peer.report["offloaded_bytes"] / bed.row_bytes / len(bed.host)
+            on_gpu = distinct_per_step(trace, 0, 64 * b, b) * (1 - peer.report["offloaded_layers"] / len(bed.host))
+            roof = roofline(bed, b, on_gpu, offloaded, bw["hbm_GBps"], bw["link_GBps"])
+            rows.append({"backend": "hf-accelerate", "budget": budget, "batch": b, **r, **roof,
+                         "of_roofline": r["tok_s"] / roof["roofline_tok_s"], "peer": peer.report})
+    finally:
+        peer.close()
+    return rows
+
+
+def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
+        args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None) -> dict:
+    """bed and bw: a model already built and bandwidths already measured (tests on the CPU)."""
+    from moetier.traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    t0 = time.perf_counter()
+    if bed is None:
+        bed = loaded_bed(model_path) if model_path else random_bed(cfg, args["seed"])
+    build_s = time.perf_counter() - t0
+    link = links(row_bytes=bed.row_bytes) if bw is None else {}
+    bw = bw or {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"]}
+    rows: list[dict] = []
+    plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
+    plan += [("slots", b) for b in budgets if "slots" in backends]
+    for backend, budget in plan:
+        rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw)
+        print(table(rows[-len(batches):]), flush=True)
+    if "hf" in backends:
+        for budget in budgets:
+            rows += bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
+            print(table(rows[-1:]), flush=True)
+    same = check_tokens(rows)
+    return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
+                       "top_k": cfg.top_k, "moe_inter": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
+                       "dtype": "bf16", "row_bytes": bed.row_bytes, "dense_bytes": bed.dense_bytes,
+                       "expert_bytes": bed.row_bytes * cfg.num_experts * len(bed.host)},
+            "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
+            "greedy_tokens_equal_to_resident": same, "rows": [{k: v for k, v in r.items() if k != "tokens"}
+                                                              for r in rows]}
+
+
+def check_tokens(rows: list[dict]) -> dict[str, bool]:
+    """Greedy tokens of every engine row against resident's at the same batch (same trace, same prompts)."""
+    ref = {r["batch"]: r["tokens"] for r in rows if r["backend"] == "resident"}
+    out = {}
+    for r in rows:
+        if r["backend"] in ("slots", "uva") and r["batch"] in ref:
+            key = f"{r['backend']}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
+            out[key] = r["tokens"] == ref[r["batch"]]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
+        hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
+        lines.append(f"{r['backend']:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+                     f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
+                     f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
+                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
+    budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for name, style in (("slots", "o-"), ("hf-accelerate", "s-")):
+            pts = sorted((r["budget"], r["tok_s"]) for r in rows if r["backend"] == name and r["batch"] == b)
+            if pts:
+                ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name)
+        for name, style in (("resident", "--"), ("uva", ":")):
+            flat = [r["tok_s"] for r in rows if r["backend"] == name and r["batch"] == b]
+            if flat and budgets:
+                ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("expert budget (% of routed-expert bytes in HBM)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"batch {b}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    c = result["config"]
+    fig.suptitle(f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
+                 f"{c['experts']} experts top-{c['top_k']}, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
