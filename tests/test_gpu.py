@@ -367,4 +367,5 @@ def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
             graph.replay()
             assert torch.equal(out, want), f"{name} differs from resident at step {step}"
         slots.cache.check()
-    assert slots.cache.read_stats()["misses"] > 100
+    st = slots.cache.read_stats()  # at T = 64 most misses overflow: 64 slots cannot hold a step's experts
+    assert st["misses"] + st["overflow"] > 100
