@@ -65,20 +65,26 @@ class Replayer:
             raise MoetierError("the trace holds no tokens")
         self.blocks = model.moe_blocks()
         dev = model.device
-        self.ids = torch.as_tensor(trace.ids, device=dev)  # [N, L, k]
+        # [L, N, k]: one gather per step takes every layer's ids; each layer then slices its own.
+        self.ids = torch.as_tensor(trace.ids, device=dev).permute(1, 0, 2).contiguous()
         self.length = trace.num_tokens
         self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
         self.slot = {b.layer: i % trace.ids.shape[1] for i, b in enumerate(self.blocks)}
-        self.last = self.blocks[-1].layer
+        self.first, self.last = self.blocks[0].layer, self.blocks[-1].layer
+        self._arange = torch.arange(4096, device=dev)
+        self._step: torch.Tensor | None = None  # [L, T, k] ids of the step in flight
         for b in self.blocks:
             if b.route_hook is not None:
                 raise MoetierError("the model's router already has a hook; record and replay cannot run together")
             b.route_hook = self._hook
 
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
+        # NOTE: device ops only (graph-safe); three small kernels per step, none per layer.
         t = ids.shape[0]
-        rows = (self.cursor + torch.arange(t, device=ids.device)) % self.length
-        out = self.ids[rows, self.slot[layer]]
+        if layer == self.first:
+            steps = self._arange[:t] if t <= self._arange.numel() else torch.arange(t, device=ids.device)
+            self._step = self.ids[:, (self.cursor + steps) % self.length]
+        out = self._step[self.slot[layer]]
         if layer == self.last:
             self.cursor.add_(t)  # in place: a graph replay advances it too
         return out, weights
