@@ -4,15 +4,12 @@ CUDA at Qwen3-30B-A3B sizes, inside a captured CUDA graph, and through the whole
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.interpreter import run_script  # noqa: E402
 
 H, HQ, HKV, D, E, K, EPS = 2048, 32, 4, 128, 128, 8, 1e-6
 BF16_ULP = 2**-7
@@ -23,12 +20,8 @@ def gpu(test):
 
 
 def test_fused_kernels_match_references_in_the_interpreter():
-    script = Path(__file__).with_name("fused_interpreter.py")
-    root = str(Path(__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "fused kernels ok" in p.stdout
+    out = run_script("fused_interpreter.py")
+    assert "fused kernels ok" in out
 
 
 def near(got: torch.Tensor, want: torch.Tensor, ulps: float = 2) -> None:

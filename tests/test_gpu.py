@@ -11,6 +11,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 E, H, I, K = 64, 256, 128, 8
 
 
+def capture(fn):
+    """Warm fn up on a side stream (compile, allocate), then capture it -> (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
     from moetier.experts.store import HostStore, RowLayout
 
@@ -148,15 +161,7 @@ def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps(policy):
     graphs = {}
     for name, b in (("slots", slots), ("uva", uva)):
         ids.copy_(random_ids(torch.Generator().manual_seed(0), t))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            b.forward(x, ids, w)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = b.forward(x, ids, w)
-        graphs[name] = (g, out)
+        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
     slots.cache.reset()
     g = torch.Generator().manual_seed(1)
     for step in range(300):
@@ -347,15 +352,7 @@ def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
     graphs = {}
     for name, b in (("slots", slots), ("uva", uva)):
         ids.copy_(random_ids(torch.Generator().manual_seed(0), t, QK, QE))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            b.forward(x, ids, w)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = b.forward(x, ids, w)
-        graphs[name] = (graph, out)
+        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
     slots.cache.reset()
     g = torch.Generator().manual_seed(2)
     for step in range(40):

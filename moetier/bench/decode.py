@@ -251,7 +251,8 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
             on_gpu = distinct_per_step(trace, 0, 64 * b, b) * (1 - peer.report["offloaded_layers"] / len(bed.host))
             roof = roofline(bed, b, on_gpu, offloaded, bw["hbm_GBps"], bw["link_GBps"])
             rows.append({"backend": "hf-accelerate", "budget": budget, "batch": b, **r, **roof,
-                         "of_roofline": r["tok_s"] / roof["roofline_tok_s"], "peer": peer.report})
+                         "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
+                         "peer": {**r.get("peer", {}), **peer.report}})
     finally:
         peer.close()
     return rows
