@@ -32,8 +32,8 @@ Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2
 # Decode steps of up to this many tokens run the per-pair GEMV (gemm.py), larger ones the grouped GEMM.
 # 0: the grouped GEMM everywhere. It is as fast as the GEMV at one token (31.0 vs 31.1 us per
 # Qwen3-30B layer on the H200, scripts/tune_experts.py, bench/results/h200-tune-experts.json) and
-# 2.3x faster at 64, and a pair's result never depends on the other tokens of the step, so a
-# request's tokens are the same alone or in a batch.
+# 2.3x faster at 64, and a pair's result never depends on the other tokens of the step (so the
+# expert layer gives a token the same bits alone or in a batch).
 # NOTE: the GEMV and the grouped GEMM round differently; mixing them by T breaks that invariance.
 GEMV_TOKENS = 0
 
