@@ -19,8 +19,10 @@ class ExpertOptions:
     slots: int | None = None  # slots per MoE layer (slots backend); default half the experts
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # overrides `slots` by layer
     # Steps of more tokens (prefill) bypass the cache. With the per-pair GEMV the cached decode path won
-    # up to 16 tokens on the H200 (bench layer, Qwen3-30B and GLM-5 shapes); 64 comes from the grouped
-    # kernel (grouped.py), which reads each distinct expert once per step. Not yet measured on the H200.
+    # up to 16 tokens on the H200 (bench layer). The grouped GEMM (grouped.py) reads each distinct expert
+    # once per step: 0.30 ms per Qwen3-30B layer at 64 tokens against the GEMV's 0.71 (H200,
+    # bench/results/h200-tune-experts.json), so decode batches to 64 stay cached and graph-replayed
+    # (docs/bench-decode.md). The crossover against the bypass at 32-64 tokens was not re-measured.
     decode_tokens: int = 64
     fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
