@@ -16,8 +16,6 @@ from moetier.experts.store import RowLayout
 from moetier.presets import moe_shape
 
 CALLS = 20
-GROUPED = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 256, 8), (64, 64, 4),
-           (128, 64, 4)]
 
 
 def main(out: str) -> None:
@@ -36,7 +34,7 @@ def main(out: str) -> None:
         out_t = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
         scratch = grouped.Scratch.make(t * k, h, i, torch.device("cuda"))
         ids32 = ids.int()
-        variants = [("gemv", None)] + [("grouped", c) for c in GROUPED]
+        variants = [("gemv", None)] + [("grouped", c) for c in grouped.SWEEP]
         for name, cfg in variants:
             if name == "gemv":
                 def call(c=None):

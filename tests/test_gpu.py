@@ -24,6 +24,22 @@ def capture(fn):
     return graph, out
 
 
+def replay_against_resident(graphs, resident, slots, x, ids, w, steps: int, seed: int, new_ids) -> None:
+    """From an empty cache, `steps` times: new inputs into x, ids (new_ids(g, step)), w; replay every
+    captured graph; its output must equal the eager resident layer's bit for bit."""
+    slots.cache.reset()
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x.copy_(torch.randn(x.shape, generator=g).to(torch.bfloat16))
+        ids.copy_(new_ids(g, step))
+        w.copy_(torch.rand(w.shape, generator=g).to(torch.bfloat16))
+        want = resident.forward(x, ids, w).clone()
+        for name, (graph, out) in graphs.items():
+            graph.replay()
+            assert torch.equal(out, want), f"{name} differs from resident at step {step}"
+        slots.cache.check()
+
+
 def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
     from moetier.experts.store import HostStore, RowLayout
 
@@ -162,17 +178,8 @@ def test_graph_captured_slots_bit_exact_vs_eager_resident_300_steps(policy):
     for name, b in (("slots", slots), ("uva", uva)):
         ids.copy_(random_ids(torch.Generator().manual_seed(0), t))
         graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
-    slots.cache.reset()
-    g = torch.Generator().manual_seed(1)
-    for step in range(300):
-        x.copy_(torch.randn(t, H, generator=g).to(torch.bfloat16))
-        ids.copy_(random_ids(g, t, dup=step % 10 == 0))
-        w.copy_(torch.rand(t, K, generator=g).to(torch.bfloat16))
-        want = resident.forward(x, ids, w).clone()
-        for name, (graph, out) in graphs.items():
-            graph.replay()
-            assert torch.equal(out, want), f"{name} differs from resident at step {step}"
-        slots.cache.check()
+    replay_against_resident(graphs, resident, slots, x, ids, w, 300, 1,
+                            lambda g, step: random_ids(g, t, dup=step % 10 == 0))
     s = slots.cache.read_stats()
     assert s["misses"] > 1000 and s["overflow"] > 100
 
@@ -353,16 +360,7 @@ def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
     for name, b in (("slots", slots), ("uva", uva)):
         ids.copy_(random_ids(torch.Generator().manual_seed(0), t, QK, QE))
         graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
-    slots.cache.reset()
-    g = torch.Generator().manual_seed(2)
-    for step in range(40):
-        x.copy_(torch.randn(t, QH, generator=g).to(torch.bfloat16))
-        ids.copy_(random_ids(g, t, QK, QE, dup=step % 5 == 0))
-        w.copy_(torch.rand(t, QK, generator=g).to(torch.bfloat16))
-        want = resident.forward(x, ids, w).clone()
-        for name, (graph, out) in graphs.items():
-            graph.replay()
-            assert torch.equal(out, want), f"{name} differs from resident at step {step}"
-        slots.cache.check()
+    replay_against_resident(graphs, resident, slots, x, ids, w, 40, 2,
+                            lambda g, step: random_ids(g, t, QK, QE, dup=step % 5 == 0))
     st = slots.cache.read_stats()  # at T = 64 most misses overflow: 64 slots cannot hold a step's experts
     assert st["misses"] + st["overflow"] > 100

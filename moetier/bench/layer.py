@@ -3,7 +3,8 @@
 Rows: resident, uva, and slots at controlled hit rates, each with ms per layer, the split into
 bookkeeping, fill and expert GEMM, and the figures it is bound by (HBM and host-to-GPU bandwidth,
 measured in the same run). Also: both fill paths (copy kernel, copy engine), the decode-vs-bypass
-crossover that sets the prefill threshold, and a small tuning sweep of the expert kernels.
+crossover that sets the prefill threshold, and a small tuning sweep of the grouped expert GEMM (the
+kernel every backend runs).
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import math
 import torch
 
 from moetier.bench.common import GB, links, record, time_eager, time_graph
-from moetier.experts import gemm, kernels
+from moetier.experts import grouped, kernels
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer, HostStore, RowLayout
 from moetier.presets import moe_shape
 
-CONFIGS = [(16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 512, 8), (8, 512, 4), (32, 256, 8), (4, 512, 4), (64, 64, 4)]
 
 
 def fill_random(rows: torch.Tensor, seed: int) -> None:
@@ -86,15 +86,15 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         def run() -> None:
             for j in range(steps):
                 ids = uni[j]
-                gemm.expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._h,
-                                   resident._decode_out(x), gu, dn)
+                grouped.grouped_expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._work,
+                                           resident._decode_out(x), gu, dn)
         return run
 
     if tune:
         best = {}
         for which in ("gate_up", "down"):
             timings = {}
-            for cfg in CONFIGS:
+            for cfg in grouped.SWEEP:
                 gu, dn = (cfg, None) if which == "gate_up" else (best["gate_up"], cfg)
                 try:
                     timings[cfg] = time_graph(resident_graph(gu, dn)) / steps
@@ -103,7 +103,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
                     print(f"  {name} {which} {cfg}: {type(err).__name__}")
             best[which] = min(timings, key=timings.get)
             res[f"tune_{which}"] = {str(c): t for c, t in timings.items()}
-        gemm.GATE_UP_CONFIG, gemm.DOWN_CONFIG = best["gate_up"], best["down"]
+        grouped.GATE_UP_CONFIG, grouped.DOWN_CONFIG = best["gate_up"], best["down"]
         res["kernel_config"] = {"gate_up": best["gate_up"], "down": best["down"]}
 
     rows = []

@@ -12,8 +12,8 @@ computes each (token, expert) pair with the same ops and sums the k outputs in s
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
 `decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe): the
-per-pair GEMV (gemm.py) for one token, the grouped GEMM (grouped.py, each distinct row read once) for
-more. Larger steps (prefill) take an eager per-expert path that bypasses the cache.
+bookkeeping and fill of slots, then the grouped GEMM (grouped.py, each distinct row read once).
+Larger steps (prefill) take an eager per-expert path that bypasses the cache.
 """
 
 from __future__ import annotations
@@ -29,13 +29,6 @@ from moetier.experts.store import DevicePointer, RowLayout
 from moetier.models.layers import silu_mul
 
 Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2I, H], w2 [H, I])
-# Decode steps of up to this many tokens run the per-pair GEMV (gemm.py), larger ones the grouped GEMM.
-# 0: the grouped GEMM everywhere. It is as fast as the GEMV at one token (31.0 vs 31.1 us per
-# Qwen3-30B layer on the H200, scripts/tune_experts.py, bench/results/h200-tune-experts.json) and
-# 2.3x faster at 64, and a pair's result never depends on the other tokens of the step (so the
-# expert layer gives a token the same bits alone or in a batch).
-# NOTE: the GEMV and the grouped GEMM round differently; mixing them by T breaks that invariance.
-GEMV_TOKENS = 0
 
 
 def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torch.Tensor:
@@ -89,9 +82,8 @@ class ExpertBackend(ABC):
         if self.cuda:
             from moetier.experts import grouped
 
-            # shared by every backend of this shape (see grouped.Scratch); _h is the GEMV's part of it
+            # shared by every backend of this shape (see grouped.Scratch)
             self._work = grouped.Scratch.shared(decode_tokens * top_k, layout.hidden, layout.inter, self.device)
-            self._h = self._work.h
             self._out: torch.Tensor | None = None
 
     @abstractmethod
@@ -108,14 +100,16 @@ class ExpertBackend(ABC):
         return self._out[: hidden.shape[0]]
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
-        from moetier.experts import gemm, grouped
+        from moetier.experts import grouped
 
-        # NOTE: the kernel is chosen by T alone, so all backends run the same one and stay bit-exact.
-        h, i, out = self.layout.hidden, self.layout.inter, self._decode_out(hidden)
-        if hidden.shape[0] <= GEMV_TOKENS:
-            return gemm.expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, h, i, self._h, out)
-        return grouped.grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, h, i,
-                                          self._work, out)
+        # One kernel for every T and every backend: the backends stay bit-exact against each other,
+        # and a pair's result never depends on the other tokens of its step (a token gets the same
+        # bits alone or in a batch). At one token it is as fast as the per-pair GEMV (gemm.py: 31.0
+        # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
+        # bench/results/h200-tune-experts.json).
+        return grouped.grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
+                                          self.layout.hidden, self.layout.inter, self._work,
+                                          self._decode_out(hidden))
 
 
 class ResidentExperts(ExpertBackend):

@@ -1,10 +1,10 @@
-"""Triton expert GEMM for decode steps: SwiGLU experts by row id, T tokens x k pairs.
+"""Triton per-pair expert GEMV: SwiGLU experts by row id, T tokens x k pairs, each pair reading its row.
 
 A pair whose slot id is >= 0 reads slot row `slot` of the device rows; a pair whose slot id is -1
 reads host row `expert` across the link (pinned memory seen through unified addressing). The
-resident backend passes expert ids as slot ids, the uva backend passes -1 everywhere: one kernel
-serves all three backends, so they are bit-exact against each other. The torch twin is
-backends.expert_pairs + combine.
+backends ran this kernel until the grouped GEMM (grouped.py) replaced it: that one is as fast at one
+token and reads each distinct row once at more. It stays as the baseline scripts/tune_experts.py
+measures the grouped GEMM against. The torch twin is backends.expert_pairs + combine.
 """
 
 from __future__ import annotations

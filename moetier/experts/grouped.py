@@ -1,10 +1,11 @@
-"""Grouped Triton expert GEMM for decode steps of T > 1 tokens: each distinct expert row is read once.
+"""Grouped Triton expert GEMM for every decode step (T tokens x k experts): each distinct row read once.
 
 The per-pair GEMV (gemm.py) reads an expert's row once per (token, expert) pair; with T tokens many
-pairs share a row (batch 8 of Qwen3-30B: 64 pairs on ~40 of 128 experts), so it reads ~1.6x the bytes
-the step needs. Here the pairs are grouped by the row they read (key: the slot id when >= 0, else the
-host expert id) and every weight tile is loaded once per chunk of up to BLOCK_M of a group's tokens
-and multiplied against all of them with tl.dot.
+pairs share a row (batch 8 of Qwen3-30B: 64 pairs on 29 distinct experts per layer under the
+qwen3-30b-like trace, 52 under uniform routing), so it reads up to 2.2x the bytes the step needs.
+Here the pairs are grouped by the row they read (key: the slot id when >= 0, else the host expert
+id) and every weight tile is loaded once per chunk of up to BLOCK_M of a group's tokens and
+multiplied against all of them with tl.dot.
 
     plan      pairs -> `order` (pair ids sorted by (key, pair)) and `chunk_end` (per sorted position:
               where the chunk starting there ends, 0 where no chunk starts)
@@ -162,7 +163,10 @@ def _combine(y_ptr, weight_ptr, out_ptr, top_k: tl.constexpr, hidden: tl.constex
     tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-# (BLOCK_N, BLOCK_K, num_warps). Not yet measured: the lead's `bench layer` sweep should set these.
+# (BLOCK_N, BLOCK_K, num_warps). (64, 128, 4) was the fastest (or tied) of 8 configs at 1, 8, 32 and 64 tokens of a
+# Qwen3-30B layer on the H200 (scripts/tune_experts.py, bench/results/h200-tune-experts.json).
+SWEEP = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 256, 8), (64, 64, 4),
+         (128, 64, 4)]  # what scripts/tune_experts.py and `bench layer --tune` try
 GATE_UP_CONFIG = None  # None: the rule in configs(); the bench sets a tuple to sweep
 DOWN_CONFIG = None
 COMBINE_BLOCK = 256
@@ -184,7 +188,7 @@ class Scratch:
 
     order: torch.Tensor      # [P] int32: pair ids sorted by (row key, pair id)
     chunk_end: torch.Tensor  # [P] int32: per sorted position, the end of the chunk starting there, else 0
-    h: torch.Tensor          # [P, I] float32: SwiGLU of gate_up (the GEMV's scratch too)
+    h: torch.Tensor          # [P, I] float32: SwiGLU of gate_up
     y: torch.Tensor          # [P, H] float32: each pair's down output, before weighting
     one_order: torch.Tensor  # [P] int32 0, 1, ...: the plan of a one-token step, every pair its own chunk
     one_end: torch.Tensor    # [P] int32 1, 2, ...
@@ -199,9 +203,12 @@ class Scratch:
 
     @classmethod
     def shared(cls, max_pairs: int, hidden: int, inter: int, device: torch.device) -> Scratch:
-        key = (torch.device(device), max_pairs, hidden, inter)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, max_pairs, hidden, inter)
         if key not in _SHARED:
-            _SHARED[key] = cls.make(max_pairs, hidden, inter, torch.device(device))
+            _SHARED[key] = cls.make(max_pairs, hidden, inter, device)
         return _SHARED[key]
 
     @property
