@@ -13,9 +13,13 @@ class CheckpointError(MoetierError):
     pass
 
 
-def problem_list(title: str, problems: list[str], fix: str) -> str:
-    """One message listing every problem, so a user fixes them all in one pass."""
-    lines = [f"{title} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"]
+def problem_list(title: str, problems: list[str], fix: str, count: int | None = None,
+                 causes: list[str] = ()) -> str:
+    """One message listing every problem, so a user fixes them all in one pass. count: the problems
+    in all, where the list shows only some; causes: what explains many of them, said first."""
+    n = len(problems) if count is None else count
+    lines = [f"{title} ({n} problem{'s' if n != 1 else ''}):"]
+    lines += [f"  likely cause: {c}" for c in causes]
     lines += [f"  - {p}" for p in problems]
     lines.append(fix)
     return "\n".join(lines)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, config_from_dict
 from moetier.errors import ConfigError
+from moetier.experts.shape import MoeShape
 
 _QWEN3_COMMON: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -73,17 +74,13 @@ _TINY = {
 }
 
 
-# MoE layer shapes of architectures without a model preset yet (published config.json values):
-# hidden size, expert intermediate size, routed experts, top-k.
-MOE_SHAPES = {"glm-5": {"hidden": 6144, "inter": 2048, "experts": 256, "top_k": 8}}
+# MoE layer shapes of architectures without a model preset yet (published config.json values).
+MOE_SHAPES = {"glm-5": MoeShape(num_experts=256, top_k=8, hidden=6144, inter=2048)}
 
 
-def moe_shape(name: str) -> dict[str, int]:
+def moe_shape(name: str) -> MoeShape:
     """The routed-expert shape of a model preset or of MOE_SHAPES."""
-    if name in MOE_SHAPES:
-        return MOE_SHAPES[name]
-    c = preset(name)
-    return {"hidden": c.hidden_size, "inter": c.moe_intermediate_size, "experts": c.num_experts, "top_k": c.top_k}
+    return MOE_SHAPES[name] if name in MOE_SHAPES else preset(name).moe_shape
 
 
 def names() -> list[str]:
@@ -97,8 +94,9 @@ def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) 
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(names())}")
     d = {**_QWEN3_COMMON, **table[name]}
     if layers is not None:
-        if layers <= 0:
-            raise ConfigError(f"--layers must be positive, got {layers}")
+        full = d["num_hidden_layers"]
+        if not 1 <= layers <= full:
+            raise ConfigError(f"--layers {layers}: preset {name} has {full} layers; keep 1 to {full} of them")
         d["num_hidden_layers"] = layers
         d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
     if dtype is not None:
@@ -107,4 +105,4 @@ def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) 
 
 
 def preset(name: str, layers: int | None = None, dtype: str | None = None) -> ModelConfig:
-    return ModelConfig.from_dict(preset_dict(name, layers, dtype), source=f"preset {name}")
+    return config_from_dict(preset_dict(name, layers, dtype), source=f"preset {name}")

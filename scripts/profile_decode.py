@@ -10,17 +10,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moetier.bench import decode
-from moetier.engine import LLM
+from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
-from moetier.sampler import SamplingParams
+from moetier.sampling_params import SamplingParams
 
 
 def main(layers: int = 8, batch: int = 1) -> None:
     cfg = preset("qwen3-30b-a3b", layers, "bfloat16")
     bed = decode.random_bed(cfg)
     decode.use_backend(bed, "resident")
-    llm = LLM.from_model(bed.model, bed.tokenizer, replay_trace="data/traces/qwen3-30b-like.mtrace",
-                         max_num_seqs=8, kv_tokens=4096)
+    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace",
+                                                                max_num_seqs=8, kv_tokens=4096))
     for p in torch.randint(0, 400, (batch, 32)).tolist():
         llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(10):

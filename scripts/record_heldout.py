@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from moetier.engine import LLM
-from moetier.sampler import SamplingParams
+from moetier.sampling_params import SamplingParams
 
 
 def main() -> None:

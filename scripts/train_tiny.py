@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # works from a checkout without installing
-from moetier.tokenizer import Tokenizer, write_tokenizer  # noqa: E402
+from moetier.tokenizer import Tokenizer  # noqa: E402
+from moetier.tokenizer.synthetic import write_tokenizer  # noqa: E402
 
 # Test suites and IDLE are skipped (not library code); encodings/ is skipped because it is mostly
 # gencodec-generated mapping tables that would spend a sixth of the budget on '\x80' lines.
@@ -223,7 +224,7 @@ Sample generations and a judgement of them: `docs/tiny-stdlib.md` in the moetier
   {MAX_FILE_BYTES} bytes; every {HELD_OUT_EVERY}th file is held out (listed in `held_out.txt`).
   Train: {len(train_files)} files, {train_bytes:,} bytes, {len(train_stream):,} tokens.
   Held out: {len(held_files)} files, {held_bytes:,} bytes, {len(held_stream):,} tokens.
-- Tokenizer: moetier's built-in byte-level BPE (`moetier.tokenizer.write_tokenizer`), {tok.vocab_size} ids;
+- Tokenizer: moetier's built-in byte-level BPE (`moetier.tokenizer.synthetic.write_tokenizer`), {tok.vocab_size} ids;
   files are joined with `<|endoftext|>`.
 - Training: {step} steps x {args.batch} x {SEQ} tokens = {tokens:,} tokens ({tokens / len(train_stream):.2f}
   epochs) in {train_seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads; AdamW lr {args.lr}, warmup

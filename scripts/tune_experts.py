@@ -1,5 +1,5 @@
-"""Times the expert kernels at decode on the GPU: the per-pair GEMV (gemm.py) against the grouped GEMM
-(grouped.py) over a sweep of block sizes, T = 1, 8, 32, 64 tokens of a Qwen3-30B-shaped layer,
+"""Times the expert kernels at decode on the GPU: the per-pair GEMV (pair_gemv.py) against the grouped GEMM
+(grouped_gemm.py) over a sweep of block sizes, T = 1, 8, 32, 64 tokens of a Qwen3-30B-shaped layer,
 resident rows, random routing, CUDA-graph replayed (20 calls on different ids per replay, so the
 50 MB L2 holds little). Prints ms per call and GB/s of distinct rows read; writes JSON to argv[1]."""
 
@@ -11,8 +11,10 @@ import sys
 import torch
 
 from moetier.bench.common import GB, record, time_graph
-from moetier.experts import gemm, grouped
-from moetier.experts.store import RowLayout
+from moetier.experts import pair_gemv
+from moetier.experts.gemm_config import SWEEP, GemmConfig
+from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
+from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 
 CALLS = 20
@@ -20,7 +22,7 @@ CALLS = 20
 
 def main(out: str) -> None:
     s = moe_shape("qwen3-30b-a3b")
-    h, i, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
+    h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
     layout = RowLayout(h, i)
     rows = (torch.randn(e, layout.numel, device="cuda") * 0.02).to(torch.bfloat16)
     row_bytes = layout.numel * 2
@@ -32,19 +34,19 @@ def main(out: str) -> None:
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         w = torch.rand(t, k, device="cuda").to(torch.bfloat16)
         out_t = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
-        scratch = grouped.Scratch.make(t * k, h, i, torch.device("cuda"))
+        scratch = GemmScratch.make(t * k, h, i, torch.device("cuda"))
         ids32 = ids.int()
-        variants = [("gemv", None)] + [("grouped", c) for c in grouped.SWEEP]
+        variants = [("gemv", None)] + [("grouped", c) for c in SWEEP]
         for name, cfg in variants:
             if name == "gemv":
                 def call(c=None):
                     for n in range(CALLS):
-                        gemm.expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.h, out_t)
+                        pair_gemv.expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.h, out_t)
             else:
                 def call(c=cfg):
                     for n in range(CALLS):
-                        grouped.grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t,
-                                                   gate_up_config=c, down_config=c)
+                        grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t,
+                                           GemmConfig(c, c))
             try:
                 ms = time_graph(call) / CALLS
             except Exception as exc:  # a config Triton cannot compile

@@ -17,7 +17,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The `tiny` preset in float32, written once per test session."""
-    from moetier.writer import make_checkpoint
+    from moetier.checkpoint.writer import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", "tiny", seed=0, dtype="float32")
 
@@ -27,7 +27,7 @@ def hf_checkpoint(out: Path, preset: str, seed: int, max_shard_size: str | None 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moetier import presets
-    from moetier.tokenizer import write_tokenizer
+    from moetier.tokenizer.synthetic import write_tokenizer
 
     d = presets.preset_dict(preset, dtype="float32")
     d.pop("architectures"), d.pop("model_type")

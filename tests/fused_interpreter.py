@@ -18,9 +18,11 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from moetier.models import fused  # noqa: E402
-from moetier.models.layers import rms_norm, rope_cos_sin, rope_inv_freq  # noqa: E402
-from moetier.models.qwen3_moe import qk_norm_rope_kv_reference, route_reference  # noqa: E402
+from moetier.layers import fused  # noqa: E402
+from moetier.layers.norm import rms_norm
+from moetier.layers.rotary import rope_cos_sin, rope_inv_freq  # noqa: E402
+from moetier.layers.gqa_attention import qk_norm_rope_kv_reference
+from moetier.layers.router import route_reference  # noqa: E402
 
 EPS = 1e-6
 

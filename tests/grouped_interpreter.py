@@ -15,17 +15,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import grouped  # noqa: E402
-from moetier.experts.backends import combine, expert_pairs, row_fetch  # noqa: E402
-from moetier.experts.store import RowLayout  # noqa: E402
+from moetier.experts import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
+from moetier.experts.shape import RowLayout  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def check_plan(scratch: grouped.Scratch, slot_ids: torch.Tensor, ids: torch.Tensor) -> int:
+def check_plan(scratch: grouped.GemmScratch, slot_ids: torch.Tensor, ids: torch.Tensor) -> int:
     # order == a stable argsort of the row keys; chunk_end marks every BLOCK_M-th pair of each group
     p = ids.numel()
-    if ids.shape[0] == 1:  # one-token steps skip the plan: a chunk per pair (grouped.Scratch.one_order)
+    if ids.shape[0] == 1:  # one-token steps skip the plan: a chunk per pair (grouped.GemmScratch.one_order)
         return p
     keys = torch.where(slot_ids.reshape(-1) >= 0, slot_ids.reshape(-1).long(), -1 - ids.reshape(-1))
     order = torch.argsort(keys, stable=True)
@@ -63,7 +63,7 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
         ids = torch.randint(0, 3, (t, k), generator=g)
     else:  # "one": every pair on expert 5, a group of t*k pairs
         ids = torch.full((t, k), 5)
-    scratch = grouped.Scratch.make(64 * 8, h, i, torch.device("cpu"))
+    scratch = grouped.GemmScratch.make(64 * 8, h, i, torch.device("cpu"))
 
     # slots: a random half of the experts cached in shuffled slots, the rest read from the host rows
     cached = torch.randperm(e, generator=g)[: e // 2]

@@ -14,17 +14,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import gemm, kernels  # noqa: E402
-from moetier.experts.backends import combine, expert_pairs, row_fetch  # noqa: E402
+from moetier.experts import pair_gemv as gemm, slot_kernels as kernels  # noqa: E402
+from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.slots import SlotCache, policy_for  # noqa: E402
-from moetier.experts.store import RowLayout  # noqa: E402
+from moetier.experts.shape import RowLayout  # noqa: E402
 
 
 def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy: str = "lru") -> dict:
     g = torch.Generator().manual_seed(seed)
     pol = policy_for(policy, num_slots, 4)
     ref, ker = SlotCache(num_experts, num_slots, policy=pol), SlotCache(num_experts, num_slots, policy=pol)
-    scratch = kernels.Scratch(num_experts, num_slots, 128, torch.device("cpu"))
+    scratch = kernels.BookkeepingScratch(num_experts, num_slots, 128, torch.device("cpu"))
     for step in range(steps):
         t, k = [1, 2, 3, 20][step % 4], 4  # 20 x 4 = 80 pairs take the barrier kernel
         if step % 7 == 0:

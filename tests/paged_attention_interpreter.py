@@ -20,7 +20,7 @@ if __name__ == "__main__":  # before anything imports triton; importers (the GPU
 
 import torch  # noqa: E402
 
-from moetier.attention import AttnBatch, paged_attention_reference, write_kv  # noqa: E402
+from moetier.layers.attention import AttnBatch, paged_attention_reference, write_kv  # noqa: E402
 
 # bfloat16: the reference rounds scores and probabilities to bf16, the kernel its probabilities
 # (about 5e-3 each from exact at these sizes); the interpreter also truncates float32 -> bf16 where
@@ -91,7 +91,7 @@ def poisoned_empty():
 
 
 def check(specs, hq, hkv, dim, page_size, dtype, seed, num_splits=None, strided_q=False) -> float:
-    from moetier.paged_attention_triton import paged_attention_triton
+    from moetier.layers.paged_attention_triton import paged_attention_triton
 
     q, k_cache, v_cache, batch = make_case(specs, hq, hkv, dim, page_size, dtype, seed, strided_q=strided_q)
     ref = paged_attention_reference(q, k_cache, v_cache, batch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetier.bench import decode
-from moetier.cli import parse_budget
+from moetier.bench.cli import parse_budget
 from moetier.errors import MoetierError
 from moetier.presets import preset
 from moetier.traces.format import read_trace, write_trace

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetier.checkpoint import Checkpoint, validate
-from moetier.config import ModelConfig
+from moetier.checkpoint.index import Checkpoint
+from moetier.checkpoint.validate import validate
+from moetier.config import config_from_dict, config_from_dir
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 from moetier.errors import CheckpointError, ConfigError
-from moetier.loader import load_model
+from moetier.checkpoint.loader import load_model
 from moetier.presets import preset_dict
 
 
@@ -30,7 +32,7 @@ def rewrite(path, change):
 
 def test_config_unknown_architecture():
     with pytest.raises(ConfigError, match="model_type 'llama'.*not supported.*qwen3_moe"):
-        ModelConfig.from_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        config_from_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
 
 def test_config_lists_every_problem():
@@ -38,7 +40,7 @@ def test_config_lists_every_problem():
     d.update(num_attention_heads=6, num_key_value_heads=4, num_experts_per_tok=40, vocab_size=-1)
     del d["moe_intermediate_size"]
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict(d)
+        config_from_dict(d)
     msg = str(e.value)
     assert "4 problems" in msg
     assert "not a multiple of num_key_value_heads 4" in msg
@@ -53,7 +55,7 @@ def test_config_accepts_transformers5_names():
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
     d["dtype"] = d.pop("torch_dtype")
     del d["rope_theta"]
-    cfg = ModelConfig.from_dict(d)
+    cfg = config_from_dict(d)
     assert (cfg.num_experts, cfg.rope_theta, cfg.torch_dtype) == (32, 5e5, "float32")
 
 
@@ -61,16 +63,16 @@ def test_config_rejects_unsupported_features():
     d = preset_dict("tiny")
     d.update(use_sliding_window=True, rope_scaling={"rope_type": "yarn", "factor": 4.0}, hidden_act="gelu")
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict(d)
+        config_from_dict(d)
     assert "use_sliding_window" in str(e.value) and "'yarn'" in str(e.value) and "'gelu'" in str(e.value)
 
 
 def test_missing_config_and_missing_dir(tmp_path):
     with pytest.raises(ConfigError, match="config.json not found"):
-        ModelConfig.from_dir(tmp_path)
+        config_from_dir(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
-        ModelConfig.from_dir(tmp_path)
+        config_from_dir(tmp_path)
 
 
 def test_tensor_problems_listed_together(tiny_ckpt, tmp_path):
@@ -95,20 +97,20 @@ def test_tensor_problems_listed_together(tiny_ckpt, tmp_path):
 
 
 def test_validation_runs_before_allocation(tiny_ckpt, tmp_path, monkeypatch):
-    import moetier.loader as loader
+    import moetier.checkpoint.loader as loader
 
     path = copy_ckpt(tiny_ckpt, tmp_path / "bad")
     rewrite(path, lambda t: t.pop("model.embed_tokens.weight"))
 
     def no_alloc(*a, **k):
         raise AssertionError("the model was allocated before validation")
-    monkeypatch.setattr(loader, "Qwen3MoeForCausalLM", no_alloc)
+    monkeypatch.setattr(loader, "build_model", no_alloc)
     with pytest.raises(CheckpointError, match="missing tensor model.embed_tokens.weight"):
         load_model(path)
 
 
 def test_sharded_missing_and_damaged_shards(tiny_ckpt, tmp_path):
-    from moetier.writer import make_checkpoint
+    from moetier.checkpoint.writer import make_checkpoint
 
     path = make_checkpoint(tmp_path / "sharded", "tiny", dtype="float32", shard_bytes=2 * 2**20)
     shards = sorted(path.glob("model-*.safetensors"))
@@ -127,7 +129,7 @@ def test_sharded_missing_and_damaged_shards(tiny_ckpt, tmp_path):
 
 
 def test_index_names_a_tensor_the_shard_lacks(tmp_path):
-    from moetier.writer import make_checkpoint
+    from moetier.checkpoint.writer import make_checkpoint
 
     path = make_checkpoint(tmp_path / "sharded", "tiny", dtype="float32", shard_bytes=2 * 2**20)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -146,12 +148,35 @@ def test_no_weights_at_all(tmp_path):
 
 
 def test_tied_checkpoint_may_carry_lm_head(tmp_path):
-    from moetier.writer import make_checkpoint
+    from moetier.checkpoint.writer import make_checkpoint
 
     path = make_checkpoint(tmp_path / "tied", "tiny-gqa", dtype="float32")
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     assert cfg.tie_word_embeddings
-    names = validate(cfg, Checkpoint(path))
+    weights = Qwen3MoeForCausalLM.checkpoint_weights(cfg, set())
+    names = [w.name for w in validate(cfg, Checkpoint(path), weights)]
     assert "lm_head.weight" not in names
     rewrite(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
-    validate(cfg, Checkpoint(path))  # accepted, and the tied embedding is used
+    validate(cfg, Checkpoint(path), weights)  # accepted, and the tied embedding is used
+
+
+def test_a_wrong_size_in_config_is_named_first_and_the_list_capped(tiny_ckpt, tmp_path):
+    path = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    d = json.loads((path / "config.json").read_text())
+    d["hidden_size"] = 100
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError) as e:
+        load_model(path)
+    lines = str(e.value).splitlines()
+    assert "likely cause: config.json gives hidden_size = 100 where" in lines[1] and "have 128" in lines[1]
+    assert len(lines) < 20 and "more misshapen tensors" in str(e.value)
+
+
+def test_a_wrong_layer_count_is_named_first(tiny_ckpt, tmp_path):
+    path = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    d = json.loads((path / "config.json").read_text())
+    d["num_hidden_layers"] = 2
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"likely cause: config.json says num_hidden_layers 2, the checkpoint "
+                                              r"holds layers 0..3 \(4 layers\)"):
+        load_model(path)

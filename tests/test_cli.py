@@ -47,7 +47,7 @@ def test_errors_are_one_clear_line(cache, tmp_path):
     p = run("generate", "x", "--model", str(tmp_path / "nope"), env_cache=cache, check=False)
     assert p.returncode == 2 and p.stderr.startswith("error: --model") and "Traceback" not in p.stderr
     p = run("generate", "x", "--temperature", "-1", env_cache=cache, check=False)
-    assert p.returncode == 2 and "temperature must be >= 0" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "temperature must be a finite number >= 0" in p.stderr and "Traceback" not in p.stderr
     (tmp_path / "empty").mkdir()
     p = run("generate", "x", "--model", str(tmp_path / "empty"), env_cache=cache, check=False)
     assert p.returncode == 2 and "config.json not found" in p.stderr

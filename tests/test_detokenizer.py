@@ -9,8 +9,9 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from moetier.detokenizer import MAX_HELD, StopStrings, StreamDecoder
-from moetier.tokenizer import Tokenizer, TokenizerError, write_tokenizer
+from moetier.tokenizer.detokenizer import MAX_HELD, StopStrings, StreamDecoder
+from moetier.tokenizer import Tokenizer, TokenizerError
+from moetier.tokenizer.synthetic import write_tokenizer
 
 TEXTS = [
     "Hello, world! The answer is 42.",

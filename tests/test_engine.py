@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import torch
 
-from moetier.engine import LLM, AsyncLLM
+from moetier.engine import AsyncLLM, LLM
 from moetier.experts.placement import ExpertOptions
-from moetier.sampler import SamplingParams
+from moetier.sampling_params import SamplingParams
 
 
 def workload(n=32, seed=0, vocab=448):
@@ -27,7 +27,7 @@ def solo(tiny_ckpt):
     """Each request of the workload run alone, greedy."""
     llm = LLM(tiny_ckpt, device="cpu")
     prompts, params = workload()
-    return [llm.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    return [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
 
 
 @pytest.mark.parametrize("engine", [
@@ -41,8 +41,8 @@ def test_batch_of_32_equals_each_alone(tiny_ckpt, solo, engine):
     llm = LLM(tiny_ckpt, device="cpu", **engine)
     prompts, params = workload()
     outs = llm.generate(prompts, params)
-    assert [o.output_ids for o in outs] == solo
-    assert all(o.finish_reason == "length" for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == solo
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
     llm.scheduler.check()
     assert llm.scheduler.pages.num_used == 0
     if "kv_tokens" in engine:
@@ -57,8 +57,8 @@ def test_seeded_sampling_in_a_batch_equals_alone(tiny_ckpt):
     llm = LLM(tiny_ckpt, device="cpu")
     prompts = [[5, 6, 7], [100, 200], [42] * 30]
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
-    batch = [o.output_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate([p], SamplingParams(**{**sp.__dict__}))[0].output_ids for p, sp in zip(prompts, params)]
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], SamplingParams(**{**sp.__dict__}))[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert batch == alone
 
 
@@ -74,7 +74,7 @@ def test_abort_and_metrics(tiny_ckpt):
     while llm.has_unfinished():
         outs += llm.step()
     final = [o for o in outs if o.finished]
-    assert [o.request_id for o in final] == [b] and final[0].finish_reason == "length"
+    assert [o.request_id for o in final] == [b] and final[0].outputs[0].finish_reason == "length"
     met = final[0].metrics
     assert met["ttft_s"] > 0 and len(met["token_times"]) == 3 and met["token_times"] == sorted(met["token_times"])
     assert llm.metrics()["kv_pages_used"] == 0
@@ -83,16 +83,16 @@ def test_abort_and_metrics(tiny_ckpt):
 def test_async_streams_match_the_batch(tiny_ckpt):
     llm = LLM(tiny_ckpt, device="cpu")
     prompts, params = workload(n=6, seed=1)
-    want = [o.text for o in llm.generate(prompts, params)]
+    want = [o.outputs[0].text for o in llm.generate(prompts, params)]
     engine = AsyncLLM(llm)
 
     async def one(p, sp):
         deltas, final = [], None
         async for out in engine.generate(p, sp):
-            deltas.append(out.delta)
+            deltas.append(out.outputs[0].delta)
             final = out
-        assert "".join(deltas) == final.text and final.finished
-        return final.text
+        assert "".join(deltas) == final.outputs[0].text and final.finished
+        return final.outputs[0].text
 
     async def all_of_them():
         return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))

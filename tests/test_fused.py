@@ -32,14 +32,14 @@ def near(got: torch.Tensor, want: torch.Tensor, ulps: float = 2) -> None:
 
 
 def ref_rms_norm(x, weight, eps, residual=None):
-    from moetier.models.layers import rms_norm
+    from moetier.layers.norm import rms_norm
 
     s = x if residual is None else x + residual
     return rms_norm(s, weight, eps), s
 
 
 def qk_inputs(t: int, g: torch.Generator, pages: int = 64, page_size: int = 16):
-    from moetier.models.layers import rope_cos_sin, rope_inv_freq
+    from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
 
     bf = dict(dtype=torch.bfloat16, device="cuda")
     qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=g).to(**bf)
@@ -60,7 +60,7 @@ def router_logits(t: int, g: torch.Generator) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("t", [1, 8, 300])
 def test_rms_norm_on_gpu(t):
-    from moetier.models import fused
+    from moetier.layers import fused
 
     g = torch.Generator().manual_seed(t)
     x, r = (torch.randn(2, t, H, generator=g) * 4).to(torch.bfloat16).cuda()
@@ -75,8 +75,8 @@ def test_rms_norm_on_gpu(t):
 @gpu
 @pytest.mark.parametrize("t", [1, 8, 300])
 def test_qk_norm_rope_kv_on_gpu(t):
-    from moetier.models import fused
-    from moetier.models.qwen3_moe import qk_norm_rope_kv_reference
+    from moetier.layers import fused
+    from moetier.layers.gqa_attention import qk_norm_rope_kv_reference
 
     qkv, qn, kn, cos, sin, kc, vc, slots = qk_inputs(t, torch.Generator().manual_seed(t))
     want_k, want_v, got_k, got_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
@@ -91,8 +91,8 @@ def test_qk_norm_rope_kv_on_gpu(t):
 @pytest.mark.parametrize("renorm", [False, True])
 @pytest.mark.parametrize("t", [1, 8, 300])
 def test_route_on_gpu(t, renorm):
-    from moetier.models import fused
-    from moetier.models.qwen3_moe import route_reference
+    from moetier.layers import fused
+    from moetier.layers.router import route_reference
 
     g = torch.Generator().manual_seed(t)
     for logits in (router_logits(t, g), torch.randn(t, E, generator=g).cuda()):
@@ -108,7 +108,7 @@ def test_route_on_gpu(t, renorm):
 @gpu
 def test_graph_replay_equals_eager():
     """The three kernels captured in one graph, replayed on new inputs: bit-equal to eager."""
-    from moetier.models import fused
+    from moetier.layers import fused
 
     g = torch.Generator().manual_seed(0)
     t = 4
@@ -142,10 +142,11 @@ def test_graph_replay_equals_eager():
 def test_model_forward_fused_equals_plain_torch_on_gpu(tiny_ckpt, monkeypatch):
     """The whole model on CUDA in float32: prefill and decode steps with the fused kernels against
     the same model with them swapped for their references."""
-    from moetier.kv import Sequence
-    from moetier.loader import load_model
-    from moetier.models import fused
-    from moetier.models.qwen3_moe import qk_norm_rope_kv_reference, route_reference
+    from tests.helpers import Sequence
+    from moetier.checkpoint.loader import load_model
+    from moetier.layers import fused
+    from moetier.layers.gqa_attention import qk_norm_rope_kv_reference
+    from moetier.layers.router import route_reference
 
     _, model, _ = load_model(tiny_ckpt, dtype="float32", device="cuda")
     ids = torch.arange(3, 40)

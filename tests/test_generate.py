@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from moetier.errors import MoetierError
-from moetier.generate import Generator
-from moetier.sampler import SamplingParams
+from moetier.engine.generate import Generator
+from moetier.engine.llm import LLM
+from moetier.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def gen(tiny_ckpt):
-    return Generator.from_dir(tiny_ckpt)
+    return Generator(LLM(tiny_ckpt, device="cpu"))
 
 
 def greedy(gen, n, **kw):
@@ -62,7 +63,7 @@ def test_seeded_sampling_repeats(gen):
 def test_context_and_prompt_errors(gen):
     with pytest.raises(MoetierError, match="exceeds the context of 4096 tokens"):
         gen.generate([1] * 4000, SamplingParams(max_tokens=200))
-    with pytest.raises(MoetierError, match="prompt token ids must be in"):
+    with pytest.raises(MoetierError, match="prompt token ids must be integers in"):
         gen.generate([gen.cfg.vocab_size], SamplingParams(max_tokens=2))
     with pytest.raises(MoetierError, match="empty"):
         gen.prompt_ids("")
@@ -75,7 +76,7 @@ def test_chat_prompt_uses_template(gen):
 
 
 def test_bfloat16_generates_deterministically(tiny_ckpt):
-    g = Generator.from_dir(tiny_ckpt, dtype="bfloat16")
+    g = Generator(LLM(tiny_ckpt, dtype="bfloat16", device="cpu"))
     assert g.model.embed.dtype == torch.bfloat16
     a, b = greedy(g, 10), greedy(g, 10)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 10

@@ -41,7 +41,8 @@ def replay_against_resident(graphs, resident, slots, x, ids, w, steps: int, seed
 
 
 def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
-    from moetier.experts.store import HostStore, RowLayout
+    from moetier.experts.shape import RowLayout
+    from moetier.experts.store import HostStore
 
     layout = RowLayout(h, i)
     store = HostStore([0], e, layout, dtype, pin=pin)
@@ -51,7 +52,8 @@ def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
 
 
 def test_store_pins_exact_size():
-    from moetier.experts.store import PAGE, HostStore, RowLayout
+    from moetier.experts.shape import RowLayout
+    from moetier.experts.store import PAGE, HostStore
 
     layout = RowLayout(1000, 36)  # rows of 216,000 bytes: no power of two anywhere
     store = HostStore([0, 1, 2], 37, layout, torch.bfloat16, pin=True)
@@ -73,13 +75,13 @@ def random_ids(g, t, k=K, e=E, dup=False):
 def test_bookkeeping_kernel_matches_reference(num_slots, policy):
     """Both bookkeeping kernels (registers for small steps, barriers for large) against the torch
     reference, with the copy kernel after each step: every slot must also hold its row."""
-    from moetier.experts import kernels
+    from moetier.experts import slot_kernels as kernels
     from moetier.experts.slots import SlotCache, policy_for
     from moetier.experts.store import DevicePointer
 
     pol = policy_for(policy, num_slots, K)
     ref, gpu = SlotCache(E, num_slots, policy=pol), SlotCache(E, num_slots, "cuda", policy=pol)
-    scratch = kernels.Scratch(E, num_slots, 64 * K, torch.device("cuda"))
+    scratch = kernels.BookkeepingScratch(E, num_slots, 64 * K, torch.device("cuda"))
     host = torch.randn(E, 4100).to(torch.bfloat16).pin_memory()
     slot_rows = torch.zeros(num_slots, 4100, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -116,13 +118,13 @@ def test_bookkeeping_kernel_matches_reference(num_slots, policy):
 
 
 def test_copy_kernel_moves_exact_rows():
-    from moetier.experts import kernels
+    from moetier.experts import slot_kernels as kernels
     from moetier.experts.store import DevicePointer
 
     store, layout = rows_for()
     host = store.rows(0)
     slots = torch.full((16, layout.numel), float("nan"), dtype=host.dtype, device="cuda")
-    sc = kernels.Scratch(E, 16, 16, torch.device("cuda"))
+    sc = kernels.BookkeepingScratch(E, 16, 16, torch.device("cuda"))
     experts = torch.tensor([5, 63, 0, 17, 40], dtype=torch.int32)
     where = torch.tensor([3, 0, 15, 7, 8], dtype=torch.int32)
     sc.miss_expert[:5], sc.miss_slot[:5], sc.miss_count[0] = experts.cuda(), where.cuda(), 5
@@ -140,8 +142,8 @@ def test_copy_kernel_moves_exact_rows():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("t", [1, 3, 32])
 def test_expert_kernel_matches_torch(dtype, tol, t):
-    from moetier.experts import gemm
-    from moetier.experts.backends import combine, expert_pairs, row_fetch
+    from moetier.experts import pair_gemv as gemm
+    from moetier.experts.reference import combine, expert_pairs, row_fetch
     from moetier.experts.store import DevicePointer
 
     store, layout = rows_for(e=E, h=200, i=72, dtype=dtype, seed=t)  # odd sizes: masks at every edge
@@ -201,14 +203,15 @@ def test_copy_engine_fill_bit_exact():
 
 
 def test_generate_on_gpu_slots_equals_resident(tiny_ckpt):
+    from moetier.engine.generate import Generator
+    from moetier.engine.llm import LLM
     from moetier.experts.placement import ExpertOptions
-    from moetier.generate import Generator
-    from moetier.sampler import SamplingParams
+    from moetier.sampling_params import SamplingParams
 
     outs = {}
     for name, opts in {"resident": ExpertOptions("resident"), "slots": ExpertOptions("slots", slots=4),
                        "uva": ExpertOptions("uva")}.items():
-        gen = Generator.from_dir(tiny_ckpt, experts=opts, device="cuda")
+        gen = Generator(LLM(tiny_ckpt, experts=opts, device="cuda"))
         r = gen.generate(gen.prompt_ids("Once upon a time"),
                          SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True))
         outs[name] = r.output_ids
@@ -225,12 +228,12 @@ def test_engine_batch_on_gpu_slots_and_graphs_equals_alone(tiny_ckpt):
 
     prompts, params = workload()
     llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), max_num_seqs=8, max_num_tokens=64)
-    batch = [o.output_ids for o in llm.generate(prompts, params)]
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.runner.graph_steps > 20
-    alone = [llm.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert batch == alone
     eager = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), cuda_graphs=False)
-    assert [o.output_ids for o in eager.generate(prompts, params)] == alone
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params)] == alone
     assert llm.metrics()["expert_stats"]["misses"] > 100
     llm.scheduler.check()
 
@@ -245,7 +248,7 @@ def test_sampler_in_graph_equals_eager_and_alone(tiny_ckpt):
     """Issue 6: the sampler runs inside the decode graphs; seeded sampling with top-k / top-p through
     graph-replayed steps of every captured size gives each request the tokens it gets alone, eagerly."""
     from moetier.engine import LLM
-    from moetier.sampler import SamplingParams
+    from moetier.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (40,), generator=g)]
@@ -253,10 +256,10 @@ def test_sampler_in_graph_equals_eager_and_alone(tiny_ckpt):
     params = [SamplingParams(max_tokens=12 + i % 9, seed=100 + i, ignore_eos=True, **kinds[i % 4]) for i in range(40)]
     llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), max_num_seqs=64, max_num_tokens=256)
     assert llm.runner.graphs.sizes[-1] >= 16
-    batch = [o.output_ids for o in llm.generate(prompts, params)]
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.runner.graph_steps > 10
     eager = LLM(tiny_ckpt, device="cuda", experts=ExpertOptionsSlots(), cuda_graphs=False)
-    alone = [eager.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    alone = [eager.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert batch == alone
 
 
@@ -267,7 +270,7 @@ def test_replayed_trace_greedy_tokens_equal_resident_vs_slots():
 
     from moetier.engine import LLM
     from moetier.experts.placement import ExpertOptions
-    from moetier.sampler import SamplingParams
+    from moetier.sampling_params import SamplingParams
 
     trace = Path(__file__).parents[1] / "data" / "traces" / "tiny-stdlib-heldout.mtrace"
     outs, stats = {}, {}
@@ -275,18 +278,19 @@ def test_replayed_trace_greedy_tokens_equal_resident_vs_slots():
         llm = LLM(device="cuda", experts=opts, replay_trace=trace, max_num_seqs=8)
         res = llm.generate(["def parse(line):", "class Node:", "import os\n"] * 3,
                            SamplingParams(max_tokens=150, ignore_eos=True))
-        outs[name] = [r.output_ids for r in res]
+        outs[name] = [r.outputs[0].token_ids for r in res]
         stats[name] = llm.model.expert_stats()
     assert outs["slots"] == outs["resident"]
     assert stats["slots"]["misses"] > 1000
 
 
-# The grouped expert GEMM (experts/grouped.py) at Qwen3-30B sizes: bf16 rows of 2048 x 768, 128 experts, top-8.
+# The grouped expert GEMM (experts/grouped_gemm.py) at Qwen3-30B sizes: bf16 rows of 2048 x 768, 128 experts, top-8.
 QE, QH, QI, QK = 128, 2048, 768, 8
 
 
 def qwen_rows(seed=0):
-    from moetier.experts.store import HostStore, RowLayout
+    from moetier.experts.shape import RowLayout
+    from moetier.experts.store import HostStore
 
     layout = RowLayout(QH, QI)
     store = HostStore([0], QE, layout, torch.bfloat16, pin=True)  # 1.2 GB pinned
@@ -301,8 +305,8 @@ def qwen_rows(seed=0):
 def test_grouped_kernel_qwen3_sizes_vs_float64_and_exact_across_backends(t, dup):
     """Against a float64 oracle, and bit-exact between slot rows, host rows and the resident layout, and
     whatever other tokens share the step (dup: 16 experts, groups of up to t*k pairs in many chunks)."""
-    from moetier.experts import grouped
-    from moetier.experts.backends import combine, expert_pairs
+    from moetier.experts import grouped_gemm as grouped
+    from moetier.experts.reference import combine, expert_pairs
     from moetier.experts.store import DevicePointer
 
     store, layout = qwen_rows()
@@ -312,7 +316,7 @@ def test_grouped_kernel_qwen3_sizes_vs_float64_and_exact_across_backends(t, dup)
     x = torch.randn(t, QH, generator=g).to(torch.bfloat16).cuda()
     ids = random_ids(g, t, QK, QE, dup=dup).cuda()
     w = torch.rand(t, QK, generator=g).to(torch.bfloat16).cuda()
-    scratch = grouped.Scratch.make(64 * QK, QH, QI, torch.device("cuda"))
+    scratch = grouped.GemmScratch.make(64 * QK, QH, QI, torch.device("cuda"))
 
     def run(slot_ids, dev_rows, rows=slice(None)):
         out = torch.full((x[rows].shape[0], QH), float("nan"), dtype=torch.bfloat16, device="cuda")

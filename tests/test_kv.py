@@ -3,9 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.attention import paged_attention_reference, write_kv
-from moetier.kv import KVCache, PagePool, make_batch
-from moetier.models.layers import causal_attention
+from moetier.layers.attention import paged_attention_reference, write_kv
+from moetier.engine.pages import PagePool
+from moetier.layers.attention import make_batch
+from moetier.layers.kv_cache import GqaKVCache
+from moetier.layers.attention import causal_attention
 
 
 def test_page_pool_allocates_frees_and_checks():
@@ -31,7 +33,7 @@ def test_paged_attention_equals_contiguous():
     prompt) over shuffled pages give exactly what a contiguous cache gives."""
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, page = 6, 2, 16, 4
-    kv = KVCache(1, 32, page, hkv, d, torch.float32, "cpu")
+    kv = GqaKVCache(1, 32, page, hkv, d, torch.float32, "cpu")
     order = torch.randperm(32, generator=g).tolist()
     done, new = [9, 5, 0], [1, 7, 6]
     pages = [order[0:3], order[3:6], order[6:8]]

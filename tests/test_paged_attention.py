@@ -47,8 +47,8 @@ def test_paged_attention_matches_reference_in_the_interpreter():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_matches_reference(step, num_splits, dtype):
-    from moetier.attention import paged_attention_reference
-    from moetier.paged_attention_triton import paged_attention_triton
+    from moetier.layers.attention import paged_attention_reference
+    from moetier.layers.paged_attention_triton import paged_attention_triton
 
     h = helpers()
     specs = DECODE + [(300, 1000)] if step == "mixed" else DECODE
@@ -69,8 +69,8 @@ def test_gpu_matches_reference(step, num_splits, dtype):
 def test_gpu_decode_replays_in_a_cuda_graph():
     """Capture one decode step, then replay it with new q/k/v, page tables and context lengths
     written in place: the replay equals an eager call on the same contents, bit for bit."""
-    from moetier.attention import AttnBatch, paged_attention_reference
-    from moetier.paged_attention_triton import paged_attention_triton
+    from moetier.layers.attention import AttnBatch, paged_attention_reference
+    from moetier.layers.paged_attention_triton import paged_attention_triton
 
     h = helpers()
     grow = 9  # tokens each sequence gains before the replay; pages reserved for them up front

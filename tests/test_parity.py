@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from moetier.kv import Sequence
+from tests.helpers import Sequence
 from safetensors.torch import load_file, save_file
 
-from moetier.generate import Generator
-from moetier.sampler import SamplingParams
+from moetier.engine.generate import Generator
+from moetier.engine.llm import LLM
+from moetier.sampling_params import SamplingParams
 from tests.conftest import hf_checkpoint
 
 DECODE_STEPS = 20
@@ -41,7 +42,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
     if shard:
         assert (path / "model.safetensors.index.json").is_file()
     ref = hf_model(path)
-    gen = Generator.from_dir(path, dtype="float32")
+    gen = Generator(LLM(path, dtype="float32", device="cpu"))
     model = gen.model
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, gen.cfg.vocab_size, (13,), generator=g)
@@ -91,7 +92,7 @@ def test_fused_expert_layout_loads_the_same_model(tmp_path):
         out[p + "down_proj"] = torch.stack([tensors[f"{p}{i}.down_proj.weight"] for i in e])
     save_file(out, fused / "model.safetensors")
 
-    a, b = Generator.from_dir(path, dtype="float32"), Generator.from_dir(fused, dtype="float32")
+    a, b = Generator(LLM(path, dtype="float32", device="cpu")), Generator(LLM(fused, dtype="float32", device="cpu"))
     ids = torch.arange(3, 40)
     la = a.model.logits(Sequence(a.model, 64).forward(ids))
     lb = b.model.logits(Sequence(b.model, 64).forward(ids))
@@ -108,7 +109,7 @@ def test_bfloat16_tracks_transformers(tmp_path):
 
     path = hf_checkpoint(tmp_path / "bf16", "tiny", seed=5)
     ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    gen = Generator.from_dir(path, dtype="bfloat16")
+    gen = Generator(LLM(path, dtype="bfloat16", device="cpu"))
     assert gen.model.embed.dtype == torch.bfloat16
     ids = torch.arange(5, 30)
     ours = gen.model.logits(Sequence(gen.model, 64).forward(ids))

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from moetier.bench.peer_hf import build_hf_peer, expert_rows, hf_state_dict, offloaded_layers
 from moetier.experts.placement import ExpertOptions
-from moetier.kv import Sequence
-from moetier.loader import load_model
+from tests.helpers import Sequence
+from moetier.checkpoint.loader import load_model
 from tests.conftest import hf_checkpoint
 
 
@@ -36,7 +36,7 @@ def rel_err(a, b) -> float:
 
 @pytest.mark.parametrize("preset,fused", [("tiny-odd", False), ("tiny-odd", True), ("tiny-gqa", True)])
 def test_state_dict_inverts_the_loader(tmp_path, preset, fused):
-    from moetier.writer import make_checkpoint
+    from moetier.checkpoint.writer import make_checkpoint
 
     path = make_checkpoint(tmp_path / preset, preset, seed=3, dtype="float32", fused_experts=fused)
     _, model, _ = load_model(path, dtype="float32", experts=ExpertOptions("uva"))
@@ -50,7 +50,7 @@ def test_state_dict_inverts_the_loader(tmp_path, preset, fused):
     for name, t in got.items():
         assert torch.equal(t, want[name]), name
     # experts read from rows given by layer (bench decode's host store) instead of the model's own
-    zero = {moe.layer: torch.zeros_like(expert_rows(moe)) for moe in model.moe_blocks()}
+    zero = {layer: torch.zeros_like(rows) for layer, rows in expert_rows(model).items()}
     for name, t in hf_state_dict(model, fused_experts=fused, rows=zero):
         assert (".mlp.experts." in name) == (not t.any()), name
 
@@ -83,7 +83,7 @@ def test_peer_is_our_model(hf_tiny, backend, budget):
         if i in peer.offloaded:  # streamed from a pageable copy of its own, not from our store
             held = peer.model.model.layers[i].mlp.experts._hf_hook.weights_map["gate_up_proj"]
             assert not held.is_pinned()
-            ours = expert_rows(model.layers[i].mlp).untyped_storage().data_ptr()
+            ours = expert_rows(model)[i].untyped_storage().data_ptr()
             assert held.untyped_storage().data_ptr() != ours
 
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moetier.errors import MoetierError
-from moetier.sampler import SamplingParams, filter_top_k_top_p, sample
+from moetier.layers.sampler import filter_top_k_top_p, sample
+from moetier.sampling_params import SamplingParams
 
 
 def draw(logits, params, n):
@@ -81,7 +82,7 @@ def test_invalid_params(bad):
 
 
 def test_noise_is_uniform_and_keyed_by_seed_and_step():
-    from moetier.sampler import uniform_noise
+    from moetier.layers.sampler import uniform_noise
 
     u = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 50_000)
     assert u.shape == (3, 50_000) and bool(((u > 0) & (u < 1)).all())
@@ -106,7 +107,7 @@ def test_greedy_rows_stay_greedy_in_a_sampling_batch():
 
 
 def test_mode_is_the_cheapest_that_covers_the_batch():
-    from moetier.sampler import mode_of
+    from moetier.layers.sampler import mode_of
 
     assert mode_of([SamplingParams()]) == "greedy"
     assert mode_of([SamplingParams(), SamplingParams(temperature=0.7)]) == "sample"

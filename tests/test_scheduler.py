@@ -3,22 +3,43 @@ resumption, aborts."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import pickle
+import subprocess
+import sys
 
-from moetier.detokenizer import StopStrings
+import pytest
+
+from moetier.engine.pages import PagePool
+from moetier.engine.request import Request, Status
+from moetier.engine.scheduler import Scheduler
+from moetier.engine.step import SeqStep, StepInput
 from moetier.errors import MoetierError
-from moetier.kv import PagePool
-from moetier.request import Request, Status
-from moetier.sampler import SamplingParams
-from moetier.scheduler import Scheduler
+from moetier.sampling_params import SamplingParams
 
 PAGE = 4
 
 
 def req(rid, prompt_len, max_tokens=8):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), torch.Generator(),
-                   decoder=None, stops=StopStrings([]))
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=7)
+
+
+def test_scheduler_imports_no_torch():
+    code = "import sys, moetier.engine.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_step_record_is_plain_data():
+    s = Scheduler(PagePool(100), PAGE, max_num_tokens=16)
+    s.add(req("a", 10))
+    s.add(req("b", 3, max_tokens=2))
+    step = s.schedule().step()
+    assert isinstance(step, StepInput) and all(type(q) is SeqStep for q in step.seqs)
+    a, b = step.seqs
+    assert (a.request_id, a.start, a.token_ids, a.sample) == ("a", 0, list(range(1, 11)), True)
+    assert a.pages == s.requests["a"].pages and len(a.pages) == 3 and a.seed == 7 and a.sample_index == 0
+    assert b.token_ids == [1, 2, 3] and b.params.max_tokens == 2
+    assert pickle.loads(pickle.dumps(step)) == step  # it can cross a process boundary as it is
 
 
 def run_step(s: Scheduler, token=7, eos=()):
@@ -93,7 +114,7 @@ def test_resumed_request_recomputes_prompt_and_outputs():
     out = run_step(s)  # b comes back: recompute prompt + its output in one chunk, then sample
     q = out.seqs[0]
     assert (q.request.id, q.start, q.num_tokens, q.sample) == ("b", 0, 5, True)
-    assert q.token_ids == [1, 2, 3, 4, 7] and b.preemptions == 1
+    assert q.record().token_ids == [1, 2, 3, 4, 7] and b.preemptions == 1
 
 
 def test_abort_frees_pages_anywhere():

@@ -11,13 +11,14 @@ import sys
 import pytest
 import torch
 
-from moetier.kv import Sequence
+from tests.helpers import Sequence
 
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.slots import SlotCache
-from moetier.experts.store import HostStore, RowLayout
-from moetier.loader import load_model
+from moetier.experts.shape import RowLayout
+from moetier.experts.store import HostStore
+from moetier.checkpoint.loader import load_model
 
 
 def step(cache, ids):
@@ -143,7 +144,10 @@ def test_cli_slots_tokens_identical_to_resident(tiny_ckpt):
 def test_bad_slot_counts(tiny_ckpt):
     from moetier.errors import MoetierError
 
-    with pytest.raises(MoetierError, match="33 expert slots; it must be between 1 and num_experts"):
-        load_model(tiny_ckpt, experts=ExpertOptions("slots", slots=33))
+    for bad in (0, 33):
+        with pytest.raises(MoetierError, match=rf"--expert-slots {bad}: it must be between 1 and the number of "
+                                               r"experts \(32\)") as e:
+            load_model(tiny_ckpt, experts=ExpertOptions("slots", slots=bad))
+        assert str(e.value).count("--expert-slots") == 1  # said once, not once per layer
     with pytest.raises(MoetierError, match="unknown expert backend 'ram'"):
         load_model(tiny_ckpt, experts=ExpertOptions("ram"))

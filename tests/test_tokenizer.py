@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moetier.tokenizer import (MERGES, MIN_VOCAB, SPECIAL_TOKENS, Tokenizer, TokenizerError, _WORDS,
-                               write_tokenizer)
+from moetier.tokenizer import Tokenizer, TokenizerError
+from moetier.tokenizer.synthetic import _WORDS, MERGES, MIN_VOCAB, SPECIAL_TOKENS, write_tokenizer
 
 SYSTEM_USER = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 👋"}]
 CHATML = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi 👋<|im_end|>\n"
@@ -57,7 +57,7 @@ def test_write_is_byte_identical(tmp_path: Path) -> None:
     assert write_tokenizer(tmp_path / "a") == MIN_VOCAB
     # A separate interpreter with another hash seed: output must not depend on set/dict hashing.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    code = f"from moetier.tokenizer import write_tokenizer; print(write_tokenizer({str(tmp_path / 'b')!r}))"
+    code = f"from moetier.tokenizer.synthetic import write_tokenizer; print(write_tokenizer({str(tmp_path / 'b')!r}))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == str(MIN_VOCAB)

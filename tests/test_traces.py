@@ -90,7 +90,7 @@ def test_engine_and_simulator_agree(tiny_ckpt, tmp_path):
     """A trace replayed through the engine's slot cache (torch path) takes the simulator's hits."""
     from moetier.engine import LLM
     from moetier.experts.placement import ExpertOptions
-    from moetier.sampler import SamplingParams
+    from moetier.sampling_params import SamplingParams
 
     p = SynthParams(32, 4, 4, tokens=400, skew=1.0, reuse=0.3, layer_corr=0.2, seed=1)
     ids = synthesize(p)
@@ -137,7 +137,7 @@ def test_replay_refuses_a_trace_for_another_model(tiny_ckpt, tmp_path):
 def test_plan_slots_beats_an_even_split_and_loads(tiny_ckpt, tmp_path):
     from moetier.engine import LLM
     from moetier.experts.placement import ExpertOptions, read_slots_file
-    from moetier.traces.plan import plan
+    from moetier.traces.slot_plan import plan
 
     # layers differ: a flat one, a skewed one, and two in between
     layers = [synthesize(SynthParams(32, 4, 1, tokens=800, skew=s, reuse=0.2, seed=i))[:, 0]

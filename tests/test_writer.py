@@ -4,15 +4,15 @@ import json
 
 import torch
 
-from moetier.kv import Sequence
+from tests.helpers import Sequence
 from safetensors import safe_open
 
-from moetier.checkpoint import Checkpoint
-from moetier.config import ModelConfig
-from moetier.loader import load_model
+from moetier.checkpoint.index import Checkpoint
+from moetier.config import config_from_dir
+from moetier.checkpoint.loader import load_model
 from moetier.presets import preset
-from moetier.safetensors_io import StreamingWriter
-from moetier.writer import make_checkpoint, tensor_plan
+from moetier.checkpoint.safetensors_io import StreamingWriter
+from moetier.checkpoint.writer import make_checkpoint, tensor_plan
 
 
 def test_streaming_writer_is_read_by_safetensors(tmp_path):
@@ -73,7 +73,7 @@ def test_written_config_loads_and_uses_tokenizer_eos(tmp_path):
     from moetier.tokenizer import Tokenizer
 
     path = make_checkpoint(tmp_path / "t", "tiny", dtype="bf16")
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     tok = Tokenizer.from_dir(path)
     assert set(cfg.eos_token_ids) == set(tok.eos_token_ids)
     assert cfg.torch_dtype == "bfloat16"

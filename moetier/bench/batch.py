@@ -8,9 +8,9 @@ import time
 import torch
 
 from moetier.bench.common import record
-from moetier.engine import LLM
+from moetier.engine.llm import LLM
 from moetier.experts.placement import ExpertOptions
-from moetier.sampler import SamplingParams
+from moetier.sampling_params import SamplingParams
 
 
 def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
@@ -20,9 +20,11 @@ def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
     return prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in range(n)]
 
 
-def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, backend: str,
-        slots: int | None, seed: int = 0) -> dict:
-    llm = LLM(model, device=device, experts=ExpertOptions(backend, slots=slots))
+def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, experts: ExpertOptions,
+        seed: int = 0) -> dict:
+    from moetier.engine.llm import pick_device
+
+    llm = LLM(model, device=pick_device(device), experts=experts)
     prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
     llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures
 
@@ -33,10 +35,10 @@ def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str
     t0 = time.perf_counter()
     batch = llm.generate(prompts, params)
     t_batch = time.perf_counter() - t0
-    out_tokens = sum(len(o.output_ids) for o in batch)
-    same = [a.output_ids for a in alone] == [b.output_ids for b in batch]
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in batch)
+    same = [a.outputs[0].token_ids for a in alone] == [b.outputs[0].token_ids for b in batch]
     return record("batch", {
-        "model": str(llm.model_dir), "device": str(llm.model.device), "expert_backend": backend,
+        "model": str(llm.model_dir), "device": str(llm.model.device), "expert_backend": experts.backend,
         "requests": n, "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
         "one_by_one_s": t_alone, "batched_s": t_batch, "speedup": t_alone / t_batch,
         "one_by_one_tok_per_s": out_tokens / t_alone, "batched_tok_per_s": out_tokens / t_batch,

@@ -25,12 +25,16 @@ import torch
 
 from moetier.bench.common import GB, links
 from moetier.config import ModelConfig
-from moetier.engine import LLM
-from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-from moetier.experts.placement import ExpertOptions
-from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
-from moetier.sampler import SamplingParams
-from moetier.tokenizer import Tokenizer, write_tokenizer
+from moetier.engine.config import EngineConfig
+from moetier.engine.llm import LLM
+from moetier.experts.backends import SlotExperts
+from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.store import HostStore
+from moetier.models.base import CausalLM
+from moetier.models.registry import model_class
+from moetier.sampling_params import SamplingParams
+from moetier.tokenizer import Tokenizer
+from moetier.tokenizer.synthetic import write_tokenizer
 from moetier.traces.format import Trace
 
 
@@ -38,7 +42,7 @@ from moetier.traces.format import Trace
 class Bed:
     """The model, its experts' host rows by MoE layer, and what the roofline needs to know."""
 
-    model: Qwen3MoeForCausalLM
+    model: CausalLM
     host: dict[int, torch.Tensor]  # layer -> [E, R] pinned
     tokenizer: Tokenizer
     row_bytes: int
@@ -51,7 +55,9 @@ class Bed:
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store."""
-    model = Qwen3MoeForCausalLM(cfg, dtype, device, ExpertOptions("uva"))
+    model = model_class(cfg)(cfg, dtype, device)
+    store = HostStore(cfg.moe_layers, cfg.num_experts, cfg.moe_shape.layout, dtype, pin=device == "cuda")
+    host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,26 +65,25 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        for moe in model.moe_blocks():
-            rows = moe.rows
+        for rows in host.values():
             for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, rows.shape[0])
                 rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
                                 .normal_(0.0, 0.02, generator=g))
-    return _bed(model)
+    return _bed(model, host)
 
 
 def loaded_bed(path: str) -> Bed:
-    from moetier.loader import load_model
+    from moetier.checkpoint.loader import load_model
 
     _, model, _ = load_model(path, dtype="bf16", device="cuda", experts=ExpertOptions("uva"))
-    return _bed(model, Tokenizer.from_dir(path))
+    host = {block.layer: block.experts.host for block in model.moe_blocks()}
+    return _bed(model, host, Tokenizer.from_dir(path))
 
 
-def _bed(model: Qwen3MoeForCausalLM, tokenizer: Tokenizer | None = None) -> Bed:
-    host = {moe.layer: moe.rows for moe in model.moe_blocks()}
-    for moe in model.moe_blocks():
-        moe.rows = None
+def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | None = None) -> Bed:
+    for block in model.moe_blocks():
+        block.experts = None
     if tokenizer is None:
         with tempfile.TemporaryDirectory() as d:
             write_tokenizer(d)
@@ -94,22 +99,16 @@ def _bed(model: Qwen3MoeForCausalLM, tokenizer: Tokenizer | None = None) -> Bed:
 def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64) -> int:
     """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none)."""
     cfg, dev = bed.cfg, bed.model.device
-    for moe in bed.model.moe_blocks():
-        moe.experts = None  # free the previous backend's device memory first
+    for block in bed.model.moe_blocks():
+        block.experts = None  # free the previous backend's device memory first
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend == "slots" else 0
-    bed.model.placement.options = ExpertOptions(backend, slots=slots or None, decode_tokens=decode_tokens,
-                                                policy=policy)
-    layout, k = bed.model.placement.layout, cfg.top_k
-    for moe in bed.model.moe_blocks():
-        rows = bed.host[moe.layer]
-        if backend == "resident":
-            moe.experts = ResidentExperts(rows.to(dev, copy=True), layout, k, decode_tokens)
-        elif backend == "uva":
-            moe.experts = UvaExperts(rows, layout, k, decode_tokens, dev)
-        else:
-            moe.experts = SlotExperts(rows, layout, k, slots, decode_tokens, dev, "kernel", policy)
+    placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
+                                ExpertOptions(backend, slots=slots or None, policy=policy), dev, decode_tokens)
+    for block in bed.model.moe_blocks():
+        rows = bed.host[block.layer]
+        block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)
     return slots
 
 
@@ -194,11 +193,11 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     return start.elapsed_time(end) / reps
 
 
-def warm_all(model: Qwen3MoeForCausalLM) -> None:
+def warm_all(model: CausalLM) -> None:
     """Slots for every expert: place them all before timing, the cache's steady state (otherwise the
     timed window would still be paying each expert's first fill)."""
-    for moe in model.moe_blocks():
-        b = moe.experts
+    for block in model.moe_blocks():
+        b = block.experts
         if isinstance(b, SlotExperts) and b.cache.num_slots == b.cache.num_experts:
             miss = b.cache.warm(list(range(b.cache.num_experts)))
             n = int(miss.count)
@@ -209,9 +208,10 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                  args: dict, bw: dict) -> list[dict]:
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
     prompt_len = args["prompt_len"]
-    llm = LLM.from_model(bed.model, bed.tokenizer, replay_trace=trace_path, max_num_seqs=max(batches),
-                         max_num_tokens=max(512, max(batches) * prompt_len),
-                         kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16))
+    config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
+                          max_num_tokens=max(512, max(batches) * prompt_len),
+                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16))
+    llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
     try:

@@ -14,12 +14,14 @@ import math
 import torch
 
 from moetier.bench.common import GB, links, record, time_eager, time_graph
-from moetier.experts import grouped, kernels
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
+from moetier.experts.gemm_config import SWEEP, GemmConfig
+from moetier.experts.grouped_gemm import grouped_expert_mlp
+from moetier.experts.shape import RowLayout
+from moetier.experts.slot_kernels import BOOKKEEPING_WARPS, BookkeepingScratch, bookkeeping, copy_rows
 from moetier.experts.slots import SlotCache, policy_for
-from moetier.experts.store import DevicePointer, HostStore, RowLayout
+from moetier.experts.store import DevicePointer, HostStore
 from moetier.presets import moe_shape
-
 
 
 def fill_random(rows: torch.Tensor, seed: int) -> None:
@@ -62,7 +64,7 @@ def uniform_stream(experts: int, top_k: int, steps: int, tokens: int, seed: int)
 def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune: bool, seed: int = 0,
                 policy: str = "lfru", extras: bool = True) -> dict:
     s = moe_shape(name)
-    h, i, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
+    h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
     layout = RowLayout(h, i)
     dtype = torch.bfloat16
     store = HostStore([0], e, layout, dtype, pin=True)
@@ -72,7 +74,8 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     row_bytes = store.row_bytes
     num_slots = max(k, int(e * slot_frac))
     link = links(row_bytes=row_bytes)
-    res: dict = {"shape": {**s, "row_bytes": row_bytes, "slots": num_slots, "dtype": "bf16", "policy": policy},
+    shape = {"hidden": h, "inter": i, "experts": e, "top_k": k}
+    res: dict = {"shape": {**shape, "row_bytes": row_bytes, "slots": num_slots, "dtype": "bf16", "policy": policy},
                  "host_store": store.report(), "links": link}
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -82,37 +85,38 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
 
     resident = ResidentExperts(dev_rows, layout, k, decode_tokens=64)
 
-    def resident_graph(gu=None, dn=None):
+    def resident_graph(config: GemmConfig = GemmConfig()):
         def run() -> None:
             for j in range(steps):
                 ids = uni[j]
-                grouped.grouped_expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._work,
-                                           resident._decode_out(x), gu, dn)
+                grouped_expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._work,
+                                   resident._decode_out(x), config)
         return run
 
+    gemm, warps = GemmConfig(), BOOKKEEPING_WARPS
     if tune:
         best = {}
         for which in ("gate_up", "down"):
             timings = {}
-            for cfg in grouped.SWEEP:
-                gu, dn = (cfg, None) if which == "gate_up" else (best["gate_up"], cfg)
+            for cfg in SWEEP:
+                trial = GemmConfig(gate_up=cfg) if which == "gate_up" else GemmConfig(best["gate_up"], cfg)
                 try:
-                    timings[cfg] = time_graph(resident_graph(gu, dn)) / steps
+                    timings[cfg] = time_graph(resident_graph(trial)) / steps
                 except Exception as err:  # a config that does not compile for this shape
                     timings[cfg] = float("inf")
                     print(f"  {name} {which} {cfg}: {type(err).__name__}")
             best[which] = min(timings, key=timings.get)
             res[f"tune_{which}"] = {str(c): t for c, t in timings.items()}
-        grouped.GATE_UP_CONFIG, grouped.DOWN_CONFIG = best["gate_up"], best["down"]
+        gemm = GemmConfig(best["gate_up"], best["down"])
         res["kernel_config"] = {"gate_up": best["gate_up"], "down": best["down"]}
 
     rows = []
     expert_bytes = k * row_bytes  # bytes one token's experts weigh
-    t_res = time_graph(resident_graph()) / steps
+    t_res = time_graph(resident_graph(gemm)) / steps
     rows.append({"row": "resident", "ms": t_res, "hit": 1.0, "GBps": expert_bytes / GB / (t_res / 1e3),
                  "bound_ms": expert_bytes / GB / link["d2d_GBps"] * 1e3})
 
-    uva = UvaExperts(host, layout, k, decode_tokens=64, device="cuda")
+    uva = UvaExperts(host, layout, k, decode_tokens=64, device="cuda", gemm=gemm)
     t_uva = time_graph(lambda: [uva.forward(x, uni[j], w) for j in range(steps)]) / steps
     rows.append({"row": "uva", "ms": t_uva, "hit": 0.0, "GBps": expert_bytes / GB / (t_uva / 1e3),
                  "bound_ms": expert_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3})
@@ -120,12 +124,11 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
     streams = {hit: hit_stream(e, num_slots, k, steps, hit, seed + 2, policy) for hit in hits}
     if tune:
         res["tune_bookkeeping_warps"] = sweep_bookkeeping(host, layout, k, num_slots, streams, steps, policy)
-        kernels.BOOKKEEPING_WARPS = min(res["tune_bookkeeping_warps"], key=lambda w: sum(
-            res["tune_bookkeeping_warps"][w].values()))
+        warps = min(res["tune_bookkeeping_warps"], key=lambda w: sum(res["tune_bookkeeping_warps"][w].values()))
     for hit in hits:
         ids, init, want = streams[hit]
         ids = ids.cuda()
-        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda", policy=policy)
+        slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda", policy=policy, gemm=gemm)
         init_dev = {n: v.cuda() for n, v in init.items()}
         slots.slots[:] = dev_rows[init["slot_expert"].long().clamp(min=0)]  # contents match the maps
         sc = slots._scratch
@@ -133,12 +136,12 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         def reset() -> None:
             slots.cache.load_state(init_dev)
 
-        t_bk = time_graph(lambda: [kernels.bookkeeping(slots.cache, sc, ids[j]) for j in range(steps)], reset) / steps
+        t_bk = time_graph(lambda: [bookkeeping(slots.cache, sc, ids[j], warps) for j in range(steps)], reset) / steps
 
         def bk_fill() -> None:
             for j in range(steps):
-                kernels.bookkeeping(slots.cache, sc, ids[j])
-                kernels.copy_rows(slots._host_dev, slots.slots, sc, slots._copy_programs)
+                bookkeeping(slots.cache, sc, ids[j], warps)
+                copy_rows(slots._host_dev, slots.slots, sc, slots._copy_programs)
         t_fill = time_graph(bk_fill, reset) / steps
         t_full = time_graph(lambda: [slots.forward(x, ids[j], w) for j in range(steps)], reset) / steps
         got = slots.cache.read_stats()
@@ -162,14 +165,13 @@ def sweep_bookkeeping(host, layout, k, num_slots, streams, steps, policy) -> dic
     """Per-step bookkeeping time (us) by warps per program, on each hit-rate stream."""
     out = {}
     for warps in (1, 2, 4, 8):
-        kernels.BOOKKEEPING_WARPS = warps
         out[warps] = {}
         for hit, (ids, init, _) in streams.items():
             ids = ids.cuda()
             cache = SlotCache(host.shape[0], num_slots, "cuda", policy_for(policy, num_slots, k))
-            sc = kernels.Scratch(host.shape[0], num_slots, 64 * k, torch.device("cuda"))
+            sc = BookkeepingScratch(host.shape[0], num_slots, 64 * k, torch.device("cuda"))
             init_dev = {n: v.cuda() for n, v in init.items()}
-            t = time_graph(lambda: [kernels.bookkeeping(cache, sc, ids[j]) for j in range(steps)],
+            t = time_graph(lambda: [bookkeeping(cache, sc, ids[j], warps) for j in range(steps)],
                            lambda: cache.load_state(init_dev))
             out[warps][str(hit)] = t / steps * 1e3
     return out
@@ -179,7 +181,7 @@ def bench_fills(host: torch.Tensor, dev_rows: torch.Tensor, row_bytes: int, e: i
     """Both fill paths for m missed rows: the copy kernel (graph) and the copy engine (eager)."""
     out = []
     slots_t = torch.empty(32, host.shape[1], dtype=host.dtype, device="cuda")
-    sc = kernels.Scratch(e, 32, 32, torch.device("cuda"))
+    sc = BookkeepingScratch(e, 32, 32, torch.device("cuda"))
     src = DevicePointer(host)
     programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     for m in (1, 8, 32):
@@ -187,7 +189,7 @@ def bench_fills(host: torch.Tensor, dev_rows: torch.Tensor, row_bytes: int, e: i
         sc.miss_expert[:m] = experts.int().cuda()
         sc.miss_slot[:m] = torch.arange(m, dtype=torch.int32, device="cuda")
         sc.miss_count.fill_(m)
-        t_kernel = time_graph(lambda: kernels.copy_rows(src, slots_t, sc, programs))
+        t_kernel = time_graph(lambda: copy_rows(src, slots_t, sc, programs))
         assert torch.equal(slots_t[:m], dev_rows[experts.cuda()]), "copy kernel moved the wrong bytes"
         stream = torch.cuda.Stream()
 
@@ -200,7 +202,7 @@ def bench_fills(host: torch.Tensor, dev_rows: torch.Tensor, row_bytes: int, e: i
         out.append({"rows": m, "kernel_ms": t_kernel, "kernel_GBps": m * row_bytes / GB / (t_kernel / 1e3),
                     "copy_engine_ms": t_engine, "copy_engine_GBps": m * row_bytes / GB / (t_engine / 1e3)})
     sc.miss_count.zero_()  # the no-miss step: what the copy launch costs when there is nothing to copy
-    out.append({"rows": 0, "kernel_ms": time_graph(lambda: kernels.copy_rows(src, slots_t, sc, programs))})
+    out.append({"rows": 0, "kernel_ms": time_graph(lambda: copy_rows(src, slots_t, sc, programs))})
     return out
 
 

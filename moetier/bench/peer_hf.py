@@ -28,67 +28,40 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import MoetierError
-from moetier.models.qwen3_moe import MoE, Qwen3MoeForCausalLM
+from moetier.models.base import CausalLM
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 
 EXPERTS = "model.layers.{}.mlp.experts"
 
 
-def expert_rows(moe: MoE) -> torch.Tensor:
-    """[E, R] rows of one MoE layer wherever they live: before build_experts, the device (resident) or
-    the host store (slots, uva)."""
-    if moe.rows is not None:
-        return moe.rows
-    rows = getattr(moe.experts, "rows", None)
-    return rows if rows is not None else moe.experts.host
+def expert_rows(model: CausalLM) -> dict[int, torch.Tensor]:
+    """[E, R] rows of every MoE layer wherever its backend keeps them: the device (resident) or the host
+    store (slots, uva)."""
+    out = {}
+    for block in model.moe_blocks():
+        rows = getattr(block.experts, "rows", None)
+        out[block.layer] = rows if rows is not None else block.experts.host
+    return out
 
 
-def hf_state_dict(model: Qwen3MoeForCausalLM, fused_experts: bool = True,
+def hf_state_dict(model: CausalLM, fused_experts: bool = True,
                   rows: dict[int, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the Hugging Face checkpoint of `model`, as views of our parameters.
+    """Every tensor of the Hugging Face checkpoint of `model`, as views of our parameters: the model's
+    own checkpoint map (checkpoint_weights, param) read backwards.
 
     fused_experts: transformers 5 names (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]);
     otherwise per-expert mlp.experts.{e}.{gate,up,down}_proj.weight. A tied lm_head is not yielded.
-    rows: MoE layer -> its experts' rows [E, R], where they are not the model's own (expert_rows).
+    rows: MoE layer -> its experts' rows [E, R] (default: where the model's backends keep them).
     """
     cfg = model.cfg
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    yield "model.embed_tokens.weight", model.embed
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = layer.attn
-        yield p + "input_layernorm.weight", layer.input_norm
-        yield p + "post_attention_layernorm.weight", layer.post_norm
-        for proj, lo, hi in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
-            yield f"{p}self_attn.{proj}.weight", a.qkv[lo:hi]
-            if a.qkv_bias is not None:
-                yield f"{p}self_attn.{proj}.bias", a.qkv_bias[lo:hi]
-        yield p + "self_attn.o_proj.weight", a.o
-        if a.o_bias is not None:
-            yield p + "self_attn.o_proj.bias", a.o_bias
-        yield p + "self_attn.q_norm.weight", a.q_norm
-        yield p + "self_attn.k_norm.weight", a.k_norm
-        mlp = layer.mlp
-        if isinstance(mlp, MoE):
-            r = rows[i] if rows is not None and i in rows else expert_rows(mlp)
-            w13, w2 = mlp.layout.w13(r), mlp.layout.w2(r)  # [E, 2I, H], [E, H, I]
-            yield p + "mlp.gate.weight", mlp.gate
-            if fused_experts:
-                yield p + "mlp.experts.gate_up_proj", w13
-                yield p + "mlp.experts.down_proj", w2
-            else:
-                n = cfg.moe_intermediate_size
-                for e in range(cfg.num_experts):
-                    yield f"{p}mlp.experts.{e}.gate_proj.weight", w13[e, :n]
-                    yield f"{p}mlp.experts.{e}.up_proj.weight", w13[e, n:]
-                    yield f"{p}mlp.experts.{e}.down_proj.weight", w2[e]
-        else:
-            n = cfg.intermediate_size
-            yield p + "mlp.gate_proj.weight", mlp.w13[:n]
-            yield p + "mlp.up_proj.weight", mlp.w13[n:]
-            yield p + "mlp.down_proj.weight", mlp.w2
-    yield "model.norm.weight", model.norm
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", model.lm_head
+    rows = rows if rows is not None else expert_rows(model)
+    present = {f"model.layers.{i}.mlp.experts.gate_up_proj" for i in cfg.moe_layers} if fused_experts else set()
+    layout = cfg.moe_shape.layout
+    for w in type(model).checkpoint_weights(cfg, present):
+        if w.expert is not None:
+            yield w.name, layout.part(rows[w.expert.layer], w.expert.part, w.expert.expert)
+        elif (t := model.param(w.name)) is not None:
+            yield w.name, t
 
 
 def hf_config(model: Qwen3MoeForCausalLM):
@@ -263,7 +236,7 @@ class _RouteOverride:
             h.remove()
 
 
-def build_hf_peer(model: Qwen3MoeForCausalLM, expert_budget: float, device: str | torch.device = "cuda",
+def build_hf_peer(model: CausalLM, expert_budget: float, device: str | torch.device = "cuda",
                   host_rows: dict[int, torch.Tensor] | None = None) -> HFPeer:
     """transformers' Qwen3MoeForCausalLM holding `model`'s weights, the experts of the last MoE layers
     offloaded to CPU memory through accelerate so that a share 1 - expert_budget of expert bytes is off
@@ -272,6 +245,8 @@ def build_hf_peer(model: Qwen3MoeForCausalLM, expert_budget: float, device: str 
     from accelerate import dispatch_model, init_empty_weights
     from transformers import Qwen3MoeForCausalLM as HFModel
 
+    if not isinstance(model, Qwen3MoeForCausalLM):
+        raise MoetierError(f"the transformers peer is built for qwen3_moe models only, not {model.cfg.model_type}")
     main = torch.device(device)
     if main.type == "cuda" and main.index is None:
         main = torch.device("cuda", torch.cuda.current_device())

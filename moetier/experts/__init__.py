@@ -1,1 +1,3 @@
-"""Routed experts: the tiers that hold them (store, slots) and the backends that compute them."""
+"""The expert tiers: the exact-pinned host store, the per-layer HBM slot cache and its kernels, the
+grouped expert GEMM, and the backends (resident, slots, uva) built over them. Knows a MoE shape,
+never a model family or the engine."""

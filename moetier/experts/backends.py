@@ -12,78 +12,41 @@ computes each (token, expert) pair with the same ops and sums the k outputs in s
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
 `decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe): the
-bookkeeping and fill of slots, then the grouped GEMM (grouped.py, each distinct row read once).
-Larger steps (prefill) take an eager per-expert path that bypasses the cache.
+bookkeeping and fill of slots, then the grouped GEMM (grouped_gemm.py, each distinct row read once).
+Larger steps (prefill) take an eager per-expert path (reference.py) that bypasses the cache.
+
+Every backend counts what it did (stats(): hits, misses, overflow, steps, bypassed) and can be put
+back to its empty state (reset()), so nobody reaches into a backend's cache.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.reference import combine, expert_pairs, row_fetch
+from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
-from moetier.experts.store import DevicePointer, RowLayout
-from moetier.models.layers import silu_mul
-
-Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2I, H], w2 [H, I])
-
-
-def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-    """Outputs of every (token, slot) pair, before weighting: [T, k, H].
-
-    `keys` [T, k] names the row each pair reads; fetch(key) gives that row's weights. Rows are visited
-    one at a time over the pairs that use them, pairs in flat order; a pair's result depends only on
-    its token and its row's bytes, so which rows hold which expert never changes a bit.
-    NOTE: host-side loop over used rows (syncs); the CUDA decode path is gemm.expert_mlp.
-    """
-    t, k = keys.shape
-    flat = keys.reshape(-1)
-    tok = torch.arange(t, device=hidden.device).repeat_interleave(k)
-    out = hidden.new_empty(t * k, hidden.shape[-1])
-    order = torch.argsort(flat, stable=True)
-    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    begin = 0
-    for key, n in zip(uniq.tolist(), counts.tolist()):
-        pairs = order[begin:begin + n]
-        begin += n
-        w13, w2 = fetch(key)
-        out[pairs] = F.linear(silu_mul(F.linear(hidden[tok[pairs]], w13)), w2)
-    return out.view(t, k, -1)
-
-
-def combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    # pair_out: [T, k, H], topk_weights: [T, k] -> [T, H]; a fixed reduction order over k.
-    return (pair_out * topk_weights[..., None].to(pair_out.dtype)).sum(dim=1)
-
-
-def row_fetch(rows: torch.Tensor, layout: RowLayout, device: torch.device | None = None) -> Fetch:
-    """Fetch from a rows tensor [N, R]; with `device`, rows are copied there first (prefill over the link)."""
-    def fetch(key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row = rows[key:key + 1]
-        if device is not None and row.device != device:
-            row = row.to(device, non_blocking=True)
-        return layout.w13(row)[0], layout.w2(row)[0]
-    return fetch
-
+from moetier.experts.store import DevicePointer
 
 class ExpertBackend(ABC):
     """Computes one MoE layer's routed experts for the tokens of a step."""
 
     name: str
 
-    def __init__(self, layout: RowLayout, top_k: int, decode_tokens: int, device: torch.device):
-        self.layout, self.top_k, self.device = layout, top_k, torch.device(device)
+    def __init__(self, layout: RowLayout, top_k: int, decode_tokens: int, device: torch.device,
+                 gemm: GemmConfig = GemmConfig()):
+        self.layout, self.top_k, self.device, self.gemm = layout, top_k, torch.device(device), gemm
         self.decode_tokens = decode_tokens  # steps up to this many tokens take the decode path
         self.bypassed = 0  # steps that took the prefill path (host-side count, prefill is eager)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            from moetier.experts import grouped
+            from moetier.experts.grouped_gemm import GemmScratch
 
-            # shared by every backend of this shape (see grouped.Scratch)
-            self._work = grouped.Scratch.shared(decode_tokens * top_k, layout.hidden, layout.inter, self.device)
+            # shared by every backend of this shape (see GemmScratch)
+            self._work = GemmScratch.shared(decode_tokens * top_k, layout.hidden, layout.inter, self.device)
             self._out: torch.Tensor | None = None
 
     @abstractmethod
@@ -94,22 +57,31 @@ class ExpertBackend(ABC):
     def nbytes(self) -> dict[str, int]:
         """Bytes this backend holds, by tier ('device', 'host')."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters since the last reset: cache hits, misses (filled), overflow (read over the link),
+        decode steps of the cache, and steps that bypassed it (prefill). One host read; call between
+        steps, never inside one."""
+        return {"hits": 0, "misses": 0, "overflow": 0, "steps": 0, "bypassed": self.bypassed}
+
+    def reset(self) -> None:
+        """Back to the state after building: counters zero, an empty cache."""
+        self.bypassed = 0
+
     def _decode_out(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._out is None or self._out.dtype != hidden.dtype:
             self._out = torch.empty(self.decode_tokens, self.layout.hidden, dtype=hidden.dtype, device=self.device)
         return self._out[: hidden.shape[0]]
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
-        from moetier.experts import grouped
+        from moetier.experts.grouped_gemm import grouped_expert_mlp
 
         # One kernel for every T and every backend: the backends stay bit-exact against each other,
         # and a pair's result never depends on the other tokens of its step (a token gets the same
-        # bits alone or in a batch). At one token it is as fast as the per-pair GEMV (gemm.py: 31.0
+        # bits alone or in a batch). At one token it is as fast as the per-pair GEMV (pair_gemv.py: 31.0
         # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
         # bench/results/h200-tune-experts.json).
-        return grouped.grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                                          self.layout.hidden, self.layout.inter, self._work,
-                                          self._decode_out(hidden))
+        return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
+                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm)
 
 
 class ResidentExperts(ExpertBackend):
@@ -117,8 +89,9 @@ class ResidentExperts(ExpertBackend):
 
     name = "resident"
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 64):
-        super().__init__(layout, top_k, decode_tokens, rows.device)
+    def __init__(self, rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 64,
+                 gemm: GemmConfig = GemmConfig()):
+        super().__init__(layout, top_k, decode_tokens, rows.device, gemm)
         self.rows = rows  # [E, R]
 
     def forward(self, hidden, topk_ids, topk_weights):
@@ -136,8 +109,8 @@ class UvaExperts(ExpertBackend):
     name = "uva"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, decode_tokens: int = 64,
-                 device: torch.device | str = "cpu"):
-        super().__init__(layout, top_k, decode_tokens, device)
+                 device: torch.device | str = "cpu", gemm: GemmConfig = GemmConfig()):
+        super().__init__(layout, top_k, decode_tokens, device, gemm)
         self.host = host_rows  # [E, R] on the CPU
         if self.cuda:
             self._host_dev = DevicePointer(host_rows)
@@ -166,8 +139,8 @@ class SlotExperts(ExpertBackend):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
-                 policy: str = "lfru"):
-        super().__init__(layout, top_k, decode_tokens, device)
+                 policy: str = "lfru", gemm: GemmConfig = GemmConfig()):
+        super().__init__(layout, top_k, decode_tokens, device, gemm)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
@@ -176,10 +149,10 @@ class SlotExperts(ExpertBackend):
         self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k))
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
         if self.cuda:
-            from moetier.experts import kernels
+            from moetier.experts.slot_kernels import BookkeepingScratch
 
             self._host_dev = DevicePointer(host_rows)
-            self._scratch = kernels.Scratch(num_experts, num_slots, decode_tokens * top_k, self.device)
+            self._scratch = BookkeepingScratch(num_experts, num_slots, decode_tokens * top_k, self.device)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._copy_programs = 2 * sms
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -194,11 +167,11 @@ class SlotExperts(ExpertBackend):
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
             return combine(expert_pairs(hidden, keys, self._fetch), topk_weights)
-        from moetier.experts import kernels
+        from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
-        slot_ids = kernels.bookkeeping(self.cache, self._scratch, topk_ids)
+        slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
         if self.fill == "kernel":
-            kernels.copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
+            copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
         else:
             self._fill_by_copy_engine()
         return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
@@ -237,6 +210,13 @@ class SlotExperts(ExpertBackend):
     def nbytes(self):
         return {"device": self.slots.numel() * self.slots.element_size(),
                 "host": self.host.numel() * self.host.element_size()}
+
+    def stats(self):
+        return {**self.cache.read_stats(), "bypassed": self.bypassed}
+
+    def reset(self):
+        super().reset()
+        self.cache.reset()
 
 
 BACKENDS = ("resident", "slots", "uva")

@@ -1,8 +1,7 @@
 """The host tier: every routed expert of every MoE layer, one contiguous row per expert.
 
-A row is [gate_up (2I x H) | down (H x I)] in the model dtype; quantized formats will append their
-scales to the same row. The loader fills rows straight from the checkpoint, so the experts exist
-once in RAM.
+A row is one expert (shape.RowLayout). The loader fills rows straight from the checkpoint, so the
+experts exist once in RAM.
 
 On CUDA machines each layer's block is pinned at its exact size: page-aligned memory registered
 with cudaHostRegister. torch's pinned allocator would round every block up to a power of two
@@ -12,37 +11,13 @@ with cudaHostRegister. torch's pinned allocator would round every block up to a 
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
 
 import torch
 
 from moetier.errors import MoetierError
+from moetier.experts.shape import RowLayout
 
 PAGE = mmap.PAGESIZE
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Where gate_up and down sit inside one expert row."""
-
-    hidden: int
-    inter: int
-
-    @property
-    def w13_numel(self) -> int:
-        return 2 * self.inter * self.hidden
-
-    @property
-    def numel(self) -> int:
-        return 3 * self.inter * self.hidden
-
-    def w13(self, rows: torch.Tensor) -> torch.Tensor:
-        # rows [N, numel] -> [N, 2I, H] (a view)
-        return rows[:, : self.w13_numel].view(rows.shape[0], 2 * self.inter, self.hidden)
-
-    def w2(self, rows: torch.Tensor) -> torch.Tensor:
-        # rows [N, numel] -> [N, H, I] (a view)
-        return rows[:, self.w13_numel:].view(rows.shape[0], self.hidden, self.inter)
 
 
 def _aligned_empty(nbytes: int) -> tuple[torch.Tensor, int]:
@@ -89,12 +64,17 @@ class HostStore:
         for layer in layers:
             nbytes = num_experts * self.row_bytes
             base, allocated = _aligned_empty(nbytes)
+            block = base.view(dtype).view(num_experts, layout.numel)
             if pin:
-                self._registrations.append(_Registration(base))
+                reg = _Registration(base)
+                # NOTE: the block keeps its registration alive: the backends hold blocks, not the store,
+                # and the device reads this memory by address (UVA) until the last holder lets go.
+                block.pin_registration = reg
+                self._registrations.append(reg)
                 self.pinned_bytes += nbytes
             self.requested_bytes += nbytes
             self.allocated_bytes += allocated
-            self._blocks[layer] = base.view(dtype).view(num_experts, layout.numel)
+            self._blocks[layer] = block
 
     def rows(self, layer: int) -> torch.Tensor:
         """[E, row] CPU tensor of one layer (pinned when the store is)."""

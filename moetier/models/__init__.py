@@ -1,1 +1,1 @@
-"""Model code, one file per architecture family; shared layers in layers.py."""
+"""Model families behind one interface (base.py), found by the registry (registry.py)."""

@@ -1,203 +1,246 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B) in our own code.
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B) in our own code: its config fields, its checkpoint
+names, its decoder.
 
 Decoder layer: x + attn(rms(x)); then h + mlp(rms(h)), where mlp is a routed MoE (softmax top-k
 router, optional renormalisation) or, for mlp_only_layers and off the sparse step, a dense SwiGLU.
-Attention is GQA with RMSNorm on each head's q and k before rotary.
+Attention is GQA with RMSNorm on each head's q and k before rotary (layers/gqa_attention.py).
 
-Weights are fused where that saves launches (qkv, gate_up); the loader maps checkpoint names onto
-them (moetier.loader). Routed experts live in an ExpertBackend chosen after loading. On CUDA the
-small per-layer operations are fused Triton kernels (moetier.models.fused: norm with the residual
-add, q/k norm with rotary and the KV write, router); the CPU path is the plain torch they mirror.
+Weights are fused where that saves launches (qkv, gate_up); param() maps checkpoint names onto them.
+Routed experts are stored per expert (published checkpoints) or fused (transformers 5); either way
+they go to the expert tiers, not to this module.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.config import ModelConfig
-from moetier.experts.backends import ExpertBackend
-from moetier.experts.placement import ExpertOptions, ExpertPlacement
-from moetier.experts.store import RowLayout
-from moetier.attention import AttnBatch, paged_attention, write_kv
-from moetier.kv import KVCache
-from moetier.models.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_mul
+from moetier.config import Fields, ModelConfig
+from moetier.layers.attention import AttnBatch
+from moetier.layers.gqa_attention import GqaAttention
+from moetier.layers.kv_cache import GqaKVCache, GqaKVSpec
+from moetier.layers.mlp import SwigluMLP
+from moetier.layers.moe import MoEBlock
+from moetier.layers.norm import add_rms_norm
+from moetier.layers.param import param
+from moetier.layers.router import SoftmaxTopK
+from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
+from moetier.models.base import CausalLM, ExpertTensor, Weight
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+@dataclass(frozen=True, kw_only=True)
+class Qwen3MoeConfig(ModelConfig):
+    intermediate_size: int  # dense MLP width (mlp_only_layers and layers off the sparse step)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
 
+    architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # x, delta: [N, H] -> (rms_norm(x + delta), x + delta); x itself when delta is None.
-    if x.is_cuda:
-        from moetier.models import fused
+    def is_moe_layer(self, layer: int) -> bool:
+        # Same rule as transformers' Qwen3MoeDecoderLayer.
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
-        return fused.rms_norm(x, weight, eps, delta)
-    if delta is not None:
-        x = x + delta
-    return rms_norm(x, weight, eps), x
+    @classmethod
+    def parse(cls, f: Fields) -> dict[str, Any]:
+        c = cls.common(f)
+        hidden, layers = c["hidden_size"], c["num_layers"]
+        heads = f.positive_int("num_attention_heads")
+        kv_heads = f.positive_int("num_key_value_heads", default=heads or 1)
+        head_dim = f.get("head_dim", default=None)
+        if head_dim is None:
+            head_dim = hidden // heads if heads and hidden % heads == 0 else 0
+            if not head_dim:
+                f.problems.append(f"head_dim is not given and hidden_size {hidden} is not divisible by "
+                                  f"num_attention_heads {heads}")
+        elif not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            f.problems.append(f"head_dim must be a positive even integer (rotary halves it), got {head_dim!r}")
+        if heads and kv_heads and heads % kv_heads:
+            f.problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+                              "(GQA groups)")
+        mlp_only = tuple(f.get("mlp_only_layers", default=[]) or [])
+        bad = [i for i in mlp_only if not isinstance(i, int) or not 0 <= i < max(layers, 1)]
+        if bad:
+            f.problems.append(f"mlp_only_layers {bad} are outside 0..{layers - 1}")
+        if f.get("hidden_act", default="silu") not in ("silu", "swish"):
+            f.problems.append(f"hidden_act {f.get('hidden_act')!r} is not supported (only silu)")
+        if f.get("use_sliding_window", default=False):
+            f.problems.append("use_sliding_window=true is not supported; set it to false")
+        rope = f.get("rope_parameters", "rope_scaling", default=None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            f.problems.append(f"rope type {rope_type!r} is not supported (only the default rotary)")
+        return dict(
+            c,
+            intermediate_size=f.positive_int("intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim if isinstance(head_dim, int) else 0,
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=False)),
+            decoder_sparse_step=f.positive_int("decoder_sparse_step", default=1),
+            mlp_only_layers=mlp_only,
+            rope_theta=float(rope.get("rope_theta", f.get("rope_theta", default=10000.0))),
+            attention_bias=bool(f.get("attention_bias", default=False)),
+        )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            **self.common_hf_dict(),
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "rope_theta": self.rope_theta,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
 
-def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
-                              ) -> torch.Tensor:
-    # qkv: [N, (Hq + 2 Hkv) * D] -> q [N, Hq, D]; writes k and v into the caches at slot_mapping.
-    t, d = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-    q = rms_norm(q.view(t, num_heads, d), q_norm, eps)
-    k = rms_norm(k.view(t, num_kv_heads, d), k_norm, eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    write_kv(k_cache, v_cache, k, v.view(t, num_kv_heads, d), slot_mapping)
-    return q
-
-
-def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # logits: [T, E] -> ids [T, k] int64, weights [T, k] in logits.dtype
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(logits.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps = cfg.rms_norm_eps
-        h = cfg.hidden_size
-        self.qkv = _param((self.hq + 2 * self.hkv) * self.d, h, dtype=dtype, device=device)  # [q; k; v] rows
-        self.o = _param(h, self.hq * self.d, dtype=dtype, device=device)
-        self.qkv_bias = _param((self.hq + 2 * self.hkv) * self.d, dtype=dtype, device=device) if cfg.attention_bias else None
-        self.o_bias = _param(h, dtype=dtype, device=device) if cfg.attention_bias else None
-        self.q_norm = _param(self.d, dtype=dtype, device=device)
-        self.k_norm = _param(self.d, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch, kv: KVCache,
-                layer: int) -> torch.Tensor:
-        # x: [N, H], the new tokens of every sequence in the step
-        t = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        args = (qkv, self.q_norm, self.k_norm, cos, sin, kv.k[layer], kv.v[layer], batch.slot_mapping,
-                self.hq, self.hkv, self.eps)
-        if qkv.is_cuda:
-            from moetier.models import fused
-
-            q = fused.qk_norm_rope_kv(*args)
-        else:
-            q = qk_norm_rope_kv_reference(*args)
-        out = paged_attention(q, kv.k[layer], kv.v[layer], batch)  # [N, Hq, D]
-        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.w13 = _param(2 * inter, hidden, dtype=dtype, device=device)  # [gate; up]
-        self.w2 = _param(hidden, inter, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(x, self.w13)), self.w2)
-
-
-RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
-                 placement: ExpertPlacement):
-        super().__init__()
-        self.layer = layer
-        self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
-        self.gate = _param(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device)
-        self.layout: RowLayout = placement.layout
-        # Filled by the loader (device memory or the host store), then handed to the backend.
-        self.rows: torch.Tensor | None = placement.rows(layer)  # [E, R]
-        self.experts: ExpertBackend | None = None
-        self.route_hook: RouteHook | None = None  # sees (layer, ids, weights); may replace them
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, H] -> topk_ids [T, k] int64, topk_weights [T, k] in x.dtype
-        logits = F.linear(x, self.gate)
-        if logits.is_cuda:
-            from moetier.models import fused
-
-            return fused.route_topk(logits, self.top_k, self.norm_topk)
-        return route_reference(logits, self.top_k, self.norm_topk)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        if self.route_hook is not None:
-            ids, weights = self.route_hook(self.layer, ids, weights)
-        return self.experts.forward(x, ids, weights)
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d + 2 * h
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads) + h
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i in range(self.num_layers):
+            total += attn
+            if self.is_moe_layer(i):
+                total += self.num_experts * h + self.num_experts * 3 * h * self.moe_intermediate_size
+            else:
+                total += 3 * h * self.intermediate_size
+        return total
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
-                 placement: ExpertPlacement):
+    def __init__(self, cfg: Qwen3MoeConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.layer, self.eps = layer, cfg.rms_norm_eps
-        self.input_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.post_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.attn = Attention(cfg, dtype, device)
-        self.mlp: MoE | DenseMLP = (
-            MoE(cfg, layer, dtype, device, placement) if cfg.is_moe_layer(layer)
-            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        h = cfg.hidden_size
+        self.input_norm = param(h, dtype=dtype, device=device)
+        self.post_norm = param(h, dtype=dtype, device=device)
+        self.attn = GqaAttention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
+                                 cfg.rms_norm_eps, dtype, device)
+        self.mlp: MoEBlock | SwigluMLP = (
+            MoEBlock(layer, SoftmaxTopK(cfg.num_experts, h, cfg.top_k, cfg.norm_topk_prob, dtype, device))
+            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device)
         )
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: AttnBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: AttnBatch, kv: GqaKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream enters as x + delta (delta: the previous layer's MLP output, None
         before the first layer) and leaves the same way, so each add shares a launch with a norm."""
         h, x = add_rms_norm(x, delta, self.input_norm, self.eps)
-        h, x = add_rms_norm(x, self.attn(h, cos, sin, batch, kv, self.layer), self.post_norm, self.eps)
+        h, x = add_rms_norm(x, self.attn(h, cos, sin, batch, kv), self.post_norm, self.eps)
         return x, self.mlp(h)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 experts: ExpertOptions | None = None):
+class Qwen3MoeForCausalLM(CausalLM):
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.placement = ExpertPlacement(cfg, dtype, self.device, experts or ExpertOptions())
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, self.placement)
-                                    for i in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
+        self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device), persistent=False)
 
-    def moe_blocks(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+    @classmethod
+    def checkpoint_weights(cls, cfg: Qwen3MoeConfig, present: set[str]) -> list[Weight]:
+        h, d, i_moe, e = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size, cfg.num_experts
+        out = [Weight("model.embed_tokens.weight", (cfg.vocab_size, h))]
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}."
+            out += [Weight(p + "input_layernorm.weight", (h,)), Weight(p + "post_attention_layernorm.weight", (h,))]
+            a = p + "self_attn."
+            for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)):
+                out.append(Weight(a + proj + ".weight", (heads * d, h)))
+                if cfg.attention_bias:
+                    out.append(Weight(a + proj + ".bias", (heads * d,)))
+            out.append(Weight(a + "o_proj.weight", (h, cfg.num_heads * d)))
+            if cfg.attention_bias:
+                out.append(Weight(a + "o_proj.bias", (h,)))
+            out += [Weight(a + "q_norm.weight", (d,)), Weight(a + "k_norm.weight", (d,))]
+            m = p + "mlp."
+            if not cfg.is_moe_layer(layer):
+                out += [Weight(m + "gate_proj.weight", (cfg.intermediate_size, h)),
+                        Weight(m + "up_proj.weight", (cfg.intermediate_size, h)),
+                        Weight(m + "down_proj.weight", (h, cfg.intermediate_size))]
+                continue
+            out.append(Weight(m + "gate.weight", (e, h)))
+            if m + "experts.gate_up_proj" in present or m + "experts.down_proj" in present:
+                out += [Weight(m + "experts.gate_up_proj", (e, 2 * i_moe, h), expert=ExpertTensor(layer, None, "gate_up")),
+                        Weight(m + "experts.down_proj", (e, h, i_moe), expert=ExpertTensor(layer, None, "down"))]
+                continue
+            for x in range(e):
+                q = f"{m}experts.{x}."
+                out += [Weight(q + "gate_proj.weight", (i_moe, h), expert=ExpertTensor(layer, x, "gate")),
+                        Weight(q + "up_proj.weight", (i_moe, h), expert=ExpertTensor(layer, x, "up")),
+                        Weight(q + "down_proj.weight", (h, i_moe), expert=ExpertTensor(layer, x, "down"))]
+        out.append(Weight("model.norm.weight", (h,)))
+        # some exporters write the tied copy, most do not
+        out.append(Weight("lm_head.weight", (cfg.vocab_size, h), optional=cfg.tie_word_embeddings))
+        return out
 
-    def build_experts(self) -> None:
-        """After loading: hand each MoE layer's rows to its backend."""
-        for moe in self.moe_blocks():
-            if moe.rows is None:
-                raise RuntimeError("expert backends are already built")
-            moe.experts = self.placement.build(moe.layer, moe.rows)
-            moe.rows = None
+    def param(self, name: str) -> torch.Tensor | None:
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "model.norm.weight":
+            return self.norm
+        if name == "lm_head.weight":
+            return None if self.cfg.tie_word_embeddings else self.lm_head
+        m = _LAYER.fullmatch(name)
+        if not m:
+            return None
+        layer = self.layers[int(m.group(1))]
+        rest = m.group(2)
+        if rest == "input_layernorm.weight":
+            return layer.input_norm
+        if rest == "post_attention_layernorm.weight":
+            return layer.post_norm
+        if rest.startswith("self_attn."):
+            a = layer.attn
+            proj, kind = rest[len("self_attn."):].split(".")
+            if proj in ("q_proj", "k_proj", "v_proj"):
+                return (a.qkv if kind == "weight" else a.qkv_bias)[a.qkv_rows(proj)]
+            return {"o_proj": a.o if kind == "weight" else a.o_bias, "q_norm": a.q_norm, "k_norm": a.k_norm}.get(proj)
+        if rest == "mlp.gate.weight":
+            return layer.mlp.router.weight
+        mlp, i = layer.mlp, self.cfg.intermediate_size
+        if isinstance(mlp, SwigluMLP):
+            return {"mlp.gate_proj.weight": mlp.w13[:i], "mlp.up_proj.weight": mlp.w13[i:],
+                    "mlp.down_proj.weight": mlp.w2}.get(rest)
+        return None
 
-    def expert_stats(self) -> dict[str, int]:
-        """Cache counters summed over layers (one host read per layer; call between steps)."""
-        total = {"hits": 0, "misses": 0, "overflow": 0, "steps": 0, "bypassed": 0}
-        for moe in self.moe_blocks():
-            cache = getattr(moe.experts, "cache", None)
-            if cache is not None:
-                for k, v in cache.read_stats().items():
-                    total[k] += v
-            total["bypassed"] += moe.experts.bypassed
-        return total
+    def kv_spec(self) -> GqaKVSpec:
+        return GqaKVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: GqaKVCache) -> torch.Tensor:
         """input_ids: [N], the new tokens of the step's sequences -> last hidden states [N, H].
 
         Writes the new tokens' keys and values into their pages (batch.slot_mapping) first.

@@ -120,7 +120,7 @@ def plan_slots(
 ) -> None:
     """Slots per layer that save the most transfer bytes per HBM byte, from simulated curves."""
     from moetier.traces.format import read_trace
-    from moetier.traces.plan import plan
+    from moetier.traces.slot_plan import plan
 
     try:
         p = plan(read_trace(trace), budget, policy)

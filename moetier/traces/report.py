@@ -10,7 +10,7 @@ import numpy as np
 from moetier.errors import MoetierError
 from moetier.presets import MOE_SHAPES
 from moetier.traces.format import Trace
-from moetier.traces.plan import grid_for
+from moetier.traces.slot_plan import grid_for
 from moetier.traces.simulate import Physics, simulate
 
 # The H200 figures of bench/results/h200-layer.json, used when nothing else is given.
@@ -27,7 +27,7 @@ def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None
             raise MoetierError(f"--measured {measured}: not a `moetier bench layer` JSON ({e})") from None
     dense, layers = 0, len(trace.layers)
     if preset in MOE_SHAPES:  # the experts alone: no dense bytes known
-        h, i = MOE_SHAPES[preset]["hidden"], MOE_SHAPES[preset]["inter"]
+        h, i = MOE_SHAPES[preset].hidden, MOE_SHAPES[preset].inter
     else:
         from moetier.presets import preset as model_preset
 

@@ -1,0 +1,182 @@
+"""`moetier bench ...`: the benchmarks' command line. Each checks its arguments and its optional
+dependencies before any work, and writes its JSON record (machine, commit, command) with --out."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moetier.cli import options as opt
+from moetier.errors import MoetierError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
+
+BENCH_EXTRA = "pip install 'moetier[bench]'"
+
+
+def need_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        opt.fail(f"bench {what} needs a CUDA GPU")
+
+
+def need_modules(*names: str, why: str) -> None:
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
+
+
+def parse_budget(text: str) -> float:
+    """'50%' or '0.5' -> 0.5, in (0, 1]."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise MoetierError(f"--expert-budget {text!r}: give a share like 50% or 0.5") from None
+    if not 0 < value <= 1:
+        raise MoetierError(f"--expert-budget {text!r}: must be above 0% and at most 100%")
+    return value
+
+
+@app.command("layer")
+def bench_layer(
+    preset: list[str] = typer.Option(["qwen3-30b-a3b", "glm-5"], "--preset", metavar="NAME",
+                                     help="MoE shape; repeat the option for several."),
+    steps: int = typer.Option(200, "--steps", help="Layer calls per graph replay."),
+    hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows, comma-separated."),
+    slot_frac: float = typer.Option(0.5, "--slots-frac", help="Slots per layer as a share of the experts."),
+    tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
+    policy: opt.CachePolicy = "lfru",
+    extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+) -> None:
+    """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
+    from moetier.presets import moe_shape
+
+    try:
+        opt.at_least(steps, 1, "--steps")
+        try:
+            hit_rates = [float(h) for h in hits.split(",")]
+        except ValueError:
+            raise MoetierError(f"--hits {hits!r}: give rates like 1.0,0.85,0.75") from None
+        if any(not 0 <= h <= 1 for h in hit_rates):
+            raise MoetierError(f"--hits {hits!r}: each rate must be in [0, 1]")
+        if not 0 < slot_frac <= 1:
+            raise MoetierError(f"--slots-frac {slot_frac}: must be above 0 and at most 1")
+        for p in preset:
+            moe_shape(p)
+        if out is not None:
+            opt.output_file(out, "--out")
+    except MoetierError as e:
+        opt.fail(e)
+    need_cuda("layer")
+    from moetier.bench.common import write_json
+    from moetier.bench.layer import run, table
+
+    data = run(list(preset), steps, hit_rates, slot_frac, tune, policy, extras)
+    if out:
+        write_json(out, data)
+    typer.echo(table(data))
+
+
+@app.command("decode")
+def bench_decode(
+    preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
+    model: opt.Model = None,
+    budget: list[str] = typer.Option(["100%", "50%", "25%"], "--expert-budget", metavar="SHARE",
+                                     help="Share of routed-expert bytes in HBM; repeat the option for several."),
+    trace: Path = typer.Option(Path("data/traces/qwen3-30b-like.mtrace"), "--trace", metavar="FILE",
+                               help="Routing to replay."),
+    batch: list[int] = typer.Option([1, 8], "--batch", metavar="N",
+                                    help="Decode batch size; repeat the option for several."),
+    backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
+    tokens: int = typer.Option(64, "--tokens", help="Timed decode steps per run."),
+    warmup: int = typer.Option(32, "--warmup", help="Untimed decode steps first (they also fill the cache)."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
+    hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
+    policy: opt.CachePolicy = "lfru",
+    decode_tokens: opt.DecodeTokens = 64,
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                        help="Write a PNG of tok/s against expert budget."),
+) -> None:
+    """Decode tok/s through the engine for resident, slots, uva and transformers+accelerate (CUDA)."""
+    from moetier.config import config_from_dir
+    from moetier.presets import preset as make_preset
+
+    try:
+        budgets = [parse_budget(b) for b in budget]
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        unknown = sorted(set(names) - {"resident", "uva", "slots", "hf"})
+        if unknown or not names:
+            raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hf")
+        for b in batch:
+            opt.at_least(b, 1, "--batch")
+        for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
+            opt.at_least(value, 1, name)
+        opt.at_least(warmup, 0, "--warmup")
+        opt.input_file(trace, "--trace")
+        if "hf" in names:
+            need_modules("transformers", "accelerate", why="the transformers + accelerate peer (--backends hf)")
+        if plot is not None:
+            need_modules("matplotlib", why="--plot")
+            opt.output_file(plot, "--plot")
+        if out is not None:
+            opt.output_file(out, "--out")
+        if model is not None:
+            from moetier.engine.llm import model_dir_of
+
+            cfg = config_from_dir(model_dir_of(model))
+        else:
+            cfg = make_preset(preset, layers, "bfloat16")
+    except MoetierError as e:
+        opt.fail(e)
+    need_cuda("decode")
+    from moetier.bench import decode
+    from moetier.bench.common import record, write_json
+
+    args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
+            "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset}
+    data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
+                                       str(model) if model else None))
+    if out:
+        write_json(out, data)
+    if plot:
+        decode.plot(data, str(plot))
+    typer.echo(decode.table(data["rows"]))
+    typer.echo(f"greedy tokens equal to resident: {data['greedy_tokens_equal_to_resident']}")
+
+
+@app.command("batch")
+def bench_batch(
+    model: opt.Model = None,
+    requests: int = typer.Option(32, "--requests", help="Requests in the batch."),
+    prompt_len: int = typer.Option(64, "--prompt-len", help="Longest prompt in tokens; prompts are half to all of it."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
+    device: opt.Device = "auto",
+    expert_backend: opt.ExpertBackend = "resident",
+    expert_slots: opt.ExpertSlots = None,
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+) -> None:
+    """The same requests one after another and as one continuous batch (CPU or CUDA)."""
+    from moetier.bench.batch import run, table
+    from moetier.bench.common import write_json
+
+    try:
+        opt.at_least(requests, 1, "--requests")
+        opt.at_least(prompt_len, 2, "--prompt-len")  # prompts are half to all of it: at least one token
+        opt.at_least(max_tokens, 1, "--max-tokens")
+        if out is not None:
+            opt.output_file(out, "--out")
+        experts = opt.expert_options(expert_backend, expert_slots)
+        data = run(str(model) if model else None, requests, prompt_len, max_tokens, device, experts)
+    except MoetierError as e:
+        opt.fail(e)
+    if out:
+        write_json(out, data)
+    typer.echo(table(data))

@@ -1,0 +1,107 @@
+"""Load a checkpoint directory into its model, for every family: validate first, allocate once,
+stream tensor by tensor.
+
+    config.json -> the family's config and model class (models/registry.py)
+    shard headers -> validated against the model's checkpoint_weights()
+    model built (no expert memory), expert placement built (device rows or the pinned host store)
+    each tensor read once and copied into its place, converting dtype on the way:
+        routed-expert tensors -> their expert's row (experts/shape.RowLayout.part)
+        everything else -> model.param(name)
+    each MoE block gets its expert backend
+
+No second full copy of the model is ever held.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from moetier.checkpoint.index import Checkpoint
+from moetier.checkpoint.validate import validate
+from moetier.config import ModelConfig, config_from_dir
+from moetier.errors import MoetierError
+from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.models.base import CausalLM, Weight
+from moetier.models.registry import model_class
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (config.json torch_dtype)."""
+    key = cfg.torch_dtype if name == "auto" else name
+    if key not in DTYPES:
+        raise MoetierError(f"unsupported --dtype {name!r}; choose auto, float32, bfloat16 or float16")
+    return DTYPES[key]
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    checkpoint_bytes: int
+    tensors: int
+    expert_bytes: dict[str, int] = field(default_factory=dict)  # by tier: device, host
+    notes: list[str] = field(default_factory=list)
+
+
+def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, weights: list[Weight],
+                 rows: dict[int, torch.Tensor], progress: Callable[[int, int], None] | None = None) -> int:
+    """Copy every weight into its destination, shard by shard. Returns the tensors copied."""
+    by_file: dict[str, list[Weight]] = {}
+    for w in weights:
+        by_file.setdefault(ckpt.tensors[w.name].file, []).append(w)
+    done, total = 0, len(weights)
+    for file in sorted(by_file):
+        with safe_open(str(ckpt.path / file), framework="pt", device="cpu") as f:
+            for w in by_file[file]:
+                if w.expert is not None:
+                    x = w.expert
+                    dest = placement.layout.part(rows[x.layer], x.part, x.expert)
+                else:
+                    dest = model.param(w.name)
+                if dest is not None:
+                    with torch.no_grad():
+                        dest.copy_(f.get_tensor(w.name))
+                done += 1
+                if progress:
+                    progress(done, total)
+    return done
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, experts: ExpertOptions,
+                decode_tokens: int) -> tuple[CausalLM, ExpertPlacement, dict[int, torch.Tensor]]:
+    """The model without its routed experts, their placement, and each MoE layer's rows to fill."""
+    placement = ExpertPlacement(cfg.moe_shape, dtype, cfg.moe_layers, experts, device, decode_tokens)
+    model = model_class(cfg)(cfg, dtype, device)
+    return model, placement, {layer: placement.rows(layer) for layer in cfg.moe_layers}
+
+
+def attach_experts(model: CausalLM, placement: ExpertPlacement, rows: dict[int, torch.Tensor]) -> None:
+    """After loading: each MoE block gets its backend over its filled rows."""
+    for block in model.moe_blocks():
+        block.experts = placement.build(block.layer, rows[block.layer])
+
+
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
+               decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None
+               ) -> tuple[ModelConfig, CausalLM, LoadReport]:
+    t0 = time.perf_counter()
+    cfg = config_from_dir(path)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    ckpt = Checkpoint(path)
+    weights = validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))  # before allocating
+    model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens)
+    n = load_weights(model, placement, ckpt, weights, rows, progress)
+    attach_experts(model, placement, rows)
+    nbytes = {"device": 0, "host": 0}
+    for block in model.moe_blocks():
+        for tier, b in block.experts.nbytes().items():
+            nbytes[tier] += b
+    return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes)

@@ -1,0 +1,3 @@
+from moetier.cli import main
+
+main()

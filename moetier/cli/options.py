@@ -1,0 +1,93 @@
+"""Options shared by `generate`, `bench` and `serve`, declared once, and the checks every command
+applies to its arguments: nonsense (a negative count, nan, a file given for a directory, a path that
+cannot be written) is one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+from moetier.errors import MoetierError
+
+
+def fail(e: Exception | str) -> NoReturn:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+# -- the model and where it runs ------------------------------------------------------------------
+Model = Annotated[Optional[Path], typer.Option(
+    "--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
+    "shipped with moetier).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")]
+Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
+
+# -- expert tiers -----------------------------------------------------------------------------------
+ExpertBackend = Annotated[str, typer.Option(
+    "--expert-backend", help="Where routed experts live: resident, slots (an HBM slot cache over pinned host memory) "
+    "or uva (read from host memory on every use).")]
+ExpertSlots = Annotated[Optional[int], typer.Option(
+    "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: half the experts).")]
+ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
+    "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+CachePolicy = Annotated[str, typer.Option(
+    "--cache-policy", help="Slot cache victims: lfru (frequency-weighted LRU) or lru.")]
+
+# -- engine -----------------------------------------------------------------------------------------
+DecodeTokens = Annotated[int, typer.Option(
+    "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
+    "larger ones (prefill) bypass the cache.")]
+
+
+def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
+                   policy: str = "lfru"):
+    """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
+    from moetier.experts.placement import ExpertOptions, read_slots_file
+
+    if (slots is not None or slots_file is not None) and backend != "slots":
+        raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots")
+    if slots is not None and slots_file is not None:
+        raise MoetierError("give --expert-slots or --expert-slots-file, not both")
+    if slots is not None and slots < 1:
+        raise MoetierError(f"--expert-slots {slots}: it must be at least 1")
+    per_layer = read_slots_file(input_file(slots_file, "--expert-slots-file")) if slots_file else {}
+    return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy)
+
+
+# -- checks -------------------------------------------------------------------------------------------
+def positive(value: float, option: str) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise MoetierError(f"{option} {value}: it must be a positive number")
+
+
+def at_least(value: int, low: int, option: str) -> None:
+    if value < low:
+        raise MoetierError(f"{option} {value}: it must be at least {low}")
+
+
+def input_file(path: Path, option: str) -> Path:
+    """A readable file, or one line saying what is wrong."""
+    if path.is_dir():
+        raise MoetierError(f"{option} {path} is a directory; give a file")
+    if not path.is_file():
+        raise MoetierError(f"{option} {path}: no such file")
+    return path
+
+
+def output_file(path: Path, option: str) -> Path:
+    """A file path that can be written (its folder is made), checked before any work is done."""
+    if path.is_dir():
+        raise MoetierError(f"{option} {path} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        raise MoetierError(f"{option} {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
+    return path

@@ -1,0 +1,68 @@
+"""The engine's configuration: one typed record instead of loose keyword arguments.
+
+NOTE: decode_tokens is the one decode-step limit: the scheduler's steps of at most this many tokens
+are decode steps, which the CUDA graphs capture (batch sizes up to it) and the expert backends serve
+through the slot cache (larger steps, prefill, bypass it). Both receive it from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from moetier.errors import MoetierError
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_tokens: int = 512  # tokens computed in one step (prefill chunks share it with decodes)
+    kv_tokens: int = 32768  # tokens the KV pool holds, over all requests
+    page_size: int = 16  # tokens per KV page (a power of two)
+    max_model_len: int | None = None  # prompt + output per request; default the model's, capped by the pool
+    decode_tokens: int = 64  # steps of up to this many tokens: CUDA graphs and the expert cache
+    cuda_graphs: bool = True
+    record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
+    replay_trace: str | Path | None = None  # route by this trace instead of the router
+    trace_meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """A config from another with some fields replaced; unknown names are one clear error."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise MoetierError(f"unknown engine option(s) {', '.join(unknown)}; the options are: "
+                               f"{', '.join(sorted(names))}")
+        base = {f.name: getattr(config, f.name) for f in fields(cls)} if config else {}
+        return cls(**{**base, **options}).validate()
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("max_num_seqs", "max_num_tokens", "kv_tokens", "decode_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"{name} must be a positive integer, got {v!r}")
+        p = self.page_size
+        if not isinstance(p, int) or p < 1 or p & (p - 1):
+            out.append(f"page_size must be a power of two, got {p!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            out.append(f"max_model_len must be an integer of at least 2 (a prompt token and an output token), "
+                       f"got {self.max_model_len!r}")
+        return out
+
+    def validate(self) -> EngineConfig:
+        problems = self.problems()
+        if problems:
+            raise MoetierError("invalid engine configuration: " + "; ".join(problems))
+        return self
+
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.kv_tokens / self.page_size)
+
+    def model_len(self, model_max: int) -> int:
+        """The longest request: the model's limit, max_model_len and the pool, whichever is least."""
+        return min(self.max_model_len or model_max, model_max, self.num_pages * self.page_size)

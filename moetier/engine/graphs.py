@@ -1,0 +1,138 @@
+"""CUDA graphs of the decode step: every layer from token ids to logits, then the sampler, for batch
+sizes 1, 2, 4, 8 and up (a step of another size pads up to the next captured one).
+
+Per size there is one graph of the model (ids -> logits) and one small graph of the sampler per
+sampling mode (greedy, sample, filter: sampler.mode_of), replayed back to back with no host work in
+between; the only host read of a step is its sampled tokens. Splitting the sampler off keeps three
+modes from tripling the model captures.
+
+Every graph reads its inputs from static buffers (token ids, positions, KV slots, context lengths,
+page tables, sampling parameters) that each step overwrites in place; padding rows write their keys
+into a scratch page that no request owns and attend to that page only. The slot cache's state
+lives in device tensors, so replays advance it exactly as eager steps would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetier.engine.step import SeqStep
+from moetier.layers.attention import AttnBatch
+from moetier.layers.kv_cache import KVCache
+from moetier.layers.sampler import mode_of, sample_rows
+from moetier.models.base import CausalLM
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+MODES = ("greedy", "sample", "filter")
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4]):
+        self.model, self.kv, self.scratch = model, kv, scratch_page
+        self.sizes = tuple(sorted(sizes))
+        self.max_batch = b = self.sizes[-1]
+        dev = model.device
+        self.width = width = max_pages_per_seq
+        # The static inputs are views of two device blocks with pinned host twins, so a step fills
+        # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps;
+        # 32-bit: context lengths, page table (int32), then temperature and top_p (float32 bits).
+        self._dev64 = torch.zeros(6 * b, dtype=torch.int64, device=dev)
+        self._dev32 = torch.zeros(b * (3 + width), dtype=torch.int32, device=dev)
+        self._host64 = torch.zeros(6 * b, dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)
+        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps = self._dev64.view(6, b)
+        self.seq_lens = self._dev32[:b]
+        self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
+        self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
+        self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.tokens: dict[tuple[int, str], torch.Tensor] = {}
+        self._capture()
+
+    def _batch(self, n: int, max_ctx: int) -> AttnBatch:
+        return AttnBatch(self.positions[:n], self.slots[:n], self.query_start[:n + 1], self.seq_lens[:n],
+                         self.page_table[:n], list(range(n + 1)), [max_ctx] * n, 1)
+
+    def _host_views(self):
+        # numpy views of the pinned blocks: a host step writes a few dozen scalars, and a numpy store
+        # costs ~0.1 us against a torch op's few us (the host part of a decode step is serial).
+        b, w = self.max_batch, self.width
+        h64, h32 = self._host64.numpy().reshape(6, b), self._host32.numpy()
+        return (*h64, h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b))
+
+    def _pad_host(self) -> None:
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
+        for t in (ids, pos, top_k, seeds, steps, temp):
+            t.fill(0)
+        slot.fill(self.scratch * self.kv.page_size)
+        lens.fill(1)
+        table.fill(self.scratch)
+        top_p.fill(1.0)
+
+    def _upload(self) -> None:
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+
+    def _sampler(self, n: int, mode: str) -> torch.Tensor:
+        return sample_rows(self.logits[n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n],
+                           self.steps[:n], mode)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        # The attention kernel sizes its key splits from the host lengths: capture for the longest
+        # context a sequence can have, so every replay is covered.
+        max_ctx = self.width * self.kv.page_size
+        pool = torch.cuda.graph_pool_handle()
+        self._pad_host()
+        self._upload()
+        for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
+            batch = self._batch(n, max_ctx)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
+                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                for mode in MODES:
+                    self._sampler(n, mode)
+            torch.cuda.current_stream().wait_stream(side)
+            self.model.reset_experts()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+            self.graphs[n] = graph
+            for mode in MODES:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.tokens[n, mode] = self._sampler(n, mode)
+                self.samplers[n, mode] = graph
+        self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
+
+    def fits(self, seqs: list[SeqStep]) -> bool:
+        return 0 < len(seqs) <= self.max_batch and all(s.num_tokens == 1 and s.sample for s in seqs)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[SeqStep]) -> torch.Tensor:
+        """Replay the decode step for these one-token steps -> sampled token ids [len(seqs)] (device)."""
+        n = len(seqs)
+        size = next(s for s in self.sizes if s >= n)
+        page = self.kv.page_size
+        # NOTE: the host blocks are rewritten each step; the previous step's copies have finished,
+        # because the caller read its sampled tokens back to the host.
+        self._pad_host()
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
+        for i, s in enumerate(seqs):
+            p = s.start
+            ids[i] = s.token_ids[0]
+            pos[i] = p
+            slot[i] = s.pages[p // page] * page + p % page
+            lens[i] = p + 1
+            table[i, : len(s.pages)] = s.pages
+            top_k[i], seeds[i], steps[i] = s.params.top_k, s.seed, s.sample_index
+            temp[i], top_p[i] = s.params.temperature, s.params.top_p
+        self._upload()
+        mode = mode_of([s.params for s in seqs])
+        self.graphs[size].replay()
+        self.samplers[size, mode].replay()
+        return self.tokens[size, mode][:n]

@@ -1,0 +1,222 @@
+"""The engine: scheduler, runner and output processing in one loop.
+
+    from moetier import LLM, SamplingParams
+    llm = LLM("~/models/Qwen3-30B-A3B", max_num_seqs=32)
+    outs = llm.generate(["Hello", "Tell me"], SamplingParams(max_tokens=64))
+    outs[0].outputs[0].text
+
+`LLM.step()` is the loop's body; `AsyncLLM` (async_llm.py) runs it on a background thread and
+streams outputs to asyncio callers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.checkpoint.loader import LoadReport, load_model
+from moetier.config import config_from_dir
+from moetier.engine.config import EngineConfig
+from moetier.engine.graphs import SIZES as GRAPH_SIZES, DecodeGraphs
+from moetier.engine.output import OutputProcessor, RequestOutput
+from moetier.engine.pages import PagePool
+from moetier.engine.request import Request
+from moetier.engine.runner import ModelRunner
+from moetier.engine.scheduler import Scheduler
+from moetier.errors import MoetierError
+from moetier.experts.placement import ExpertOptions
+from moetier.models.base import CausalLM
+from moetier.sampling_params import SamplingParams
+from moetier.tokenizer import Tokenizer
+
+
+def eos_ids_of(model_dir: Path, eos_token_ids: Sequence[int], tokenizer: Tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer's eos token, together."""
+    ids = set(eos_token_ids) | set(tokenizer.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise MoetierError(f"{gen} is not readable JSON ({e}); fix or delete it") from None
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MoetierError("--device cuda: no CUDA device is visible; use --device cpu")
+    if name not in ("cuda", "cpu"):
+        raise MoetierError(f"--device {name!r}: choose auto, cuda or cpu")
+    return name
+
+
+def model_dir_of(model: str | Path | None) -> Path:
+    """The checkpoint directory (default: the embedded tiny model), or one clear error."""
+    if model is None:
+        from moetier.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise MoetierError(f"--model {path} is a file; give the checkpoint directory that holds config.json")
+    if not path.is_dir():
+        raise MoetierError(f"--model {path}: no such directory")
+    return path
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
+                 experts: ExpertOptions | None = None, config: EngineConfig | None = None, **options: Any):
+        """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
+        EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
+        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`."""
+        config = EngineConfig.of(config, **options)
+        model_dir = model_dir_of(model)
+        config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
+        tokenizer = Tokenizer.from_dir(model_dir)
+        cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=pick_device(device), experts=experts,
+                                                decode_tokens=config.decode_tokens)
+        self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
+
+    @classmethod
+    def from_model(cls, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                   **options: Any) -> LLM:
+        """An engine over a model built in memory, expert backends attached (benchmarks: random
+        weights too large for a file). Its backends must have been built for config.decode_tokens."""
+        self = cls.__new__(cls)
+        self.load_report: LoadReport | None = None
+        eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
+        self._setup(model, tokenizer, eos, None, EngineConfig.of(config, **options))
+        return self
+
+    def _setup(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
+               config: EngineConfig) -> None:
+        self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
+        if tokenizer.vocab_size > self.cfg.vocab_size:
+            raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                               f"{self.cfg.vocab_size}: tokenizer.json does not belong to this model")
+        self.eos_ids = eos_ids
+        num_pages, page = config.num_pages, config.page_size
+        max_len = config.model_len(self.cfg.max_position_embeddings)
+        # One page more than the pool hands out: padding rows of graph-replayed steps write there.
+        self.kv = model.kv_spec().allocate(num_pages + 1, page, model.dtype, model.device)
+        self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len)
+        self.outputs = OutputProcessor(tokenizer)
+        self.recorder = self.replayer = None
+        cuda_graphs = config.cuda_graphs
+        if config.record_trace is not None:
+            from moetier.traces.hooks import Recorder
+
+            meta = {"model": str(model_dir), "source": "moetier engine", **config.trace_meta}
+            self.recorder = Recorder(model, config.record_trace, **meta)
+            cuda_graphs = False  # the recorder reads ids on the host every step
+        if config.replay_trace is not None:
+            from moetier.traces.format import read_trace
+            from moetier.traces.hooks import Replayer
+
+            self.replayer = Replayer(model, read_trace(config.replay_trace))
+        graphs = None
+        if cuda_graphs and model.device.type == "cuda":
+            # Steps above the decode limit take the eager path.
+            cap = min(config.max_num_seqs, config.decode_tokens)
+            sizes = [n for n in GRAPH_SIZES if n <= cap] or [1]
+            graphs = DecodeGraphs(model, self.kv, scratch_page=num_pages, max_pages_per_seq=-(-max_len // page),
+                                  sizes=sizes)
+            if self.replayer is not None:
+                self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
+        self.runner = ModelRunner(model, self.kv, graphs)
+        self._ids = itertools.count()
+        self.steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
+        if isinstance(prompt, list):
+            ids = list(prompt)
+        else:
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}]
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise MoetierError("the prompt is empty after tokenization; give some text")
+        if any(not isinstance(i, int) or not 0 <= i < self.cfg.vocab_size for i in ids):
+            raise MoetierError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = (params or SamplingParams()).validate()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        req = Request(rid, self.encode(prompt), params, params.noise_seed(), prompt=text)
+        self.scheduler.add(req)
+        self.outputs.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        self.outputs.drop(request_id)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, sample, detokenize: one step. Returns an output per request that changed."""
+        plan = self.scheduler.schedule()
+        step = plan.step()
+        result = self.runner.execute(step)
+        if self.recorder is not None:
+            self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
+        got = self.scheduler.update(plan, result.sampled, self.eos_ids)
+        self.steps += 1
+        return [self.outputs.process(req, self.scheduler.finish) for req in got]
+
+    def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
+                 | None = None) -> list[RequestOutput]:
+        """Run a batch to completion; outputs in the order of the prompts."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise MoetierError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def close(self) -> None:
+        """Finish a recorded trace (the file is complete only after this); unhook a replayed one."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+        if self.replayer is not None:
+            self.replayer.close()
+            self.replayer = None
+
+    def metrics(self) -> dict:
+        s = self.scheduler
+        stats = self.model.expert_stats()
+        looked = stats["hits"] + stats["misses"] + stats["overflow"]
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_pages_used": s.pages.num_used,
+            "kv_pages_total": s.pages.num_pages,
+            "kv_usage": s.pages.usage(),
+            "steps": self.steps,
+            "expert_hit_rate": stats["hits"] / looked if looked else None,
+            "expert_stats": stats,
+        }

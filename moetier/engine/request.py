@@ -1,0 +1,61 @@
+"""A request as the scheduler tracks it: its tokens, pages, status and timings. Plain CPU state; the
+text side (detokenizer, stop strings) is the output processor's (output.py)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from moetier.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no KV held: new, or preempted and to be recomputed
+    RUNNING = "running"  # holds pages; computes tokens every step it is scheduled
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the noise seed of its sampling (layers/sampler.py): its own, or drawn at arrival
+    prompt: str | None = None  # the prompt text, when it came as text
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose keys and values sit in this request's pages
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        """Token i of prompt + output."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def metrics(self) -> dict[str, float | int | str | None]:
+        first = self.token_times[0] if self.token_times else None
+        last = self.token_times[-1] if self.token_times else None
+        decode = len(self.token_times) - 1
+        return {
+            "arrival": self.arrival,
+            "queue_s": None if self.first_scheduled is None else self.first_scheduled - self.arrival,
+            "ttft_s": None if first is None else first - self.arrival,
+            "decode_tok_per_s": decode / (last - first) if decode > 0 and last > first else 0.0,
+            "e2e_s": None if last is None else last - self.arrival,
+            "token_times": [t - self.arrival for t in self.token_times],
+            "prompt_tokens": len(self.prompt_ids),
+            "output_tokens": len(self.output_ids),
+            "preemptions": self.preemptions,
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,46 @@
+"""The two records between the scheduler and the model runner: what to run, and what came out.
+
+Plain data only (ints, lists, SamplingParams): no Request objects, no tensors, no shared state, so a
+worker in another process can receive the same record (multi-GPU) and tests can build one by hand.
+
+    StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table, and how
+               to sample its next token when the chunk reaches its end
+    StepOutput the token sampled for each request that sampled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetier.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    request_id: str
+    start: int  # tokens computed before this step: the position of token_ids[0]
+    token_ids: list[int]  # the tokens this step computes
+    pages: list[int]  # the sequence's page table; NOTE: read-only for the runner
+    sample: bool  # the chunk reaches the end: sample the next token
+    params: SamplingParams
+    seed: int  # noise seed of the request's sampling
+    sample_index: int  # index of the token sampled (its output length so far)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqStep] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, int]  # request id -> the token sampled for it this step
+    num_tokens: int

@@ -1,0 +1,24 @@
+"""Block sizes of the grouped expert GEMM (grouped_gemm.py), passed in by whoever builds the backends:
+plain data, importable without Triton (CPU installs have none)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (BLOCK_N, BLOCK_K, num_warps) of the gate_up and down kernels: what scripts/tune_experts.py and
+# `bench layer --tune` try.
+SWEEP = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 256, 8), (64, 64, 4),
+         (128, 64, 4)]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Block sizes of the two GEMM kernels. (64, 128, 4) was the fastest (or tied) of SWEEP at 1, 8, 32
+    and 64 tokens of a Qwen3-30B layer on the H200 (scripts/tune_experts.py,
+    bench/results/h200-tune-experts.json).
+
+    NOTE: a backend holds one config for every step, never chosen by T or the routing, so every
+    backend and every step of a shape runs the same compiled kernels (bit-exactness between them)."""
+
+    gate_up: tuple[int, int, int] = (64, 128, 4)
+    down: tuple[int, int, int] = (64, 128, 4)

@@ -1,0 +1,254 @@
+"""Grouped Triton expert GEMM for every decode step (T tokens x k experts): each distinct row read once.
+
+The per-pair GEMV (pair_gemv.py) reads an expert's row once per (token, expert) pair; with T tokens many
+pairs share a row (batch 8 of Qwen3-30B: 64 pairs on 29 distinct experts per layer under the
+qwen3-30b-like trace, 52 under uniform routing), so it reads up to 2.2x the bytes the step needs.
+Here the pairs are grouped by the row they read (key: the slot id when >= 0, else the host expert
+id) and every weight tile is loaded once per chunk of up to BLOCK_M of a group's tokens and
+multiplied against all of them with tl.dot.
+
+    plan      pairs -> `order` (pair ids sorted by (key, pair)) and `chunk_end` (per sorted position:
+              where the chunk starting there ends, 0 where no chunk starts)
+    gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32
+    down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
+    combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
+
+No host sync and no data-dependent shape: the plan is a fixed grid of O(P^2) compares (P = T*k, 512
+at most for decode), gate_up and down take a grid of P chunk positions and the programs where no chunk
+starts leave at once, so a CUDA graph replays the step. No atomics: the k-sum has a fixed order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moetier.experts.gemm_config import GemmConfig
+
+BLOCK_M = 16  # tokens of a group per tl.dot (the smallest M tl.dot takes)
+PLAN_BLOCK = 64
+
+
+@triton.jit
+def _keys(slot_ptr, expert_ptr, p, mask):
+    # the row a pair reads: slot s >= 0 -> s, host expert e -> -1 - e (never equal to a slot key)
+    slot = tl.load(slot_ptr + p, mask=mask, other=0)
+    expert = tl.load(expert_ptr + p, mask=mask, other=0).to(tl.int32)
+    return tl.where(slot >= 0, slot, -1 - expert)
+
+
+@triton.jit
+def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK: tl.constexpr):
+    # program a: pairs [a * BLOCK, +BLOCK) against all pairs. A pair's sorted position is
+    # #(keys below) + #(same key, lower pair id): a stable sort without sorting, programs independent.
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    am = a < n_pairs
+    ka = _keys(slot_ptr, expert_ptr, a, am)
+    below = tl.zeros([BLOCK], dtype=tl.int32)
+    before = tl.zeros([BLOCK], dtype=tl.int32)
+    same = tl.zeros([BLOCK], dtype=tl.int32)
+    for bb in range(0, N_BLOCKS):  # NOTE: a constexpr bound (the interpreter cannot loop to an argument)
+        b = bb * BLOCK + tl.arange(0, BLOCK)
+        bm = (b < n_pairs)[None, :]
+        kb = _keys(slot_ptr, expert_ptr, b, b < n_pairs)
+        eq = (kb[None, :] == ka[:, None]) & bm
+        below += tl.sum(((kb[None, :] < ka[:, None]) & bm).to(tl.int32), axis=1)
+        before += tl.sum((eq & (b[None, :] < a[:, None])).to(tl.int32), axis=1)
+        same += tl.sum(eq.to(tl.int32), axis=1)
+    pos = below + before
+    tl.store(order_ptr + pos, a, mask=am)
+    # every BLOCK_M-th pair of a group starts a chunk that runs to BLOCK_M on or the group's end
+    starts = (before % BLOCK_M) == 0
+    end = tl.minimum(pos + BLOCK_M, below + same)
+    tl.store(chunk_end_ptr + pos, tl.where(starts, end, 0), mask=am)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT
+    a = a.to(DOT)
+    b = b.to(DOT)
+    if EMULATE:  # Triton's interpreter multiplies the raw bits of bf16: round, then multiply in fp32
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M: tl.constexpr):
+    # the chunk at sorted positions [i, end) -> (pairs [BLOCK_M], valid [BLOCK_M], its row's base pointer)
+    m = i + tl.arange(0, BLOCK_M)
+    mm = m < end
+    pair = tl.load(order_ptr + m, mask=mm, other=0)
+    p0 = tl.load(order_ptr + i)
+    slot = tl.load(slot_ptr + p0)
+    on_host = slot < 0
+    r = tl.where(on_host, tl.load(expert_ptr + p0).to(tl.int64), slot.to(tl.int64))
+    base = tl.where(on_host, host_ptr, dev_ptr) + r * row
+    return pair, mm, base
+
+
+@triton.jit
+def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, h_ptr,
+             top_k: tl.constexpr, hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr,
+             DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (i, nb): the chunk starting at sorted position i, intermediate rows [nb * BLOCK_N, +BLOCK_N)
+    i = tl.program_id(0)
+    nb = tl.program_id(1)
+    end = tl.load(chunk_end_ptr + i)
+    if end <= i:
+        return
+    pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    tok = (pair // top_k).to(tl.int64)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < inter
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # NOTE: a pair's result depends only on its token, its row's bytes and the fixed K order: tl.dot
+    # rows are independent, padding rows are zeros, so neither its chunk-mates nor where the row is
+    # read from (slot, host, resident) can change a bit.
+    for k0 in range(0, hidden, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < hidden
+        xa = tl.load(x_ptr + tok[:, None] * hidden + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        wm = nm[:, None] & km[None, :]
+        wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
+        wu = tl.load(base + (n[:, None] + inter) * hidden + kk[None, :], mask=wm, other=0.0)
+        acc_g = _mma(xa, wg, acc_g, DOT, PRECISION, EMULATE)
+        acc_u = _mma(xa, wu, acc_u, DOT, PRECISION, EMULATE)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], h, mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, y_ptr,
+          hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr, w13: tl.constexpr,
+          DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (i, nb): the chunk starting at sorted position i, output rows [nb * BLOCK_N, +BLOCK_N)
+    i = tl.program_id(0)
+    nb = tl.program_id(1)
+    end = tl.load(chunk_end_ptr + i)
+    if end <= i:
+        return
+    pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    pair = pair.to(tl.int64)
+    base += w13
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < inter
+        ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc = _mma(ha, w, acc, DOT, PRECISION, EMULATE)
+    tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _combine(y_ptr, weight_ptr, out_ptr, top_k: tl.constexpr, hidden: tl.constexpr, BLOCK_N: tl.constexpr):
+    # program (t, nb): out[t, nb block] = sum over j = 0..k-1, in that order, of w[t, j] * y[t*k + j]
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < hidden
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, top_k):
+        p = t * top_k + j
+        acc += tl.load(weight_ptr + p).to(tl.float32) * tl.load(y_ptr + p * hidden + n, mask=nm, other=0.0)
+    tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+COMBINE_BLOCK = 256
+
+
+@dataclass
+class GemmScratch:
+    """Buffers of grouped_expert_mlp for up to `max_pairs` pairs, allocated once (fixed addresses for graphs).
+
+    NOTE: shared() hands one GemmScratch to every backend of a shape: the MoE layers run one after another
+    on one stream and nothing in it outlives a call, so one copy serves all layers.
+    """
+
+    order: torch.Tensor      # [P] int32: pair ids sorted by (row key, pair id)
+    chunk_end: torch.Tensor  # [P] int32: per sorted position, the end of the chunk starting there, else 0
+    h: torch.Tensor          # [P, I] float32: SwiGLU of gate_up
+    y: torch.Tensor          # [P, H] float32: each pair's down output, before weighting
+    one_order: torch.Tensor  # [P] int32 0, 1, ...: the plan of a one-token step, every pair its own chunk
+    one_end: torch.Tensor    # [P] int32 1, 2, ...
+
+    @classmethod
+    def make(cls, max_pairs: int, hidden: int, inter: int, device: torch.device) -> GemmScratch:
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.empty(max_pairs, **i32), torch.empty(max_pairs, **i32),
+                   torch.empty(max_pairs, inter, dtype=torch.float32, device=device),
+                   torch.empty(max_pairs, hidden, dtype=torch.float32, device=device),
+                   torch.arange(max_pairs, **i32), torch.arange(1, max_pairs + 1, **i32))
+
+    @classmethod
+    def shared(cls, max_pairs: int, hidden: int, inter: int, device: torch.device) -> GemmScratch:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, max_pairs, hidden, inter)
+        if key not in _SHARED:
+            _SHARED[key] = cls.make(max_pairs, hidden, inter, device)
+        return _SHARED[key]
+
+    @property
+    def max_pairs(self) -> int:
+        return self.order.shape[0]
+
+
+_SHARED: dict[tuple, GemmScratch] = {}
+
+
+def _dot_type(dtype: torch.dtype) -> tuple[tl.dtype, str, bool]:
+    # 16-bit weights: tensor cores on 16-bit operands (x and h rounded to it, as torch's F.linear does);
+    # anything else: fp32 operands with IEEE products (no tf32).
+    if dtype not in (torch.bfloat16, torch.float16):
+        return tl.float32, "ieee", False
+    dot = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dot, "ieee", True
+    return dot, "tf32", False  # the precision of 16-bit operands is their own; "tf32" is the default
+
+
+def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       dev_rows: torch.Tensor, host_rows, hidden: int, inter: int, scratch: GemmScratch,
+                       out: torch.Tensor, config: GemmConfig = GemmConfig()) -> torch.Tensor:
+    """SwiGLU experts for T tokens x k pairs, each distinct row read once. x [T, H]; slot_ids [T, k] int32
+    (-1: read host row topk_ids); topk_ids, topk_weights [T, k]; dev_rows [S, R]; host_rows [E, R]
+    (a DevicePointer) or dev_rows again; scratch for >= T*k pairs; out [T, H] in x.dtype.
+    Deterministic: each output sums its k experts in slot order."""
+    t, k = topk_ids.shape
+    n_pairs = t * k
+    if n_pairs > scratch.max_pairs:
+        raise ValueError(f"{n_pairs} (token, expert) pairs exceed the {scratch.max_pairs} the scratch holds")
+    row = dev_rows.shape[1]
+    dot, precision, emulate = _dot_type(dev_rows.dtype)
+    if t == 1:
+        # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids
+        # read their row twice, with the same bits, since a pair's result depends only on its row.
+        order, chunk_end = scratch.one_order, scratch.one_end
+    else:
+        order, chunk_end = scratch.order, scratch.chunk_end
+        blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
+        _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
+    bn, bk, nw = config.gate_up
+    _gate_up[(n_pairs, triton.cdiv(inter, bn))](
+        x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, scratch.h, k, hidden, inter,
+        row, dot, precision, emulate, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+    bn, bk, nw = config.down
+    _down[(n_pairs, triton.cdiv(hidden, bn))](
+        scratch.h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, scratch.y, hidden,
+        inter, row, 2 * inter * hidden, dot, precision, emulate, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](scratch.y, topk_weights, out, k, hidden,
+                                                       BLOCK_N=COMBINE_BLOCK, num_warps=4)
+    return out

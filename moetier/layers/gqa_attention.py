@@ -1,0 +1,72 @@
+"""Grouped-query attention with RMSNorm on each head's q and k before rotary (Qwen3), over the paged
+GQA cache (layers/kv_cache.GqaKVCache).
+
+    x [N, H] -> qkv (one fused projection, rows [q; k; v]) -> q/k head norms, rotary, K/V written
+      to their pages -> paged attention -> o_proj -> [N, H]
+
+On CUDA the norms, rotary and the KV write are one Triton launch (layers/fused.qk_norm_rope_kv);
+the CPU path and its oracle is qk_norm_rope_kv_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.layers.attention import AttnBatch, paged_attention, write_kv
+from moetier.layers.kv_cache import GqaKVCache
+from moetier.layers.norm import rms_norm
+from moetier.layers.param import param
+from moetier.layers.rotary import apply_rope
+
+
+def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float
+                              ) -> torch.Tensor:
+    # qkv: [N, (Hq + 2 Hkv) * D] -> q [N, Hq, D]; writes k and v into the caches at slot_mapping.
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = rms_norm(q.view(t, num_heads, d), q_norm, eps)
+    k = rms_norm(k.view(t, num_kv_heads, d), k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    write_kv(k_cache, v_cache, k, v.view(t, num_kv_heads, d), slot_mapping)
+    return q
+
+
+class GqaAttention(nn.Module):
+    def __init__(self, layer: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer = layer
+        self.hq, self.hkv, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
+        rows = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv = param(rows, hidden, dtype=dtype, device=device)  # [q; k; v] rows
+        self.o = param(hidden, num_heads * head_dim, dtype=dtype, device=device)
+        self.qkv_bias = param(rows, dtype=dtype, device=device) if bias else None
+        self.o_bias = param(hidden, dtype=dtype, device=device) if bias else None
+        self.q_norm = param(head_dim, dtype=dtype, device=device)
+        self.k_norm = param(head_dim, dtype=dtype, device=device)
+
+    def qkv_rows(self, proj: str) -> slice:
+        """Rows of the fused qkv weight that checkpoint projection q_proj, k_proj or v_proj fills."""
+        q, kv = self.hq * self.d, self.hkv * self.d
+        return {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}[proj]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
+                kv: GqaKVCache) -> torch.Tensor:
+        # x: [N, H], the new tokens of every sequence in the step
+        t = x.shape[0]
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        args = (qkv, self.q_norm, self.k_norm, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                self.hq, self.hkv, self.eps)
+        if qkv.is_cuda:
+            from moetier.layers import fused
+
+            q = fused.qk_norm_rope_kv(*args)
+        else:
+            q = qk_norm_rope_kv_reference(*args)
+        out = paged_attention(q, k_cache, v_cache, batch)  # [N, Hq, D]
+        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)

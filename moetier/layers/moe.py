@@ -1,0 +1,36 @@
+"""The generic MoE block: a router chooses experts, an expert backend computes them.
+
+    x [T, H] -> router -> topk_ids [T, k], topk_weights [T, k] -> (route hook) -> experts -> [T, H]
+
+The router is the model's (layers/router.py); the expert backend (experts/backends.py: resident,
+slots, uva) is built by the loader after the weights are in place and handed to the block, so the
+model never knows where its experts live. The route hook sees (layer, ids, weights) and may replace
+them: routing traces record and replay through it (traces/hooks.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moetier.experts.backends import ExpertBackend
+
+RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, layer: int, router: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.router = router
+        self.experts: ExpertBackend | None = None  # set by the loader (checkpoint/loader.py)
+        self.route_hook: RouteHook | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        if self.route_hook is not None:
+            ids, weights = self.route_hook(self.layer, ids, weights)
+        return self.experts.forward(x, ids, weights)

@@ -1,0 +1,90 @@
+"""What the engine needs from a model family: the interface every model class implements.
+
+    cls.checkpoint_weights(cfg, present) -> [Weight]   the tensors a checkpoint holds and where each goes
+    model.param(name) -> Tensor | None                 destination of a non-expert checkpoint tensor
+    model.kv_spec() -> KVSpec                          what one token's KV holds (the engine allocates it)
+    model.moe_blocks() -> [MoEBlock]                   the blocks whose expert backends the loader sets
+    model.forward(input_ids [N], batch, kv) -> [N, H]  writes the step's KV, returns last hidden states
+    model.logits(hidden [T, H]) -> [T, V] float32
+
+Routed-expert tensors never get a model destination: a Weight names (layer, expert, part) and the
+loader writes it into the rows the expert placement hands out (experts/placement.py), so the model
+never knows whether its experts sit in HBM or in pinned host memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetier.config import ModelConfig
+from moetier.layers.attention import AttnBatch
+from moetier.layers.kv_cache import KVCache, KVSpec
+from moetier.layers.moe import MoEBlock
+
+COUNTERS = ("hits", "misses", "overflow", "steps", "bypassed")
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """A checkpoint tensor of routed experts: `part` (experts/shape.PARTS) of one expert of `layer`,
+    or of all of them when expert is None (fused layouts)."""
+
+    layer: int
+    expert: int | None
+    part: str
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    shape: tuple[int, ...]
+    optional: bool = False  # may be absent (e.g. the tied lm_head copy some exporters write)
+    expert: ExpertTensor | None = None
+
+
+class CausalLM(nn.Module, ABC):
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    @abstractmethod
+    def checkpoint_weights(cls, cfg: ModelConfig, present: set[str]) -> list[Weight]:
+        """Every tensor a checkpoint of cfg holds, in storage order. `present`: the names a checkpoint
+        holds, where the family admits several layouts (fused or per-expert)."""
+
+    @abstractmethod
+    def param(self, name: str) -> torch.Tensor | None:
+        """The tensor (or slice) checkpoint tensor `name` fills; None: read and not kept (a tied copy)."""
+
+    @abstractmethod
+    def kv_spec(self) -> KVSpec:
+        ...
+
+    @abstractmethod
+    def moe_blocks(self) -> list[MoEBlock]:
+        ...
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: KVCache) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def expert_stats(self) -> dict[str, int]:
+        """The expert backends' counters summed over layers (one host read per layer; between steps)."""
+        total = dict.fromkeys(COUNTERS, 0)
+        for block in self.moe_blocks():
+            for k, v in block.experts.stats().items():
+                total[k] += v
+        return total
+
+    def reset_experts(self) -> None:
+        for block in self.moe_blocks():
+            block.experts.reset()

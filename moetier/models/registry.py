@@ -1,0 +1,64 @@
+"""Model families by the checkpoint's model_type (or architectures), imported only when used.
+
+Adding an architecture: its model file (model class + config class) and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from moetier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moetier.config import ModelConfig
+    from moetier.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    architectures: tuple[str, ...]  # the names Hugging Face writes in config.json "architectures"
+    module: str
+    model_class: str
+    config_class: str
+
+
+ARCHITECTURES = (
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), "moetier.models.qwen3_moe", "Qwen3MoeForCausalLM",
+                 "Qwen3MoeConfig"),
+)
+
+
+def supported() -> str:
+    return ", ".join(f"{a.model_type} ({', '.join(a.architectures)})" for a in ARCHITECTURES)
+
+
+def lookup(d: dict[str, Any], source: str = "config.json") -> Architecture:
+    """The family of a config.json: by model_type, else by its architectures."""
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    for a in ARCHITECTURES:
+        if model_type == a.model_type:
+            return a
+    for a in ARCHITECTURES:
+        if isinstance(archs, list) and set(archs) & set(a.architectures):
+            return a
+    given = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "none given"
+    raise ConfigError(f"{source}: model_type {model_type!r} (architectures: {given}) is not supported. "
+                      f"moetier supports: {supported()}.")
+
+
+def _attr(a: Architecture, name: str) -> Any:
+    return getattr(importlib.import_module(a.module), name)
+
+
+def config_class(a: Architecture) -> type[ModelConfig]:
+    return _attr(a, a.config_class)
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    for a in ARCHITECTURES:
+        if a.model_type == cfg.model_type:
+            return _attr(a, a.model_class)
+    raise ConfigError(f"model_type {cfg.model_type!r} is not supported. moetier supports: {supported()}.")

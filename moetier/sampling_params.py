@@ -1,0 +1,48 @@
+"""What a request asks of sampling: plain data (no torch), validated once at arrival. The kernels
+that apply it are layers/sampler.py."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+from moetier.errors import MoetierError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings; not part of the output
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be in [0, 2^63), got {self.seed}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if problems:
+            raise MoetierError("invalid sampling parameters: " + "; ".join(problems))
+        return self
+
+    def noise_seed(self) -> int:
+        """The seed of this request's noise: its own, or a fresh random one."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
+
+    @property
+    def filters(self) -> bool:
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
