@@ -8,12 +8,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    # Tests never write into the user's cache directory.
-    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path_factory.getbasetemp() / "moetier-cache"))
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The `tiny` preset in float32, written once per test session."""

@@ -2,8 +2,17 @@
 
 Run as a script (TRITON_INTERPRET must be set before triton is imported); test_grouped.py does that in a
 subprocess. Every case checks the plan against a stable argsort, the output against a float64 oracle,
-and bit-equality of slot rows vs host rows vs the resident layout, and of a token's output whatever
-other tokens share its step.
+bit-equality of slot rows vs host rows vs the resident layout, and that a subset of the step's tokens
+gets its outputs within rounding of the whole step's.
+
+What the interpreter can promise: its tl.dot is numpy's matmul, i.e. OpenBLAS, whose result for a row
+of a [BLOCK_M, K] tile depends on the row's position in the tile under some kernels (Haswell and Zen
+do; SkylakeX and Sandybridge do not). So bit-equality holds here only where the launches are literally
+the same: slots vs host vs resident make the same chunks, the same pairs at the same tile rows, over
+the same bytes (checked below). A token alone or in another batch sits at other tile rows, so "a
+token gets the same bits whatever shares its step" cannot be shown here; tests/test_gpu.py holds the
+compiled kernel to it bit for bit, and here it is held to the oracle and to the full step's values
+within rounding.
 """
 
 from __future__ import annotations
@@ -20,13 +29,19 @@ from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: 
 from moetier.experts.shape import RowLayout  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# subset vs full step, per element, relative to the largest output. Only the order of the fp32 sums
+# in a tl.dot differs: for K <= 72 terms that moves a result by at most about K * 2**-24 of their
+# magnitude (4e-6; up to 2.7e-7 seen under OpenBLAS Haswell/Zen). bf16 rounds h and the output to 8
+# bits, so a flipped rounding shows as an ulp of the largest value (2**-8); two are allowed.
+BATCH_ATOL = {torch.float32: 4e-6, torch.bfloat16: 2**-7}
 
 
-def check_plan(scratch: grouped.GemmScratch, slot_ids: torch.Tensor, ids: torch.Tensor) -> int:
-    # order == a stable argsort of the row keys; chunk_end marks every BLOCK_M-th pair of each group
+def check_plan(scratch: grouped.GemmScratch, slot_ids: torch.Tensor, ids: torch.Tensor) -> list[tuple[int, ...]]:
+    """order == a stable argsort of the row keys; chunk_end marks every BLOCK_M-th pair of each group.
+    -> the chunks, each the pair ids at its tile rows in order."""
     p = ids.numel()
     if ids.shape[0] == 1:  # one-token steps skip the plan: a chunk per pair (grouped.GemmScratch.one_order)
-        return p
+        return [(j,) for j in range(p)]
     keys = torch.where(slot_ids.reshape(-1) >= 0, slot_ids.reshape(-1).long(), -1 - ids.reshape(-1))
     order = torch.argsort(keys, stable=True)
     assert torch.equal(scratch.order[:p].long(), order), (scratch.order[:p], order)
@@ -41,7 +56,7 @@ def check_plan(scratch: grouped.GemmScratch, slot_ids: torch.Tensor, ids: torch.
             want[c] = min(c + grouped.BLOCK_M, group_end)
         pos = group_end
     assert torch.equal(scratch.chunk_end[:p], want), (scratch.chunk_end[:p], want)
-    return int((want > 0).sum())
+    return [tuple(order[c:int(want[c])].tolist()) for c in range(p) if want[c] > 0]
 
 
 def run(x, slot_ids, ids, w, dev_rows, host_rows, layout, scratch) -> torch.Tensor:
@@ -75,10 +90,13 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
     out_slots = run(x, mixed, ids, w, slots, rows, layout, scratch).clone()
     chunks = check_plan(scratch, mixed, ids)
     out_res = run(x, ids.int(), ids, w, rows, rows, layout, scratch).clone()
-    check_plan(scratch, ids.int(), ids)
+    res_chunks = check_plan(scratch, ids.int(), ids)
     none = torch.full_like(ids, -1, dtype=torch.int32)
     out_uva = run(x, none, ids, w, torch.zeros(1, layout.numel, dtype=dtype), rows, layout, scratch).clone()
-    check_plan(scratch, none, ids)
+    uva_chunks = check_plan(scratch, none, ids)
+    # NOTE: the three backends group by expert alike (a key per expert), so every chunk holds the same
+    # pairs at the same tile rows over the same bytes: the same numpy calls, bit-equal under any BLAS.
+    assert sorted(chunks) == sorted(res_chunks) == sorted(uva_chunks), (chunks, res_chunks, uva_chunks)
     assert torch.equal(out_slots, out_res), f"slots vs resident: {(out_slots - out_res).abs().max()}"
     assert torch.equal(out_uva, out_res), f"uva vs resident: {(out_uva - out_res).abs().max()}"
 
@@ -86,12 +104,18 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
     err = ((out_res.double() - oracle).norm() / oracle.norm()).item()
     assert err <= TOL[dtype], (t, k, h, i, dtype, ids_kind, err)
 
-    # a token's output does not depend on the other tokens of its step (chunk-mates, positions)
+    # a subset of the tokens, in another order: its own plan, the oracle's values, and the full step's
+    # within rounding. NOTE: not bit-equal here: its pairs sit at other tile rows (see the docstring).
     if t > 1:
         perm = torch.randperm(t, generator=g)[: max(1, t // 2)]
         sub = run(x[perm], mixed[perm], ids[perm], w[perm], slots, rows, layout, scratch)
-        assert torch.equal(sub, out_res[perm]), f"subset differs: {(sub - out_res[perm]).abs().max()}"
-    return f"grouped t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} chunks={chunks} err={err:.2e}"
+        check_plan(scratch, mixed[perm], ids[perm])
+        sub_oracle = oracle[perm]
+        sub_err = ((sub.double() - sub_oracle).norm() / sub_oracle.norm()).item()
+        assert sub_err <= TOL[dtype], (t, k, h, i, dtype, ids_kind, "subset", sub_err)
+        torch.testing.assert_close(sub.float(), out_res[perm].float(), rtol=0,
+                                   atol=BATCH_ATOL[dtype] * out_res.float().abs().max().item())
+    return f"grouped t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} chunks={len(chunks)} err={err:.2e}"
 
 
 CASES = [  # (t, k, h, i, ids)

@@ -22,10 +22,11 @@ import torch  # noqa: E402
 
 from moetier.layers.attention import AttnBatch, paged_attention_reference, write_kv  # noqa: E402
 
-# bfloat16: the reference rounds scores and probabilities to bf16, the kernel its probabilities
-# (about 5e-3 each from exact at these sizes); the interpreter also truncates float32 -> bf16 where
-# the GPU rounds to nearest, so only the GPU test holds the kernel to "as close to exact as the
-# reference".
+# Tolerances only: the interpreter's tl.dot is numpy's BLAS matmul, whose last bits depend on the
+# CPU's kernel (tests/interpreter.py). bfloat16: the reference rounds scores and probabilities to
+# bf16, the kernel its probabilities (about 5e-3 each from exact at these sizes); the interpreter
+# also truncates float32 -> bf16 where the GPU rounds to nearest, so only the GPU test holds the
+# kernel to "as close to exact as the reference".
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

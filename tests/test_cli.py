@@ -1,67 +1,58 @@
-"""The `moetier` command as a user runs it: a subprocess, the default model made on first use."""
+"""The `moetier` command as a user runs it: a subprocess, the embedded default model."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-import pytest
 
 
-def run(*args, env_cache, check=True):
-    env = {**os.environ, "MOETIER_CACHE": str(env_cache)}
-    p = subprocess.run([sys.executable, "-m", "moetier.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=300)
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "moetier.cli", *args], capture_output=True, text=True, timeout=300)
     if check:
         assert p.returncode == 0, p.stderr
     return p
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-def test_generate_default_model_json_and_stream(cache):
-    p = run("generate", "Tell me a story", "--max-tokens", "12", "--ignore-eos", "--json", env_cache=cache)
+def test_generate_default_model_json_and_stream():
+    p = run("generate", "Tell me a story", "--max-tokens", "12", "--ignore-eos", "--json")
     out = json.loads(p.stdout)
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
     assert out["prompt_token_ids"] and set(out["timings"]) >= {"prefill_s", "ttft_s", "decode_tok_per_s"}
     assert out["model"].endswith("tiny-stdlib")
-    streamed = run("generate", "Tell me a story", "--max-tokens", "12", "--ignore-eos", env_cache=cache)
+    streamed = run("generate", "Tell me a story", "--max-tokens", "12", "--ignore-eos")
     assert streamed.stdout == out["text"] + "\n"
     assert "12 tokens" in streamed.stderr and "tok/s" in streamed.stderr
 
 
-def test_seed_and_sampling_flags(cache):
+def test_seed_and_sampling_flags():
     args = ("generate", "x", "--max-tokens", "10", "--ignore-eos", "--temperature", "0.8", "--top-p", "0.9",
             "--top-k", "20", "--seed", "5", "--json", "--chat", "--dtype", "bfloat16")
-    a = json.loads(run(*args, env_cache=cache).stdout)
-    b = json.loads(run(*args, env_cache=cache).stdout)
+    a = json.loads(run(*args).stdout)
+    b = json.loads(run(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
 
 
-def test_errors_are_one_clear_line(cache, tmp_path):
-    p = run("generate", "x", "--model", str(tmp_path / "nope"), env_cache=cache, check=False)
+def test_errors_are_one_clear_line(tmp_path):
+    p = run("generate", "x", "--model", str(tmp_path / "nope"), check=False)
     assert p.returncode == 2 and p.stderr.startswith("error: --model") and "Traceback" not in p.stderr
-    p = run("generate", "x", "--temperature", "-1", env_cache=cache, check=False)
+    p = run("generate", "x", "--temperature", "-1", check=False)
     assert p.returncode == 2 and "temperature must be a finite number >= 0" in p.stderr and "Traceback" not in p.stderr
     (tmp_path / "empty").mkdir()
-    p = run("generate", "x", "--model", str(tmp_path / "empty"), env_cache=cache, check=False)
+    p = run("generate", "x", "--model", str(tmp_path / "empty"), check=False)
     assert p.returncode == 2 and "config.json not found" in p.stderr
 
 
-def test_make_checkpoint_then_generate(cache, tmp_path):
+def test_make_checkpoint_then_generate(tmp_path):
     out = tmp_path / "ck"
     run("make-checkpoint", "--preset", "tiny-odd", "--out", str(out), "--layers", "2", "--seed", "3",
-        "--dtype", "bf16", env_cache=cache)
+        "--dtype", "bf16")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["torch_dtype"] == "bfloat16"
-    p = run("generate", "hi", "--model", str(out), "--max-tokens", "4", "--ignore-eos", "--json", env_cache=cache)
+    p = run("generate", "hi", "--model", str(out), "--max-tokens", "4", "--ignore-eos", "--json")
     assert len(json.loads(p.stdout)["token_ids"]) == 4
-    again = run("make-checkpoint", "--preset", "tiny-odd", "--out", str(out), env_cache=cache, check=False)
+    again = run("make-checkpoint", "--preset", "tiny-odd", "--out", str(out), check=False)
     assert again.returncode == 2 and "--overwrite" in again.stderr
-    bad = run("make-checkpoint", "--preset", "gpt-9", "--out", str(tmp_path / "x"), env_cache=cache, check=False)
+    bad = run("make-checkpoint", "--preset", "gpt-9", "--out", str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and "unknown preset 'gpt-9'" in bad.stderr

@@ -1,4 +1,5 @@
-"""The grouped expert GEMM in Triton's CPU interpreter (CI has no GPU): plan, accuracy, exactness."""
+"""The grouped expert GEMM in Triton's CPU interpreter (CI has no GPU): plan, accuracy, and bit-equality
+across backends that run the same chunks (not across batches: see grouped_interpreter.py)."""
 
 from __future__ import annotations
 

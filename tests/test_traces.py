@@ -170,3 +170,17 @@ def test_trace_cli(tmp_path):
     assert rows[0]["hit_rate"] <= rows[1]["hit_rate"]
     assert "slots per layer" in run("plan-slots", str(tmp_path / "s.mtrace"), "--budget", "20", "--out",
                                     str(tmp_path / "p.json"))
+
+
+def test_damaged_header_and_nan_skew_are_clear_errors(tmp_path):
+    from moetier.errors import MoetierError
+
+    bad = tmp_path / "bad.mtrace"
+    bad.write_bytes(b"MOETRACE\x01\x00\x00\x00\x05\x00\x00\x00{bad}")
+    with pytest.raises(MoetierError, match="the trace header is damaged"):
+        read_trace(bad)
+    bad.write_bytes(b"MOETRACE\x01")
+    with pytest.raises(MoetierError, match="the trace header is damaged"):
+        read_trace(bad)
+    with pytest.raises(MoetierError, match="skew must be a finite number"):
+        SynthParams(experts=8, top_k=2, layers=1, skew=float("nan")).check()

@@ -15,6 +15,8 @@ from moetier.errors import MoetierError
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 
 BENCH_EXTRA = "pip install 'moetier[bench]'"
+# The committed trace of a checkout (an editable install); a wheel has none and asks for --trace.
+REPO_TRACE = Path(__file__).parents[2] / "data" / "traces" / "qwen3-30b-like.mtrace"
 
 
 def need_cuda(what: str) -> None:
@@ -89,8 +91,9 @@ def bench_decode(
     model: opt.Model = None,
     budget: list[str] = typer.Option(["100%", "50%", "25%"], "--expert-budget", metavar="SHARE",
                                      help="Share of routed-expert bytes in HBM; repeat the option for several."),
-    trace: Path = typer.Option(Path("data/traces/qwen3-30b-like.mtrace"), "--trace", metavar="FILE",
-                               help="Routing to replay."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Routing to replay (default: the repository's "
+                                              "data/traces/qwen3-30b-like.mtrace)."),
     batch: list[int] = typer.Option([1, 8], "--batch", metavar="N",
                                     help="Decode batch size; repeat the option for several."),
     backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
@@ -120,7 +123,7 @@ def bench_decode(
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
             opt.at_least(value, 1, name)
         opt.at_least(warmup, 0, "--warmup")
-        opt.input_file(trace, "--trace")
+        trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if "hf" in names:
             need_modules("transformers", "accelerate", why="the transformers + accelerate peer (--backends hf)")
         if plot is not None:

@@ -1,4 +1,4 @@
-"""Streams engine outputs to asyncio callers (the server): the engine steps on a background thread
+"""Streams engine outputs to asyncio callers: the engine steps on a background thread
 while work exists; each request's outputs arrive on its own queue."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class AsyncLLM:
                     continue
                 try:
                     outputs = self.llm.step()
-                except Exception as e:  # a failed step fails its requests, not the server
+                except Exception as e:  # a failed step fails its requests, not the loop
                     outputs = []
                     for rid in list(self.llm.scheduler.requests):
                         self.llm.abort(rid)

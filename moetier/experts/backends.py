@@ -76,8 +76,8 @@ class ExpertBackend(ABC):
         from moetier.experts.grouped_gemm import grouped_expert_mlp
 
         # One kernel for every T and every backend: the backends stay bit-exact against each other,
-        # and a pair's result never depends on the other tokens of its step (a token gets the same
-        # bits alone or in a batch). At one token it is as fast as the per-pair GEMV (pair_gemv.py: 31.0
+        # and on the GPU a pair's result never depends on the other tokens of its step (a token gets
+        # the same bits alone or in a batch; see the NOTE in grouped_gemm._gate_up). At one token it is as fast as the per-pair GEMV (pair_gemv.py: 31.0
         # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
         # bench/results/h200-tune-experts.json).
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,

@@ -110,9 +110,11 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
     nm = n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # NOTE: a pair's result depends only on its token, its row's bytes and the fixed K order: tl.dot
-    # rows are independent, padding rows are zeros, so neither its chunk-mates nor where the row is
-    # read from (slot, host, resident) can change a bit.
+    # NOTE: compiled for the GPU, a pair's result depends only on its token, its row's bytes and the
+    # fixed K order: tl.dot rows are independent, padding rows are zeros, so neither its chunk-mates
+    # nor where the row is read from (slot, host, resident) can change a bit (tests/test_gpu.py). In
+    # Triton's CPU interpreter tl.dot is a BLAS matmul whose bits may depend on a row's place in the
+    # tile: there only identical chunks promise identical bits (tests/grouped_interpreter.py).
     for k0 in range(0, hidden, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < hidden

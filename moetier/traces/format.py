@@ -111,12 +111,16 @@ def read_trace(path: str | Path) -> Trace:
         raise MoetierError(f"cannot read trace {path}: {e}") from None
     if data[:8] != MAGIC:
         raise MoetierError(f"{path} is not a moetier trace (it does not start with {MAGIC!r})")
-    version, n = struct.unpack_from("<II", data, 8)
-    if version != VERSION:
-        raise MoetierError(f"{path}: trace version {version}; this moetier reads version {VERSION}")
-    meta = json.loads(data[16:16 + n])
-    layers, k = len(meta["layers"]), int(meta["top_k"])
-    has_w = meta.get("weights") is not None
+    try:
+        version, n = struct.unpack_from("<II", data, 8)
+        if version != VERSION:
+            raise MoetierError(f"{path}: trace version {version}; this moetier reads version {VERSION}")
+        meta = json.loads(data[16:16 + n])
+        layers, k = len(meta["layers"]), int(meta["top_k"])
+        has_w = meta.get("weights") is not None
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:  # JSON errors are ValueErrors
+        raise MoetierError(f"{path}: the trace header is damaged ({type(e).__name__}: {e}); record or "
+                           "synthesize the trace again") from None
     pos = 16 + n
     ids, weights, seq, prefill, steps = [], [], [], [], []
     record = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -11,7 +12,7 @@ from moetier.errors import MoetierError
 from moetier.presets import MOE_SHAPES
 from moetier.traces.format import Trace
 from moetier.traces.slot_plan import grid_for
-from moetier.traces.simulate import Physics, simulate
+from moetier.traces.simulate import Physics, simulate_many
 
 # The H200 figures of bench/results/h200-layer.json, used when nothing else is given.
 DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS = 4165.0, 55.4
@@ -39,20 +40,21 @@ def physics_for(preset: str, trace: Trace, hbm: float | None, link: float | None
 
 
 def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_layer: dict[int, int] | None,
-                   phys: Physics) -> dict:
+                   phys: Physics, progress: Callable[[int], None] | None = None) -> dict:
+    """The table: per slot count (or the per-layer file) and policy, every traced layer simulated.
+    `progress(tokens done)` is passed to simulate_many (one pass over the trace)."""
     layers, n = trace.layers, trace.num_tokens
     configs = [("per-layer file", per_layer)] if per_layer else [(str(s), {layer: s for layer in layers})
                                                                     for s in slots]
+    jobs = [(i, plan[layer], pol) for _, plan in configs for pol in policies for i, layer in enumerate(layers)]
+    counts = iter(simulate_many(trace.ids, jobs, trace.num_experts, trace.top_k, progress))
     rows, lines = [], []
     lines.append(f"{'policy':<8}{'slots':>16}{'hit rate':>10}{'link MB/token':>15}{'ms/token':>10}"
                  f"{'tok/s':>10}   (row {phys.row_bytes / 1e6:.2f} MB, HBM {phys.hbm_GBps:.0f} GB/s, "
                  f"link {phys.link_GBps:.1f} GB/s, {phys.moe_layers} MoE layers from {len(layers)} traced)")
     for name, plan in configs:
         for pol in policies:
-            per = []
-            for i, layer in enumerate(layers):
-                c = simulate(trace.layer_ids(i), trace.num_experts, plan[layer], pol, trace.top_k)
-                per.append(c)
+            per = [next(counts) for _ in layers]
             hits = sum(c.hits for c in per)
             misses = sum(c.misses for c in per)
             over = sum(c.overflow for c in per)
@@ -67,16 +69,21 @@ def run_simulation(trace: Trace, policies: list[str], slots: list[int], per_laye
     return {"trace_tokens": n, "layers": layers, "physics": phys.__dict__, "rows": rows, "table": "\n".join(lines)}
 
 
-def curves(trace: Trace, policies: list[str]) -> tuple[list[int], dict[str, list[float]]]:
+def curves(trace: Trace, policies: list[str], progress: Callable[[int], None] | None = None
+           ) -> tuple[list[int], dict[str, list[float]]]:
+    """Mean hit rate over the traced layers at each grid point, per policy (one pass over the trace)."""
     grid = grid_for(trace.num_experts, trace.top_k)
+    layers = range(trace.ids.shape[1])
+    jobs = [(i, s, pol) for pol in policies for s in grid for i in layers]
+    counts = iter(simulate_many(trace.ids, jobs, trace.num_experts, trace.top_k, progress))
     out = {}
     for pol in policies:
-        out[pol] = [float(np.mean([simulate(trace.layer_ids(i), trace.num_experts, s, pol, trace.top_k).hit_rate
-                                   for i in range(trace.ids.shape[1])])) for s in grid]
+        out[pol] = [float(np.mean([next(counts).hit_rate for _ in layers])) for _ in grid]
     return grid, out
 
 
-def plot_curves(trace: Trace, policies: list[str], path: Path, title: str | None = None) -> None:
+def plot_curves(trace: Trace, policies: list[str], path: Path, title: str | None = None,
+                progress: Callable[[int], None] | None = None) -> None:
     try:
         import matplotlib
 
@@ -84,7 +91,7 @@ def plot_curves(trace: Trace, policies: list[str], path: Path, title: str | None
         import matplotlib.pyplot as plt
     except ImportError:
         raise MoetierError("--plot needs matplotlib: pip install 'moetier[plot]'") from None
-    grid, hit = curves(trace, policies)
+    grid, hit = curves(trace, policies, progress)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for pol, rates in hit.items():
         ax.plot(grid, [100 * r for r in rates], marker="o", ms=3, label=pol)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from moetier.errors import MoetierError
 from moetier.traces.format import Trace
-from moetier.traces.simulate import simulate
+from moetier.traces.simulate import simulate_many
 
 
 def grid_around(even: int, num_experts: int, low: int, points: int = 8) -> list[int]:
@@ -29,12 +29,11 @@ def grid_for(num_experts: int, top_k: int, points: int = 16) -> list[int]:
 
 def miss_curves(trace: Trace, grid: list[int], policy: str = "lru") -> list[list[int]]:
     """Per traced layer, link reads (fills + overflow) at each grid point."""
-    out = []
-    for i in range(trace.ids.shape[1]):
-        ids = trace.layer_ids(i)
-        out.append([(c := simulate(ids, trace.num_experts, s, policy, trace.top_k)).misses + c.overflow
-                    for s in grid])
-    return out
+    layers = trace.ids.shape[1]
+    jobs = [(i, s, policy) for i in range(layers) for s in grid]
+    counts = simulate_many(trace.ids, jobs, trace.num_experts, trace.top_k)  # every cache in one pass
+    reads = [c.misses + c.overflow for c in counts]
+    return [reads[i * len(grid):(i + 1) * len(grid)] for i in range(layers)]
 
 
 def exchange(curves: list[list[int]], grid: list[int], start: int) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 from dataclasses import asdict, dataclass
 
@@ -46,8 +47,8 @@ class SynthParams:
                 problems.append(f"{name} must be a probability in [0, 1]")
         if self.reuse + self.layer_corr > 1:
             problems.append("reuse + layer_corr must be at most 1")
-        if self.skew < 0:
-            problems.append("skew must be >= 0 (0 is uniform)")
+        if not (math.isfinite(self.skew) and self.skew >= 0):  # nan would make synthesize() loop forever
+            problems.append(f"skew must be a finite number >= 0 (0 is uniform), got {self.skew}")
         if problems:
             raise MoetierError("invalid trace parameters: " + "; ".join(problems))
         return self

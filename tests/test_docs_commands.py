@@ -1,0 +1,80 @@
+"""Every `moetier` command in README.md and docs/ runs as written on this machine (CPU): a command
+that needs CUDA refuses in one line instead. What the test changes is listed in SUBSTITUTE: paths
+that stand for a user's own files, and one shape too large for CI (the command stays the same)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetier.cli.app import app
+
+ROOT = Path(__file__).parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CUDA_ONLY = ("bench decode", "bench layer")
+# What the docs write -> what the test runs. {tiny}: a tiny random checkpoint; {default}: the
+# embedded model, whose routing the working folder's q.mtrace holds.
+SUBSTITUTE = {
+    "~/models/Qwen3-30B-A3B": "{tiny}", "DIR": "{default}", "TRACE": "q.mtrace", "TOTAL": "64",
+    "/data/q30b": "q30b",
+    # the published Qwen3-30B-A3B shape is 2.4 GB a layer: the same command on the tiny shape
+    "--preset qwen3-30b-a3b --out q30b --layers 8": "--preset tiny --out q30b --layers 2",
+}
+
+
+def commands() -> list[tuple[str, str]]:
+    out = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1] + " " + lines[i].strip()
+            i += 1
+            if line.startswith("moetier "):
+                line = re.sub(r"\s+#.*$", "", line).replace(" ...", ' "def f():"')  # "...": the rest
+                out.append((f"{doc.name}: {line}", line))
+    return out
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    """One working folder per document: its commands run in order there, as a reader would run them.
+    Each starts with the files the document takes as given: q.mtrace (a trace for the model the
+    document's generate commands use) and slots.json."""
+    made = {}
+
+    def get(doc: str) -> Path:
+        if doc not in made:
+            d = made[doc] = tmp_path_factory.mktemp(doc.replace(".", "_"))
+            heldout = ROOT / "data" / "traces" / "tiny-stdlib-heldout.mtrace"  # the default model's routing
+            (d / "q.mtrace").write_bytes(heldout.read_bytes())
+            (d / "slots.json").write_text('{"slots": {"0": 16, "1": 16, "2": 16, "3": 16}}')
+        return made[doc]
+    return get
+
+
+@pytest.mark.parametrize("where,line", commands(), ids=[w for w, _ in commands()])
+def test_documented_command_runs(where, line, workdirs, tiny_ckpt, monkeypatch):
+    from moetier.default_model import default_model_dir
+
+    cwd = workdirs(where.split(":")[0])
+    places = {"tiny": str(tiny_ckpt), "default": str(default_model_dir())}
+    for doc_text, run_text in SUBSTITUTE.items():
+        line = re.sub(rf"(?<![\w/.-]){re.escape(doc_text)}(?![\w/.-])", run_text, line)
+    args = [a.format(**places) for a in shlex.split(line)[1:]]
+    # repository paths (data/traces/..., moetier/assets/...) read from the checkout
+    args = [str(ROOT / a) if not a.startswith("/") and "/" in a and (ROOT / a).exists() else a for a in args]
+    monkeypatch.chdir(cwd)
+    r = CliRunner().invoke(app, args)
+    if line.startswith(tuple(f"moetier {c}" for c in CUDA_ONLY)) and not torch.cuda.is_available():
+        assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr, (args, r.output)
+        return
+    assert r.exit_code == 0, (args, r.output, r.exception)
