@@ -118,6 +118,68 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
     return f"grouped t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} chunks={len(chunks)} err={err:.2e}"
 
 
+def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, block_m: int, seed: int) -> str:
+    """The large-step path (grouped_expert_mlp_large): its sorted plan, bit-equality of slots, host and
+    resident rows (the same chunks again), the oracle, and the decode path's values within rounding."""
+    from moetier.experts.gemm_config import GemmConfig
+
+    g = torch.Generator().manual_seed(seed)
+    e = 16
+    layout = RowLayout(h, i)
+    rows = (torch.randn(e, layout.numel, generator=g) * 0.1).to(dtype)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w = torch.rand(t, k, generator=g).to(dtype)
+    ids = (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if ids_kind == "distinct"
+           else torch.randint(0, 3, (t, k), generator=g))  # "dup": groups far longer than a chunk
+    cfg = GemmConfig(large_block_m=block_m, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))
+    cached = torch.randperm(e, generator=g)[: e // 2]
+    slot_of = torch.full((e,), -1, dtype=torch.int32)
+    slot_of[cached] = torch.randperm(e // 2, generator=g).int()
+    slots = torch.full((e // 2, layout.numel), float("nan")).to(dtype)
+    slots[slot_of[cached].long()] = rows[cached]
+    mixed = slot_of[ids]
+
+    def large(slot_ids, dev_rows, max_rows):
+        return grouped.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows, cfg)
+
+    # the plan: a stable sort by row key, chunks of block_m within each row's run, their starts listed
+    order, chunk_end, starts = grouped.plan_large(mixed, ids, block_m, e + e // 2)
+    keys = torch.where(mixed.reshape(-1) >= 0, mixed.reshape(-1).long(), -1 - ids.reshape(-1))
+    assert torch.equal(order.long(), torch.argsort(keys, stable=True))
+    sk, want, pos = keys[order.long()], torch.zeros(t * k, dtype=torch.int32), 0
+    while pos < t * k:
+        end = pos
+        while end < t * k and sk[end] == sk[pos]:
+            end += 1
+        for c in range(pos, end, block_m):
+            want[c] = min(c + block_m, end)
+        pos = end
+    assert torch.equal(chunk_end, want), (chunk_end, want)
+    listed = want.nonzero().flatten().int()
+    assert torch.equal(starts[: listed.numel()], listed) and bool((starts[listed.numel():] == -1).all())
+
+    out_slots = large(mixed, slots, e + e // 2)
+    out_res = large(ids.int(), rows, e)
+    out_uva = large(torch.full_like(ids, -1, dtype=torch.int32), torch.zeros(1, layout.numel, dtype=dtype), e)
+    assert torch.equal(out_slots, out_res), f"slots vs resident: {(out_slots - out_res).abs().max()}"
+    assert torch.equal(out_uva, out_res), f"uva vs resident: {(out_uva - out_res).abs().max()}"
+    oracle = combine(expert_pairs(x.double(), ids, row_fetch(rows.double(), layout)), w.double())
+    err = ((out_res.double() - oracle).norm() / oracle.norm()).item()
+    assert err <= TOL[dtype], (t, k, h, i, dtype, ids_kind, block_m, err)
+    if t * k <= 64 * 8:  # the decode path computes the same function: equal within rounding
+        small = run(x, ids.int(), ids, w, rows, rows, layout, grouped.GemmScratch.make(64 * 8, h, i, torch.device("cpu")))
+        torch.testing.assert_close(out_res.float(), small.float(), rtol=0,
+                                   atol=BATCH_ATOL[dtype] * small.float().abs().max().item())
+    return (f"large t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} block_m={block_m} "
+            f"chunks={listed.numel()} err={err:.2e}")
+
+
+LARGE_CASES = [  # (t, k, h, i, ids, block_m)
+    (40, 4, 72, 40, "distinct", 16),
+    (96, 2, 64, 32, "dup", 16),
+    (70, 8, 72, 40, "dup", 64),
+]
+
 CASES = [  # (t, k, h, i, ids)
     (1, 8, 72, 40, "distinct"),
     (2, 2, 72, 40, "distinct"),
@@ -133,4 +195,7 @@ if __name__ == "__main__":
     for n, (t, k, h, i, kind) in enumerate(CASES):
         for dtype in (torch.float32, torch.bfloat16):
             print(case(t, k, h, i, dtype, kind, seed=n), flush=True)
+    for n, (t, k, h, i, kind, bm) in enumerate(LARGE_CASES):
+        for dtype in (torch.float32, torch.bfloat16):
+            print(case_large(t, k, h, i, dtype, kind, bm, seed=100 + n), flush=True)
     sys.exit(0)

@@ -183,3 +183,62 @@ def bench_batch(
     if out:
         write_json(out, data)
     typer.echo(table(data))
+
+
+@app.command("prefill")
+def bench_prefill(
+    preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
+    layers: Optional[int] = typer.Option(8, "--layers", help="Cut the preset to its first N layers."),
+    budget: list[str] = typer.Option(["50%", "25%"], "--expert-budget", metavar="SHARE",
+                                     help="Share of routed-expert bytes in HBM for the slots rows; repeat the "
+                                          "option for several."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Routing to replay (default: the repository's "
+                                              "data/traces/qwen3-30b-like.mtrace)."),
+    length: list[int] = typer.Option([128, 512, 2048, 8192], "--prompt-len", metavar="N",
+                                     help="Prompt tokens; repeat the option for several."),
+    batch: list[int] = typer.Option([1, 4], "--batch", metavar="N", help="Prompts at once; repeat for several."),
+    backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
+    chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
+    policy: opt.CachePolicy = "lfru",
+    decode_tokens: opt.DecodeTokens = 64,
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
+) -> None:
+    """Prefill tok/s through the engine: resident, slots at each budget, uva, with link and HBM/compute
+    bounds measured in the same run (CUDA)."""
+    from moetier.presets import preset as make_preset
+
+    try:
+        budgets = [parse_budget(b) for b in budget]
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        if not names or set(names) - {"resident", "uva", "slots"}:
+            raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
+        for value in (*length, *batch):
+            opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
+        opt.at_least(chunk, decode_tokens + 1, "--chunk")
+        trace = opt.input_file(trace or REPO_TRACE, "--trace")
+        if plot is not None:
+            need_modules("matplotlib", why="--plot")
+            opt.output_file(plot, "--plot")
+        if out is not None:
+            opt.output_file(out, "--out")
+        cfg = make_preset(preset, layers, "bfloat16")
+    except MoetierError as e:
+        opt.fail(e)
+    need_cuda("prefill")
+    from moetier.bench import prefill
+    from moetier.bench.common import links, record, write_json
+    from moetier.bench.decode import random_bed
+
+    args = {"chunk": chunk, "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset}
+    bed = random_bed(cfg, seed)
+    data = record("prefill", prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args,
+                                         links(row_bytes=bed.row_bytes)))
+    if out:
+        write_json(out, data)
+    if plot:
+        prefill.plot(data, str(plot))
+    typer.echo(prefill.table(data["rows"]))
+

@@ -13,7 +13,9 @@ backends differ only in where a row's bytes are read from: slots and uva are bit
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
 `decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe): the
 bookkeeping and fill of slots, then the grouped GEMM (grouped_gemm.py, each distinct row read once).
-Larger steps (prefill) take an eager per-expert path (reference.py) that bypasses the cache.
+Larger steps (prefill) bypass the cache: on CUDA the large-step grouped GEMM (a device sort for its
+plan, chunks of up to 64 pairs of a row, host rows read across the link in the kernel, no host
+sync); on the CPU the per-expert torch path (reference.py).
 
 Every backend counts what it did (stats(): hits, misses, overflow, steps, bypassed) and can be put
 back to its empty state (reset()), so nobody reaches into a backend's cache.
@@ -72,6 +74,15 @@ class ExpertBackend(ABC):
             self._out = torch.empty(self.decode_tokens, self.layout.hidden, dtype=hidden.dtype, device=self.device)
         return self._out[: hidden.shape[0]]
 
+    def _large(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, max_rows) -> torch.Tensor:
+        """A step above the decode limit on CUDA (prefill): the same SwiGLU by the large-step grouped
+        GEMM, a device sort for its plan, no host sync; host rows read across the link in the kernel."""
+        from moetier.experts.grouped_gemm import grouped_expert_mlp_large
+
+        self.bypassed += 1
+        return grouped_expert_mlp_large(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
+                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm)
+
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
         from moetier.experts.grouped_gemm import grouped_expert_mlp
 
@@ -97,6 +108,9 @@ class ResidentExperts(ExpertBackend):
     def forward(self, hidden, topk_ids, topk_weights):
         if self.cuda and hidden.shape[0] <= self.decode_tokens:
             return self._kernel(hidden, topk_ids.int(), topk_ids, topk_weights, self.rows, self.rows)
+        if self.cuda:
+            return self._large(hidden, topk_ids.int(), topk_ids, topk_weights, self.rows, self.rows,
+                               self.rows.shape[0])
         return combine(expert_pairs(hidden, topk_ids, row_fetch(self.rows, self.layout)), topk_weights)
 
     def nbytes(self):
@@ -124,9 +138,10 @@ class UvaExperts(ExpertBackend):
             none = self._none[: topk_ids.numel()].view(topk_ids.shape)
             return self._kernel(hidden, none, topk_ids, topk_weights, self._no_rows, self._host_dev)
         if self.cuda:
-            self.bypassed += 1
-        fetch = row_fetch(self.host, self.layout, self.device if self.cuda else None)
-        return combine(expert_pairs(hidden, topk_ids, fetch), topk_weights)
+            none = torch.full(topk_ids.shape, -1, dtype=torch.int32, device=self.device)
+            return self._large(hidden, none, topk_ids, topk_weights, self._no_rows, self._host_dev,
+                               self.host.shape[0])
+        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.host, self.layout)), topk_weights)
 
     def nbytes(self):
         return {"device": 0, "host": self.host.numel() * self.host.element_size()}
@@ -197,10 +212,15 @@ class SlotExperts(ExpertBackend):
         main.wait_stream(self._copy_stream)
 
     def _bypass(self, hidden, topk_ids, topk_weights) -> torch.Tensor:
-        """Prefill: leave the cache alone; read resident experts from their slots, stream the rest."""
+        """Prefill: leave the cache alone; read experts in slots from their slots, the rest from the
+        host store across the link (each row once per chunk of its tokens)."""
+        if self.cuda:
+            slot_ids = self.cache.expert_slot[topk_ids]  # a device gather: -1 where not in a slot
+            return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
+                               self.cache.num_slots + self.cache.num_experts)
         self.bypassed += 1
         slot_of = self.cache.expert_slot.tolist()
-        host = row_fetch(self.host, self.layout, self.device if self.cuda else None)
+        host = row_fetch(self.host, self.layout)
 
         def fetch(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
             s = slot_of[expert]

@@ -22,3 +22,8 @@ class GemmConfig:
 
     gate_up: tuple[int, int, int] = (64, 128, 4)
     down: tuple[int, int, int] = (64, 128, 4)
+    # Large steps (prefill, grouped_expert_mlp_large): pairs of one row per chunk, and the blocks of
+    # the two kernels for them.
+    large_block_m: int = 64
+    large_gate_up: tuple[int, int, int] = (64, 64, 4)
+    large_down: tuple[int, int, int] = (64, 64, 4)

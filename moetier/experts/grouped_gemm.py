@@ -94,14 +94,28 @@ def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOC
 
 
 @triton.jit
-def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, h_ptr,
+def _chunk_start(starts_ptr, chunk_end_ptr, LISTED: tl.constexpr):
+    # -> (i, end): the chunk program 0 works on, [i, end) in sorted positions; end <= i: no chunk.
+    # Decode: program i is sorted position i (most leave at once). Large steps (LISTED): a list of
+    # the chunk starts, -1 past the last, so the grid is the chunk count's bound, not one per pair.
+    if LISTED:
+        i = tl.load(starts_ptr + tl.program_id(0))
+        end = tl.load(chunk_end_ptr + tl.maximum(i, 0))
+        end = tl.where(i < 0, -1, end)
+    else:
+        i = tl.program_id(0)
+        end = tl.load(chunk_end_ptr + i)
+    return i, end
+
+
+@triton.jit
+def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, starts_ptr, h_ptr,
              top_k: tl.constexpr, hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr,
              DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (i, nb): the chunk starting at sorted position i, intermediate rows [nb * BLOCK_N, +BLOCK_N)
-    i = tl.program_id(0)
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr):
+    # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
+    i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
-    end = tl.load(chunk_end_ptr + i)
     if end <= i:
         return
     pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
@@ -129,14 +143,13 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
 
 
 @triton.jit
-def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, y_ptr,
+def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, starts_ptr, y_ptr,
           hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr, w13: tl.constexpr,
           DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (i, nb): the chunk starting at sorted position i, output rows [nb * BLOCK_N, +BLOCK_N)
-    i = tl.program_id(0)
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr):
+    # program (c, nb): chunk c (see _chunk_start), output rows [nb * BLOCK_N, +BLOCK_N)
+    i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
-    end = tl.load(chunk_end_ptr + i)
     if end <= i:
         return
     pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
@@ -233,8 +246,6 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     n_pairs = t * k
     if n_pairs > scratch.max_pairs:
         raise ValueError(f"{n_pairs} (token, expert) pairs exceed the {scratch.max_pairs} the scratch holds")
-    row = dev_rows.shape[1]
-    dot, precision, emulate = _dot_type(dev_rows.dtype)
     if t == 1:
         # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids
         # read their row twice, with the same bits, since a pair's result depends only on its row.
@@ -243,14 +254,70 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
         order, chunk_end = scratch.order, scratch.chunk_end
         blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
         _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
-    bn, bk, nw = config.gate_up
-    _gate_up[(n_pairs, triton.cdiv(inter, bn))](
-        x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, scratch.h, k, hidden, inter,
-        row, dot, precision, emulate, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-    bn, bk, nw = config.down
-    _down[(n_pairs, triton.cdiv(hidden, bn))](
-        scratch.h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, scratch.y, hidden,
-        inter, row, 2 * inter * hidden, dot, precision, emulate, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](scratch.y, topk_weights, out, k, hidden,
+    _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, order,
+             n_pairs, scratch.h, scratch.y, out, BLOCK_M, config.gate_up, config.down, listed=False)
+    return out
+
+
+def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
+             programs, h, y, out, block_m, gate_up, down, listed):
+    # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
+    t, k = topk_ids.shape
+    row = dev_rows.shape[1]
+    dot, precision, emulate = _dot_type(dev_rows.dtype)
+    bn, bk, nw = gate_up
+    _gate_up[(programs, triton.cdiv(inter, bn))](
+        x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
+        row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw)
+    bn, bk, nw = down
+    _down[(programs, triton.cdiv(hidden, bn))](
+        h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
+        2 * inter * hidden, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
+        num_warps=nw)
+    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden,
                                                        BLOCK_N=COMBINE_BLOCK, num_warps=4)
+
+
+def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max_rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan of a large step in torch device ops (a sort: the O(P^2) plan kernel is for decode sizes).
+    -> order [P] int32 (pair ids by (row key, pair id)), chunk_end [P] int32 (as the decode plan: per
+    sorted position, the end of the chunk of up to block_m pairs starting there, else 0), starts [C]
+    int32 (the chunk starts in sorted order, then -1), C = P // block_m + min(P, max_rows): every
+    group of a row adds at most one partial chunk. No host sync; eager only (argsort allocates)."""
+    keys = torch.where(slot_ids >= 0, slot_ids.long(), -1 - topk_ids.long()).reshape(-1)
+    p = keys.numel()
+    order = torch.argsort(keys, stable=True)
+    sk = keys[order]
+    idx = torch.arange(p, device=keys.device)
+    first = torch.ones(p, dtype=torch.bool, device=keys.device)  # a row's first sorted position
+    first[1:] = sk[1:] != sk[:-1]
+    begin = torch.cummax(torch.where(first, idx, 0), 0).values
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    end = torch.flip(torch.cummin(torch.flip(torch.where(last, idx + 1, p), [0]), 0).values, [0])
+    start = (idx - begin) % block_m == 0
+    chunk_end = torch.where(start, torch.minimum(idx + block_m, end), 0).int()
+    cap = p // block_m + min(p, max_rows)
+    starts = torch.full((cap + 1,), -1, dtype=torch.int32, device=keys.device)
+    # NOTE: non-starts all write the extra entry `cap`, which is dropped: the kept entries are exact.
+    starts.scatter_(0, torch.where(start, torch.cumsum(start, 0) - 1, cap), idx.int())
+    return order.int(), chunk_end, starts[:cap]
+
+
+def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
+                             topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
+                             max_rows: int, config: GemmConfig = GemmConfig()) -> torch.Tensor:
+    """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
+    config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
+    bounded by the chunk count. Arguments as grouped_expert_mlp; max_rows: distinct rows possible
+    (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype."""
+    t, k = topk_ids.shape
+    bm = config.large_block_m
+    order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
+    h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
+             starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True)
     return out

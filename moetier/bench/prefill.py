@@ -1,0 +1,196 @@
+"""`moetier bench prefill`: prompt tokens per second through the engine, every expert backend on the
+same random weights and the same replayed routing (the bed of bench/decode.py), with the bounds of
+each row measured in the same run.
+
+A row is (backend, expert budget, prompt length, prompts in the batch): the prompts are added at once
+with max_tokens 1 and the engine steps until all are done (chunks of --chunk tokens; the one sampled
+token per prompt is part of the step that ends its prompt). Untimed first: one prefill of the same
+length (kernel compilation, allocator growth). Bytes over the link are counted on an untimed repeat
+with the same routing (the replay cursor is set back): the large-step kernel reads a host row once
+per chunk of up to large_block_m of its pairs, so per step and layer link rows = sum over the experts
+not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured host-to-device
+bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 matmul rate).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from moetier.bench.common import GB, time_eager
+from moetier.bench.decode import Bed, use_backend
+from moetier.engine.config import EngineConfig
+from moetier.engine.llm import LLM
+from moetier.experts.backends import SlotExperts
+from moetier.experts.gemm_config import GemmConfig
+from moetier.sampling_params import SamplingParams
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / (time_eager(lambda: a @ b) / 1e3) / 1e12
+
+
+class RouteLog:
+    """Wraps each MoE block's route hook (the replayer) and keeps the ids it returns, per step."""
+
+    def __init__(self, model):
+        self.blocks = model.moe_blocks()
+        self.ids: list[dict[int, np.ndarray]] = []
+        self._orig = {b.layer: b.route_hook for b in self.blocks}
+        for b in self.blocks:
+            b.route_hook = self._hook
+
+    def _hook(self, layer, ids, weights):
+        orig = self._orig[layer]
+        if orig is not None:
+            ids, weights = orig(layer, ids, weights)
+        if layer == self.blocks[0].layer:
+            self.ids.append({})
+        self.ids[-1][layer] = ids.cpu().numpy()
+        return ids, weights
+
+    def close(self) -> None:
+        for b in self.blocks:
+            b.route_hook = self._orig[b.layer]
+
+
+def step_rows(log: RouteLog, in_hbm: dict[int, np.ndarray], block_m: int) -> tuple[float, float]:
+    """Expert rows read over the link and from HBM, summed over the logged steps and layers."""
+    link = hbm = 0
+    for step in log.ids:
+        for layer, ids in step.items():
+            experts, pairs = np.unique(ids, return_counts=True)
+            chunks = np.ceil(pairs / block_m)
+            on_gpu = in_hbm[layer][experts]
+            link += chunks[~on_gpu].sum()
+            hbm += chunks[on_gpu].sum()
+    return float(link), float(hbm)
+
+
+def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for p in prompts:
+        llm.add_request(p, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while llm.has_unfinished():
+        llm.step()  # reads the sampled tokens back: the step is done
+    return time.perf_counter() - t0
+
+
+def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, lengths: list[int], batches: list[int],
+                  args: dict, bw: dict) -> list[dict]:
+    cfg, gemm = bed.cfg, GemmConfig()
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
+    config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
+                          decode_tokens=args["decode_tokens"], cuda_graphs=False,
+                          kv_tokens=max(batches) * (max(lengths) + 16))
+    llm = LLM.from_model(bed.model, bed.tokenizer, config)
+    blocks = bed.model.moe_blocks()
+    if backend == "slots":  # decode's steady state: each layer's slots hold its most used experts
+        from moetier.traces.format import read_trace
+
+        trace = read_trace(trace_path)
+        for j, b in enumerate(blocks):
+            counts = np.bincount(trace.ids[:, j % trace.ids.shape[1]].reshape(-1), minlength=cfg.num_experts)
+            hot = np.argsort(-counts, kind="stable")[: b.experts.cache.num_slots]
+            b.experts.cache.warm(hot.tolist())
+            idx = b.experts.cache.slot_expert.long().cpu()
+            b.experts.slots.copy_(b.experts.host[idx].to(b.experts.slots.device))
+    in_hbm = {b.layer: (np.ones(cfg.num_experts, bool) if backend == "resident" else
+                        b.experts.cache.expert_slot.cpu().numpy() >= 0 if isinstance(b.experts, SlotExperts)
+                        else np.zeros(cfg.num_experts, bool)) for b in blocks}
+    g = torch.Generator().manual_seed(args["seed"])
+    layers = len(bed.host)
+    rows = []
+    try:
+        for n in lengths:
+            for b in batches:
+                prompts = torch.randint(0, bed.tokenizer.vocab_size, (b, n), generator=g).tolist()
+                prefill_once(llm, prompts)  # untimed: compile, grow the allocator
+                cursor = int(llm.replayer.cursor)
+                seconds = prefill_once(llm, prompts)
+                llm.replayer.cursor.fill_(cursor)  # the same routing again, logged
+                log = RouteLog(bed.model)
+                prefill_once(llm, prompts)
+                log.close()
+                link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
+                tokens = b * n
+                link_bytes = link_rows * bed.row_bytes
+                hbm_bytes = hbm_rows * bed.row_bytes + len(log.ids) * bed.dense_bytes
+                flops = 2 * tokens * (cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size * layers
+                                      + bed.dense_bytes // 2)
+                link_s = link_bytes / (bw["link_GBps"] * GB)
+                work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
+                rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                             "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
+                             "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
+                             "hbm_bytes": hbm_bytes, "flops": flops,
+                             "link_bound_tok_s": tokens / link_s if link_s else None,
+                             "work_bound_tok_s": tokens / work_s,
+                             "of_link_bound": (tokens / seconds) / (tokens / link_s) if link_s else None})
+                print(table(rows[-1:]), flush=True)
+    finally:
+        llm.close()
+    return rows
+
+
+def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], batches: list[int], backends: list[str],
+        args: dict, link: dict) -> dict:
+    bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
+    plan = [("resident", 1.0)] * ("resident" in backends) + [("slots", b) for b in budgets if "slots" in backends]
+    plan += [("uva", 0.0)] * ("uva" in backends)
+    rows: list[dict] = []
+    for backend, budget in plan:
+        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw)
+    c = bed.cfg
+    return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
+                       "moe_inter": c.moe_intermediate_size, "dtype": "bf16", "row_bytes": bed.row_bytes,
+                       "dense_bytes": bed.dense_bytes, "large_block_m": GemmConfig().large_block_m},
+            "trace": trace_path, "links": link, "bandwidth": bw, "args": args, "rows": rows}
+
+
+def table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        budget = "" if r["budget"] is None else f"{r['budget']:.0%}"
+        lb = "-" if r["link_bound_tok_s"] is None else f"{r['link_bound_tok_s']:9.0f}"
+        of = "" if r["of_link_bound"] is None else f"{r['of_link_bound']:6.1%} of it"
+        out.append(f"{r['backend']:>9} {budget:>4} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} tok/s "
+                   f"{r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
+                   f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s")
+    return "\n".join(out)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        keys = sorted({(r["backend"], r["budget"]) for r in rows if r["batch"] == b}, key=str)
+        for backend, budget in keys:
+            pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows
+                         if r["batch"] == b and r["backend"] == backend and r["budget"] == budget)
+            label = backend if budget is None else f"{backend} {budget:.0%}"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("prefill tok/s")
+        ax.set_title(f"{b} prompt(s) at once")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    c = result["config"]
+    fig.suptitle(f"moetier bench prefill: {c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts "
+                 f"top-{c['top_k']}, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
