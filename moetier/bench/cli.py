@@ -200,6 +200,7 @@ def bench_prefill(
     batch: list[int] = typer.Option([1, 4], "--batch", metavar="N", help="Prompts at once; repeat for several."),
     backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
     chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
+    reps: int = typer.Option(5, "--reps", help="Timed runs per row (the median); fewer past 2 s a row."),
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
@@ -218,6 +219,7 @@ def bench_prefill(
         for value in (*length, *batch):
             opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
         opt.at_least(chunk, decode_tokens + 1, "--chunk")
+        opt.at_least(reps, 1, "--reps")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -232,7 +234,8 @@ def bench_prefill(
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import random_bed
 
-    args = {"chunk": chunk, "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset}
+    args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
+            "preset": preset}
     bed = random_bed(cfg, seed)
     data = record("prefill", prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args,
                                          links(row_bytes=bed.row_bytes)))

@@ -5,7 +5,8 @@ each row measured in the same run.
 A row is (backend, expert budget, prompt length, prompts in the batch): the prompts are added at once
 with max_tokens 1 and the engine steps until all are done (chunks of --chunk tokens; the one sampled
 token per prompt is part of the step that ends its prompt). Untimed first: one prefill of the same
-length (kernel compilation, allocator growth). Bytes over the link are counted on an untimed repeat
+length (kernel compilation, allocator growth); then the median of --reps runs (fewer once the runs
+of a row pass 2 s), each with the same routing. Bytes over the link are counted on an untimed repeat
 with the same routing (the replay cursor is set back): the large-step kernel reads a host row once
 per chunk of up to large_block_m of its pairs, so per step and layer link rows = sum over the experts
 not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured host-to-device
@@ -14,6 +15,7 @@ bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 mat
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -113,7 +115,11 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 prompts = torch.randint(0, bed.tokenizer.vocab_size, (b, n), generator=g).tolist()
                 prefill_once(llm, prompts)  # untimed: compile, grow the allocator
                 cursor = int(llm.replayer.cursor)
-                seconds = prefill_once(llm, prompts)
+                times = [prefill_once(llm, prompts)]
+                while len(times) < args["reps"] and sum(times) < 2.0:  # the median of up to `reps` runs
+                    llm.replayer.cursor.fill_(cursor)
+                    times.append(prefill_once(llm, prompts))
+                seconds = statistics.median(times)
                 llm.replayer.cursor.fill_(cursor)  # the same routing again, logged
                 log = RouteLog(bed.model)
                 prefill_once(llm, prompts)
@@ -128,6 +134,7 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
                 rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
+                             "runs_s": times,
                              "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
                              "hbm_bytes": hbm_bytes, "flops": flops,
                              "link_bound_tok_s": tokens / link_s if link_s else None,
