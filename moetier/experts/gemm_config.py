@@ -23,7 +23,9 @@ class GemmConfig:
     gate_up: tuple[int, int, int] = (64, 128, 4)
     down: tuple[int, int, int] = (64, 128, 4)
     # Large steps (prefill, grouped_expert_mlp_large): pairs of one row per chunk, and the blocks of
-    # the two kernels for them.
+    # the two kernels for them. (64; 128, 64, 4) was the fastest of scripts/tune_prefill.py's sweep at
+    # 512 tokens of a Qwen3-30B layer on the H200 (0.943 ms) and third at 2048 (1.846 ms against the
+    # best 1.492 of (128, 64, 8), which is 1.377 ms at 512): bench/results/h200-tune-prefill-0fd395f.json.
     large_block_m: int = 64
-    large_gate_up: tuple[int, int, int] = (64, 64, 4)
-    large_down: tuple[int, int, int] = (64, 64, 4)
+    large_gate_up: tuple[int, int, int] = (128, 64, 4)
+    large_down: tuple[int, int, int] = (128, 64, 4)
