@@ -278,31 +278,55 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
                                                        BLOCK_N=COMBINE_BLOCK, num_warps=4)
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _plan_sorted(keys_ptr, order_ptr, counts_ptr, chunk_end_ptr, starts_ptr, n, shift,
+                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    # One program walks the sorted positions BLOCK at a time, carrying the open row's first position
+    # and the chunks so far: per position its row's run [begin, begin + count), a chunk start every
+    # BLOCK_M of the run, chunk_end as the decode plan writes it, and the starts listed in order.
+    carry_begin = tl.full([], 0, tl.int32)
+    carry_chunks = tl.full([], 0, tl.int32)
+    b0 = tl.full([], 0, tl.int32)
+    while b0 < n:  # NOTE: a loop on a device value: Triton's interpreter takes no argument as a range bound
+        pos = b0 + tl.arange(0, BLOCK)
+        m = pos < n
+        k = tl.load(keys_ptr + tl.load(order_ptr + pos, mask=m, other=0), mask=m, other=0)
+        prev = tl.load(keys_ptr + tl.load(order_ptr + tl.maximum(pos - 1, 0), mask=m, other=0), mask=m, other=0)
+        first = ((k != prev) | (pos == 0)) & m
+        begin = tl.maximum(tl.associative_scan(tl.where(first, pos, -1), 0, _max_combine), carry_begin)
+        end = begin + tl.load(counts_ptr + (k + shift), mask=m, other=0).to(tl.int32)
+        start = ((pos - begin) % BLOCK_M == 0) & m
+        chunk = tl.cumsum(start.to(tl.int32), 0) + carry_chunks - 1
+        tl.store(chunk_end_ptr + pos, tl.where(start, tl.minimum(pos + BLOCK_M, end), 0), mask=m)
+        tl.store(starts_ptr + chunk, pos, mask=start)
+        carry_begin = tl.max(tl.where(m, begin, 0), 0)
+        carry_chunks += tl.sum(start.to(tl.int32), 0)
+        b0 += BLOCK
+
+
 def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max_rows: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan of a large step in torch device ops (a sort: the O(P^2) plan kernel is for decode sizes).
-    -> order [P] int32 (pair ids by (row key, pair id)), chunk_end [P] int32 (as the decode plan: per
-    sorted position, the end of the chunk of up to block_m pairs starting there, else 0), starts [C]
-    int32 (the chunk starts in sorted order, then -1), C = P // block_m + min(P, max_rows): every
-    group of a row adds at most one partial chunk. No host sync; eager only (argsort allocates)."""
+    """The plan of a large step: a device sort (the O(P^2) plan kernel is for decode sizes), then one
+    single-program kernel over the sorted positions. -> order [P] int32 (pair ids by (row key, pair
+    id)), chunk_end [P] int32 (as the decode plan: per sorted position, the end of the chunk of up to
+    block_m pairs starting there, else 0), starts [C] int32 (the chunk starts in sorted order, then
+    -1), C = P // block_m + min(P, max_rows): each row's run adds at most one partial chunk. Keys are
+    slot ids (>= 0) or -1 - expert; max_rows bounds the experts too. No host sync; about ten launches."""
     keys = torch.where(slot_ids >= 0, slot_ids.long(), -1 - topk_ids.long()).reshape(-1)
     p = keys.numel()
     order = torch.argsort(keys, stable=True)
-    sk = keys[order]
-    idx = torch.arange(p, device=keys.device)
-    first = torch.ones(p, dtype=torch.bool, device=keys.device)  # a row's first sorted position
-    first[1:] = sk[1:] != sk[:-1]
-    begin = torch.cummax(torch.where(first, idx, 0), 0).values
-    last = torch.ones_like(first)
-    last[:-1] = first[1:]
-    end = torch.flip(torch.cummin(torch.flip(torch.where(last, idx + 1, p), [0]), 0).values, [0])
-    start = (idx - begin) % block_m == 0
-    chunk_end = torch.where(start, torch.minimum(idx + block_m, end), 0).int()
+    shift = max_rows  # keys + shift >= 0: host keys reach -max_rows at most
+    counts = torch.bincount(keys + shift, minlength=2 * max_rows + 1).int()
+    chunk_end = torch.empty(p, dtype=torch.int32, device=keys.device)
     cap = p // block_m + min(p, max_rows)
-    starts = torch.full((cap + 1,), -1, dtype=torch.int32, device=keys.device)
-    # NOTE: non-starts all write the extra entry `cap`, which is dropped: the kept entries are exact.
-    starts.scatter_(0, torch.where(start, torch.cumsum(start, 0) - 1, cap), idx.int())
-    return order.int(), chunk_end, starts[:cap]
+    starts = torch.full((cap,), -1, dtype=torch.int32, device=keys.device)
+    _plan_sorted[(1,)](keys, order, counts, chunk_end, starts, p, shift, BLOCK_M=block_m, BLOCK=1024, num_warps=8)
+    return order.int(), chunk_end, starts
 
 
 def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
