@@ -321,7 +321,9 @@ def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max
     p = keys.numel()
     order = torch.argsort(keys, stable=True)
     shift = max_rows  # keys + shift >= 0: host keys reach -max_rows at most
-    counts = torch.bincount(keys + shift, minlength=2 * max_rows + 1).int()
+    # NOTE: not torch.bincount, which reads the largest key back to the host (a sync)
+    counts = torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=keys.device)
+    counts.scatter_add_(0, keys + shift, torch.ones_like(keys, dtype=torch.int32))
     chunk_end = torch.empty(p, dtype=torch.int32, device=keys.device)
     cap = p // block_m + min(p, max_rows)
     starts = torch.full((cap,), -1, dtype=torch.int32, device=keys.device)
