@@ -120,3 +120,14 @@ def links(nbytes: int = GiB, row_bytes: int | None = None) -> dict[str, float]:
                 dev[i * row_bytes:(i + 1) * row_bytes].copy_(host[i * row_bytes:(i + 1) * row_bytes], non_blocking=True)
         out["h2d_copy_engine_row_GBps"] = n * row_bytes / GB / (time_eager(rows) / 1e3)
     return out
+
+
+def batch_axes(batches: list[int]):
+    """A figure with one panel per batch size (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    return fig, axes[0]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, links
+from moetier.bench.common import GB, batch_axes, links
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
@@ -314,16 +314,11 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
     budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
-    for ax, b in zip(axes[0], batches):
+    fig, axes = batch_axes(batches)
+    for ax, b in zip(axes, batches):
         for name, style in (("slots", "o-"), ("hf-accelerate", "s-")):
             pts = sorted((r["budget"], r["tok_s"]) for r in rows if r["backend"] == name and r["batch"] == b)
             if pts:

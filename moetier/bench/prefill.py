@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, time_eager
+from moetier.bench.common import GB, batch_axes, time_eager
 from moetier.bench.decode import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
@@ -174,15 +174,10 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
-    for ax, b in zip(axes[0], batches):
+    fig, axes = batch_axes(batches)
+    for ax, b in zip(axes, batches):
         keys = sorted({(r["backend"], r["budget"]) for r in rows if r["batch"] == b}, key=str)
         for backend, budget in keys:
             pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows
