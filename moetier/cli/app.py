@@ -140,3 +140,7 @@ from moetier.traces.cli import app as trace_app  # noqa: E402
 
 app.add_typer(trace_app, name="trace")
 app.add_typer(bench_app, name="bench")
+
+from moetier.plan.cli import plan_cmd  # noqa: E402
+
+app.command("plan")(plan_cmd)
