@@ -27,7 +27,7 @@ def refuse(*args: str) -> str:
     (("--max-tokens", "0"), "max_tokens must be at least 1"),
     (("--expert-backend", "slots", "--expert-slots", "0"), "--expert-slots 0: it must be at least 1"),
     (("--expert-backend", "slots", "--expert-slots", "500"), "--expert-slots 500: it must be between 1 and"),
-    (("--expert-slots", "4"), "need --expert-backend slots"),
+    (("--expert-backend", "resident", "--expert-slots", "4"), "need --expert-backend slots"),
     (("--model", "/etc/passwd"), "is a file; give the checkpoint directory"),
     (("--model", "/no/such/dir"), "no such directory"),
     (("--expert-backend", "slots", "--expert-slots-file", "/etc"), "--expert-slots-file /etc is a directory"),

@@ -12,14 +12,6 @@ import typer
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
 
-GpuMemory = typer.Option(None, "--gpu-memory", metavar="SIZE",
-                         help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
-                              "(default: the card's free memory).")
-HostMemory = typer.Option(None, "--host-memory", metavar="SIZE",
-                          help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the least "
-                               "of MemAvailable and the cgroup's room).")
-
-
 def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None, budget: str | None, trace,
                    policy: str):
     """ExpertOptions from plan's flags; --expert-budget (a share of the experts or a size) becomes slots."""
@@ -71,8 +63,8 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     slots = plan.slots_per_layer if plan.backend == "slots" else {}
     mean = round(sum(slots.values()) / len(slots)) if slots else e
     per_layer = {layer: slots.get(layer, mean) if plan.backend == "slots" else e for layer in trace.layers}
-    dense = next(i.bytes for i in plan.device or plan.host if "attention" in i.name)
-    head = next(i.bytes for i in plan.device or plan.host if "LM head" in i.name)
+    dense = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: decoder layers"))
+    head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
     phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
     if plan.backend == "uva":
@@ -91,8 +83,8 @@ def plan_cmd(
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
-    gpu_memory: Optional[str] = GpuMemory,
-    host_memory: Optional[str] = HostMemory,
+    gpu_memory: opt.GpuMemory = None,
+    host_memory: opt.HostMemory = None,
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request (default: the model's)."),
     max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
     max_num_tokens: int = typer.Option(512, "--max-num-tokens", help="Tokens computed in one step (prefill chunk)."),
@@ -152,10 +144,6 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
-        if experts.backend != "auto":
-            problems = experts.problems(cfg.moe_shape, cfg.moe_layers)
-            if problems:
-                raise MoetierError("; ".join(problems))
         length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # the pool: max_num_seqs requests of full length, as the engine is then configured
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,

@@ -46,6 +46,10 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
     """The plan of these ExpertOptions: as given, or chosen (backend auto; slots without a count)."""
     layers, e = req.cfg.moe_layers, req.cfg.num_experts
+    if experts.backend != "auto":
+        problems = experts.problems(req.cfg.moe_shape, layers)
+        if problems:
+            raise MoetierError("; ".join(problems))
     if experts.backend == "auto":
         return auto_plan(req, trace, experts.policy)
     if experts.backend == "slots":
