@@ -16,21 +16,13 @@ from moetier.experts.placement import ExpertOptions
 from moetier.plan import audit, machine
 from moetier.plan.preflight import PlanRefused, preflight
 from moetier.plan.units import GiB
+from tests.test_cli_errors import refuse
 
 SIZES = ["--gpu-memory", "139GiB", "--host-memory", "100GiB"]
 
 
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def refuse(*args: str) -> str:
-    r = invoke(*args)
-    assert r.exit_code == 2, (args, r.exit_code, r.output)
-    assert r.exception is None or isinstance(r.exception, SystemExit), (args, r.exception)
-    err = r.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in r.output, (args, r.output)
-    return err
 
 
 @pytest.mark.parametrize("args,says", [

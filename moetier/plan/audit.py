@@ -81,7 +81,9 @@ def compare(plan: Plan, stage: str, m: dict[str, int], baseline: dict[str, int] 
     host = sum(i.bytes for i in plan.host if not i.name.startswith("loader buffer")
                and not (baseline and i.name.startswith("process baseline")))
     rows.append(Row("host resident (VmRSS)", host, m["host_VmRSS"] - b.get("host_VmRSS", 0)))
-    if plan.pinned:
+    # NOTE: pages the CUDA driver pins (cudaHostRegister) need not show in VmLck / VmPin; a zero there
+    # says nothing, so the row appears only where the kernel reports them.
+    if plan.pinned and m["host_VmLck"] + m["host_VmPin"] > 0:
         rows.append(Row("host pinned (VmLck + VmPin)", plan.pinned, m["host_VmLck"] + m["host_VmPin"]))
     return rows
 
