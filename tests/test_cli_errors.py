@@ -71,7 +71,7 @@ def test_make_checkpoint_checks_before_any_progress(tmp_path):
     (("batch", "--prompt-len", "1"), "--prompt-len 1: it must be at least 2"),
     (("batch", "--max-tokens", "0"), "--max-tokens 0: it must be at least 1"),
     (("batch", "--out", "/proc/x/b.json"), "cannot write there"),
-    (("batch", "--expert-slots", "3"), "need --expert-backend slots"),
+    (("batch", "--expert-backend", "resident", "--expert-slots", "3"), "need --expert-backend slots"),
     (("decode", "--batch", "0"), "--batch 0: it must be at least 1"),
     (("decode", "--tokens", "0"), "--tokens 0: it must be at least 1"),
     (("decode", "--expert-budget", "0%"), "must be above 0% and at most 100%"),

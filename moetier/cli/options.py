@@ -57,6 +57,8 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
+    if backend not in ("auto", "resident", "slots", "uva"):
+        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots or uva")
     if (slots is not None or slots_file is not None) and backend == "auto":
         backend = "slots"  # a slot count says which backend
     if (slots is not None or slots_file is not None) and backend != "slots":

@@ -118,8 +118,6 @@ def plan_cmd(
             opt.at_least(value, 1, name)
         if max_model_len is not None:
             opt.at_least(max_model_len, 2, "--max-model-len")
-        if expert_backend not in ("auto", "resident", "slots", "uva"):
-            raise MoetierError(f"--expert-backend {expert_backend!r}: choose auto, resident, slots or uva")
         if device not in ("auto", "cuda", "cpu"):
             raise MoetierError(f"--device {device!r}: choose auto, cuda or cpu")
         if model is not None:

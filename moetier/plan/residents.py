@@ -12,6 +12,7 @@ Stated rules (not measurable before the run; the audit checks them after load an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -49,6 +50,7 @@ class Dense:
     tensors: tuple[int, ...]  # each tensor's bytes (allocator rounding)
 
 
+@lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
     in the model dtype; the tied LM head (optional, never kept) is not counted."""
