@@ -369,3 +369,21 @@ def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
     st = slots.cache.read_stats()  # at T = 64 most misses overflow: 64 slots cannot hold a step's experts
     assert st["misses"] + st["overflow"] > 100
 
+
+def test_generate_json_carries_the_plan_and_two_audits(tiny_ckpt):
+    """Issue 14: on CUDA, generate audits the plan after load and after graph capture; the allocated
+    bytes of the tiny model's persistent tensors match the plan within a few MiB (fixed costs dominate
+    at this size, so the 5% rule is for the published shapes: scripts/plan_audit.py)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    r = CliRunner().invoke(app, ["generate", "hi", "--model", str(tiny_ckpt), "--device", "cuda",
+                                 "--max-tokens", "4", "--max-model-len", "512", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert [a["stage"] for a in d["audit"]] == ["after load", "after graph capture"]
+    allocated = next(row for row in d["audit"][1]["rows"] if row["what"] == "torch allocated")
+    assert abs(allocated["measured"] - allocated["planned"]) < 64 * 2**20, allocated

@@ -21,10 +21,11 @@ def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
 
 
 def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, experts: ExpertOptions,
-        seed: int = 0) -> dict:
+        seed: int = 0, plan=None) -> dict:
+    """plan: the memory plan preflight made (moetier/plan/preflight.py); audited and recorded."""
     from moetier.engine.llm import pick_device
 
-    llm = LLM(model, device=pick_device(device), experts=experts)
+    llm = LLM(model, device=pick_device(device), experts=experts, plan=plan)
     prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
     llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures
 
@@ -43,6 +44,7 @@ def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str
         "one_by_one_s": t_alone, "batched_s": t_batch, "speedup": t_alone / t_batch,
         "one_by_one_tok_per_s": out_tokens / t_alone, "batched_tok_per_s": out_tokens / t_batch,
         "batched_steps": llm.steps - steps0, "greedy_tokens_identical": same,
+        "plan": plan.as_dict() if plan is not None else None, "audit": llm.audits,
     })
 
 

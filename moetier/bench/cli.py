@@ -162,13 +162,18 @@ def bench_batch(
     prompt_len: int = typer.Option(64, "--prompt-len", help="Longest prompt in tokens; prompts are half to all of it."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
     device: opt.Device = "auto",
-    expert_backend: opt.ExpertBackend = "resident",
+    expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
+    gpu_memory: opt.GpuMemory = None,
+    host_memory: opt.HostMemory = None,
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
 ) -> None:
     """The same requests one after another and as one continuous batch (CPU or CUDA)."""
     from moetier.bench.batch import run, table
     from moetier.bench.common import write_json
+    from moetier.engine.config import EngineConfig
+    from moetier.engine.llm import model_dir_of, pick_device
+    from moetier.plan.preflight import preflight
 
     try:
         opt.at_least(requests, 1, "--requests")
@@ -177,7 +182,9 @@ def bench_batch(
         if out is not None:
             opt.output_file(out, "--out")
         experts = opt.expert_options(expert_backend, expert_slots)
-        data = run(str(model) if model else None, requests, prompt_len, max_tokens, device, experts)
+        dev = pick_device(device)
+        plan, experts = preflight(model_dir_of(model), "auto", dev, experts, EngineConfig(), gpu_memory, host_memory)
+        data = run(str(model) if model else None, requests, prompt_len, max_tokens, dev, experts, plan=plan)
     except MoetierError as e:
         opt.fail(e)
     if out:

@@ -51,13 +51,27 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
+# safetensors dtype codes -> bytes per element (for the progress total, from the headers alone)
+ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+            "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def tensor_bytes(ckpt: Checkpoint, name: str) -> int:
+    info = ckpt.tensors[name]
+    n = ITEMSIZE.get(info.dtype, 1)
+    for d in info.shape:
+        n *= d
+    return n
+
+
 def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, weights: list[Weight],
                  rows: dict[int, torch.Tensor], progress: Callable[[int, int], None] | None = None) -> int:
-    """Copy every weight into its destination, shard by shard. Returns the tensors copied."""
+    """Copy every weight into its destination, shard by shard. Returns the tensors copied.
+    progress(bytes read, bytes in all) after each tensor (checkpoint bytes, before dtype conversion)."""
     by_file: dict[str, list[Weight]] = {}
     for w in weights:
         by_file.setdefault(ckpt.tensors[w.name].file, []).append(w)
-    done, total = 0, len(weights)
+    done, read, total = 0, 0, sum(tensor_bytes(ckpt, w.name) for w in weights)
     for file in sorted(by_file):
         with safe_open(str(ckpt.path / file), framework="pt", device="cpu") as f:
             for w in by_file[file]:
@@ -70,8 +84,9 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                     with torch.no_grad():
                         dest.copy_(f.get_tensor(w.name))
                 done += 1
+                read += tensor_bytes(ckpt, w.name)
                 if progress:
-                    progress(done, total)
+                    progress(read, total)
     return done
 
 

@@ -34,9 +34,13 @@ def generate(
                                    help="Stop string; not printed. Repeat the option for several."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
     dtype: opt.Dtype = "auto",
-    expert_backend: opt.ExpertBackend = "resident",
+    expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
+                                                help="Prompt + output tokens (default: the model's); sizes the KV pool."),
+    gpu_memory: opt.GpuMemory = None,
+    host_memory: opt.HostMemory = None,
     expert_slots_file: opt.ExpertSlotsFile = None,
     cache_policy: opt.CachePolicy = "lfru",
     device: opt.Device = "auto",
@@ -47,8 +51,10 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
+    from moetier.cli.progress import ByteBar
     from moetier.engine.generate import Generator
     from moetier.engine.llm import LLM, model_dir_of, pick_device
+    from moetier.plan.preflight import preflight
     from moetier.sampling_params import SamplingParams
     from moetier.tokenizer import TokenizerError
 
@@ -63,8 +69,14 @@ def generate(
             opt.output_file(record_trace, "--record-trace")
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
-        gen = Generator(LLM(model_dir, dtype=dtype, device=pick_device(device), experts=experts,
-                            decode_tokens=decode_tokens, record_trace=record_trace, replay_trace=replay_trace))
+        dev = pick_device(device)
+        config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
+                                   record_trace=record_trace, replay_trace=replay_trace)
+        plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
+        with ByteBar("loading") as bar:
+            llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
+                      on_audit=None if as_json else lambda text: typer.echo(text, err=True))
+        gen = Generator(llm)
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
 
         def stream(text: str) -> None:
@@ -85,6 +97,8 @@ def generate(
             "stop": result.stop,
             "timings": {**result.timings, "load_s": gen.load_report.seconds},
             "experts": gen.llm.metrics()["expert_stats"],
+            "plan": plan.as_dict(),
+            "audit": gen.llm.audits,
         }))
     else:
         t = result.timings
@@ -107,31 +121,17 @@ def make_checkpoint_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
 ) -> None:
     """Write a random-weight checkpoint of a named shape, with a tokenizer."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
     from moetier.checkpoint.writer import make_checkpoint
+    from moetier.cli.progress import ByteBar
 
-    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
-                   TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
-    task = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:  # the bar starts with the first bytes, after every check has passed
-            bar.start()
-            task = bar.add_task(f"{preset} ({layers or 'all'} layers)", total=total)
-        bar.update(task, completed=done, total=total)
-
-    try:
-        opt.positive(shard_gib, "--shard-size-gib")
-        path = make_checkpoint(out, preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
-                               shard_bytes=int(shard_gib * 2**30), overwrite=overwrite, progress=progress)
-    except MoetierError as e:
-        if task is not None:
+    with ByteBar(f"{preset} ({layers or 'all'} layers)", force=True) as bar:
+        try:
+            opt.positive(shard_gib, "--shard-size-gib")
+            path = make_checkpoint(out, preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
+                                   shard_bytes=int(shard_gib * 2**30), overwrite=overwrite, progress=bar)
+        except MoetierError as e:
             bar.stop()
-        opt.fail(e)
-    if task is not None:
-        bar.stop()
+            opt.fail(e)
     typer.echo(f"wrote {path}")
 
 
@@ -140,3 +140,7 @@ from moetier.traces.cli import app as trace_app  # noqa: E402
 
 app.add_typer(trace_app, name="trace")
 app.add_typer(bench_app, name="bench")
+
+from moetier.plan.cli import plan_cmd  # noqa: E402
+
+app.command("plan")(plan_cmd)

@@ -27,14 +27,24 @@ Device = Annotated[str, typer.Option("--device", help="auto (cuda when available
 
 # -- expert tiers -----------------------------------------------------------------------------------
 ExpertBackend = Annotated[str, typer.Option(
-    "--expert-backend", help="Where routed experts live: resident, slots (an HBM slot cache over pinned host memory) "
+    "--expert-backend", help="Where routed experts live: auto (resident when every expert fits the memory plan, "
+    "else as many slots as fit), resident, slots (an HBM slot cache over pinned host memory) "
     "or uva (read from host memory on every use).")]
 ExpertSlots = Annotated[Optional[int], typer.Option(
-    "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: half the experts).")]
+    "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
+    "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
     "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
 CachePolicy = Annotated[str, typer.Option(
     "--cache-policy", help="Slot cache victims: lfru (frequency-weighted LRU) or lru.")]
+
+# -- memory budgets (moetier/plan) -------------------------------------------------------------------
+GpuMemory = Annotated[Optional[str], typer.Option(
+    "--gpu-memory", metavar="SIZE", help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
+    "(default: the card's free memory).")]
+HostMemory = Annotated[Optional[str], typer.Option(
+    "--host-memory", metavar="SIZE", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
+    "least of MemAvailable and the cgroup's room).")]
 
 # -- engine -----------------------------------------------------------------------------------------
 DecodeTokens = Annotated[int, typer.Option(
@@ -47,6 +57,10 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
+    if backend not in ("auto", "resident", "slots", "uva"):
+        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots or uva")
+    if (slots is not None or slots_file is not None) and backend == "auto":
+        backend = "slots"  # a slot count says which backend
     if (slots is not None or slots_file is not None) and backend != "slots":
         raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots")
     if slots is not None and slots_file is not None:
@@ -55,6 +69,21 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
         raise MoetierError(f"--expert-slots {slots}: it must be at least 1")
     per_layer = read_slots_file(input_file(slots_file, "--expert-slots-file")) if slots_file else {}
     return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy)
+
+
+def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int, **options):
+    """EngineConfig whose KV pool holds max_num_seqs requests of max_model_len tokens (default: the
+    model's limit), so the memory plan and the engine count the same pages."""
+    from moetier.config import config_from_dir
+    from moetier.engine.config import EngineConfig
+
+    if max_model_len is not None:
+        at_least(max_model_len, 2, "--max-model-len")
+    limit = config_from_dir(model_dir).max_position_embeddings
+    length = min(max_model_len or limit, limit)
+    page = options.get("page_size", 16)
+    return EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=length,
+                           kv_tokens=max_num_seqs * -(-length // page) * page, **options)
 
 
 # -- checks -------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +74,44 @@ def model_dir_of(model: str | Path | None) -> Path:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
-                 experts: ExpertOptions | None = None, config: EngineConfig | None = None, **options: Any):
+                 experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
+                 progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
+                 **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
         EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
-        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`."""
+        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`.
+        plan: the memory plan preflight made (moetier/plan); on CUDA it is audited after loading and
+        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading."""
         config = EngineConfig.of(config, **options)
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
-        cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=pick_device(device), experts=experts,
-                                                decode_tokens=config.decode_tokens)
+        device = pick_device(device)
+        self.plan, self.audits, self._on_audit = plan, [], on_audit
+        baseline = self._measure() if plan is not None and device == "cuda" else None
+        cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
+                                                decode_tokens=config.decode_tokens, progress=progress)
+        self._audit("after load", baseline)
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
+        self._audit("after graph capture", baseline)
+
+    @staticmethod
+    def _measure() -> dict:
+        from moetier.plan.audit import measure
+
+        return measure("cuda")
+
+    def _audit(self, stage: str, baseline: dict | None) -> None:
+        """Measured memory against the plan (moetier/plan/audit.py); a warning beyond 5% (CUDA only:
+        on the CPU the host figures are dominated by the interpreter and the tests' own memory)."""
+        if baseline is None:
+            return
+        from moetier.plan.audit import lines, report
+
+        audit = report(self.plan, stage, self._measure(), baseline)
+        self.audits.append(audit)
+        if self._on_audit is not None:
+            self._on_audit("\n".join(lines(audit)))
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
@@ -93,6 +120,7 @@ class LLM:
         weights too large for a file). Its backends must have been built for config.decode_tokens."""
         self = cls.__new__(cls)
         self.load_report: LoadReport | None = None
+        self.plan, self.audits, self._on_audit = None, [], None
         eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._setup(model, tokenizer, eos, None, EngineConfig.of(config, **options))
         return self

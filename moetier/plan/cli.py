@@ -1,0 +1,166 @@
+"""`moetier plan`: the memory plan of a model on this machine (or on the sizes given), before loading
+anything. Every bad argument is one `error:` line and exit code 2; a plan that does not fit prints
+its table and what would fit instead, and also exits with 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moetier.cli import options as opt
+from moetier.errors import MoetierError
+
+def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None, budget: str | None, trace,
+                   policy: str):
+    """ExpertOptions from plan's flags; --expert-budget (a share of the experts or a size) becomes slots."""
+    from moetier.plan.sizing import split_slots
+    from moetier.plan.units import parse_size
+
+    given = [n for n, v in (("--expert-slots", slots), ("--expert-slots-file", slots_file),
+                            ("--expert-budget", budget)) if v is not None]
+    if len(given) > 1:
+        raise MoetierError(f"give one of {', '.join(given)}, not several")
+    if given and backend == "auto":
+        backend = "slots"
+    if budget is None:
+        return opt.expert_options(backend, slots, slots_file, policy)
+    if backend != "slots":
+        raise MoetierError("--expert-budget needs --expert-backend slots (or auto)")
+    layers, e = cfg.moe_layers, cfg.num_experts
+    row = cfg.moe_shape.layout.numel  # elements; bytes come from the dtype below
+    text = budget.strip()
+    if text.endswith("%") or text.replace(".", "", 1).isdigit():
+        from moetier.bench.cli import parse_budget
+
+        total = round(parse_budget(text) * e * len(layers))
+    else:
+        total = parse_size(text, "--expert-budget") // (row * cfg_itemsize(cfg))
+    if total < len(layers):
+        raise MoetierError(f"--expert-budget {budget}: {total} slots is less than one per MoE layer "
+                           f"({len(layers)} layers)")
+    from moetier.experts.placement import ExpertOptions
+
+    return ExpertOptions("slots", slots_per_layer=split_slots(min(total, e * len(layers)), layers, e, trace, policy),
+                         policy=policy)
+
+
+def cfg_itemsize(cfg) -> int:
+    from moetier.checkpoint.loader import resolve_dtype
+
+    return resolve_dtype("auto", cfg).itemsize
+
+
+def predict(plan, cfg, trace, policy: str) -> dict:
+    """Hit rate and batch-1 tok/s the trace's simulation predicts for the plan's slots (traces/report.py)."""
+    from moetier.traces.report import DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, run_simulation
+    from moetier.traces.simulate import Physics
+
+    if trace.num_experts != cfg.num_experts:
+        raise MoetierError(f"--trace routes over {trace.num_experts} experts, the model has {cfg.num_experts}")
+    e = cfg.num_experts
+    slots = plan.slots_per_layer if plan.backend == "slots" else {}
+    mean = round(sum(slots.values()) / len(slots)) if slots else e
+    per_layer = {layer: slots.get(layer, mean) if plan.backend == "slots" else e for layer in trace.layers}
+    dense = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: decoder layers"))
+    head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
+    read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
+    phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
+    if plan.backend == "uva":
+        per_layer = dict.fromkeys(trace.layers, 0)
+        row = {"hit_rate": 0.0, "ms_per_token": phys.ms_per_token(trace.top_k, 0.0, trace.top_k)}
+    else:
+        row = run_simulation(trace, [policy], [], per_layer, phys)["rows"][0]
+    return {"trace": str(trace.meta.get("path", "")) or "given", "policy": policy, "hit_rate": row["hit_rate"],
+            "tok_per_s": 1e3 / row["ms_per_token"], "slots_per_traced_layer": per_layer,
+            "physics": f"HBM {phys.hbm_GBps:.0f} GB/s, link {phys.link_GBps:.1f} GB/s, H200 figures"}
+
+
+def plan_cmd(
+    model: opt.Model = None,
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="A named shape instead of --model."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    gpu_memory: opt.GpuMemory = None,
+    host_memory: opt.HostMemory = None,
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request (default: the model's)."),
+    max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
+    max_num_tokens: int = typer.Option(512, "--max-num-tokens", help="Tokens computed in one step (prefill chunk)."),
+    decode_tokens: opt.DecodeTokens = 64,
+    expert_backend: str = typer.Option("auto", "--expert-backend",
+                                       help="auto (fit the budget: resident, else slots), resident, slots or uva."),
+    expert_slots: opt.ExpertSlots = None,
+    expert_slots_file: opt.ExpertSlotsFile = None,
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE|SIZE",
+                                                help="Slots as a share of the experts (50%) or a size (40GiB)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Routing trace: slots per layer from it, and the predicted hit rate "
+                                              "and tok/s."),
+    policy: opt.CachePolicy = "lfru",
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
+) -> None:
+    """The memory plan: every resident on the device and the host, totals and headroom."""
+    from moetier import presets
+    from moetier.checkpoint.loader import resolve_dtype
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import plan_for, refusal, request_for
+    from moetier.plan.render import table, to_json
+
+    try:
+        if (model is None) == (preset is None):
+            raise MoetierError("give --model DIR or --preset NAME (one of them)")
+        if layers is not None and preset is None:
+            raise MoetierError("--layers cuts a --preset; a --model is planned as it is")
+        for value, name in ((max_num_seqs, "--max-num-seqs"), (max_num_tokens, "--max-num-tokens"),
+                            (decode_tokens, "--decode-tokens")):
+            opt.at_least(value, 1, name)
+        if max_model_len is not None:
+            opt.at_least(max_model_len, 2, "--max-model-len")
+        if device not in ("auto", "cuda", "cpu"):
+            raise MoetierError(f"--device {device!r}: choose auto, cuda or cpu")
+        if model is not None:
+            from moetier.config import config_from_dir
+            from moetier.engine.llm import model_dir_of
+
+            cfg = config_from_dir(model_dir_of(model))
+        else:
+            cfg = presets.preset(preset, layers)
+        tdtype = resolve_dtype(dtype, cfg)
+        loaded = None
+        if trace is not None:
+            from moetier.traces.format import read_trace
+
+            loaded = read_trace(opt.input_file(trace, "--trace"))
+            loaded.meta.setdefault("path", str(trace))
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() or gpu_memory is not None else "none"
+            if device == "none":
+                raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
+                                   "card, or --device cpu to plan a CPU run")
+        experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
+        length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # the pool: max_num_seqs requests of full length, as the engine is then configured
+        config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
+                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length)
+        req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
+        req.kv_tokens = None
+        plan = plan_for(req, experts, loaded)
+        if loaded is not None:
+            plan.prediction = predict(plan, cfg, loaded, policy)
+    except MoetierError as e:
+        opt.fail(e)
+    refused = None if plan.fits() else refusal(req, plan)
+    if as_json:
+        typer.echo(to_json(plan))
+        if refused is not None:
+            typer.echo(f"error: {str(refused).splitlines()[0]}", err=True)
+    elif refused is not None:
+        typer.echo(f"error: {refused}", err=True)  # the summary, the table, what would fit instead
+    else:
+        typer.echo(table(plan))
+    if refused is not None:
+        raise typer.Exit(2)

@@ -1,0 +1,248 @@
+"""The memory plan: every resident of a run on the device and on the host, with totals and headroom,
+from a config and the engine's settings, before anything is allocated.
+
+    req = PlanRequest(cfg, dtype, "cuda", backend="slots", slots_per_layer={...}, max_model_len=..., ...)
+    plan = count(req)          # backend and slots as given; sizing.py chooses them automatically
+    plan.device_total, plan.host_total, plan.fits()
+
+Each item carries the stage at which it exists, so the audit (audit.py) compares what is measured
+after loading and after graph capture with what the plan says should be there by then:
+    load     weights, expert rows and the backends' scratch (built by the loader)
+    capture  KV pages, graph inputs, decode outputs, the graph pool
+    runtime  room kept free for the largest eager step (prefill) and the sampler
+    fixed    the CUDA context and the allocator's rounding
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from moetier.config import ModelConfig
+from moetier.plan import residents as r
+from moetier.plan.units import GiB, gib, round_up
+
+HOST_MARGIN_SHARE, HOST_MARGIN_MIN = 0.05, 4 * GiB  # keep this much of available host memory free
+
+
+@dataclass
+class PlanRequest:
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: str = "cuda"  # "cuda" or "cpu" (everything then lives in host memory)
+    backend: str = "resident"  # resident, slots or uva (sizing.auto_plan chooses for "auto")
+    slots_per_layer: dict[int, int] = field(default_factory=dict)  # slots backend: every MoE layer
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 1
+    kv_tokens: int | None = None  # default: max_num_seqs full-length requests
+    page_size: int = 16
+    max_num_tokens: int = 512
+    decode_tokens: int = 64
+    cuda_graphs: bool = True
+    gpu_budget: int | None = None  # bytes this run may use on the device (None: unknown)
+    gpu_source: str = ""
+    context_in_budget: bool = True  # False when the budget was read after our context existed
+    host_available: int | None = None
+    host_source: str = ""
+    memlock: int | None = None  # RLIMIT_MEMLOCK in bytes; None: unlimited or not enforced
+    page: int = mmap.PAGESIZE
+
+    @property
+    def model_len(self) -> int:
+        return min(self.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the KV pool holds, in whole pages: each running request can reach full length."""
+        per_seq = round_up(self.model_len, self.page_size)
+        return round_up(self.kv_tokens, self.page_size) if self.kv_tokens else self.max_num_seqs * per_seq
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The batch sizes engine/llm.py captures (engine/graphs.SIZES up to the decode cap)."""
+        if not (self.cuda_graphs and self.device == "cuda"):
+            return []
+        from moetier.engine.graphs import SIZES
+
+        cap = min(self.max_num_seqs, self.decode_tokens)
+        return [n for n in SIZES if n <= cap] or [1]
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: int
+    stage: str  # load, capture, runtime, fixed, host
+    note: str = ""
+    allocated: int = 0  # what torch's memory_allocated counts for it (block-rounded); 0: not a tensor
+
+
+@dataclass
+class Plan:
+    request: dict
+    backend: str
+    slots_per_layer: dict[int, int]
+    device: list[Item]
+    host: list[Item]
+    gpu_budget: int | None
+    host_available: int | None
+    pinned: int
+    memlock: int | None
+    row_bytes: int
+    expert_bytes: int  # all routed experts of all MoE layers
+    notes: list[str] = field(default_factory=list)
+    prediction: dict | None = None  # with a trace: hit rate and tok/s (sizing.py)
+
+    @property
+    def device_total(self) -> int:
+        return sum(i.bytes for i in self.device)
+
+    @property
+    def host_total(self) -> int:
+        return sum(i.bytes for i in self.host)
+
+    @property
+    def host_margin(self) -> int:
+        return max(HOST_MARGIN_MIN, int(HOST_MARGIN_SHARE * (self.host_available or 0)))
+
+    def stage_allocated(self, *stages: str) -> int:
+        return sum(i.allocated for i in self.device if i.stage in stages)
+
+    def problems(self) -> list[str]:
+        """Why this plan cannot run, one line each (empty: it fits)."""
+        from moetier.plan.units import both
+
+        out = []
+        if self.gpu_budget is not None and self.device_total > self.gpu_budget:
+            out.append(f"the device needs {both(self.device_total)} but has {both(self.gpu_budget)} "
+                       f"({both(self.device_total - self.gpu_budget)} short)")
+        if self.host_available is not None and self.host_total > self.host_available - self.host_margin:
+            out.append(f"the host needs {both(self.host_total)} and must keep {both(self.host_margin)} free, "
+                       f"but has {both(self.host_available)} available")
+        if self.memlock is not None and self.pinned > self.memlock:
+            out.append(f"pinning {both(self.pinned)} passes the locked-memory limit of {both(self.memlock)} "
+                       f"(ulimit -l); raise it to at least {self.pinned // 1024 + 1} KiB or unlimited")
+        return out
+
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["slots_per_layer"] = {str(k): v for k, v in self.slots_per_layer.items()}
+        d.update(device_total=self.device_total, host_total=self.host_total, host_margin=self.host_margin,
+                 device_headroom=None if self.gpu_budget is None else self.gpu_budget - self.device_total,
+                 host_headroom=None if self.host_available is None else self.host_available - self.host_total,
+                 units="bytes", fits=self.fits(), problems=self.problems())
+        return d
+
+
+def _item(name: str, stage: str, tensors: list[int], note: str = "") -> Item:
+    return Item(name, sum(r.block(n) for n in tensors), stage, note, sum(r.block(n) for n in tensors))
+
+
+def count(req: PlanRequest) -> Plan:
+    """The plan for the request's backend and slots, as given."""
+    cfg, dt, cuda = req.cfg, req.dtype, req.device == "cuda"
+    shape, layers = cfg.moe_shape, cfg.moe_layers
+    row = r.row_bytes(shape, dt)
+    e, p = shape.num_experts, req.decode_tokens * shape.top_k
+    backend = req.backend
+    slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if backend == "slots" else {}
+    dense = r.dense_weights(cfg, dt)
+    dev: list[Item] = []
+    tensors: list[int] = list(dense.tensors)  # every device tensor, for the allocator's rounding
+    dev.append(Item("dense: embedding + LM head", dense.embedding_and_head, "load",
+                    "tied: one copy" if cfg.tie_word_embeddings else "", r.block(dense.embedding_and_head)))
+    dev.append(Item("dense: decoder layers", dense.layers, "load",
+                    "attention, norms, routers, dense MLPs, shared experts", sum(r.block(n) for n in dense.tensors) - r.block(dense.embedding_and_head)))
+    if backend == "resident":
+        rows = [e * row] * len(layers)
+        note = f"{len(layers)} layers x {e} experts x {row:,} B rows (scales in the row)"
+    elif backend == "slots":
+        rows = [slots[layer] * row for layer in layers]
+        note = (f"{sum(slots.values())} slots over {len(layers)} layers "
+                f"({min(slots.values(), default=0)}..{max(slots.values(), default=0)} per layer) x {row:,} B rows")
+    else:
+        rows, note = [], "none on the device: every expert read from pinned host memory"
+    dev.append(_item("routed experts (weights + scales)", "load", rows, note))
+    tensors += rows
+    if cuda:
+        scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
+        state = [n for layer in layers for n in r.backend_extras(backend, shape, dt, req.decode_tokens,
+                                                                 slots.get(layer, 0))[1:]]
+        dev.append(_item("expert workspaces", "load", scratch + state,
+                         f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
+        outs = [req.decode_tokens * shape.hidden * dt.itemsize] * len(layers)
+        dev.append(_item("expert decode outputs", "capture", outs, f"[{req.decode_tokens}, {shape.hidden}] per layer"))
+        tensors += scratch + state + outs
+    kv_spec_bytes = _kv_bytes_per_token(cfg, dt)
+    kv_pages = req.pool_tokens // req.page_size + 1  # engine/llm.py: one scratch page for graph padding
+    kv = [kv_spec_bytes * kv_pages * req.page_size // 2] * 2  # k and v, one tensor each
+    dev.append(_item("KV pages", "capture", kv,
+                     f"{req.pool_tokens:,} tokens + 1 page, {kv_spec_bytes:,} B/token"))
+    tensors += kv
+    sizes = req.graph_sizes
+    width = -(-req.model_len // req.page_size)
+    if sizes:
+        b = sizes[-1]
+        gin = r.graph_inputs(b, width)
+        dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
+        kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
+        peak = r.step_activations(cfg, b, dt, 0) + [r.sampler_transient(b, cfg.vocab_size)]
+        pool = r.segments(kept) + r.segments(peak)
+        dev.append(Item("CUDA graph pool", pool, "capture",
+                        f"batch {sizes}: logits fp32 kept + batch-{b} peak",
+                        sum(r.block(n) for n in kept)))
+        tensors += gin
+    rows_eager = min(req.max_num_seqs, req.max_num_tokens)
+    act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
+    if backend != "resident":
+        act.append(r.prefill_stream(shape, dt))
+    dev.append(Item("activations at the largest step", r.segments(act), "runtime",
+                    f"eager {req.max_num_tokens}-token step, {rows_eager} logit rows"))
+    if cuda:
+        slack = r.segments(tensors) - sum(r.block(n) for n in tensors)
+        dev.append(Item("allocator slack (segment rounding)", slack, "fixed", "2 MiB / 20 MiB segments"))
+        dev.append(Item("CUDA context", r.CONTEXT_BYTES if req.context_in_budget else 0, "fixed",
+                        "stated estimate" if req.context_in_budget else "already in use: the budget is free memory"))
+    host: list[Item] = []
+    pinned = 0
+    if cuda:
+        host.append(Item("process baseline", r.HOST_BASELINE_CUDA, "host",
+                         "python, torch, CUDA libraries (stated)"))
+    else:
+        host.append(Item("process baseline", r.HOST_BASELINE_CPU, "host", "python, torch (stated)"))
+        host += [Item(f"{i.name} (in host memory)", i.bytes, "host", i.note) for i in dev]
+        dev = []
+    if backend != "resident":
+        requested, allocated = r.store_allocation(len(layers), e, row, req.page)
+        pinned = requested if cuda else 0
+        would = r.torch_pinned_would_charge(len(layers), e, row)
+        host.append(Item("expert store (exact size)", allocated, "host",
+                         f"{requested:,} B + {len(layers)} pages; "
+                         + (f"pinned exactly (torch would pin {gib(would)})" if cuda else "not pinned (cpu)")))
+    if cuda and sizes:
+        host.append(Item("decode graph input twins",
+                         r.graph_host_inputs(sizes[-1], width), "host", "pinned by torch: 2^n"))
+    biggest = max(dense.tensors + ((row * e // 3 * 2,) if layers else ()), default=0)
+    host.append(Item("loader buffer", biggest, "host", "largest tensor read at once"))
+    request = {"model_type": cfg.model_type, "layers": cfg.num_layers, "moe_layers": len(layers),
+               "dtype": str(dt).replace("torch.", ""), "device": req.device, "max_model_len": req.model_len,
+               "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
+               "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,
+               "gpu_budget_source": req.gpu_source, "host_source": req.host_source}
+    return Plan(request, backend, slots, dev, host, req.gpu_budget if cuda else None, req.host_available, pinned,
+                req.memlock, row, len(layers) * e * row)
+
+
+def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    from moetier.models.registry import model_class
+
+    # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
+    cls = model_class(cfg)
+    model = cls.__new__(cls)
+    object.__setattr__(model, "cfg", cfg)  # nn.Module.__setattr__ needs __init__
+    return model.kv_spec().bytes_per_token(dtype)

@@ -1,0 +1,110 @@
+"""Preflight: the plan of a run, checked before anything is allocated. Every `generate` and
+`bench batch` start runs it, and a server calls `preflight()` the same way and logs `render.table()`.
+
+It refuses (PlanRefused, a MoetierError: the CLI prints it and exits with code 2) with the plan's
+table and what would fit instead, when
+  - checkpoint shards are missing or unreadable (checkpoint/index.py, validate.py say which),
+  - the device cannot hold the plan,
+  - the host would drop under its safety margin (memory.HOST_MARGIN_*),
+  - pinned memory would pass the locked-memory limit (ulimit -l).
+With `--expert-backend auto` (the default) or `slots` without a count, it also chooses the placement
+(sizing.auto_plan) and hands back the ExpertOptions that carry it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from moetier.config import ModelConfig
+from moetier.errors import MoetierError
+from moetier.plan import machine
+from moetier.plan.memory import Plan, PlanRequest, count
+from moetier.plan.render import table
+from moetier.plan.sizing import auto_plan, suggestions
+
+
+class PlanRefused(MoetierError):
+    """The run does not fit; the message is the table and the alternatives."""
+
+
+def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_memory: str | None = None,
+                host_memory: str | None = None) -> PlanRequest:
+    """A PlanRequest for an EngineConfig (engine/config.py) on this machine (or the given sizes)."""
+    gpu, gpu_src, with_context = machine.gpu_budget(gpu_memory, device)
+    host, host_src = machine.host_budget(host_memory)
+    return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
+                       max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
+                       max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
+                       cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
+                       gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
+                       host_source=host_src, memlock=machine.memlock_limit())
+
+
+def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
+    """The plan of these ExpertOptions: as given, or chosen (backend auto; slots without a count)."""
+    layers, e = req.cfg.moe_layers, req.cfg.num_experts
+    if experts.backend != "auto":
+        problems = experts.problems(req.cfg.moe_shape, layers)
+        if problems:
+            raise MoetierError("; ".join(problems))
+    if experts.backend == "auto":
+        return auto_plan(req, trace, experts.policy)
+    if experts.backend == "slots":
+        if experts.slots is None and not experts.slots_per_layer:
+            plan = auto_plan(req, trace, experts.policy)
+            if plan.backend == "slots":
+                return plan
+            return count(replace(req, backend="slots", slots_per_layer=dict.fromkeys(layers, e)))
+        slots = {layer: experts.slots_for(layer, e) for layer in layers}
+        return count(replace(req, backend="slots", slots_per_layer=slots))
+    return count(replace(req, backend=experts.backend))
+
+
+def options_for(plan: Plan, experts):
+    """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
+    return replace(experts, backend=plan.backend, slots=None,
+                   slots_per_layer=dict(plan.slots_per_layer) if plan.backend == "slots" else {})
+
+
+def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
+    lines = [f"the plan does not fit: {'; '.join(plan.problems())}", table(plan)]
+    alt = suggestions(req, plan)
+    if alt:
+        lines.append("what would fit instead:")
+        lines += [f"  {a}" for a in alt]
+    return PlanRefused("\n".join(lines))
+
+
+def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
+    """Missing or unreadable shards, named, before any allocation (the loader's own checks, run early)."""
+    from moetier.checkpoint.index import Checkpoint
+    from moetier.checkpoint.validate import validate
+    from moetier.models.registry import model_class
+
+    ckpt = Checkpoint(model_dir)
+    validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))
+    for f in sorted({t.file for t in ckpt.tensors.values()}):
+        try:
+            with open(ckpt.path / f, "rb") as fh:
+                fh.read(8)
+        except OSError as e:
+            raise MoetierError(f"checkpoint shard {ckpt.path / f} is not readable ({e.strerror or e}); "
+                               "fix its permissions or copy it again") from None
+
+
+def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_memory: str | None = None,
+              host_memory: str | None = None):
+    """-> (plan, ExpertOptions to load with). Raises PlanRefused or another MoetierError."""
+    from moetier.checkpoint.loader import resolve_dtype
+    from moetier.config import config_from_dir
+
+    cfg = config_from_dir(model_dir)
+    check_shards(model_dir, cfg)
+    req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
+    plan = plan_for(req, experts)
+    if not plan.fits():
+        raise refusal(req, plan)
+    return plan, options_for(plan, experts)

@@ -1,0 +1,165 @@
+"""What each resident of a run weighs, in bytes, computed from the model config alone (nothing is
+allocated). Each function mirrors the code that allocates the thing, named in its docstring, so a
+change there shows up here as a failing hand-computed test (tests/test_plan.py).
+
+Stated rules (not measurable before the run; the audit checks them after load and capture):
+  CUDA context     CONTEXT_BYTES: the CUDA runtime, torch's and Triton's loaded kernels. The audit
+                   prints the measured figure (device used minus torch reserved).
+  process baseline HOST_BASELINE_*: Python, torch and the CUDA libraries mapped in, before weights.
+  activations      the eager step's largest transient (prefill chunk of max_num_tokens tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from moetier.config import ModelConfig
+from moetier.experts.shape import MoeShape
+from moetier.plan.units import GiB, MiB, next_pow2, round_up
+
+CONTEXT_BYTES = 640 * MiB  # CUDA 12/13 context + cuBLAS/Triton modules on Hopper
+HOST_BASELINE_CUDA = 3 * GiB  # python + torch + libcudart/cublas/cudnn mapped and touched
+HOST_BASELINE_CPU = 1 * GiB
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): blocks round to 512 bytes;
+# requests up to 1 MiB share 2 MiB segments, up to 10 MiB share 20 MiB segments, larger ones get
+# their own segment rounded to 2 MiB.
+BLOCK, SMALL, SMALL_SEG, MID, MID_SEG, LARGE_ROUND = 512, 1 * MiB, 2 * MiB, 10 * MiB, 20 * MiB, 2 * MiB
+
+
+def block(n: int) -> int:
+    """Bytes the allocator charges a tensor of n bytes (memory_allocated counts this)."""
+    return round_up(max(n, 1), BLOCK)
+
+
+def segments(tensors: list[int]) -> int:
+    """Bytes the allocator reserves for these tensors (memory_reserved): large ones rounded to 2 MiB
+    each, smaller ones packed into 2 MiB and 20 MiB segments."""
+    small = sum(block(n) for n in tensors if block(n) <= SMALL)
+    mid = sum(block(n) for n in tensors if SMALL < block(n) < MID)
+    large = sum(round_up(block(n), LARGE_ROUND) for n in tensors if block(n) >= MID)
+    return round_up(small, SMALL_SEG) + round_up(mid, MID_SEG) + large
+
+
+@dataclass(frozen=True)
+class Dense:
+    embedding_and_head: int  # the embedding and, when untied, the LM head
+    layers: int  # attention, norms, routers, dense MLP layers, shared experts
+    tensors: tuple[int, ...]  # each tensor's bytes (allocator rounding)
+
+
+@lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
+def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
+    """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
+    in the model dtype; the tied LM head (optional, never kept) is not counted."""
+    from moetier.models.registry import model_class
+
+    head, rest, sizes = 0, 0, []
+    for w in model_class(cfg).checkpoint_weights(cfg, set()):
+        if w.expert is not None or w.optional:
+            continue
+        n = dtype.itemsize
+        for d in w.shape:
+            n *= d
+        sizes.append(n)
+        if w.shape and w.shape[0] == cfg.vocab_size:
+            head += n
+        else:
+            rest += n
+    return Dense(head, rest, tuple(sizes))
+
+
+def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
+    """One routed expert's row (experts/shape.RowLayout): weights now, block scales appended to the
+    same row when quantized formats land, so the slots and the store carry them with the weights."""
+    return shape.layout.numel * dtype.itemsize
+
+
+def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
+    """Device tensors of one slots layer besides its rows: SlotCache (experts/slots.py: expert_slot,
+    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64) and
+    BookkeepingScratch (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)],
+    slots_out / miss_expert / miss_slot [P], miss_count [1], all int32)."""
+    e, s, p = num_experts, num_slots, max_pairs
+    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32,
+            4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
+
+
+def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
+    """GemmScratch (experts/grouped_gemm.py), one per shape and device: order, chunk_end, one_order,
+    one_end [P] int32; h [P, I] and y [P, H] float32."""
+    p = max_pairs
+    return [4 * p, 4 * p, 4 * p * inter, 4 * p * hidden, 4 * p, 4 * p]
+
+
+def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int) -> list[int]:
+    """Device tensors one MoE layer's backend holds besides rows (experts/backends.py): the decode
+    output [decode_tokens, H] (every backend), uva's [P] sentinel ids and one dummy row, slots'
+    cache state."""
+    p = decode_tokens * shape.top_k
+    out = [decode_tokens * shape.hidden * dtype.itemsize]
+    if backend == "uva":
+        out += [4 * p, row_bytes(shape, dtype)]
+    elif backend == "slots":
+        out += slot_cache_state(shape.num_experts, slots, p)
+    return out
+
+
+def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
+    """DecodeGraphs' static device blocks (engine/graphs.py): int64 [6b], int32 [b (3 + width)],
+    query_start int32 [b + 1]."""
+    b = max_batch
+    return [8 * 6 * b, 4 * b * (3 + max_pages_per_seq), 4 * (b + 1)]
+
+
+def graph_host_inputs(max_batch: int, max_pages_per_seq: int) -> int:
+    """The pinned host twins of the graph inputs, allocated by torch's pinned allocator, which rounds
+    each block up to a power of two."""
+    b = max_batch
+    return next_pow2(8 * 6 * b) + next_pow2(4 * b * (3 + max_pages_per_seq))
+
+
+def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_rows: int) -> list[int]:
+    """The largest transient of one step of `tokens` tokens, one layer deep (layers run one after
+    another; each frees its intermediates): residual stream, normed input and the layer output
+    [T, H] x 3, q/k/v [T, (Hq + 2 Hkv) D] and q after rotary, attention output [T, Hq D], the
+    attention's key-split partials (at most 64 splits, float32), router logits [T, E] float32 and
+    top-k, the MoE input copy and output [T, H] x 2; then logits [rows, V] in the model dtype and
+    float32."""
+    h, isz = cfg.hidden_size, dtype.itemsize
+    heads = getattr(cfg, "num_heads", 1)
+    kv_heads = getattr(cfg, "num_kv_heads", 1)
+    d = getattr(cfg, "head_dim", h // max(heads, 1))
+    t = tokens
+    splits = max(1, min(64, 4 * 132 // max(1, t * kv_heads)))  # paged_attention_triton.default_num_splits
+    out = [t * h * isz] * 5 + [t * (heads + 2 * kv_heads) * d * isz, t * heads * d * isz, t * heads * d * isz,
+                               splits * t * heads * d * 4, splits * t * heads * 4,
+                               t * cfg.num_experts * 4, t * cfg.top_k * 8, t * cfg.top_k * isz]
+    return out + [logit_rows * cfg.vocab_size * isz, logit_rows * cfg.vocab_size * 4]
+
+
+def sampler_transient(rows: int, vocab: int) -> int:
+    """layers/sampler.py filter mode on [rows, V] float32 logits: sorted values, order (int64), the
+    cumulative mass, the masked and scattered copies and the probabilities: 48 bytes per logit."""
+    return 48 * rows * vocab
+
+
+def prefill_stream(shape: MoeShape, dtype: torch.dtype) -> int:
+    """Prefill through a host-backed backend streams one expert row at a time to the device
+    (experts/reference.row_fetch): two rows in flight."""
+    return 2 * row_bytes(shape, dtype)
+
+
+def store_allocation(num_layers: int, num_experts: int, row: int, page: int) -> tuple[int, int]:
+    """HostStore (experts/store.py): per layer one [E, row] block, over-allocated by one page for
+    alignment. -> (requested bytes, allocated bytes)."""
+    requested = num_layers * num_experts * row
+    return requested, requested + num_layers * page
+
+
+def torch_pinned_would_charge(num_layers: int, num_experts: int, row: int) -> int:
+    """What torch.empty(pin_memory=True) would have pinned for the same blocks (each rounded up to a
+    power of two, reference 000): shown next to the exact figure."""
+    return num_layers * next_pow2(num_experts * row)
