@@ -100,6 +100,10 @@ def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue
           f"{', API key required' if api_key else ''}); Ctrl-C drains and exits", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_s, access_log=False)
     try:
+        # uvicorn drains on the first Ctrl-C, then raises the signal again for the caller to see.
         uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
         llm.close()
+    print("moetier serve: stopped", file=sys.stderr, flush=True)
