@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -116,6 +116,27 @@ class Handlers:
         status = 400 if isinstance(e, (MoetierError, TokenizerError)) else 500
         return sse(ApiError(status, f"the request failed: {e}").body())
 
+    def stream(self, outputs: AsyncIterator[RequestOutput], head: dict, include_usage: bool,
+               chunks: Callable[[RequestOutput], list[bytes]], first: bytes | None = None) -> StreamingResponse:
+        """Server-sent events: `first`, the chunks of each output, the usage chunk if asked, [DONE]."""
+
+        async def events():
+            if first is not None:
+                yield first
+            last = None
+            try:
+                async for out in outputs:
+                    last = out
+                    for c in chunks(out):
+                        yield c
+            except Exception as e:  # a failed engine step: tell the client, end the stream cleanly
+                yield self.error_event(e)
+            if include_usage and last is not None:
+                yield sse({**head, "choices": [], "usage": usage(last)})
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # -- /v1/completions -------------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, http: HttpRequest):
         self.check_model(req.model)
@@ -136,20 +157,11 @@ class Handlers:
             return JSONResponse({**head, "choices": [choice(out.outputs[0].text, out)], "usage": usage(out)})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def events():
-            last = None
-            try:
-                async for out in outputs:
-                    last = out
-                    if out.outputs[0].delta or out.finished:
-                        yield sse({**head, "choices": [choice(out.outputs[0].delta, out)]})
-            except Exception as e:  # a failed engine step: tell the client, end the stream cleanly
-                yield self.error_event(e)
-            if include_usage and last is not None:
-                yield sse({**head, "choices": [], "usage": usage(last)})
-            yield sse("[DONE]")
+        def chunks(out: RequestOutput) -> list[bytes]:
+            delta = out.outputs[0].delta
+            return [sse({**head, "choices": [choice(delta, out)]})] if delta or out.finished else []
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return self.stream(outputs, head, include_usage, chunks)
 
     # -- /v1/chat/completions ------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatRequest) -> str:
@@ -213,22 +225,10 @@ class Handlers:
                 chunks.append(chunk({"tool_calls": [{"index": i, **call.to_dict()}]}))
             return chunks
 
-        async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            last = None
-            try:
-                async for out in outputs:
-                    last = out
-                    for c in deltas(*reasoning.push(out.outputs[0].delta), final=False):
-                        yield c
-                    if out.finished:
-                        for c in deltas(*reasoning.flush(), final=True):
-                            yield c
-                        yield chunk({}, finish_reason(out))
-            except Exception as e:  # a failed engine step: tell the client, end the stream cleanly
-                yield self.error_event(e)
-            if include_usage and last is not None:
-                yield sse({**head, "choices": [], "usage": usage(last)})
-            yield sse("[DONE]")
+        def chunks(out: RequestOutput) -> list[bytes]:
+            got = deltas(*reasoning.push(out.outputs[0].delta), final=False)
+            if out.finished:
+                got += deltas(*reasoning.flush(), final=True) + [chunk({}, finish_reason(out))]
+            return got
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return self.stream(outputs, head, include_usage, chunks, first=chunk({"role": "assistant", "content": ""}))
