@@ -4,6 +4,7 @@ that stand for a user's own files, and one shape too large for CI (the command s
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -24,7 +25,16 @@ SUBSTITUTE = {
     "/data/q30b": "q30b",
     # the published Qwen3-30B-A3B shape is 2.4 GB a layer: the same command on the tiny shape
     "--preset qwen3-30b-a3b --out q30b --layers 8": "--preset tiny --out q30b --layers 2",
+    # the H200 serving benchmark: the same server on the tiny shape and the default model's routing,
+    # the same sweep on fewer and shorter requests
+    "--preset qwen3-30b-a3b --layers 8": "--preset tiny --layers 2",
+    "--replay-trace data/traces/qwen3-30b-like.mtrace": "--replay-trace q.mtrace",
+    "--concurrency 1,2,4,8,16,32,64": "--concurrency 1,2 --num-prompts 4 --input-len 8 --output-len 4",
 }
+# `moetier serve` runs until Ctrl-C: the test starts it (on a free port), asks /health and
+# /v1/models, sends SIGINT and wants exit 0. `moetier bench serve` lines load a live server instead
+# of the one the docs start on port 8000.
+SERVE_URL = "http://127.0.0.1:8000"
 
 
 def commands() -> list[tuple[str, str]]:
@@ -73,8 +83,56 @@ def test_documented_command_runs(where, line, workdirs, tiny_ckpt, monkeypatch):
     # repository paths (data/traces/..., moetier/assets/...) read from the checkout
     args = [str(ROOT / a) if not a.startswith("/") and "/" in a and (ROOT / a).exists() else a for a in args]
     monkeypatch.chdir(cwd)
+    if line.startswith("moetier serve"):
+        run_server_command(args, cwd)
+        return
+    if line.startswith("moetier bench serve"):
+        server = live_server()
+        args = [a.replace(SERVE_URL, server.url) for a in args]
     r = CliRunner().invoke(app, args)
     if line.startswith(tuple(f"moetier {c}" for c in CUDA_ONLY)) and not torch.cuda.is_available():
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr, (args, r.output)
         return
     assert r.exit_code == 0, (args, r.output, r.exception)
+
+
+_live = []
+
+
+def live_server():
+    """One server on the default model for the documented `bench serve` lines (closed at exit: daemon)."""
+    if not _live:
+        from server_helpers import serve
+
+        _live.append(serve())
+    return _live[0]
+
+
+def run_server_command(args: list[str], cwd: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    env = {k: v for k, v in os.environ.items() if k != "MOETIER_API_KEY"}
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    proc = subprocess.Popen([sys.executable, "-m", "moetier.cli", *args, "--port", "0", "--device", "cpu"], cwd=cwd,
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.time() + 120
+        while url is None:
+            assert time.time() < deadline and proc.poll() is None, (args, proc.poll())
+            m = re.search(r"(http://[\d.]+:\d+)/v1", proc.stderr.readline())
+            url = m and m.group(1)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        while httpx.get(url + "/health").status_code != 200:
+            time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", headers=headers).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, args
+    finally:
+        if proc.poll() is None:
+            proc.kill()

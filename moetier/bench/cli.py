@@ -252,3 +252,65 @@ def bench_prefill(
         prefill.plot(data, str(plot))
     typer.echo(prefill.table(data["rows"]))
 
+
+@app.command("serve")
+def bench_serve(
+    url: str = typer.Option(..., "--url", help="The server, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="KEY",
+                                          help="Bearer token (or set MOETIER_API_KEY)."),
+    concurrency: str = typer.Option("1,2,4,8,16,32,64", "--concurrency",
+                                    help="Comma-separated concurrency levels, one measurement each."),
+    request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Poisson arrivals at this many "
+                                                 "requests per second instead of the concurrency sweep."),
+    num_prompts: int = typer.Option(0, "--num-prompts", help="Measured requests per level (0: 4 x concurrency, "
+                                    "at least 16)."),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens (the median with sharegpt-like)."),
+    output_len: int = typer.Option(128, "--output-len", help="Output tokens (the median with sharegpt-like)."),
+    dataset: str = typer.Option("random", "--dataset", help="random (fixed lengths) or sharegpt-like (a "
+                                "log-normal mix of lengths)."),
+    warmup: int = typer.Option(4, "--warmup", help="Untimed requests before each level."),
+    seed: int = typer.Option(0, "--seed"),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a request counts as cancelled."),
+    num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs of the server, for throughput per GPU in the plot."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                        help="Write a PNG of throughput per GPU against interactivity."),
+) -> None:
+    """Load an OpenAI-compatible server: concurrency sweep or request rate, vLLM bench-serve fields."""
+    try:
+        if not url.startswith(("http://", "https://")):
+            raise MoetierError(f"--url {url!r}: give an http:// or https:// address")
+        try:
+            levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        except ValueError:
+            raise MoetierError(f"--concurrency {concurrency!r}: give levels like 1,2,4,8") from None
+        if not levels or min(levels) < 1:
+            raise MoetierError(f"--concurrency {concurrency!r}: every level must be at least 1")
+        if request_rate is not None:
+            opt.positive(request_rate, "--request-rate")
+        if dataset not in ("random", "sharegpt-like"):
+            raise MoetierError(f"--dataset {dataset!r}: choose random or sharegpt-like")
+        for value, name in ((input_len, "--input-len"), (output_len, "--output-len"), (num_gpus, "--num-gpus")):
+            opt.at_least(value, 1, name)
+        for value, name in ((num_prompts, "--num-prompts"), (warmup, "--warmup")):
+            opt.at_least(value, 0, name)
+        opt.positive(timeout, "--timeout")
+        if plot is not None:
+            need_modules("matplotlib", why="--plot")
+            opt.output_file(plot, "--plot")
+        if out is not None:
+            opt.output_file(out, "--out")
+        from moetier.bench import serve as bench
+
+        data = bench.run(url, api_key, levels, request_rate, num_prompts, input_len, output_len, dataset, warmup,
+                         seed, timeout)
+    except MoetierError as e:
+        opt.fail(e)
+    from moetier.bench.common import record, write_json
+
+    data = record("serve", data)
+    if out:
+        write_json(out, data)
+    if plot:
+        bench.plot(data, str(plot), num_gpus)
+    typer.echo(bench.table(data))

@@ -108,6 +108,77 @@ def generate(
                    err=True)
 
 
+@app.command()
+def serve(
+    model: opt.Model = None,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health "
+                                               "(or set MOETIER_API_KEY)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="NAME",
+                                                    help="Model id clients send (default: the directory name)."),
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    expert_backend: opt.ExpertBackend = "resident",
+    expert_slots: opt.ExpertSlots = None,
+    expert_slots_file: opt.ExpertSlotsFile = None,
+    cache_policy: opt.CachePolicy = "lfru",
+    decode_tokens: opt.DecodeTokens = 64,
+    preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
+                                         f"memory, instead of --model ({', '.join(presets.names())})."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE",
+                                                help="With --preset and --expert-backend slots: share of the "
+                                                     "routed experts in HBM slots, like 50%."),
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
+                                                help="Route by this trace's experts instead of the router's."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests running at once."),
+    kv_tokens: int = typer.Option(32768, "--kv-tokens", help="Tokens the KV pool holds, over all requests."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output per request."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting beyond --max-num-seqs before "
+                                  "new ones get 503 with Retry-After."),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="On Ctrl-C, how long running requests "
+                                        "may take to finish."),
+) -> None:
+    """Serve the OpenAI API (completions, chat, models, metrics) over HTTP; docs/server.md."""
+    from moetier.server.run import EngineSpec, RandomModel, serve as run_server
+    from moetier.tokenizer import TokenizerError
+
+    try:
+        if not 0 <= port <= 65535:
+            raise MoetierError(f"--port {port}: it must be in 0..65535")
+        opt.at_least(max_queue, 0, "--max-queue")
+        opt.positive(drain_seconds, "--drain-seconds")
+        if replay_trace is not None:
+            opt.input_file(replay_trace, "--replay-trace")
+        engine = {"max_num_seqs": max_num_seqs, "kv_tokens": kv_tokens, "max_model_len": max_model_len,
+                  "decode_tokens": decode_tokens, "replay_trace": replay_trace}
+        if preset is not None:
+            from moetier.bench.cli import parse_budget
+
+            if model is not None:
+                raise MoetierError("give --model or --preset, not both")
+            if expert_slots is not None or expert_slots_file is not None:
+                raise MoetierError("with --preset, size the slots with --expert-budget")
+            if expert_budget is not None and expert_backend != "slots":
+                raise MoetierError("--expert-budget needs --expert-backend slots")
+            presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
+            spec = EngineSpec(random=RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"),
+                                                 cache_policy), dtype=dtype, device=device, engine=engine)
+        else:
+            if layers is not None or expert_budget is not None:
+                raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
+            from moetier.engine.llm import model_dir_of
+
+            spec = EngineSpec(model=model_dir_of(model), dtype=dtype, device=device, engine=engine,
+                              experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
+                                                         cache_policy))
+        run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name)
+    except (MoetierError, TokenizerError) as e:
+        opt.fail(e)
+
+
 @app.command("make-checkpoint")
 def make_checkpoint_cmd(
     preset: str = typer.Option(..., "--preset", help=f"Shape: {', '.join(presets.names())}."),

@@ -1,0 +1,213 @@
+"""`moetier bench serve`: a client-only load generator for any OpenAI-compatible server (moetier's,
+vLLM's, SGLang's), reporting with the field names of vLLM's `bench serve`.
+
+Prompts are token ids sampled, with a fixed seed, from the server's own tokenization of random words
+(/tokenize), so inputs have exact lengths on any tokenizer; `ignore_eos` makes outputs exact too.
+Each concurrency level (or request rate) first runs untimed warm-up requests, then the measured
+ones. A request's TTFT is its first text chunk, ITL the gaps between text chunks, TPOT its decode
+time over its output tokens after the first, E2EL the whole request. Failures (an HTTP error, a
+broken stream) and cancellations (the client timed out, or the server aborted) are counted apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from moetier.errors import MoetierError
+
+WORDS = ("data time file value list model table order point state group field class thread server "
+         "stream token layer cache expert route batch queue page block graph kernel memory").split()
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    cancelled: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    e2el: float = 0.0
+
+
+def lengths(dataset: str, n: int, input_len: int, output_len: int, seed: int) -> list[tuple[int, int]]:
+    """(input, output) token counts: fixed, or a ShareGPT-like log-normal mix around the given ones."""
+    if dataset == "random":
+        return [(input_len, output_len)] * n
+    rng = np.random.default_rng(seed)
+    ins = np.clip(rng.lognormal(np.log(input_len), 0.8, n), 4, 4 * input_len).astype(int)
+    outs = np.clip(rng.lognormal(np.log(output_len), 0.6, n), 2, 4 * output_len).astype(int)
+    return list(zip(ins.tolist(), outs.tolist()))
+
+
+async def corpus(client: httpx.AsyncClient, url: str, tokens: int, seed: int) -> list[int]:
+    """Token ids of random words, tokenized by the server, at least `tokens` long."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < tokens:
+        text = " ".join(rng.choice(WORDS) for _ in range(max(64, tokens)))
+        r = await client.post(url + "/tokenize", json={"prompt": text})
+        if r.status_code != 200:
+            raise MoetierError(f"{url}/tokenize answered {r.status_code}: {r.text[:200]}; bench serve needs it "
+                               "to make prompts of exact lengths")
+        ids += r.json()["tokens"]
+    return ids
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int,
+              timeout: float) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    res, start = Result(prompt_len=len(prompt)), time.perf_counter()
+    last = start
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = str(chunk["error"])
+                        return res
+                    if chunk.get("usage"):
+                        res.output_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices") or []:
+                        now = time.perf_counter()
+                        if choice.get("text"):
+                            if res.ttft == 0.0:
+                                res.ttft = now - start
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                        if choice.get("finish_reason") == "abort":
+                            res.cancelled = True
+    except TimeoutError:
+        res.cancelled = True
+        return res
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2el = time.perf_counter() - start
+    res.ok = not res.cancelled and res.output_tokens > 0
+    if not res.ok and not res.cancelled:
+        res.error = "no usage in the stream"
+    return res
+
+
+async def level(client, url: str, model: str, prompts: list[tuple[list[int], int]], warmup: int,
+                concurrency: int | None, rate: float | None, seed: int, timeout: float) -> dict:
+    """One concurrency level (or request rate): warm-up, then the measured requests."""
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+
+    async def limited(p, n):
+        async with limit:
+            return await one(client, url, model, p, n, timeout)
+
+    await asyncio.gather(*(limited(p, n) for p, n in prompts[:warmup]))
+    rng = np.random.default_rng(seed)
+    tasks, start = [], time.perf_counter()
+    for p, n in prompts[warmup:]:
+        tasks.append(asyncio.create_task(limited(p, n)))
+        if rate:  # Poisson arrivals
+            await asyncio.sleep(rng.exponential(1.0 / rate))
+    results = await asyncio.gather(*tasks)
+    return summarize(results, time.perf_counter() - start, concurrency, rate)
+
+
+def stats_ms(name: str, values: list[float]) -> dict:
+    ms = [v * 1e3 for v in values] or [0.0]
+    return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(np.std(ms)), f"p90_{name}_ms": float(np.percentile(ms, 90)),
+            f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(results: list[Result], duration: float, concurrency: int | None, rate: float | None) -> dict:
+    ok = [r for r in results if r.ok]
+    tpot = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    inp, out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
+    errors = sorted({r.error for r in results if r.error})[:5]
+    return {"max_concurrency": concurrency, "request_rate": rate if rate else "inf", "duration": duration,
+            "completed": len(ok), "failed": sum(1 for r in results if r.error), "cancelled":
+            sum(1 for r in results if r.cancelled), "errors": errors, "total_input_tokens": inp,
+            "total_output_tokens": out, "request_throughput": len(ok) / duration,
+            "output_throughput": out / duration, "total_token_throughput": (inp + out) / duration,
+            **stats_ms("ttft", [r.ttft for r in ok]), **stats_ms("tpot", tpot),
+            **stats_ms("itl", [x for r in ok for x in r.itl]), **stats_ms("e2el", [r.e2el for r in ok])}
+
+
+async def run_async(url: str, api_key: str | None, concurrencies: list[int], rate: float | None, num_prompts: int,
+                    input_len: int, output_len: int, dataset: str, warmup: int, seed: int, timeout: float) -> dict:
+    url = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrencies + [64]) + 8)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        try:
+            models = (await client.get(url + "/v1/models")).raise_for_status().json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise MoetierError(f"--url {url}: no OpenAI server answers there ({e})") from None
+        model = models[0]["id"]
+        levels = [None] if rate else concurrencies
+        biggest = max(num_prompts or 4 * (c or 16) for c in levels) + warmup
+        lens = lengths(dataset, biggest, input_len, output_len, seed)
+        ids = await corpus(client, url, sum(i for i, _ in lens), seed)
+        rng = random.Random(seed)
+        prompts = []
+        for i, o in lens:
+            start = rng.randrange(0, max(1, len(ids) - i))
+            prompts.append((ids[start:start + i], o))
+        rows = []
+        for c in levels:
+            n = (num_prompts or max(16, 4 * (c or 16))) + warmup
+            rows.append(await level(client, url, model, prompts[:n], warmup, c, rate, seed, timeout))
+        return {"url": url, "model": model, "dataset": dataset, "input_len": input_len, "output_len": output_len,
+                "warmup": warmup, "seed": seed, "results": rows}
+
+
+def run(*args, **kw) -> dict:
+    return asyncio.run(run_async(*args, **kw))
+
+
+def table(data: dict) -> str:
+    lines = [f"{'conc':>5} {'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT ms':>8} "
+             f"{'TPOT ms':>8} {'p99 ITL':>8} {'E2EL ms':>8}"]
+    for r in data["results"]:
+        lines.append(f"{str(r['max_concurrency']):>5} {str(r['request_rate']):>6} {r['completed']:>5} "
+                     f"{r['failed'] + r['cancelled']:>4} {r['request_throughput']:7.2f} {r['output_throughput']:9.1f} "
+                     f"{r['median_ttft_ms']:8.1f} {r['median_tpot_ms']:8.2f} {r['p99_itl_ms']:8.1f} "
+                     f"{r['median_e2el_ms']:8.0f}")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str, num_gpus: int = 1) -> None:
+    """Output throughput per GPU against interactivity (1 / median TPOT), one point per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(1e3 / r["median_tpot_ms"], r["output_throughput"] / num_gpus, r["max_concurrency"])
+           for r in data["results"] if r["median_tpot_ms"] > 0]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+    for x, y, c in pts:
+        ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("interactivity (tok/s per user = 1 / median TPOT)")
+    ax.set_ylabel("output throughput per GPU (tok/s)")
+    ax.set_title(f"{data['model']}: in {data['input_len']}, out {data['output_len']} tokens")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

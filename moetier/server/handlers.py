@@ -1,0 +1,234 @@
+"""The completion and chat handlers: prompt to engine request, engine outputs to OpenAI responses,
+streamed as server-sent events or returned whole.
+
+Every check that can refuse a request (its fields, its prompt, whether it fits the context, the
+queue) runs before the first byte is sent, so a refusal is a 400/404/503 with an error object, not
+a broken stream. A client that goes away aborts its request: when streaming, starlette cancels the
+response and the engine generator's cleanup aborts it; when not, a watcher polls for the disconnect
+and cancels the wait. Either way the request's KV pages go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from moetier.engine.output import RequestOutput
+from moetier.errors import MoetierError
+from moetier.sampling_params import SamplingParams
+from moetier.server.metrics import ServerMetrics
+from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest
+from moetier.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from moetier.server.tools import ToolCallParser
+from moetier.tokenizer import TokenizerError
+
+DISCONNECT_POLL_S = 0.25
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def usage(out: RequestOutput) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Handlers:
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, max_queue: int):
+        self.engine, self.llm = engine, engine.llm
+        self.model_name, self.metrics, self.max_queue = model_name, metrics, max_queue
+        self.active = 0  # admitted requests not yet ended: running plus waiting in the engine
+
+    # -- checks before anything is sent ------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "model")
+
+    def admit(self) -> None:
+        if self.active >= self.llm.config.max_num_seqs + self.max_queue:
+            raise ApiError(503, f"the server is at its limit ({self.active} requests running or queued); "
+                                "retry shortly", headers={"Retry-After": "1"})
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        try:
+            return self.llm.encode(prompt)
+        except (MoetierError, TokenizerError) as e:
+            raise ApiError(400, str(e), "prompt") from None
+
+    def params(self, req, ids: list[int]) -> SamplingParams:
+        """Sampling parameters, with max_tokens checked against what is left of the context."""
+        context = self.llm.scheduler.max_model_len
+        if len(ids) >= context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {context}, "
+                                "output included; shorten the prompt", "messages" if isinstance(req, ChatRequest)
+                           else "prompt")
+        params = req.sampling(default_max=context - len(ids))
+        if len(ids) + params.max_tokens > context:
+            raise ApiError(400, f"max_tokens {params.max_tokens} plus the prompt's {len(ids)} tokens exceed the "
+                                f"context of {context} tokens; ask for at most {context - len(ids)}", "max_tokens")
+        return params
+
+    # -- engine outputs ------------------------------------------------------------------------------
+    async def outputs(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+        self.active += 1
+        gen = self.engine.generate(ids, params, rid)
+        try:
+            async for out in gen:
+                if out.finished:
+                    self.metrics.finished(out.metrics, out.outputs[0].finish_reason)
+                yield out
+        finally:
+            self.active -= 1
+            await gen.aclose()  # aborts an unfinished request: its pages are freed now
+
+    async def last_output(self, outputs: AsyncIterator[RequestOutput], http: HttpRequest) -> RequestOutput:
+        """The final output, or the request aborted when the client disconnects first."""
+
+        async def drain() -> RequestOutput:
+            last = None
+            async for out in outputs:
+                last = out
+            return last
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await http.is_disconnected():
+                    raise asyncio.CancelledError
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    @staticmethod
+    def error_event(e: Exception) -> bytes:
+        status = 400 if isinstance(e, (MoetierError, TokenizerError)) else 500
+        return sse(ApiError(status, f"the request failed: {e}").body())
+
+    def stream(self, outputs: AsyncIterator[RequestOutput], head: dict, include_usage: bool,
+               chunks: Callable[[RequestOutput], list[bytes]], first: bytes | None = None) -> StreamingResponse:
+        """Server-sent events: `first`, the chunks of each output, the usage chunk if asked, [DONE]."""
+
+        async def events():
+            if first is not None:
+                yield first
+            last = None
+            try:
+                async for out in outputs:
+                    last = out
+                    for c in chunks(out):
+                        yield c
+            except Exception as e:  # a failed engine step: tell the client, end the stream cleanly
+                yield self.error_event(e)
+            if include_usage and last is not None:
+                yield sse({**head, "choices": [], "usage": usage(last)})
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # -- /v1/completions -------------------------------------------------------------------------------
+    async def completion(self, req: CompletionRequest, http: HttpRequest):
+        self.check_model(req.model)
+        ids = self.encode(req.single_prompt())
+        params = self.params(req, ids)
+        self.admit()
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        outputs = self.outputs(ids, params, rid)
+
+        def choice(text: str, out: RequestOutput | None) -> dict:
+            o = out.outputs[0] if out is not None and out.finished else None
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": o and o.finish_reason,
+                    "stop_reason": o and o.stop_reason}
+
+        if not req.stream:
+            out = await self.last_output(outputs, http)
+            return JSONResponse({**head, "choices": [choice(out.outputs[0].text, out)], "usage": usage(out)})
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunks(out: RequestOutput) -> list[bytes]:
+            delta = out.outputs[0].delta
+            return [sse({**head, "choices": [choice(delta, out)]})] if delta or out.finished else []
+
+        return self.stream(outputs, head, include_usage, chunks)
+
+    # -- /v1/chat/completions ------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatRequest) -> str:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
+        try:
+            return self.llm.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
+                                                          **kwargs)
+        except TokenizerError as e:
+            raise ApiError(400, str(e), "messages") from None
+
+    async def chat(self, req: ChatRequest, http: HttpRequest):
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req)
+        ids = self.encode(prompt)
+        params = self.params(req, ids)
+        self.admit()
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        reasoning = ReasoningSplitter(prompt_opens_reasoning(prompt))
+        tools = ToolCallParser() if req.tools and req.tool_choice != "none" else None
+        outputs = self.outputs(ids, params, rid)
+
+        def finish_reason(out: RequestOutput) -> str:
+            r = out.outputs[0].finish_reason
+            return "tool_calls" if tools is not None and tools.calls and r == "stop" else r
+
+        if not req.stream:
+            out = await self.last_output(outputs, http)
+            think, content = reasoning.split(out.outputs[0].text)
+            calls = []
+            if tools is not None:
+                content, calls = tools.parse(content)
+                content = content.strip() if calls else content
+            message = {"role": "assistant", "content": content or None, "reasoning_content": think or None,
+                       "reasoning": think or None, "tool_calls": [c.to_dict() for c in calls]}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(out),
+                      "stop_reason": out.outputs[0].stop_reason}
+            return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head["object"] = "chat.completion.chunk"
+
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+        def deltas(think: str, content: str, final: bool) -> list[bytes]:
+            chunks = []
+            if think:
+                chunks.append(chunk({"reasoning_content": think, "reasoning": think}))
+            calls = []
+            if tools is not None:
+                content, calls = tools.push(content)
+                if final:
+                    content += tools.flush()
+            if content:
+                chunks.append(chunk({"content": content}))
+            for call in calls:
+                i = tools.calls.index(call)
+                chunks.append(chunk({"tool_calls": [{"index": i, **call.to_dict()}]}))
+            return chunks
+
+        def chunks(out: RequestOutput) -> list[bytes]:
+            got = deltas(*reasoning.push(out.outputs[0].delta), final=False)
+            if out.finished:
+                got += deltas(*reasoning.flush(), final=True) + [chunk({}, finish_reason(out))]
+            return got
+
+        return self.stream(outputs, head, include_usage, chunks, first=chunk({"role": "assistant", "content": ""}))

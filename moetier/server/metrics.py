@@ -1,0 +1,102 @@
+"""Prometheus metrics with vLLM's names and meanings under a `moetier:` prefix, plus the expert tiers.
+
+Request metrics (tokens, latencies, preemptions) are observed once per finished request, from the
+timings the engine keeps on it (RequestOutput.metrics). Gauges (running, waiting, KV usage) and the
+expert counters are read from the engine when /metrics is scraped, so they cost nothing between
+scrapes. Each app has its own registry: several servers in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# vLLM's buckets, so dashboards built for vLLM read the same
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+P = "moetier:"
+
+
+class EngineCollector:
+    """Scrape-time gauges and expert counters, from a callable returning LLM.metrics()-like data."""
+
+    def __init__(self, read, model_name: str):
+        self.read, self.model_name = read, model_name
+
+    def collect(self):
+        m = self.read()
+        labels = ["model_name"]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in model execution batches.", m["running"]),
+                ("num_requests_waiting", "Requests waiting to be processed.", m["waiting"]),
+                ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m["kv_usage"])):
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
+        docs = {"hits": "Expert lookups served from an HBM slot.",
+                "misses": "Expert lookups that copied the expert into a slot first.",
+                "overflow": "Expert lookups read over the link (more distinct experts than slots).",
+                "link_bytes": "Expert bytes moved over the host link (misses and overflow)."}
+        for key, doc in docs.items():
+            c = CounterMetricFamily(P + f"expert_{key}", doc, labels=["model_name", "layer"])
+            for layer, stats in m["expert_layers"].items():
+                c.add_metric([self.model_name, str(layer)], stats[key])
+            c.add_metric([self.model_name, "total"], sum(s[key] for s in m["expert_layers"].values()))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, read_engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        lab, reg = ["model_name"], self.registry
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", lab, registry=reg)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generation tokens processed.", lab, registry=reg)
+        self.preemptions = Counter(P + "num_preemptions", "Cumulative preemptions from the engine.", lab,
+                                   registry=reg)
+        self.success = Counter(P + "request_success", "Successfully processed requests.",
+                               lab + ["finished_reason"], registry=reg)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token in seconds.", lab,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Inter-token latency in seconds.", lab,
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency in seconds.", lab,
+                             buckets=REQUEST_BUCKETS, registry=reg)
+        self.queue = Histogram(P + "request_queue_time_seconds", "Time spent waiting in the queue in seconds.",
+                               lab, buckets=REQUEST_BUCKETS, registry=reg)
+        reg.register(EngineCollector(read_engine, model_name))
+
+    def finished(self, metrics: dict, finish_reason: str | None) -> None:
+        """Observe one request that ended (finished or aborted) from its engine timings."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(metrics.get("prompt_tokens", 0))
+        self.generation_tokens.labels(name).inc(metrics.get("output_tokens", 0))
+        self.preemptions.labels(name).inc(metrics.get("preemptions", 0))
+        if finish_reason in ("stop", "length"):
+            self.success.labels(name, finish_reason).inc()
+        for key, hist in (("ttft_s", self.ttft), ("e2e_s", self.e2e), ("queue_s", self.queue)):
+            if metrics.get(key) is not None:
+                hist.labels(name).observe(metrics[key])
+        times = metrics.get("token_times") or []
+        for a, b in zip(times, times[1:]):
+            self.itl.labels(name).observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def engine_snapshot(llm) -> dict:
+    """What the scrape-time collector reads: LLM.metrics() plus per-layer expert counters and bytes."""
+    m = llm.metrics()
+    itemsize = llm.model.dtype.itemsize if hasattr(llm.model, "dtype") else 2
+    layers = {}
+    for block in llm.model.moe_blocks():
+        s = block.experts.stats()
+        row_bytes = block.experts.layout.numel * itemsize
+        layers[block.layer] = {"hits": s["hits"], "misses": s["misses"], "overflow": s["overflow"],
+                               "link_bytes": (s["misses"] + s["overflow"]) * row_bytes}
+    return {**m, "expert_layers": layers}

@@ -1,0 +1,204 @@
+"""Request bodies of the OpenAI API, checked, and the error object every refusal carries.
+
+Bodies are parsed here rather than by fastapi's own validation, whose refusals are 422s in another
+shape: every bad request gets OpenAI's `{"error": {message, type, param, code}}` with 400 (or 404 for
+an unknown model). Unknown fields are ignored, as vLLM and OpenAI do, so clients that send more
+(`presence_penalty: 0`, `user`) keep working; fields we cannot honour yet are refused by name rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from moetier.errors import MoetierError
+from moetier.sampling_params import SamplingParams
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class ApiError(Exception):
+    """A refusal: HTTP status, OpenAI error type, message and the offending parameter."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             503: "server_overloaded"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = None
+    n: StrictInt = 1
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: StrictBool = False
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n}: moetier returns one choice per request; send n=1 (or several "
+                                "requests)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ApiError(400, f"{name} is not supported yet; leave it out or send 0", name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        """SamplingParams, checked; OpenAI's defaults (temperature 1) where a field is absent."""
+        limit = self.output_limit()
+        if limit is not None and limit < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {limit}", "max_tokens")
+        top_k = self.top_k if self.top_k is not None else 0
+        if top_k == -1:  # vLLM's spelling of "off"
+            top_k = 0
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            max_tokens=limit if limit is not None else default_max,
+            temperature=float(self.temperature if self.temperature is not None else 1.0),
+            top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=top_k, seed=self.seed,
+            stop=stop, ignore_eos=self.ignore_eos)
+        try:
+            return params.validate()
+        except MoetierError as e:
+            raise ApiError(400, str(e)) from None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
+    best_of: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None:
+            raise ApiError(400, "logprobs are not supported yet by moetier; leave logprobs out", "logprobs")
+        if self.echo:
+            raise ApiError(400, "echo is not supported yet; leave it out", "echo")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported; leave it out", "best_of")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported; leave it out", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, f"{len(p)} prompts in one request: send one prompt per request", "prompt")
+            p = p[0]
+        if not p:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return p
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs are not supported yet by moetier; leave logprobs and top_logprobs "
+                                "out", "logprobs")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise ApiError(400, "tool_choice 'required' or a named function needs guided decoding, which "
+                                "moetier does not have yet; use 'auto' or 'none'", "tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ApiError(400, "response_format other than text needs guided decoding, which moetier does "
+                                "not have yet", "response_format")
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                    "'parameters': {...}}}}", "tools")
+
+    def template_messages(self) -> list[dict]:
+        """Messages for the chat template: text parts joined, tool-call arguments as objects
+        (Qwen3's template prints objects; OpenAI clients send JSON strings)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] needs a string 'role'", "messages")
+            m = dict(m)
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                    texts.append(part["text"])
+                m["content"] = "".join(texts)
+            elif content is None:
+                m["content"] = ""
+            elif not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+            calls = []
+            for call in m.get("tool_calls") or []:
+                fn = dict((call or {}).get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # the template prints a string as it is
+                calls.append({**call, "function": fn})
+            if calls:
+                m["tool_calls"] = calls
+            out.append(m)
+        return out
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """A request record from a body, or ApiError(400) naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ApiError(400, f"{where}: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})",
+                       where.split(".")[0] or None) from None
+    if hasattr(req, "check"):
+        req.check()
+    return req

@@ -1,0 +1,109 @@
+"""`moetier serve`: build the engine (a checkpoint, or random weights of a named shape for
+benchmarks), then run the app under uvicorn until Ctrl-C.
+
+On Ctrl-C uvicorn stops accepting connections and lets running requests finish (up to
+--drain-seconds), then the app's lifespan stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moetier.errors import MoetierError
+
+
+@dataclass
+class RandomModel:
+    """Random weights of a preset shape made in memory (moetier/bench/decode.py's random_bed): the
+    benchmark server for shapes too large for a file. Routing should come from --replay-trace."""
+
+    preset: str
+    layers: int | None = None
+    backend: str = "slots"
+    budget: float = 0.5
+    policy: str = "lfru"
+    seed: int = 0
+
+
+@dataclass
+class EngineSpec:
+    model: Path | None = None
+    random: RandomModel | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    experts: object = None  # ExpertOptions for a checkpoint
+    engine: dict = field(default_factory=dict)  # EngineConfig fields
+
+
+def build_llm(spec: EngineSpec):
+    """The LLM, and the name it is served under."""
+    from moetier.engine.llm import LLM, pick_device
+
+    if spec.random is None:
+        llm = LLM(spec.model, dtype=spec.dtype, device=pick_device(spec.device), experts=spec.experts,
+                  **spec.engine)
+        return llm, llm.model_dir.name
+    import torch
+
+    from moetier.bench.decode import random_bed, use_backend
+    from moetier.presets import preset as make_preset
+
+    r = spec.random
+    dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(spec.dtype, spec.dtype)
+    cfg = make_preset(r.preset, r.layers, dtype)
+    device = pick_device(spec.device)
+    bed = random_bed(cfg, seed=r.seed, device=device, dtype=getattr(torch, dtype))
+    use_backend(bed, r.backend, r.budget, r.policy, spec.engine.get("decode_tokens", 64))
+    llm = LLM.from_model(bed.model, bed.tokenizer, **spec.engine)
+    return llm, f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MoetierError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue: int, drain_s: float,
+          name: str | None = None) -> None:
+    import uvicorn
+
+    from moetier.engine.async_llm import AsyncLLM
+    from moetier.server.app import build_app
+
+    sock = bind(host, port)
+    start = time.perf_counter()
+    print(f"moetier serve: loading {spec.model or (spec.random and spec.random.preset) or 'the default model'} ...",
+          file=sys.stderr, flush=True)
+    llm, default_name = build_llm(spec)
+    m = llm.metrics()
+    print(f"moetier serve: loaded in {time.perf_counter() - start:.1f} s on {llm.model.device}; "
+          f"{m['kv_pages_total']} KV pages of {llm.config.page_size} tokens, context "
+          f"{llm.scheduler.max_model_len} tokens, up to {llm.config.max_num_seqs} requests at once",
+          file=sys.stderr, flush=True)
+    app = build_app(AsyncLLM(llm), name or default_name, api_key=api_key, max_queue=max_queue)
+    bound = sock.getsockname()
+    print(f"moetier serve: http://{bound[0]}:{bound[1]}/v1 (model {name or default_name!r}"
+          f"{', API key required' if api_key else ''}); Ctrl-C drains and exits", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_s, access_log=False)
+    try:
+        # uvicorn drains on the first Ctrl-C, then raises the signal again for the caller to see.
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        llm.close()
+    print("moetier serve: stopped", file=sys.stderr, flush=True)
