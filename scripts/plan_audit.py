@@ -5,7 +5,7 @@ so every baseline is clean.
     python scripts/plan_audit.py                       # every case; JSON to $OUT/plan_audit.json if OUT is set
     python scripts/plan_audit.py --case 48:slots       # one case (what the driver runs per process)
 
-Each case builds the model with random weights in memory (bench/decode.py random_bed: the 48-layer
+Each case builds the model with random weights in memory (moetier/checkpoint/random_bed.py: the 48-layer
 checkpoint, 61 GB, does not fit the device machine's disk), counts the plan for the engine settings
 used, then measures after the experts are placed ("after load") and after the engine allocated its KV
 pool and captured its decode graphs ("after graph capture"), and prints planned against measured with
@@ -32,7 +32,7 @@ SEQS, LEN = 8, 4096  # engine settings of every case: 8 requests of 4,096 tokens
 def run_case(case: str) -> dict:
     import torch
 
-    from moetier.bench.decode import random_bed, use_backend
+    from moetier.checkpoint.random_bed import random_bed, use_backend
     from moetier.engine.config import EngineConfig
     from moetier.engine.llm import LLM
     from moetier.plan import audit

@@ -10,6 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moetier.bench import decode
+from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
@@ -17,8 +18,8 @@ from moetier.sampling_params import SamplingParams
 
 def main(layers: int = 8, batch: int = 1) -> None:
     cfg = preset("qwen3-30b-a3b", layers, "bfloat16")
-    bed = decode.random_bed(cfg)
-    decode.use_backend(bed, "resident")
+    bed = random_bed(cfg)
+    use_backend(bed, "resident")
     llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace",
                                                                 max_num_seqs=8, kv_tokens=4096))
     for p in torch.randint(0, 400, (batch, 32)).tolist():

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moetier.bench import decode
+from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
@@ -21,8 +21,8 @@ from moetier.sampling_params import SamplingParams
 
 def main(layers: int = 8, n: int = 512) -> None:
     cfg = preset("qwen3-30b-a3b", layers, "bfloat16")
-    bed = decode.random_bed(cfg)
-    decode.use_backend(bed, "resident")
+    bed = random_bed(cfg)
+    use_backend(bed, "resident")
     llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace",
                                                                 max_num_tokens=2048, cuda_graphs=False,
                                                                 kv_tokens=4096))

@@ -9,6 +9,7 @@ import torch
 
 from moetier.bench import decode
 from moetier.bench.cli import parse_budget
+from moetier.checkpoint.random_bed import random_bed
 from moetier.errors import MoetierError
 from moetier.presets import preset
 from moetier.traces.format import read_trace, write_trace
@@ -42,7 +43,7 @@ def test_distinct_per_step_counts_union_of_consecutive_tokens(tiny_trace):
 
 def test_engine_rows_on_cpu(tiny_trace):
     cfg = preset("tiny")
-    bed = decode.random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
     args = {"tokens": 6, "warmup": 3, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
             "seed": 0}
     bw = {"hbm_GBps": 100.0, "link_GBps": 10.0}

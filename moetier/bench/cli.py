@@ -239,7 +239,7 @@ def bench_prefill(
     need_cuda("prefill")
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
-    from moetier.bench.decode import random_bed
+    from moetier.checkpoint.random_bed import random_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
             "preset": preset}

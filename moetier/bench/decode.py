@@ -16,100 +16,20 @@ steps that also fill the slot cache; graph capture and kernel compilation happen
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moetier.bench.common import GB, batch_axes, links
+from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
-from moetier.experts.placement import ExpertOptions, ExpertPlacement
-from moetier.experts.store import HostStore
 from moetier.models.base import CausalLM
-from moetier.models.registry import model_class
 from moetier.sampling_params import SamplingParams
-from moetier.tokenizer import Tokenizer
-from moetier.tokenizer.synthetic import write_tokenizer
 from moetier.traces.format import Trace
-
-
-@dataclass
-class Bed:
-    """The model, its experts' host rows by MoE layer, and what the roofline needs to know."""
-
-    model: CausalLM
-    host: dict[int, torch.Tensor]  # layer -> [E, R] pinned
-    tokenizer: Tokenizer
-    row_bytes: int
-    dense_bytes: int  # weights every step reads besides the routed experts
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
-
-
-def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Bed:
-    """Random weights made on the device; routed experts copied into the (pinned) host store."""
-    model = model_class(cfg)(cfg, dtype, device)
-    store = HostStore(cfg.moe_layers, cfg.num_experts, cfg.moe_shape.layout, dtype, pin=device == "cuda")
-    host = {layer: store.rows(layer) for layer in cfg.moe_layers}
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm") or "_norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-        for rows in host.values():
-            for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
-                b = min(a + 16, rows.shape[0])
-                rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
-                                .normal_(0.0, 0.02, generator=g))
-    return _bed(model, host)
-
-
-def loaded_bed(path: str) -> Bed:
-    from moetier.checkpoint.loader import load_model
-
-    _, model, _ = load_model(path, dtype="bf16", device="cuda", experts=ExpertOptions("uva"))
-    host = {block.layer: block.experts.host for block in model.moe_blocks()}
-    return _bed(model, host, Tokenizer.from_dir(path))
-
-
-def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | None = None) -> Bed:
-    for block in model.moe_blocks():
-        block.experts = None
-    if tokenizer is None:
-        with tempfile.TemporaryDirectory() as d:
-            write_tokenizer(d)
-            tokenizer = Tokenizer.from_dir(d)
-    first = next(iter(host.values()))
-    # A step reads every dense weight once, but only its tokens' rows of the embedding.
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.cfg.tie_word_embeddings:
-        dense -= model.embed.numel() * model.embed.element_size()
-    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense)
-
-
-def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64) -> int:
-    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none)."""
-    cfg, dev = bed.cfg, bed.model.device
-    for block in bed.model.moe_blocks():
-        block.experts = None  # free the previous backend's device memory first
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend == "slots" else 0
-    placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
-                                ExpertOptions(backend, slots=slots or None, policy=policy), dev, decode_tokens)
-    for block in bed.model.moe_blocks():
-        rows = bed.host[block.layer]
-        block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)
-    return slots
 
 
 def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:

@@ -1,5 +1,5 @@
 """`moetier bench prefill`: prompt tokens per second through the engine, every expert backend on the
-same random weights and the same replayed routing (the bed of bench/decode.py), with the bounds of
+same random weights and the same replayed routing (checkpoint/random_bed.py), with the bounds of
 each row measured in the same run.
 
 A row is (backend, expert budget, prompt length, prompts in the batch): the prompts are added at once
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from moetier.bench.common import GB, batch_axes, time_eager
-from moetier.bench.decode import Bed, use_backend
+from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts

@@ -18,7 +18,7 @@ from moetier.errors import MoetierError
 
 @dataclass
 class RandomModel:
-    """Random weights of a preset shape made in memory (moetier/bench/decode.py's random_bed): the
+    """Random weights of a preset shape made in memory (moetier/checkpoint/random_bed.py): the
     benchmark server for shapes too large for a file. Routing should come from --replay-trace."""
 
     preset: str
@@ -49,7 +49,7 @@ def build_llm(spec: EngineSpec):
         return llm, llm.model_dir.name
     import torch
 
-    from moetier.bench.decode import random_bed, use_backend
+    from moetier.checkpoint.random_bed import random_bed, use_backend
     from moetier.presets import preset as make_preset
 
     r = spec.random
