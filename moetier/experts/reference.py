@@ -46,11 +46,9 @@ def combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return (pair_out * topk_weights[..., None].to(pair_out.dtype)).sum(dim=1)
 
 
-def row_fetch(rows: torch.Tensor, layout: RowLayout, device: torch.device | None = None) -> Fetch:
-    """Fetch from a rows tensor [N, R]; with `device`, rows are copied there first (prefill over the link)."""
+def row_fetch(rows: torch.Tensor, layout: RowLayout) -> Fetch:
+    """Fetch from a rows tensor [N, R], where it lives (CUDA large steps read host rows in the kernel)."""
     def fetch(key: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = rows[key:key + 1]
-        if device is not None and row.device != device:
-            row = row.to(device, non_blocking=True)
         return layout.w13(row)[0], layout.w2(row)[0]
     return fetch
