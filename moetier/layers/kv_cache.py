@@ -8,8 +8,12 @@ table[t // page_size] at offset t % page_size, in every layer.
 
     GqaKVSpec -> GqaKVCache   k, v: [num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
-A latent (MLA) cache implements the same two classes with one [kv_lora_rank + rope_dim] row per
-token and layer.
+    MlaKVSpec -> MlaKVCache   latent: [num_layers, num_pages, page_size, kv_lora_rank + rope_dim]
+                              index_k: [num_index_layers, num_pages, page_size, index_dim] (DSA only)
+
+MLA keeps one latent row per token and layer, [normed c_kv (kv_lora_rank) | roped k_pe (rope_dim)],
+instead of full K and V (layers/latent_attention.py attends over it); DeepSeek sparse attention
+adds its lightning indexer's key (index_dim) for the layers that run their own indexer.
 """
 
 from __future__ import annotations
@@ -76,3 +80,37 @@ class GqaKVCache(KVCache):
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class MlaKVSpec(KVSpec):
+    """Multi-head latent attention: one [kv_lora_rank + rope_dim] row per token and layer, plus the
+    DSA indexer's key for each layer in index_layers (their order is index_k's first axis)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    index_dim: int = 0
+    index_layers: tuple[int, ...] = ()
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        latent = self.num_layers * (self.kv_lora_rank + self.rope_dim)
+        return (latent + len(self.index_layers) * self.index_dim) * dtype.itemsize
+
+    def allocate(self, num_pages, page_size, dtype, device) -> MlaKVCache:
+        return MlaKVCache(self, num_pages, page_size, dtype, device)
+
+
+class MlaKVCache(KVCache):
+    def __init__(self, spec: MlaKVSpec, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        check_page_size(page_size)
+        width = spec.kv_lora_rank + spec.rope_dim
+        self.latent = torch.zeros((spec.num_layers, num_pages, page_size, width), dtype=dtype, device=device)
+        self.index_k = torch.zeros((len(spec.index_layers), num_pages, page_size, spec.index_dim), dtype=dtype,
+                                   device=device)
+        # model layer -> row of index_k (layers that run their own indexer)
+        self.index_slot = {layer: i for i, layer in enumerate(spec.index_layers)}
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def nbytes(self) -> int:
+        return self.latent.numel() * self.latent.element_size() + self.index_k.numel() * self.index_k.element_size()

@@ -25,3 +25,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved layout: pairs (x0, x1), (x2, x3), ... each rotated by one frequency;
+    the result is written de-interleaved ([evens rotated | odds rotated]), as transformers'
+    apply_rotary_pos_emb_interleave does, so q and k agree and dot products are unchanged.
+
+    x: [T, heads, d]; cos, sin: [T, d] from rope_cos_sin (cat(freqs, freqs)) -> [T, heads, d]."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
