@@ -69,6 +69,17 @@ def test_completion_stream_equals_whole_and_carries_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stream_sends_a_chunk_per_token_even_without_text(scripted):
+    # Multi-byte characters arrive over several byte tokens, only the last of which has text; every
+    # token still gets its chunk, so a client times each one (bench serve's TTFT and ITL).
+    ScriptedEngine.script = "é日本"
+    ids = scripted.llm.tokenizer.encode(ScriptedEngine.script)
+    chunks = [c for c in scripted.client().completions.create(model="tiny-think", prompt="x", max_tokens=16,
+                                                              stream=True) if c.choices]
+    assert len(ids) == 8 and len(chunks) == len(ids)
+    assert "".join(c.choices[0].text for c in chunks) == "é日本" and sum(bool(c.choices[0].text) for c in chunks) == 3
+
+
 def test_stop_strings_string_and_list(client):
     whole = completion_text(client, PROMPT, max_tokens=24)
     stop = whole[6:9]
@@ -316,10 +327,14 @@ def test_queue_limit_503_with_retry_after():
     server = serve(llm_options={"max_num_seqs": 1}, max_queue=1)
     try:
         statuses, headers = [], []
+        # NOTE: all six post at once; staggered by a loaded machine, each could finish before the next
+        # arrives and none would be refused
+        together = threading.Barrier(6)
 
         def call():
+            together.wait()
             r = httpx.post(server.url + "/v1/completions", timeout=60,
-                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 150, "ignore_eos": True})
+                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
             statuses.append(r.status_code)
             headers.append(r.headers.get("retry-after"))
 

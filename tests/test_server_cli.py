@@ -73,7 +73,8 @@ def test_serve_binds_loopback_needs_the_key_and_ctrl_c_drains():
         t.join(60)
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 200
         assert proc.wait(30) == 0
-        assert "127.0.0.1" in proc.stderr.read()
+        err = proc.stderr.read()
+        assert "127.0.0.1" in err and "memory plan:" in err and "host (" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

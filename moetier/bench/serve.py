@@ -4,8 +4,9 @@ vLLM's, SGLang's), reporting with the field names of vLLM's `bench serve`.
 Prompts are token ids sampled, with a fixed seed, from the server's own tokenization of random words
 (/tokenize), so inputs have exact lengths on any tokenizer; `ignore_eos` makes outputs exact too.
 Each concurrency level (or request rate) first runs untimed warm-up requests, then the measured
-ones. A request's TTFT is its first text chunk, ITL the gaps between text chunks, TPOT its decode
-time over its output tokens after the first, E2EL the whole request. Failures (an HTTP error, a
+ones. A request's TTFT is its first chunk, ITL the gaps between chunks (a server sends one per step
+that brings tokens, text or not, as vLLM's does), TPOT its decode time over its output tokens after
+the first, E2EL the whole request. Failures (an HTTP error, a
 broken stream) and cancellations (the client timed out, or the server aborted) are counted apart.
 """
 
@@ -85,13 +86,14 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                     if chunk.get("usage"):
                         res.output_tokens = chunk["usage"]["completion_tokens"]
                     for choice in chunk.get("choices") or []:
+                        # every chunk with a choice is a step that brought tokens (text or not); the
+                        # usage chunk has none
                         now = time.perf_counter()
-                        if choice.get("text"):
-                            if res.ttft == 0.0:
-                                res.ttft = now - start
-                            else:
-                                res.itl.append(now - last)
-                            last = now
+                        if res.ttft == 0.0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
                         if choice.get("finish_reason") == "abort":
                             res.cancelled = True
     except TimeoutError:

@@ -157,9 +157,11 @@ class Handlers:
             return JSONResponse({**head, "choices": [choice(out.outputs[0].text, out)], "usage": usage(out)})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        # NOTE: one chunk per output that brings tokens, even when they add no text yet (a token that
+        # ends inside a UTF-8 sequence, or a random-weight model's ids outside its tokenizer), as vLLM
+        # does: a client times every token, not only the ones that print.
         def chunks(out: RequestOutput) -> list[bytes]:
-            delta = out.outputs[0].delta
-            return [sse({**head, "choices": [choice(delta, out)]})] if delta or out.finished else []
+            return [sse({**head, "choices": [choice(out.outputs[0].delta, out)]})]
 
         return self.stream(outputs, head, include_usage, chunks)
 

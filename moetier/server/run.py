@@ -39,26 +39,49 @@ class EngineSpec:
     engine: dict = field(default_factory=dict)  # EngineConfig fields
 
 
-def build_llm(spec: EngineSpec):
-    """The LLM, and the name it is served under."""
-    from moetier.engine.llm import LLM, pick_device
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
+
+def build_llm(spec: EngineSpec):
+    """The LLM, and the name it is served under. Both paths make the memory plan first (moetier/plan),
+    print it, and refuse before allocating anything when it does not fit; a checkpoint's load is
+    audited against it on CUDA."""
+    from moetier.engine.config import EngineConfig
+    from moetier.engine.llm import LLM, pick_device
+    from moetier.plan.preflight import plan_for, refusal, request_for
+    from moetier.plan.render import table
+
+    device = pick_device(spec.device)
+    config = EngineConfig.of(**spec.engine)
     if spec.random is None:
-        llm = LLM(spec.model, dtype=spec.dtype, device=pick_device(spec.device), experts=spec.experts,
-                  **spec.engine)
+        from moetier.cli.progress import ByteBar
+        from moetier.plan.preflight import preflight
+
+        plan, experts = preflight(spec.model, spec.dtype, device, spec.experts, config)
+        _log(table(plan))
+        with ByteBar("loading") as bar:
+            llm = LLM(spec.model, dtype=spec.dtype, device=device, experts=experts, config=config, plan=plan,
+                      progress=bar, on_audit=_log)
         return llm, llm.model_dir.name
     import torch
 
     from moetier.checkpoint.random_bed import random_bed, use_backend
+    from moetier.experts.placement import ExpertOptions
     from moetier.presets import preset as make_preset
 
     r = spec.random
     dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(spec.dtype, spec.dtype)
     cfg = make_preset(r.preset, r.layers, dtype)
-    device = pick_device(spec.device)
+    req = request_for(cfg, getattr(torch, dtype), device, config)
+    slots = max(cfg.top_k, round(cfg.num_experts * r.budget)) if r.backend == "slots" else None
+    plan = plan_for(req, ExpertOptions(r.backend, slots=slots, policy=r.policy))
+    if not plan.fits():
+        raise refusal(req, plan)
+    _log(table(plan))
     bed = random_bed(cfg, seed=r.seed, device=device, dtype=getattr(torch, dtype))
-    use_backend(bed, r.backend, r.budget, r.policy, spec.engine.get("decode_tokens", 64))
-    llm = LLM.from_model(bed.model, bed.tokenizer, **spec.engine)
+    use_backend(bed, r.backend, r.budget, r.policy, config.decode_tokens)
+    llm = LLM.from_model(bed.model, bed.tokenizer, config)
     return llm, f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
 
 
@@ -86,8 +109,7 @@ def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue
 
     sock = bind(host, port)
     start = time.perf_counter()
-    print(f"moetier serve: loading {spec.model or (spec.random and spec.random.preset) or 'the default model'} ...",
-          file=sys.stderr, flush=True)
+    _log(f"moetier serve: planning {spec.model or (spec.random and spec.random.preset) or 'the default model'} ...")
     llm, default_name = build_llm(spec)
     m = llm.metrics()
     print(f"moetier serve: loaded in {time.perf_counter() - start:.1f} s on {llm.model.device}; "
