@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
@@ -52,11 +53,6 @@ class Handlers:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
                                 "(GET /v1/models)", "model")
 
-    def admit(self) -> None:
-        if self.active >= self.llm.config.max_num_seqs + self.max_queue:
-            raise ApiError(503, f"the server is at its limit ({self.active} requests running or queued); "
-                                "retry shortly", headers={"Retry-After": "1"})
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         try:
             return self.llm.encode(prompt)
@@ -77,8 +73,29 @@ class Handlers:
         return params
 
     # -- engine outputs ------------------------------------------------------------------------------
-    async def outputs(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+    def outputs(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+        """Admit the request (503 beyond the limit) and hand back its outputs.
+
+        NOTE: the request counts as active from this call, not from the first read of the stream:
+        requests arriving together are all checked before any stream starts. It stops counting when the
+        stream ends, or, for a stream that never started (a client gone before the response began),
+        when the stream object is collected."""
+        if self.active >= self.llm.config.max_num_seqs + self.max_queue:
+            raise ApiError(503, f"the server is at its limit ({self.active} requests running or queued); "
+                                "retry shortly", headers={"Retry-After": "1"})
         self.active += 1
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                self.active -= 1
+
+        stream = self._outputs(ids, params, rid, release)
+        weakref.finalize(stream, release)
+        return stream
+
+    async def _outputs(self, ids, params, rid, release) -> AsyncIterator[RequestOutput]:
         gen = self.engine.generate(ids, params, rid)
         try:
             async for out in gen:
@@ -86,7 +103,7 @@ class Handlers:
                     self.metrics.finished(out.metrics, out.outputs[0].finish_reason)
                 yield out
         finally:
-            self.active -= 1
+            release()
             await gen.aclose()  # aborts an unfinished request: its pages are freed now
 
     async def last_output(self, outputs: AsyncIterator[RequestOutput], http: HttpRequest) -> RequestOutput:
@@ -142,7 +159,6 @@ class Handlers:
         self.check_model(req.model)
         ids = self.encode(req.single_prompt())
         params = self.params(req, ids)
-        self.admit()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         outputs = self.outputs(ids, params, rid)
@@ -181,7 +197,6 @@ class Handlers:
         prompt = self.chat_prompt(req)
         ids = self.encode(prompt)
         params = self.params(req, ids)
-        self.admit()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         reasoning = ReasoningSplitter(prompt_opens_reasoning(prompt))
