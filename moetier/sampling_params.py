@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from moetier.errors import MoetierError
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
 
 @dataclass
 class SamplingParams:
@@ -20,6 +22,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; not part of the output
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
+    # log-probabilities of each sampled token and of this many most likely alternatives (None = off,
+    # 0 = the sampled token's only), from the model's distribution before temperature and filters
+    logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         problems = []
@@ -33,6 +38,8 @@ class SamplingParams:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             problems.append(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
         if problems:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moetier.errors import MoetierError
-from moetier.layers.sampler import filter_top_k_top_p, sample
+from moetier.layers.sampler import filter_top_k_top_p, sample, token_logprobs
 from moetier.sampling_params import SamplingParams
 
 
@@ -113,3 +113,13 @@ def test_mode_is_the_cheapest_that_covers_the_batch():
     assert mode_of([SamplingParams(), SamplingParams(temperature=0.7)]) == "sample"
     assert mode_of([SamplingParams(temperature=0.7, top_p=0.9)]) == "filter"
     assert mode_of([SamplingParams(top_k=5)]) == "greedy"  # top-k means nothing when greedy
+
+
+def test_token_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, -1.0, 0.0]])
+    chosen, top, ids = token_logprobs(logits, torch.tensor([1, 2]), 2)
+    z = torch.log(torch.exp(logits).sum(-1))
+    assert torch.allclose(chosen, torch.stack([1.0 - z[0], -1.0 - z[1]]))
+    assert ids[0].tolist() == [3, 2] and torch.allclose(top[0], torch.tensor([3.0, 2.0]) - z[0])
+    assert set(ids[1].tolist()) == {0, 1} and torch.allclose(top[1], (5.0 - z[1]).expand(2))
+    assert token_logprobs(logits, torch.tensor([0, 0]), 0)[1].shape == (2, 0)

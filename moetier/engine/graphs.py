@@ -109,6 +109,10 @@ class DecodeGraphs:
                 self.samplers[n, mode] = graph
         self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
 
+    def logits_of(self, n: int) -> torch.Tensor:
+        """The last replay's logits [n, V] float32 (valid until the next replay)."""
+        return self.logits[next(s for s in self.sizes if s >= n)][:n]
+
     def fits(self, seqs: list[SeqStep]) -> bool:
         return 0 < len(seqs) <= self.max_batch and all(s.num_tokens == 1 and s.sample for s in seqs)
 

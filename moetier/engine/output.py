@@ -25,6 +25,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" or "abort"
     stop_reason: str | int | None  # the stop string or stop token id that ended it; None for EOS
     delta: str = ""  # the text the latest step added (for streaming)
+    # when the request asked for logprobs: per output token (logprob, [(alternative id, logprob)])
+    logprobs: list[tuple] | None = None
 
 
 @dataclass
@@ -76,5 +78,6 @@ class OutputProcessor:
         finished = req.status is Status.FINISHED
         if finished:
             self.drop(req.id)
-        done = CompletionOutput(0, st.text, list(req.output_ids), req.finish_reason, req.stop_reason, text)
+        done = CompletionOutput(0, st.text, list(req.output_ids), req.finish_reason, req.stop_reason, text,
+                                list(req.output_logprobs) if req.params.logprobs is not None else None)
         return RequestOutput(req.id, req.prompt, list(req.prompt_ids), [done], finished, req.metrics())

@@ -33,6 +33,8 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    # per output token, when params.logprobs is set: (logprob, [(alternative id, logprob)])
+    output_logprobs: list[tuple] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

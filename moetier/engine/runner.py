@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from moetier.engine.graphs import DecodeGraphs
-from moetier.engine.step import StepInput, StepOutput
+from moetier.engine.step import SeqStep, StepInput, StepOutput
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
-from moetier.layers.sampler import sample
+from moetier.layers.sampler import sample, token_logprobs
 from moetier.models.base import CausalLM
 
 
@@ -25,9 +25,10 @@ class ModelRunner:
         if not seqs:
             return StepOutput({}, 0)
         if self.graphs is not None and self.graphs.fits(seqs):
-            tokens = self.graphs.run(seqs).tolist()  # the step's one host read
+            tokens = self.graphs.run(seqs)
             self.graph_steps += 1
-            return StepOutput({s.request_id: t for s, t in zip(seqs, tokens)}, len(seqs))
+            logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) else None
+            return self._output(seqs, tokens, logits, len(seqs))
         dev = self.model.device
         ids = [t for s in seqs for t in s.token_ids]
         batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev)
@@ -39,5 +40,27 @@ class ModelRunner:
         logits = self.model.logits(hidden[last])
         picked = [seqs[i] for i in rows]
         tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
-                        [s.sample_index for s in picked]).tolist()
-        return StepOutput({s.request_id: t for s, t in zip(picked, tokens)}, len(ids))
+                        [s.sample_index for s in picked])
+        return self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+
+    @staticmethod
+    def _output(seqs: list[SeqStep], tokens: torch.Tensor, logits: torch.Tensor | None, num_tokens: int
+                ) -> StepOutput:
+        """tokens [B] (device), logits [B, V] float32 or None when no row asked for logprobs. One host
+        read of everything (NOTE: the step's only sync; the logprobs ride along with the tokens)."""
+        if logits is None:
+            return StepOutput({s.request_id: t for s, t in zip(seqs, tokens.tolist())}, num_tokens)
+        k = max(s.params.logprobs or 0 for s in seqs)
+        chosen, top, top_ids = token_logprobs(logits, tokens, k)
+        host = torch.cat([tokens.double()[:, None], chosen.double()[:, None], top.double(), top_ids.double()], 1)
+        out = StepOutput({}, num_tokens)
+        for s, row in zip(seqs, host.tolist()):
+            out.sampled[s.request_id] = int(row[0])
+            n = s.params.logprobs
+            if n is not None:
+                out.logprobs[s.request_id] = (row[1], [(int(i), v) for v, i in zip(row[2:2 + n], row[2 + k:2 + k + n])])
+        return out
+
+
+def _wants_logprobs(seqs: list[SeqStep]) -> bool:
+    return any(s.params.logprobs is not None for s in seqs)

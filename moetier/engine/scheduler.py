@@ -131,9 +131,11 @@ class Scheduler:
         req.preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int]) -> list[Request]:
-        """Apply a step's results: tokens computed, sampled tokens appended. Finishes requests on a stop
-        token or on max_tokens; returns the requests that got a token this step."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
+               logprobs: dict[str, tuple] | None = None) -> list[Request]:
+        """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
+        asked) appended. Finishes requests on a stop token or on max_tokens; returns the requests that
+        got a token this step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
@@ -144,6 +146,8 @@ class Scheduler:
             tok = sampled[req.id]
             req.output_ids.append(tok)
             req.token_times.append(now)
+            if logprobs and req.id in logprobs:
+                req.output_logprobs.append(logprobs[req.id])
             got.append(req)
             p = req.params
             if tok in p.stop_token_ids:

@@ -40,7 +40,12 @@ class StepInput:
         return sum(s.num_tokens for s in self.seqs)
 
 
+# a sampled token's logprob and its alternatives [(token id, logprob)], most likely first
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
     num_tokens: int
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them

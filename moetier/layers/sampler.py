@@ -94,3 +94,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         torch.tensor(steps, dtype=torch.int64, device=dev),
         mode_of(params),
     )
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32, tokens [B] int64 -> (logprob of each token [B], the k most likely
+    alternatives' logprobs [B, k] and ids [B, k]), from the raw distribution (log-softmax of the
+    logits, before temperature and filters, as vLLM reports them)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top, ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
+    return logp.gather(1, tokens[:, None])[:, 0], top, ids

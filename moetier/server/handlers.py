@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moetier.engine.output import RequestOutput
 from moetier.errors import MoetierError
 from moetier.sampling_params import SamplingParams
+from moetier.server.logprobs import LogprobFormatter
 from moetier.server.metrics import ServerMetrics
 from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest
 from moetier.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -46,6 +47,7 @@ class Handlers:
         self.engine, self.llm = engine, engine.llm
         self.model_name, self.metrics, self.max_queue = model_name, metrics, max_queue
         self.active = 0  # admitted requests not yet ended: running plus waiting in the engine
+        self.logprob_text = LogprobFormatter(self.llm.tokenizer)
 
     # -- checks before anything is sent ------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -163,9 +165,15 @@ class Handlers:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         outputs = self.outputs(ids, params, rid)
 
-        def choice(text: str, out: RequestOutput | None) -> dict:
-            o = out.outputs[0] if out is not None and out.finished else None
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": o and o.finish_reason,
+        def choice(text: str, out: RequestOutput, new: int | None = None) -> dict:
+            """new: the output's last `new` tokens are this chunk's (None: all of them)."""
+            c = out.outputs[0]
+            lp = None
+            if c.logprobs is not None:
+                ids, entries = (c.token_ids, c.logprobs) if new is None else (c.token_ids[-new:], c.logprobs[-new:])
+                lp = self.logprob_text.completion(ids, entries, len(c.text) - len(text))
+            o = c if out.finished else None
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": o and o.finish_reason,
                     "stop_reason": o and o.stop_reason}
 
         if not req.stream:
@@ -177,7 +185,7 @@ class Handlers:
         # ends inside a UTF-8 sequence, or a random-weight model's ids outside its tokenizer), as vLLM
         # does: a client times every token, not only the ones that print.
         def chunks(out: RequestOutput) -> list[bytes]:
-            return [sse({**head, "choices": [choice(out.outputs[0].delta, out)]})]
+            return [sse({**head, "choices": [choice(out.outputs[0].delta, out, new=1)]})]
 
         return self.stream(outputs, head, include_usage, chunks)
 
@@ -216,15 +224,17 @@ class Handlers:
                 content = content.strip() if calls else content
             message = {"role": "assistant", "content": content or None, "reasoning_content": think or None,
                        "reasoning": think or None, "tool_calls": [c.to_dict() for c in calls]}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(out),
+            c = out.outputs[0]
+            lp = None if c.logprobs is None else self.logprob_text.chat(c.token_ids, c.logprobs)
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason(out),
                       "stop_reason": out.outputs[0].stop_reason}
             return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head["object"] = "chat.completion.chunk"
 
-        def chunk(delta: dict, finish: str | None = None) -> bytes:
-            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+        def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> bytes:
+            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
 
         def deltas(think: str, content: str, final: bool) -> list[bytes]:
             chunks = []
@@ -246,6 +256,11 @@ class Handlers:
             got = deltas(*reasoning.push(out.outputs[0].delta), final=False)
             if out.finished:
                 got += deltas(*reasoning.flush(), final=True) + [chunk({}, finish_reason(out))]
+            c = out.outputs[0]
+            if c.logprobs is not None:
+                # the output's token rides on a chunk of its own: its text may be held back (a
+                # partial character, a reasoning or tool-call marker), its logprob is not
+                got.insert(0, chunk({}, lp=self.logprob_text.chat(c.token_ids[-1:], c.logprobs[-1:])))
             return got
 
         return self.stream(outputs, head, include_usage, chunks, first=chunk({"role": "assistant", "content": ""}))

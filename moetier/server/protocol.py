@@ -82,11 +82,15 @@ class _Common(BaseModel):
             max_tokens=limit if limit is not None else default_max,
             temperature=float(self.temperature if self.temperature is not None else 1.0),
             top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos)
+            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.wanted_logprobs())
         try:
             return params.validate()
         except MoetierError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), "logprobs" if "logprobs" in str(e) else None) from None
+
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per token to report (0: the sampled token's logprob only), None: no logprobs."""
+        return None
 
 
 class CompletionRequest(_Common):
@@ -98,14 +102,15 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported yet by moetier; leave logprobs out", "logprobs")
         if self.echo:
             raise ApiError(400, "echo is not supported yet; leave it out", "echo")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported; leave it out", "best_of")
         if self.suffix:
             raise ApiError(400, "suffix is not supported; leave it out", "suffix")
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -129,14 +134,16 @@ class ChatRequest(_Common):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[dict[str, Any]] = None
 
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check(self) -> None:
         super().check()
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs are not supported yet by moetier; leave logprobs and top_logprobs "
-                                "out", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
             raise ApiError(400, "tool_choice 'required' or a named function needs guided decoding, which "
                                 "moetier does not have yet; use 'auto' or 'none'", "tool_choice")
