@@ -29,7 +29,22 @@ CASES = ("8:resident", "8:slots", "48:resident", "48:slots")
 SEQS, LEN = 8, 4096  # engine settings of every case: 8 requests of 4,096 tokens
 
 
-def run_case(case: str) -> dict:
+def capture_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
+    """Live device bytes allocated while history was recorded, by the innermost moetier frame that
+    asked for them (which plan item undercounts, when the audit says one does)."""
+    sites: dict[str, int] = {}
+    for seg in snapshot["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated" or not b.get("frames"):
+                continue
+            f = next((f for f in b["frames"] if "moetier" in f["filename"]),
+                     b["frames"][0])
+            key = f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+            sites[key] = sites.get(key, 0) + b["size"]
+    return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+
+
+def run_case(case: str, why: bool = False) -> dict:
     import torch
 
     from moetier.checkpoint.random_bed import random_bed, use_backend
@@ -69,8 +84,17 @@ def run_case(case: str) -> dict:
         out["audits"].append(rep)
 
     stage("after load")
+    if why:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     stage("after graph capture")
+    if why:
+        sites = capture_sites(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print("device bytes allocated by the engine's start (KV, workspaces, graph capture), by site:")
+        for site, n in sites:
+            print(f"  {n / 2**20:10.1f} MiB  {site}")
+        out["capture_sites"] = sites
     ids = list(range(100, 116))
     from moetier.sampling_params import SamplingParams
 
@@ -83,14 +107,18 @@ def run_case(case: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=CASES, help="run one case in this process and print its JSON last")
+    ap.add_argument("--cases", default=",".join(CASES), help="the cases the driver runs, comma-separated")
+    ap.add_argument("--why", action="store_true", help="record allocation sites during the engine's start "
+                    "and print the largest")
     args = ap.parse_args()
     if args.case:
-        print("JSON " + json.dumps(run_case(args.case)), flush=True)
+        print("JSON " + json.dumps(run_case(args.case, args.why)), flush=True)
         return
     results = []
-    for case in CASES:
+    for case in args.cases.split(","):
         print(f"== {case} ==", flush=True)
-        p = subprocess.run([sys.executable, __file__, "--case", case], capture_output=True, text=True)
+        p = subprocess.run([sys.executable, __file__, "--case", case] + ["--why"] * args.why, capture_output=True,
+                           text=True)
         sys.stdout.write("".join(line + "\n" for line in p.stdout.splitlines() if not line.startswith("JSON ")))
         if p.returncode != 0:
             print(f"case {case} failed (exit {p.returncode}):\n{p.stderr[-3000:]}", flush=True)
