@@ -131,7 +131,7 @@ def main() -> None:
     for r in results:
         for a in r.get("audits", []):
             for row in a["rows"]:
-                flag = " !" if abs(row["off"]) > 0.05 else ""
+                flag = " !" if abs(row["off"]) > 0.05 and abs(row["measured"] - row["planned"]) > 128 * 2**20 else ""
                 warned += bool(flag)
                 print(f"{r['case']:<13}{a['stage']:<21}{row['what']:<30}{row['planned'] / 2**30:>11.3f}"
                       f"{row['measured'] / 2**30:>11.3f}{row['off']:>+8.1%}{flag}")

@@ -149,6 +149,41 @@ def test_audit_compares_and_warns_beyond_5_percent():
     assert "memory audit after load:" in audit.lines(rep)[0]
 
 
+def test_audit_counts_driver_memory_and_first_use_pages_at_capture_and_floors_small_gaps():
+    from moetier import presets
+    from moetier.plan import residents
+    from moetier.plan.memory import PlanRequest, count
+    import torch
+
+    cfg = presets.preset("qwen3-30b-a3b", layers=8)
+    plan = count(PlanRequest(cfg, torch.bfloat16, "cuda", backend="slots", slots_per_layer=dict.fromkeys(range(8), 64),
+                             max_model_len=4096, max_num_seqs=8))
+    driver = residents.modules_bytes(8)
+    assert driver == 228 * 2**20 + 8 * 2458 * 1024
+    assert sum(i.bytes for i in plan.device if i.stage == "driver") == driver
+    ws = [i for i in plan.device if i.name.startswith("cuBLAS")]
+    assert [(i.stage, i.bytes) for i in ws] == [("capture", 64 * 2**20), ("runtime", 32 * 2**20)]
+    base = {"allocated": 0, "reserved": 0, "device_used": 0, "host_VmRSS": 0}
+    store = next(i.bytes for i in plan.host if i.name.startswith("expert store"))
+    for stage, stages, extra_host in (("after load", ("load",), 0),
+                                      ("after graph capture", ("load", "capture"), residents.HOST_FIRST_USE)):
+        use = sum(i.bytes for i in plan.device if i.stage in stages or i.name.startswith("allocator slack"))
+        rows = {r.what: r for r in audit.compare(plan, stage, {
+            "allocated": 0, "reserved": use, "device_used": use, "host_VmRSS": store + extra_host,
+            "host_VmLck": 0, "host_VmPin": 0}, base)}
+        assert rows["torch reserved"].planned == use
+        assert rows["device used (cudaMemGetInfo)"].planned == use + (driver if "capture" in stages else 0)
+        assert abs(rows["host resident (VmRSS)"].off) < 1e-5  # all but the graph inputs' pinned twins
+    # a resident run plans almost nothing on the host: 80 MiB more is noise, not a warning
+    res = count(PlanRequest(cfg, torch.bfloat16, "cuda", backend="resident", max_model_len=4096, max_num_seqs=8))
+    m = {"allocated": res.stage_allocated("load"), "reserved": 0, "device_used": 0, "host_VmRSS": 80 * 2**20,
+         "host_VmLck": 0, "host_VmPin": 0}
+    assert not [w for w in audit.report(res, "after load", m, base)["warnings"] if "host" in w]
+    assert residents.cublas_workspace(":4096:8") == 32 * 2**20
+    assert residents.cublas_workspace(":4096:2:16:8") == 8 * 2**20 + 128 * 2**10
+    assert residents.cublas_workspace("") == residents.CUBLAS_WORKSPACE_DEFAULT
+
+
 def test_machine_reads_meminfo_cgroup_and_status(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 1000 kB\nMemAvailable: 800 kB\n")
     cg = tmp_path / "cg"

@@ -88,9 +88,11 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         self._pad_host()
         self._upload()
+        # NOTE: one warm-up stream for every size: torch keeps a cuBLAS workspace per stream that ran a
+        # GEMM (32 MiB on Hopper), so a stream per size held 96 MiB more (plan/residents.cublas_workspace)
+        side = torch.cuda.Stream()
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             batch = self._batch(n, max_ctx)
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
                 self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))

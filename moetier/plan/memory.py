@@ -8,9 +8,12 @@ from a config and the engine's settings, before anything is allocated.
 Each item carries the stage at which it exists, so the audit (audit.py) compares what is measured
 after loading and after graph capture with what the plan says should be there by then:
     load     weights, expert rows and the backends' scratch (built by the loader)
-    capture  KV pages, graph inputs, decode outputs, the graph pool
+    capture  KV pages, graph inputs, decode outputs, the graph pool, the capture streams' cuBLAS
+             workspaces
     runtime  room kept free for the largest eager step (prefill) and the sampler
     fixed    the CUDA context and the allocator's rounding
+    driver   device memory outside torch that arrives by capture: loaded kernels, graph executables
+    host, host-capture   host residents from the start, and those the first steps and capture add
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class PlanRequest:
 class Item:
     name: str
     bytes: int
-    stage: str  # load, capture, runtime, fixed, host
+    stage: str  # load, capture, runtime, fixed, driver (device, outside torch), host, host-capture
     note: str = ""
     allocated: int = 0  # what torch's memory_allocated counts for it (block-rounded); 0: not a tensor
 
@@ -197,6 +200,16 @@ def count(req: PlanRequest) -> Plan:
                         f"batch {sizes}: logits fp32 kept + batch-{b} peak",
                         sum(r.block(n) for n in kept)))
         tensors += gin
+    if cuda:
+        # NOTE: engine/graphs.py warms every size up on one side stream and torch captures on one more;
+        # the default stream's workspace comes with the first eager step
+        ws = r.cublas_workspace()
+        streams = [ws] * (2 if sizes else 0)
+        if streams:
+            dev.append(_item("cuBLAS workspaces", "capture", streams, f"{ws // 2**20} MiB per stream: graph "
+                             "warm-up, capture"))
+        dev.append(_item("cuBLAS workspace (default stream)", "runtime", [ws], "at the first eager step"))
+        tensors += streams + [ws]
     rows_eager = min(req.max_num_seqs, req.max_num_tokens)
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
     if backend != "resident":
@@ -207,12 +220,17 @@ def count(req: PlanRequest) -> Plan:
         slack = r.segments(tensors) - sum(r.block(n) for n in tensors)
         dev.append(Item("allocator slack (segment rounding)", slack, "fixed", "2 MiB / 20 MiB segments"))
         dev.append(Item("CUDA context", r.CONTEXT_BYTES if req.context_in_budget else 0, "fixed",
-                        "stated estimate" if req.context_in_budget else "already in use: the budget is free memory"))
+                        "measured on the H200" if req.context_in_budget else
+                        "already in use: the budget is free memory"))
+        dev.append(Item("CUDA modules and graph executables", r.modules_bytes(cfg.num_layers), "driver",
+                        "kernels loaded at first use, outside torch (measured rule)"))
     host: list[Item] = []
     pinned = 0
     if cuda:
         host.append(Item("process baseline", r.HOST_BASELINE_CUDA, "host",
                          "python, torch, CUDA libraries (stated)"))
+        host.append(Item("libraries touched at first use", r.HOST_FIRST_USE, "host-capture",
+                         "cuBLAS, Triton kernels, graph capture (measured)"))
     else:
         host.append(Item("process baseline", r.HOST_BASELINE_CPU, "host", "python, torch (stated)"))
         host += [Item(f"{i.name} (in host memory)", i.bytes, "host", i.note) for i in dev]

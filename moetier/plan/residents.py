@@ -2,10 +2,15 @@
 allocated). Each function mirrors the code that allocates the thing, named in its docstring, so a
 change there shows up here as a failing hand-computed test (tests/test_plan.py).
 
-Stated rules (not measurable before the run; the audit checks them after load and capture):
-  CUDA context     CONTEXT_BYTES: the CUDA runtime, torch's and Triton's loaded kernels. The audit
-                   prints the measured figure (device used minus torch reserved).
-  process baseline HOST_BASELINE_*: Python, torch and the CUDA libraries mapped in, before weights.
+Stated rules (not measurable before the run; the audit checks them after load and capture), each
+calibrated on the H200 (torch 2.11, scripts/plan_audit.py at 8 and 48 layers; docs/plan.md):
+  CUDA context     CONTEXT_BYTES: the CUDA runtime at init. The audit prints the measured figure
+                   (device used minus torch reserved: context plus the next item).
+  CUDA modules     modules_bytes(): kernels loaded at first use (cuBLAS, Triton) and the decode graphs'
+                   executables, outside torch's allocator; grows with the layers captured.
+  cuBLAS workspace cublas_workspace(): torch allocates one per stream that runs a GEMM, and keeps it.
+  process baseline HOST_BASELINE_*: Python, torch and the CUDA libraries mapped in, before weights;
+                   HOST_FIRST_USE: the library and kernel pages the first steps and capture touch.
   activations      the eager step's largest transient (prefill chunk of max_num_tokens tokens).
 """
 
@@ -20,13 +25,36 @@ from moetier.config import ModelConfig
 from moetier.experts.shape import MoeShape
 from moetier.plan.units import GiB, MiB, next_pow2, round_up
 
-CONTEXT_BYTES = 640 * MiB  # CUDA 12/13 context + cuBLAS/Triton modules on Hopper
-HOST_BASELINE_CUDA = 3 * GiB  # python + torch + libcudart/cublas/cudnn mapped and touched
+# H200: device used minus torch reserved read 0.76 GiB (8 layers) and 0.85 GiB (48 layers) after
+# capture; these three rules give 0.76 and 0.85.
+CONTEXT_BYTES = 528 * MiB
+MODULES_BASE, MODULES_PER_LAYER = 228 * MiB, 2458 * 1024  # 228 MiB + 2.4 MiB per layer
+CUBLAS_WORKSPACE_DEFAULT = 32 * MiB  # torch on Hopper; the H200 held 160 MiB for five streams
+HOST_BASELINE_CUDA = 5 * GiB // 2  # python + torch + libcudart/cublas mapped, before the first step
+HOST_FIRST_USE = 512 * MiB  # measured 0.47-0.53 GiB of VmRSS growth from load to captured graphs
 HOST_BASELINE_CPU = 1 * GiB
 # torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): blocks round to 512 bytes;
 # requests up to 1 MiB share 2 MiB segments, up to 10 MiB share 20 MiB segments, larger ones get
 # their own segment rounded to 2 MiB.
 BLOCK, SMALL, SMALL_SEG, MID, MID_SEG, LARGE_ROUND = 512, 1 * MiB, 2 * MiB, 10 * MiB, 20 * MiB, 2 * MiB
+
+
+def modules_bytes(num_layers: int) -> int:
+    return MODULES_BASE + MODULES_PER_LAYER * num_layers
+
+
+def cublas_workspace(env: str | None = None) -> int:
+    """Bytes of one stream's cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs) when
+    set, else torch's default on Hopper."""
+    import os
+
+    text = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if env is None else env
+    parts = [p for p in (text or "").split(":") if p]
+    try:
+        pairs = [(int(parts[i]), int(parts[i + 1])) for i in range(0, len(parts) - 1, 2)]
+    except ValueError:
+        pairs = []
+    return sum(kib * 1024 * n for kib, n in pairs) if pairs else CUBLAS_WORKSPACE_DEFAULT
 
 
 def block(n: int) -> int:
