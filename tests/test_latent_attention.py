@@ -1,0 +1,148 @@
+"""The Triton latent-attention (MLA) kernel against latent_attention_reference: in Triton's CPU
+interpreter (a subprocess running latent_attention_interpreter.py) and, marked `gpu`, on CUDA at
+GLM-5 / DeepSeek-V3 sizes (R 512, P 64, bf16), with and without DSA top-k, including a decode step
+captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.interpreter import run_script  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("latent_attention_interpreter.py")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+R, P, K = 512, 64, 2048  # GLM-5: kv_lora_rank 512, qk_rope_head_dim 64, index_topk 2048
+DECODE = [(1, c) for c in (1, 37, 500, 2049, 4000, 8192)]
+
+
+def helpers():
+    # the script's helpers, imported without running it (it sets TRITON_INTERPRET only as __main__)
+    spec = importlib.util.spec_from_file_location("latent_attention_interpreter", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_latent_attention_matches_reference_in_the_interpreter():
+    lines = run_script("latent_attention_interpreter.py").splitlines()
+    assert sum(line.startswith("case") for line in lines) == len(helpers().CASES), lines
+    assert lines[-1].startswith("latent_attention ok"), lines
+
+
+def test_bad_inputs_are_named():
+    from moetier.layers.attention import make_batch
+    from moetier.layers.latent_attention_triton import latent_attention_triton
+
+    batch = make_batch([(0, 3, [2]), (4, 1, [0, 1])], page_size=4, device="cpu")
+    q, latent = torch.randn(4, 2, 24), torch.randn(3, 4, 24)
+    cases = [
+        (dict(q=q, latent=torch.randn(3, 4, 20)), "latent rows are 20 wide"),
+        (dict(q=q, latent=torch.randn(3, 6, 24)), "page_size 6 is not a power of two"),
+        (dict(q=q, latent=latent.bfloat16()), "differ"),
+        (dict(q=q, latent=latent, kv_lora_rank=30), "kv_lora_rank 30 does not fit"),
+        (dict(q=q, latent=latent, topk=torch.zeros(3, 8, dtype=torch.int32)), "topk (3, 8) must be"),
+        (dict(q=q, latent=latent, topk=torch.zeros(4, 8)), "integer positions"),
+        (dict(q=q, latent=latent, out=torch.empty(4, 2, 24)), "out (4, 2, 24)"),
+        (dict(q=q, latent=latent, block_h=24), "block_h 24"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"batch": batch, "scale": 0.1, "kv_lora_rank": 16, **kwargs}
+        with pytest.raises(AssertionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            latent_attention_triton(**kwargs)
+
+
+@pytest.mark.parametrize("dsa", [False, True])
+@pytest.mark.parametrize("num_splits", [None, 5])
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+@pytest.mark.parametrize("hq,page", [(16, 64), (64, 16), (128, 64)])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_matches_reference(hq, page, step, num_splits, dsa):
+    from moetier.layers.latent_attention import latent_attention, latent_attention_reference
+    from moetier.layers.latent_attention_triton import latent_attention_triton
+
+    h = helpers()
+    specs = DECODE + [(300, 1000)] if step == "mixed" else DECODE
+    q, latent, batch, topk, scale = h.make_case(specs, hq, R, P, page, torch.bfloat16, seed=7, device="cuda",
+                                                topk_k=K if dsa else None)
+    ref = latent_attention_reference(q, latent, batch, scale, R, topk)
+    out = torch.full((q.shape[0], hq, R), float("nan"), dtype=q.dtype, device="cuda")
+    latent_attention_triton(q, latent, batch, scale, R, topk=topk, out=out, num_splits=num_splits)
+    assert not out.isnan().any()
+    err = h.rel_err(out, ref)
+    assert err <= h.TOL[torch.bfloat16], err
+    exact = latent_attention_reference(q.double(), latent.double(), batch, scale, R, topk)
+    assert h.rel_err(out, exact) <= 1.25 * h.rel_err(ref, exact)
+    if num_splits is None:  # the CUDA dispatch is this kernel
+        assert torch.equal(latent_attention(q, latent, batch, scale, R, topk), out)
+
+
+@pytest.mark.parametrize("dsa", [False, True])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_float32_matches_reference(dsa):
+    from moetier.layers.latent_attention import latent_attention_reference
+    from moetier.layers.latent_attention_triton import latent_attention_triton
+
+    h = helpers()
+    specs = [(1, 3000), (40, 2100), (1, 17)]
+    q, latent, batch, topk, scale = h.make_case(specs, 16, R, P, 16, torch.float32, seed=3, device="cuda",
+                                                topk_k=K if dsa else None)
+    err = h.rel_err(latent_attention_triton(q, latent, batch, scale, R, topk=topk),
+                    latent_attention_reference(q, latent, batch, scale, R, topk))
+    assert err <= h.TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("dsa", [False, True])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_replays_in_a_cuda_graph(dsa):
+    """Capture one decode step with the host lengths at the page table's capacity (as
+    engine/graphs.py does), then replay it with new q, latent, page tables, context lengths and top-k
+    rows written in place: the replay equals an eager call on the same contents, bit for bit."""
+    from moetier.layers.attention import AttnBatch
+    from moetier.layers.latent_attention import latent_attention_reference
+    from moetier.layers.latent_attention_triton import latent_attention_triton
+
+    h = helpers()
+    hq, page, grow = 64, 64, 9  # grow: tokens each sequence gains before the replay, pages reserved
+    q, latent, batch, topk, scale = h.make_case(DECODE, hq, R, P, page, torch.bfloat16, seed=1, device="cuda",
+                                                reserve=grow, topk_k=K if dsa else None)
+    capacity = batch.page_table.shape[1] * page
+    captured = AttnBatch(batch.positions, batch.slot_mapping, batch.query_start, batch.seq_lens, batch.page_table,
+                         batch.query_start_host, [capacity] * batch.num_seqs, 1)
+    eager = latent_attention_triton(q, latent, captured, scale, R, topk=topk)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up off the capture
+        latent_attention_triton(q, latent, captured, scale, R, topk=topk)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = latent_attention_triton(q, latent, captured, scale, R, topk=topk)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+
+    longer = [(1, ctx + grow) for _, ctx in DECODE]
+    q2, latent2, batch2, topk2, _ = h.make_case(longer, hq, R, P, page, torch.bfloat16, seed=2, device="cuda",
+                                                topk_k=K if dsa else None)
+    assert latent2.shape == latent.shape and batch2.page_table.shape == batch.page_table.shape
+    pairs = [(q, q2), (latent, latent2), (batch.seq_lens, batch2.seq_lens), (batch.page_table, batch2.page_table)]
+    for dst, src in pairs + ([(topk, topk2)] if dsa else []):
+        dst.copy_(src)
+    graph.replay()
+    want = latent_attention_triton(q, latent, captured, scale, R, topk=topk)  # same host ints as the capture
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, want)
+    now = AttnBatch(batch.positions, batch.slot_mapping, batch.query_start, batch.seq_lens, batch.page_table,
+                    batch2.query_start_host, batch2.seq_lens_host, 1)
+    err = h.rel_err(static_out, latent_attention_reference(q, latent, now, scale, R, topk))
+    assert err <= h.TOL[torch.bfloat16], err
