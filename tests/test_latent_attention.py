@@ -146,3 +146,16 @@ def test_gpu_decode_replays_in_a_cuda_graph(dsa):
                     batch2.query_start_host, batch2.seq_lens_host, 1)
     err = h.rel_err(static_out, latent_attention_reference(q, latent, now, scale, R, topk))
     assert err <= h.TOL[torch.bfloat16], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_bench_refuses_without_cuda(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(root / "scripts" / "bench_latent_attention.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode == 2 and "needs a CUDA device" in p.stderr, p.stdout + p.stderr
+    assert not out.exists()

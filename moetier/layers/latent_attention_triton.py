@@ -74,9 +74,9 @@ def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, 
     s = _dot(q_nope, tl.trans(kv), PRECISION, UPCAST)
     if P > 0:
         e = tl.arange(0, BLOCK_P)
-        k_pe = tl.load(latent_ptr + row_off[None, :] + R + e[:, None], mask=ok[None, :] & (e < P)[:, None],
-                       other=0.0)  # [BLOCK_P, BLOCK_N]
-        s += _dot(q_pe, k_pe, PRECISION, UPCAST)
+        k_pe = tl.load(latent_ptr + row_off[:, None] + R + e[None, :], mask=ok[:, None] & (e < P)[None, :],
+                       other=0.0)  # [BLOCK_N, BLOCK_P]
+        s += _dot(q_pe, tl.trans(k_pe), PRECISION, UPCAST)
     s = tl.where((key[None, :] <= pos[:, None]) & ok[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
@@ -277,7 +277,8 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         *o_strides, *lse_strides, batch.page_table.stride(0),
         HQ=hq, R=r, P=p, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         PAGE_SIZE=page_size, NUM_SPLITS=num_splits, TOPK=topk is not None, INTERPRET=interpret,
-        PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=2)
+        PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
+        num_stages=1 if q.dtype == torch.float32 else 2)  # two float32 [BLOCK_N, 512] stages crowd smem
     if num_splits > 1:
         _combine[(num_tokens * hq,)](
             o, lse, out, o.stride(0), lse.stride(0), out.stride(0), out.stride(1), HQ=hq, R=r,
