@@ -138,6 +138,11 @@ CASES = [
     ([(1, 5), (1, 16), (1, 17), (1, 60)], 4, 16, 8, 4, BF16, 3, 16, False),
     ([(12, 40), (1, 9), (0, 5), (1, 33)], 4, 16, 8, 8, F32, 2, 16, True),  # DSA in a mixed step
     ([(1, 7), (1, 45)], 4, 32, 0, 8, BF16, 2, 8, False),  # DSA with P = 0
+    # GLM-5's R 512, P 64: the combine in two column chunks; prefill tiles of 2 tokens; DSA with 16
+    # splits of 64 entries, 14 of them empty
+    ([(1, 40), (1, 300)], 16, 512, 64, 16, BF16, 16, None, False),
+    ([(5, 40), (1, 9)], 4, 512, 64, 64, F32, 2, None, False),
+    ([(1, 300), (1, 20)], 16, 512, 64, 16, BF16, 16, 64, False),
 ]
 
 

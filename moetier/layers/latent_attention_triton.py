@@ -164,25 +164,27 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
 @triton.jit
 def _combine(o_part_ptr, lse_ptr, out_ptr, stride_ps, stride_lses, stride_on, stride_oh,
              HQ: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-             BLOCK_R: tl.constexpr):
-    # program = (token, head); partials o_part [S, N, Hq, R] float32, lse [S, N, Hq] (base 2)
+             BLOCK_C: tl.constexpr):
+    # program = (token * HQ + head, chunk of BLOCK_C latent columns); partials o_part [S, N, Hq, R]
+    # float32, lse [S, N, Hq] (base 2). All splits of the chunk load at once (SPLITS_PAD * BLOCK_C
+    # <= 4096 values): no serial chain of loads, which at S 64 would be 64 memory latencies.
     row = tl.program_id(0)
     tok = row // HQ
     head = row % HQ
     s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + s * stride_lses + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    s_ok = s < NUM_SPLITS
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < R
+    lse = tl.load(lse_ptr + s * stride_lses + row, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (DSA row with no entry): zeros out
-    total = tl.sum(tl.exp2(lse - m), 0)
-    r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    # one split at a time: a [S, R] float32 block would not fit in registers at S 64, R 512
-    for i in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptr + i * stride_lses + row) - m)
-        acc += w * tl.load(o_part_ptr + i * stride_ps + row.to(tl.int64) * R + r, mask=r < R, other=0.0)
-    res = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + r, res.to(out_ptr.dtype.element_ty),
-             mask=r < R)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    o = tl.load(o_part_ptr + s[:, None].to(tl.int64) * stride_ps + row.to(tl.int64) * R + c[None, :],
+                mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + c, res.to(out_ptr.dtype.element_ty),
+             mask=c_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,7 +260,7 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         keys = max(batch.seq_lens_host)
         num_splits = default_num_splits(num_seqs * num_q_blocks * head_blocks,
                                         min(keys, topk.shape[1]) if topk is not None else keys, q.device)
-    assert 1 <= num_splits, f"num_splits {num_splits} must be at least 1"
+    assert 1 <= num_splits <= 4 * MAX_SPLITS, f"num_splits {num_splits} must be 1 to {4 * MAX_SPLITS}"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     upcast = q.dtype == torch.bfloat16 and interpret
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # ignored for 16-bit inputs
@@ -280,8 +282,10 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
         num_stages=1 if q.dtype == torch.float32 else 2)  # two float32 [BLOCK_N, 512] stages crowd smem
     if num_splits > 1:
-        _combine[(num_tokens * hq,)](
+        splits_pad = triton.next_power_of_2(num_splits)
+        block_c = max(16, min(block_r, 4096 // splits_pad))
+        _combine[(num_tokens * hq, triton.cdiv(r, block_c))](
             o, lse, out, o.stride(0), lse.stride(0), out.stride(0), out.stride(1), HQ=hq, R=r,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_R=block_r,
-            num_warps=4 if block_r >= 256 else 1)
+            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, BLOCK_C=block_c,
+            num_warps=4 if splits_pad * block_c >= 2048 else 1)
     return out
