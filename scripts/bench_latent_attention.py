@@ -5,7 +5,10 @@ call and GB/s of latent rows read, next to two baselines measured in the same ru
 (the HBM ceiling, read + write bytes) and the same attention in plain torch over a contiguous
 (unpaged) latent, dense rows only. Writes the rows as JSON to --out.
 
-    python scripts/bench_latent_attention.py --out bench/results/h200-latent-attention.json
+    python scripts/bench_latent_attention.py --out bench/results/h200-latent-attention.json [--sweep]
+
+The kernel's tiles come from tile_config unless --block-h / --block-n (or --sweep) say otherwise;
+the key splits from default_num_splits unless --splits.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import sys
 import torch
 
 HQ, R, P = 64, 512, 64
+DEVICE = "cuda"  # a module constant so that tests can run the loop on the CPU under the interpreter
 CALLS = 20  # calls per graph: one replay's launch gap spread over many kernels
+SWEEP = [(16, 16), (16, 32), (32, 16), (32, 32), (64, 16), (64, 32)]  # (block_h, block_n) for --sweep
 
 
 def graph_us(fn, reps: int = 10) -> float:
@@ -45,17 +50,18 @@ def graph_us(fn, reps: int = 10) -> float:
 
 
 def copy_gbps() -> float:
-    a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=DEVICE)
     b = torch.empty_like(a)
     us = graph_us(lambda: b.copy_(a))
     return 2 * a.numel() * a.element_size() / us / 1e3
 
 
-def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generator, device: str = "cuda"):
+def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generator):
     """q [B, Hq, R+P], latent pool over shuffled pages, a decode AttnBatch at context ctx, and topk
     [B, K] (distinct random positions; -1 past the context when ctx < K) or None."""
     from moetier.layers.attention import AttnBatch
 
+    device = DEVICE
     per_seq = -(-ctx // page)
     pages = torch.randperm(batch * per_seq + 1, generator=g, device=device).to(torch.int32)
     table = pages[: batch * per_seq].view(batch, per_seq).contiguous()
@@ -91,51 +97,54 @@ def main() -> int:
     ap.add_argument("--splits", type=int, default=None, help="force num_splits (default: the kernel's choice)")
     ap.add_argument("--block-h", type=int, default=None)
     ap.add_argument("--block-n", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true", help=f"time every (block_h, block_n) of {SWEEP}")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_latent_attention: needs a CUDA device; none is visible", file=sys.stderr)
         return 2
 
     import triton
 
     from moetier.bench.common import commit, machine, write_json
-    from moetier.layers.latent_attention_triton import default_num_splits, latent_attention_triton
+    from moetier.layers.latent_attention_triton import default_num_splits, latent_attention_triton, tile_config
 
     scale = (128 + P) ** -0.5  # GLM-5's qk_head_dim (nope 128 + rope 64); any value times the same
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     ceiling = copy_gbps()
     print(f"device copy: {ceiling:.0f} GB/s (read + write); Hq {HQ} R {R} P {P} bf16, page {args.page}")
-    print(f"{'batch':>5} {'ctx':>6} {'topk':>5} {'splits':>6} {'us':>8} {'GB/s':>7} {'torch us':>9}")
+    print(f"{'batch':>5} {'ctx':>6} {'topk':>5} {'tiles':>7} {'splits':>6} {'us':>8} {'GB/s':>7} {'torch us':>9}")
+    configs = SWEEP if args.sweep else [(args.block_h, args.block_n)]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
             for k in (None, args.topk):
                 q, latent, attn, topk = decode_case(batch, ctx, args.page, k, g)
-                out = torch.empty(batch, HQ, R, dtype=q.dtype, device="cuda")
+                out = torch.empty(batch, HQ, R, dtype=q.dtype, device=DEVICE)
                 keys = min(ctx, k) if k else ctx
-                splits = args.splits or default_num_splits(batch * triton.cdiv(HQ, args.block_h or 16), keys,
-                                                           q.device)
-                us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
-                                                              num_splits=splits, block_h=args.block_h,
-                                                              block_n=args.block_n))
                 nbytes = batch * keys * (R + P) * latent.element_size()
                 torch_us = None
                 if k is None:
                     contiguous = latent[attn.page_table.long()].flatten(1, 2)[:, :ctx].contiguous()
-                    torch_us = graph_us(torch_dense(q, contiguous, scale))
+                    torch_us = round(graph_us(torch_dense(q, contiguous, scale)), 2)
                     del contiguous
-                row = dict(batch=batch, ctx=ctx, topk=k, splits=splits, us=round(us, 2),
-                           gbps=round(nbytes / us / 1e3, 1), latent_bytes=nbytes,
-                           torch_us=round(torch_us, 2) if torch_us else None)
-                rows.append(row)
-                print(f"{batch:>5} {ctx:>6} {k or '-':>5} {splits:>6} {us:>8.1f} {row['gbps']:>7.0f} "
-                      f"{torch_us if torch_us is None else round(torch_us, 1)!s:>9}")
+                for want_h, want_n in configs:
+                    block_h, _, block_n, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
+                    splits = args.splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
+                    us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
+                                                                  num_splits=splits, block_h=block_h,
+                                                                  block_n=block_n))
+                    row = dict(batch=batch, ctx=ctx, topk=k, block_h=block_h, block_n=block_n, splits=splits,
+                               us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), latent_bytes=nbytes,
+                               torch_us=torch_us)
+                    rows.append(row)
+                    print(f"{batch:>5} {ctx:>6} {k or '-':>5} {f'{block_h}x{block_n}':>7} {splits:>6} {us:>8.1f} "
+                          f"{row['gbps']:>7.0f} {torch_us if torch_us is not None else '-'!s:>9}")
                 del q, latent, attn, topk, out
                 torch.cuda.empty_cache()
     write_json(args.out, {"benchmark": "latent_attention", "machine": machine(), "commit": commit(),
                           "command": " ".join(["python", *sys.argv]), "copy_gbps": round(ceiling, 1),
                           "shape": {"hq": HQ, "kv_lora_rank": R, "rope_dim": P, "dtype": "bfloat16",
-                                    "page_size": args.page, "block_h": args.block_h, "block_n": args.block_n},
+                                    "page_size": args.page},
                           "rows": rows})
     print(f"wrote {args.out}")
     return 0

@@ -58,6 +58,43 @@ def test_bad_inputs_are_named():
             latent_attention_triton(**kwargs)
 
 
+@pytest.mark.parametrize("hq,max_q,dsa,dtype", [
+    (64, 1, False, torch.bfloat16), (64, 1, True, torch.bfloat16), (16, 1, False, torch.bfloat16),
+    (128, 1, True, torch.bfloat16), (64, 300, False, torch.bfloat16), (16, 300, False, torch.bfloat16),
+    (16, 1, False, torch.float32), (16, 40, False, torch.float32)])
+def test_default_tiles_compile_for_h200_without_spills(hq, max_q, dsa, dtype):
+    """The launch's default tiles at GLM-5's R 512, P 64, compiled for sm_90a here (no GPU needed):
+    they must compile, fit shared memory, and not spill (a spill in the key loop costs more than the
+    latent bytes it would save)."""
+    from moetier.layers import latent_attention_triton as lat
+    from tests.triton_aot import compile_sm90, ptxas
+
+    if ptxas() is None:
+        pytest.skip("this triton wheel ships no ptxas")
+    block_h, block_t, block_n, warps, stages = lat.tile_config(hq, R, max_q, dsa, dtype)
+    elem = "bf16" if dtype == torch.bfloat16 else "fp32"
+    splits = 16
+    consts = dict(HQ=hq, R=R, P=P, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=R, BLOCK_P=P,
+                  PAGE_SIZE=64, NUM_SPLITS=splits, TOPK=dsa, INTERPRET=False,
+                  PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)
+    ptr = {"q_ptr": elem, "latent_ptr": elem, "o_ptr": "fp32", "lse_ptr": "fp32"}
+    fn = lat._mla
+    runtime = [a for i, a in enumerate(fn.arg_names) if i not in fn.constexprs]
+    sig = {a: f"*{ptr.get(a, 'i32')}" if a.endswith("_ptr") else "fp32" if a == "qk_scale" else "i32"
+           for a in runtime}
+    # what the launcher sees divisible by 16: the pointers and the strides of 16-aligned rows
+    aligned = [a for a in runtime if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_pt")]
+    got = compile_sm90(fn, sig, consts, aligned, warps, stages)
+    assert got.spill_bytes == 0 and got.shared <= 227 * 1024, (block_h, block_t, block_n, warps, got)
+    for num_splits in (5, 64):
+        pad, block_c, cwarps = lat.combine_config(num_splits, R)
+        sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{elem}", "stride_ps": "i32",
+               "stride_lses": "i32", "stride_on": "i32", "stride_oh": "i32"}
+        got = compile_sm90(lat._combine, sig, dict(HQ=hq, R=R, NUM_SPLITS=num_splits, SPLITS_PAD=pad,
+                                                   BLOCK_C=block_c), list(sig), cwarps, 1)
+        assert got.spill_bytes == 0, (num_splits, got)
+
+
 @pytest.mark.parametrize("dsa", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 5])
 @pytest.mark.parametrize("step", ["decode", "mixed"])
@@ -82,6 +119,24 @@ def test_gpu_matches_reference(hq, page, step, num_splits, dsa):
     assert h.rel_err(out, exact) <= 1.25 * h.rel_err(ref, exact)
     if num_splits is None:  # the CUDA dispatch is this kernel
         assert torch.equal(latent_attention(q, latent, batch, scale, R, topk), out)
+
+
+@pytest.mark.parametrize("block_h,block_n", [(16, 16), (16, 32), (32, 32), (64, 16), (64, 32)])
+@pytest.mark.parametrize("dsa", [False, True])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tuning_knobs_keep_the_result(block_h, block_n, dsa):
+    """The tiles the benchmark can pick (--block-h, --block-n) on a mixed step at Hq 64."""
+    from moetier.layers.latent_attention import latent_attention_reference
+    from moetier.layers.latent_attention_triton import latent_attention_triton
+
+    h = helpers()
+    specs = [(1, 4000), (1, 300), (64, 2500)]
+    q, latent, batch, topk, scale = h.make_case(specs, 64, R, P, 64, torch.bfloat16, seed=5, device="cuda",
+                                                topk_k=K if dsa else None)
+    got = latent_attention_triton(q, latent, batch, scale, R, topk=topk, block_h=block_h, block_n=block_n)
+    err = h.rel_err(got, latent_attention_reference(q, latent, batch, scale, R, topk))
+    assert err <= h.TOL[torch.bfloat16], err
 
 
 @pytest.mark.parametrize("dsa", [False, True])
@@ -146,6 +201,39 @@ def test_gpu_decode_replays_in_a_cuda_graph(dsa):
                     batch2.query_start_host, batch2.seq_lens_host, 1)
     err = h.rel_err(static_out, latent_attention_reference(q, latent, now, scale, R, topk))
     assert err <= h.TOL[torch.bfloat16], err
+
+
+BENCH_ON_CPU = """
+import sys
+sys.path.insert(0, "scripts")
+import bench_latent_attention as bench
+bench.DEVICE = "cpu"
+bench.graph_us = lambda fn, reps=10: (fn(), 1.0)[1]  # run each call once; no CUDA graph on the CPU
+bench.copy_gbps = lambda: 1.0
+sys.argv = ["bench", "--out", sys.argv[1], "--batches", "2", "--contexts", "40", "--topk", "32", "--page", "16"]
+sys.exit(bench.main())
+"""
+
+
+def test_bench_loop_runs_in_the_interpreter(tmp_path):
+    """The benchmark's cases, calls and JSON, on the CPU: the kernel under TRITON_INTERPRET and the
+    timer replaced, so only the CUDA timing is left to the GPU run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    p = subprocess.run([sys.executable, "-c", BENCH_ON_CPU, str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=root, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["ctx"], r["topk"]) for r in rows] == [(2, 40, None), (2, 40, 32)], rows
+    # 2 sequences x 40 (dense) or min(40, 32) (DSA) rows of 576 bf16, timed at the stub's 1 us
+    assert [r["latent_bytes"] for r in rows] == [2 * 40 * 1152, 2 * 32 * 1152]
+    assert rows[0]["torch_us"] == 1.0 and rows[1]["torch_us"] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -207,6 +207,37 @@ def default_num_splits(programs: int, keys: int, device: torch.device) -> int:
     return max(1, min(want, triton.cdiv(keys, MIN_KEYS_PER_SPLIT)))
 
 
+def tile_config(hq: int, r: int, max_q: int, dsa: bool, dtype: torch.dtype, block_h: int | None = None,
+                block_n: int | None = None) -> tuple[int, int, int, int, int]:
+    """-> (block_h, block_t, block_n, num_warps, num_stages) for Hq heads, kv_lora_rank r and the
+    step's longest query chunk. Register counts from ptxas for sm_90a at R 512, P 64, bf16, no spills
+    (tests/test_latent_attention.py holds them there): block_h 16, block_n 16, 4 warps: 139
+    registers, 3 programs per SM; block_h 32, block_n 16, 8 warps: 128 registers, 2 per SM, and
+    each latent tile read by Hq / 32 programs instead of Hq / 16 (the re-reads hit L2, but at Hq 64
+    four of them would ask L2 for 4x the HBM rate). Float32 (tests): block_n 16, 8 warps and one
+    stage, or [BLOCK_N, 512] float32 tiles spill or crowd shared memory."""
+    wide = r > 128
+    if block_h is None:
+        block_h = 32 if hq >= 32 and dtype != torch.float32 else 16  # >= 16: tl.dot's smallest M
+    assert block_h >= 16 and block_h & (block_h - 1) == 0, f"block_h {block_h} must be a power of two >= 16"
+    if max_q == 1 or dsa:  # decode, or DSA (a key list per token)
+        block_t = 1
+    else:  # prefill chunks: tokens share key tiles; accumulator [block_t * block_h, R] float32
+        block_t = max(1, min(triton.next_power_of_2(max_q), (32 if wide else 64) // block_h))
+    if block_n is None:
+        block_n = 16 if wide and (max_q == 1 or dsa or dtype == torch.float32) else 32 if wide else 64
+    wide_acc = block_t * block_h * max(16, triton.next_power_of_2(r)) >= 32 * 512
+    num_warps = 8 if wide_acc or (wide and dtype == torch.float32) else 4
+    return block_h, block_t, block_n, num_warps, 1 if dtype == torch.float32 else 2
+
+
+def combine_config(num_splits: int, r: int) -> tuple[int, int, int]:
+    """-> (SPLITS_PAD, BLOCK_C, num_warps) of _combine: a [SPLITS_PAD, BLOCK_C] float32 block <= 4096."""
+    splits_pad = triton.next_power_of_2(num_splits)
+    block_c = max(16, min(triton.next_power_of_2(r), 4096 // splits_pad))
+    return splits_pad, block_c, 4 if splits_pad * block_c >= 2048 else 1
+
+
 def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale: float, kv_lora_rank: int,
                             topk: torch.Tensor | None = None, out: torch.Tensor | None = None,
                             num_splits: int | None = None, *, block_h: int | None = None,
@@ -245,15 +276,8 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
 
     block_r = max(16, triton.next_power_of_2(r))
     block_p = max(16, triton.next_power_of_2(p)) if p else 16
-    block_h = block_h or 16  # >= 16: tl.dot's smallest M; Hq < 16 leaves rows idle
-    assert block_h >= 16 and block_h & (block_h - 1) == 0, f"block_h {block_h} must be a power of two >= 16"
-    if max_q == 1 or topk is not None:  # decode, or DSA (a key list per token)
-        block_t = 1
-    else:  # prefill chunks: tokens share key tiles; accumulator [block_t * block_h, block_r] float32
-        block_t = max(1, min(triton.next_power_of_2(max_q), (32 if block_r >= 256 else 64) // block_h))
-    block_n = block_n or (32 if block_r >= 256 else 64)
-    block_m = block_t * block_h
-    num_warps = 8 if block_m * block_r >= 32 * 512 else 4
+    block_h, block_t, block_n, num_warps, num_stages = tile_config(hq, r, max_q, topk is not None, q.dtype, block_h,
+                                                                   block_n)
     num_q_blocks = triton.cdiv(max_q, block_t)
     head_blocks = triton.cdiv(hq, block_h)
     if num_splits is None:
@@ -279,13 +303,10 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         *o_strides, *lse_strides, batch.page_table.stride(0),
         HQ=hq, R=r, P=p, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         PAGE_SIZE=page_size, NUM_SPLITS=num_splits, TOPK=topk is not None, INTERPRET=interpret,
-        PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
-        num_stages=1 if q.dtype == torch.float32 else 2)  # two float32 [BLOCK_N, 512] stages crowd smem
+        PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
-        splits_pad = triton.next_power_of_2(num_splits)
-        block_c = max(16, min(block_r, 4096 // splits_pad))
+        splits_pad, block_c, warps = combine_config(num_splits, r)
         _combine[(num_tokens * hq, triton.cdiv(r, block_c))](
             o, lse, out, o.stride(0), lse.stride(0), out.stride(0), out.stride(1), HQ=hq, R=r,
-            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, BLOCK_C=block_c,
-            num_warps=4 if splits_pad * block_c >= 2048 else 1)
+            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, BLOCK_C=block_c, num_warps=warps)
     return out
