@@ -10,11 +10,11 @@ latent tile once for all of them, with tensor-core products
     acc [M, R]    += P [M, BLOCK_N] . c_kv [BLOCK_N, R]                  (the tile loaded for S)
 R and P are padded to powers of two (>= 16, for tl.dot) with masks; P = 0 drops the second product.
 
-Program (seq * num_q_blocks + qb, head block, split). Decode (max_query_len 1): BLOCK_T 1, BLOCK_H
-16 (Hq < 16 padded with idle rows). Prefill chunks without DSA: BLOCK_T tokens share the key tiles,
-sized so the float32 accumulator stays at about 32 x 512. Keys are split over NUM_SPLITS programs
-(flash-decoding) so that decode at batch 1 fills the GPU; _combine merges the partials by
-log-sum-exp.
+Program (seq * num_q_blocks + qb, head block, split); tile_config picks the tiles. Decode
+(max_query_len 1): BLOCK_T 1, BLOCK_H 32 at Hq >= 32, else 16 (Hq < 16 padded with idle rows).
+Prefill chunks without DSA: BLOCK_T tokens share the key tiles, so that the float32 accumulator
+stays at 32 x 512. Keys are split over NUM_SPLITS programs (flash-decoding) so that decode at batch
+1 fills the GPU; _combine merges the partials by log-sum-exp.
 
 DSA (topk [N, K], token positions, -1 unused): BLOCK_T is 1 (each token has its own list) and the
 program walks the K entries of its token's row instead of the positions 0 .. kv_end, gathering each
@@ -40,7 +40,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-MIN_KEYS_PER_SPLIT = 128  # below this a split's float32 partial [Hq, R] outweighs the latent it reads
+MIN_KEYS_PER_SPLIT = 128  # fewer keys per split: the partials' traffic dwarfs the latent's (default_num_splits)
 
 
 @triton.jit
@@ -196,8 +196,10 @@ def default_num_splits(programs: int, keys: int, device: torch.device) -> int:
     """Key splits for a grid of `programs` (sequence, query block, head block) programs that walk at
     most `keys` keys (the longest context, or K with DSA). Below one program per SM, split to about
     four per SM (a power of two, as for GQA in paged_attention_triton), but keep at least
-    MIN_KEYS_PER_SPLIT keys per split: each split writes and re-reads a float32 partial of
-    BLOCK_H x R per head block, 32 KiB at R 512, as many bytes as 28 latent rows of 576 bf16."""
+    MIN_KEYS_PER_SPLIT keys per split: every split adds a float32 partial of Hq x R per token that
+    _combine reads back (256 KiB written and read at Hq 64, R 512, mostly in L2), against the
+    147 KiB of 128 latent rows of 576 bf16. Depends on host ints only: a graph captured at the
+    longest context keeps its split count at every replay."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
