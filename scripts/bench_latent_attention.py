@@ -8,7 +8,7 @@ call and GB/s of latent rows read, next to two baselines measured in the same ru
     python scripts/bench_latent_attention.py --out bench/results/h200-latent-attention.json [--sweep]
 
 The kernel's tiles come from tile_config unless --block-h / --block-n (or --sweep) say otherwise;
-the key splits from default_num_splits unless --splits.
+the key splits from default_num_splits unless --splits (a list: every count is timed).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from itertools import product
 
 import torch
 
@@ -94,7 +95,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--topk", type=int, default=2048, help="DSA entries per token (rows with and without)")
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--splits", type=int, default=None, help="force num_splits (default: the kernel's choice)")
+    ap.add_argument("--splits", default=None, help="num_splits to time, comma-separated (default: the kernel's choice)")
     ap.add_argument("--block-h", type=int, default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help=f"time every (block_h, block_n) of {SWEEP}")
@@ -114,6 +115,7 @@ def main() -> int:
     print(f"device copy: {ceiling:.0f} GB/s (read + write); Hq {HQ} R {R} P {P} bf16, page {args.page}")
     print(f"{'batch':>5} {'ctx':>6} {'topk':>5} {'tiles':>7} {'splits':>6} {'us':>8} {'GB/s':>7} {'torch us':>9}")
     configs = SWEEP if args.sweep else [(args.block_h, args.block_n)]
+    split_counts = [int(x) for x in args.splits.split(",")] if args.splits else [None]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
@@ -127,9 +129,9 @@ def main() -> int:
                     contiguous = latent[attn.page_table.long()].flatten(1, 2)[:, :ctx].contiguous()
                     torch_us = round(graph_us(torch_dense(q, contiguous, scale)), 2)
                     del contiguous
-                for want_h, want_n in configs:
+                for (want_h, want_n), splits in product(configs, split_counts):
                     block_h, _, block_n, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
-                    splits = args.splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
+                    splits = splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
                     us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
                                                                   num_splits=splits, block_h=block_h,
                                                                   block_n=block_n))

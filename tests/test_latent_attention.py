@@ -210,7 +210,8 @@ import bench_latent_attention as bench
 bench.DEVICE = "cpu"
 bench.graph_us = lambda fn, reps=10: (fn(), 1.0)[1]  # run each call once; no CUDA graph on the CPU
 bench.copy_gbps = lambda: 1.0
-sys.argv = ["bench", "--out", sys.argv[1], "--batches", "2", "--contexts", "40", "--topk", "32", "--page", "16"]
+sys.argv = ["bench", "--out", sys.argv[1], "--batches", "2", "--contexts", "40", "--topk", "32", "--page", "16",
+            "--splits", "2"]
 sys.exit(bench.main())
 """
 
@@ -234,6 +235,7 @@ def test_bench_loop_runs_in_the_interpreter(tmp_path):
     # 2 sequences x 40 (dense) or min(40, 32) (DSA) rows of 576 bf16, timed at the stub's 1 us
     assert [r["latent_bytes"] for r in rows] == [2 * 40 * 1152, 2 * 32 * 1152]
     assert rows[0]["torch_us"] == 1.0 and rows[1]["torch_us"] is None
+    assert [(r["block_h"], r["block_n"], r["splits"]) for r in rows] == [(32, 16, 2)] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
