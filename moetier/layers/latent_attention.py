@@ -64,9 +64,7 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, batch: Att
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, batch: AttnBatch, scale: float, kv_lora_rank: int,
                      topk: torch.Tensor | None = None) -> torch.Tensor:
     if q.is_cuda:
-        try:
-            from moetier.layers.latent_attention_triton import latent_attention_triton
-        except ImportError:  # NOTE: until the kernel lands the reference serves CUDA too (slow, not graph-safe)
-            return latent_attention_reference(q, latent, batch, scale, kv_lora_rank, topk)
+        from moetier.layers.latent_attention_triton import latent_attention_triton
+
         return latent_attention_triton(q, latent, batch, scale, kv_lora_rank, topk)
     return latent_attention_reference(q, latent, batch, scale, kv_lora_rank, topk)
