@@ -65,7 +65,9 @@ def test_bad_inputs_are_named():
 def test_default_tiles_compile_for_h200_without_spills(hq, max_q, dsa, dtype):
     """The launch's default tiles at GLM-5's R 512, P 64, compiled for sm_90a here (no GPU needed):
     they must compile, fit shared memory, and not spill (a spill in the key loop costs more than the
-    latent bytes it would save)."""
+    latent bytes it would save) — except DSA's 64 x 32 tiles, which spill a few hundred bytes and still
+    measured fastest on the H200 (bench/results/h200-latent-attention-sweep-c7a7c27.json: 122 us
+    against 150 us for the spill-free 64 x 16 at batch 32, K 2048)."""
     from moetier.layers import latent_attention_triton as lat
     from tests.triton_aot import compile_sm90, ptxas
 
@@ -85,7 +87,8 @@ def test_default_tiles_compile_for_h200_without_spills(hq, max_q, dsa, dtype):
     # what the launcher sees divisible by 16: the pointers and the strides of 16-aligned rows
     aligned = [a for a in runtime if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_pt")]
     got = compile_sm90(fn, sig, consts, aligned, warps, stages)
-    assert got.spill_bytes == 0 and got.shared <= 227 * 1024, (block_h, block_t, block_n, warps, got)
+    spill_ok = 512 if dsa and (block_h, block_n) == (64, 32) else 0
+    assert got.spill_bytes <= spill_ok and got.shared <= 227 * 1024, (block_h, block_t, block_n, warps, got)
     for num_splits in (5, 64):
         pad, block_c, cwarps = lat.combine_config(num_splits, R)
         sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{elem}", "stride_ps": "i32",
@@ -235,7 +238,7 @@ def test_bench_loop_runs_in_the_interpreter(tmp_path):
     # 2 sequences x 40 (dense) or min(40, 32) (DSA) rows of 576 bf16, timed at the stub's 1 us
     assert [r["latent_bytes"] for r in rows] == [2 * 40 * 1152, 2 * 32 * 1152]
     assert rows[0]["torch_us"] == 1.0 and rows[1]["torch_us"] is None
-    assert [(r["block_h"], r["block_n"], r["splits"]) for r in rows] == [(32, 16, 2)] * 2
+    assert [(r["block_h"], r["block_n"], r["splits"]) for r in rows] == [(64, 32, 2)] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
