@@ -17,7 +17,7 @@ from moetier.cli.app import app
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CUDA_ONLY = ("bench decode", "bench layer", "bench prefill")
+CUDA_ONLY = ("bench decode", "bench layer", "bench prefill", "bench chunk")
 # What the docs write -> what the test runs. {tiny}: a tiny random checkpoint; {default}: the
 # embedded model, whose routing the working folder's q.mtrace holds.
 SUBSTITUTE = {

@@ -73,6 +73,20 @@ def step_rows(log: RouteLog, in_hbm: dict[int, np.ndarray], block_m: int) -> tup
     return float(link), float(hbm)
 
 
+def warm_slots(bed: Bed, trace_path: str) -> None:
+    """Decode's steady state: each layer's slots hold the experts the trace uses most in that layer."""
+    from moetier.traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    bed.model.reset_experts()
+    for j, b in enumerate(bed.model.moe_blocks()):
+        counts = np.bincount(trace.ids[:, j % trace.ids.shape[1]].reshape(-1), minlength=bed.cfg.num_experts)
+        hot = np.argsort(-counts, kind="stable")[: b.experts.cache.num_slots]
+        b.experts.cache.warm(hot.tolist())
+        idx = b.experts.cache.slot_expert.long().cpu()
+        b.experts.slots.copy_(b.experts.host[idx].to(b.experts.slots.device))
+
+
 def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for p in prompts:
@@ -93,16 +107,8 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                           kv_tokens=max(batches) * (max(lengths) + 16))
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     blocks = bed.model.moe_blocks()
-    if backend == "slots":  # decode's steady state: each layer's slots hold its most used experts
-        from moetier.traces.format import read_trace
-
-        trace = read_trace(trace_path)
-        for j, b in enumerate(blocks):
-            counts = np.bincount(trace.ids[:, j % trace.ids.shape[1]].reshape(-1), minlength=cfg.num_experts)
-            hot = np.argsort(-counts, kind="stable")[: b.experts.cache.num_slots]
-            b.experts.cache.warm(hot.tolist())
-            idx = b.experts.cache.slot_expert.long().cpu()
-            b.experts.slots.copy_(b.experts.host[idx].to(b.experts.slots.device))
+    if backend == "slots":
+        warm_slots(bed, trace_path)
     in_hbm = {b.layer: (np.ones(cfg.num_experts, bool) if backend == "resident" else
                         b.experts.cache.expert_slot.cpu().numpy() >= 0 if isinstance(b.experts, SlotExperts)
                         else np.zeros(cfg.num_experts, bool)) for b in blocks}

@@ -120,3 +120,14 @@ def output_file(path: Path, option: str) -> Path:
     except OSError as e:
         raise MoetierError(f"{option} {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
     return path
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """'512,1024' -> [512, 1024]; anything else is one clear error."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise MoetierError(f"{option} {text!r}: give comma-separated whole numbers, like 512,2048")
+    return values
