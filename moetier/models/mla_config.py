@@ -228,6 +228,14 @@ class MlaMoeConfig(ModelConfig):
         kv = h * (r + p) + b * (r + p) + r + r * hq * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + hq * self.v_head_dim * h + b * h
 
+    def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
+        """q_resid and the latent projection, q [T, Hq, nope + rope], the absorbed query [T, Hq, R + P],
+        the latent output [T, Hq, R] and after W_UV [T, Hq, v]. Not counted: the CPU reference's
+        [Hq, T, context] float32 scores (the CUDA kernel's own workspace is for its author to add)."""
+        t, isz, hq, r, p = tokens, dtype.itemsize, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        return [t * (self.q_lora_rank + r + p) * isz, t * hq * self.qk_head_dim * isz, t * hq * (r + p) * isz,
+                t * hq * r * isz, t * hq * self.v_head_dim * isz]
+
     def num_parameters(self) -> int:
         h, mi = self.hidden_size, self.moe_intermediate_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h

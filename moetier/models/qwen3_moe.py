@@ -117,6 +117,14 @@ class Qwen3MoeConfig(ModelConfig):
             "sliding_window": None,
         }
 
+    def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
+        """q/k/v [T, (Hq + 2 Hkv) D] and q after rotary, attention output [T, Hq D], the paged
+        attention's key-split partials (at most 64 splits, float32)."""
+        t, d, hq, hkv, isz = tokens, self.head_dim, self.num_heads, self.num_kv_heads, dtype.itemsize
+        splits = max(1, min(64, 4 * 132 // max(1, t * hkv)))  # paged_attention_triton.default_num_splits
+        return [t * (hq + 2 * hkv) * d * isz, t * hq * d * isz, t * hq * d * isz, splits * t * hq * d * 4,
+                splits * t * hq * 4]
+
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d + 2 * h
