@@ -103,3 +103,22 @@ def test_batch_equals_each_alone(tmp_path, preset):
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == alone
         llm.scheduler.check()
+
+
+def test_routing_trace_records_and_replays(tmp_path):
+    """The engine records GLM-5's routing (MoE layers only, grouped top-k ids) and a replay of it
+    reproduces a sampled run."""
+    from moetier.traces.format import read_trace
+
+    path, _ = hf_mla_checkpoint(tmp_path / "glm", "tiny-glm5", 8)
+    prompt, sp = [[7, 8, 9, 10] * 5], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    llm = LLM(path, dtype="float32", device="cpu", record_trace=tmp_path / "t.mtrace")
+    first = llm.generate(prompt, sp)[0].outputs[0].token_ids
+    llm.close()
+    t = read_trace(tmp_path / "t.mtrace")
+    assert t.layers == [1, 2, 3] and t.top_k == 4 and t.num_tokens == 20 + 11
+    assert ((t.ids >= 0) & (t.ids < 16)).all()
+    # groups of 4 experts, 2 groups kept: each token's experts fall in at most 2 groups
+    assert max(len(set((row // 4).tolist())) for row in t.ids.reshape(-1, 4)) <= 2
+    replay = LLM(path, dtype="float32", device="cpu", replay_trace=tmp_path / "t.mtrace")
+    assert replay.generate(prompt, sp)[0].outputs[0].token_ids == first
