@@ -231,3 +231,21 @@ def test_plan_counts_the_latent_cache():
     assert 7.0e11 < cfg.num_parameters() < 8.0e11
     dsv3 = presets.preset("deepseek-v3")
     assert 6.6e11 < dsv3.num_parameters() < 6.8e11  # 671B without the MTP layer
+
+
+def test_latent_attention_reads_only_the_chosen_positions():
+    """topk rows: -1 entries are ignored, positions past the token are never read, and a token
+    attends over exactly the listed causal keys."""
+    from moetier.layers.latent_attention import latent_attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    r, p, hq = 8, 4, 2
+    latent = torch.randn(3, 4, r + p, generator=g)
+    batch = make_batch([(6, 2, [1, 2])], 4, "cpu")  # positions 6 and 7 of an 8-token sequence
+    q = torch.randn(2, hq, r + p, generator=g)
+    topk = torch.tensor([[0, 5, 7, -1], [3, -1, -1, -1]], dtype=torch.int32)  # 7 is past token 0 (position 6)
+    got = latent_attention_reference(q, latent, batch, 0.3, r, topk)
+    rows = latent[[1, 2]].flatten(0, 1)
+    for n, keys in ((0, [0, 5]), (1, [3])):
+        probs = (torch.einsum("hd,sd->hs", q[n], rows[keys]) * 0.3).softmax(-1)
+        torch.testing.assert_close(got[n], probs @ rows[keys, :r])

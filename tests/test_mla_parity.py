@@ -13,7 +13,7 @@ from moetier.experts.placement import ExpertOptions
 from moetier.sampling_params import SamplingParams
 from tests.conftest import hf_mla_checkpoint
 from tests.helpers import Sequence
-from tests.test_parity import DECODE_STEPS, rel_err
+from tests.test_parity import assert_matches_transformers, rel_err
 from tests.test_slots import lockstep
 
 CASES = [
@@ -31,31 +31,10 @@ CASES = [
 def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, prompt_len):
     path, ref = hf_mla_checkpoint(tmp_path / preset, preset, seed)
     gen = Generator(LLM(path, dtype="float32", device="cpu"))
-    model = gen.model
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, gen.cfg.vocab_size, (prompt_len,), generator=g)
 
-    cache = Sequence(model, 64, page_size=4)  # several pages per sequence
-    ours = model.logits(cache.forward(prompt))
-    with torch.no_grad():
-        want = ref(prompt[None]).logits[0].float()
-    assert rel_err(ours, want) <= 1e-5
-
-    seq = prompt.tolist()
-    for _ in range(DECODE_STEPS):
-        nxt = int(ours[-1].argmax())
-        seq.append(nxt)
-        ours = model.logits(cache.forward(torch.tensor([nxt])))
-        with torch.no_grad():
-            want = ref(torch.tensor([seq])).logits[0, -1:].float()  # no cache: also checks our latent cache
-        assert rel_err(ours, want) <= 1e-5
-
-    result = gen.generate(prompt.tolist(), SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True))
-    with torch.no_grad():
-        hf_ids = ref.generate(prompt[None], max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, min_new_tokens=DECODE_STEPS)[0, len(prompt):].tolist()
-    assert result.output_ids == hf_ids
-    assert result.output_ids == seq[len(prompt):]
+    assert_matches_transformers(gen, ref, prompt, page_size=4)  # several pages per sequence
 
 
 def test_sparse_attention_is_what_matches(tmp_path):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.layers.attention import AttnBatch
+from moetier.layers.attention import AttnBatch, sequence_rows
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope_interleave
@@ -37,15 +37,13 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
     through the page table into a fixed [N, max_context] buffer (-inf past each token's position)
     and a top-k over it with the same tie order as torch.topk (lowest position first among equal
     scores, to be checked against this reference), writing -1 where fewer keys exist."""
-    page_size = index_k.shape[1]
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     qs, lens = batch.query_start_host, batch.seq_lens_host
     for i in range(batch.num_seqs):
         a, b, ctx = qs[i], qs[i + 1], lens[i]
         if a == b:
             continue
-        pages = batch.page_table[i, : (ctx + page_size - 1) // page_size].long()
-        keys = index_k[pages].flatten(0, 1)[:ctx]  # [ctx, D]
+        keys = sequence_rows(index_k, batch, i)  # [ctx, D]
         scores = F.relu(torch.matmul(q[a:b].float(), keys.float().t()) * scale)  # [T, Hi, ctx]
         index = torch.matmul(w[a:b, None, :], scores).squeeze(1)  # [T, ctx]
         pos = torch.arange(ctx - (b - a), ctx, device=q.device)

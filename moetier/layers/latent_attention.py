@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetier.layers.attention import AttnBatch
+from moetier.layers.attention import AttnBatch, sequence_rows
 
 
 def write_latent(latent: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -36,15 +36,13 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, batch: Att
 
     Scores and softmax in float32; probabilities rounded to q.dtype before they weigh the values,
     as layers/attention.causal_attention does."""
-    page_size = latent.shape[1]
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     qs, lens = batch.query_start_host, batch.seq_lens_host
     for i in range(batch.num_seqs):
         a, b, ctx = qs[i], qs[i + 1], lens[i]
         if a == b:
             continue
-        pages = batch.page_table[i, : (ctx + page_size - 1) // page_size].long()
-        rows = latent[pages].flatten(0, 1)[:ctx]  # [ctx, R + P]
+        rows = sequence_rows(latent, batch, i)  # [ctx, R + P]
         scores = torch.einsum("thd,sd->hts", q[a:b].float(), rows.float()) * scale  # [Hq, T, ctx]
         pos = torch.arange(ctx - (b - a), ctx, device=q.device)
         keys = torch.arange(ctx, device=q.device)
