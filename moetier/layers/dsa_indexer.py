@@ -9,8 +9,9 @@ layout): for each new token, the positions of the index_topk earlier tokens its 
     -> top index_topk keys among the causal ones (0 .. the token's position) -> [N, index_topk] int32
        positions, -1 where the context holds fewer keys (fixed width for graphs)
 
-Same ops in the same order as transformers' GlmMoeDsaIndexer, and the same torch.topk over one
-sequence's row of scores, so exact ties (relu makes many scores exactly 0) break the same way.
+The reference (CPU, prefill) uses the same ops in the same order as transformers' GlmMoeDsaIndexer
+and the same torch.topk over one sequence's row of scores, so exact ties (relu makes many scores
+exactly 0) break the same way. Decode on CUDA takes a fixed-shape, graph-safe torch path.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
     """q: [N, Hi, D] (roped); w: [N, Hi] float32 head weights; index_k: [pages, page_size, D] of one
     layer, this step's keys written. -> [N, topk] int32 positions within each sequence, -1 padded.
 
-    NOTE: a per-sequence loop over host integers (batch.query_start_host), like the latent attention
-    reference: not graph-safe. The CUDA path needs one kernel that scores every sequence's keys
-    through the page table into a fixed [N, max_context] buffer (-inf past each token's position)
-    and a top-k over it with the same tie order as torch.topk (lowest position first among equal
-    scores, to be checked against this reference), writing -1 where fewer keys exist."""
+    A per-sequence loop over host integers (batch.query_start_host): not graph-safe; the CPU path
+    and the oracle, whose torch.topk over exactly one sequence's row breaks ties as transformers'
+    does. Decode on CUDA takes select_topk_fixed."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("select_topk_reference loops over host integers and cannot be captured in a CUDA "
+                           "graph; decode steps go through select_topk_fixed")
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     qs, lens = batch.query_start_host, batch.seq_lens_host
     for i in range(batch.num_seqs):
@@ -52,6 +54,30 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
         k = min(topk, ctx)
         vals, ids = index.topk(k, dim=-1)
         out[a:b, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
+    return out
+
+
+def select_topk_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch, topk: int,
+                      scale: float) -> torch.Tensor:
+    """select_topk_reference in fixed shapes from device tensors only (graph-safe): every token
+    scores all W * page_size rows of its sequence's page table ([N, Hi, W * page_size] float32),
+    positions past its own masked. For decode steps, where N is the batch; a prefill would
+    materialise N copies of the keys.
+
+    NOTE: equal scores (relu zeroes many) may break differently from the reference, whose rows end
+    at the context length; the CUDA kernel that replaces this should score page by page instead of
+    gathering, and keep the reference's tie order where it can."""
+    n = q.shape[0]
+    seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
+    keys = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, D]
+    scores = F.relu(torch.einsum("nhd,nsd->nhs", q.float(), keys.float()) * scale)
+    index = torch.einsum("nh,nhs->ns", w, scores)
+    past = torch.arange(keys.shape[1], device=q.device)[None, :] > batch.positions[:, None]
+    index = index.masked_fill(past, float("-inf"))
+    k = min(topk, keys.shape[1])
+    vals, ids = index.topk(k, dim=-1)
+    out = torch.full((n, topk), -1, dtype=torch.int32, device=q.device)
+    out[:, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
     return out
 
 
@@ -83,4 +109,5 @@ class DsaIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, self.d)[batch.slot_mapping] = k
         w = F.linear(x.float(), self.weights_proj) * self.hi ** -0.5
-        return select_topk_reference(q, w, index_k, batch, self.topk, self.d ** -0.5)
+        select = select_topk_fixed if q.is_cuda and batch.max_query_len == 1 else select_topk_reference
+        return select(q, w, index_k, batch, self.topk, self.d ** -0.5)

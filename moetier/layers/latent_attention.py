@@ -65,6 +65,11 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, batch: AttnBatch, sc
         try:
             from moetier.layers.latent_attention_triton import latent_attention_triton
         except ImportError:  # NOTE: until the kernel lands the reference serves CUDA too (slow, not graph-safe)
+            if torch.cuda.is_current_stream_capturing():
+                # captured, its host-integer loop would replay the capture's context lengths forever
+                raise RuntimeError("latent attention has no CUDA kernel yet (layers/latent_attention_triton.py) "
+                                   "and its reference cannot be captured in a CUDA graph: run with CUDA graphs "
+                                   "off (EngineConfig cuda_graphs=False)") from None
             return latent_attention_reference(q, latent, batch, scale, kv_lora_rank, topk)
         return latent_attention_triton(q, latent, batch, scale, kv_lora_rank, topk)
     return latent_attention_reference(q, latent, batch, scale, kv_lora_rank, topk)
