@@ -20,7 +20,6 @@ from moetier.layers.mla_attention import MlaAttention
 from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import grouped_route_reference
 from tests.conftest import hf_mla_model
-from tests.test_parity import rel_err
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3", "tiny-dsv3", "glm-5"])
@@ -45,7 +44,9 @@ def test_rotary_and_softmax_scale_match_transformers(preset):
 
 
 def test_grouped_router_matches_transformers():
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3TopkRouter,
+    )
 
     ref = DeepseekV3TopkRouter(hf_mla_model("tiny-dsv3", 0).config)
     g = torch.Generator().manual_seed(0)
@@ -125,7 +126,10 @@ def test_absorbed_latent_attention_equals_expanded(q_lora, rope):
 
 
 def test_indexer_matches_transformers():
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+        GlmMoeDsaIndexer,
+        GlmMoeDsaRotaryEmbedding,
+    )
 
     hf_cfg = hf_mla_model("tiny-glm5", 0).config
     ref = GlmMoeDsaIndexer(hf_cfg, 0).eval()

@@ -77,7 +77,7 @@ def test_batch_equals_each_alone(tmp_path, preset):
               for _ in range(8)]
     alone_llm = LLM(path, dtype="float32", device="cpu")
     alone = [alone_llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    for engine in (dict(), dict(max_num_tokens=16, page_size=4)):
+    for engine in ({}, {"max_num_tokens": 16, "page_size": 4}):
         llm = LLM(path, dtype="float32", device="cpu", **engine)
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == alone

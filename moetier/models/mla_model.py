@@ -28,7 +28,7 @@ from moetier.layers.norm import add_rms_norm
 from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
-from moetier.models.base import CausalLM, ExpertTensor, Weight
+from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -137,16 +137,7 @@ class MlaMoeForCausalLM(CausalLM):
         out += [Weight(m + "gate.weight", (e, h)), Weight(m + "gate.e_score_correction_bias", (e,))]
         if cfg.n_shared_experts:
             out += _swiglu_weights(m + "shared_experts.", h, mi * cfg.n_shared_experts)
-        if m + "experts.gate_up_proj" in present or m + "experts.down_proj" in present:
-            return out + [
-                Weight(m + "experts.gate_up_proj", (e, 2 * mi, h), expert=ExpertTensor(layer, None, "gate_up")),
-                Weight(m + "experts.down_proj", (e, h, mi), expert=ExpertTensor(layer, None, "down"))]
-        for x in range(e):
-            q = f"{m}experts.{x}."
-            out += [Weight(q + "gate_proj.weight", (mi, h), expert=ExpertTensor(layer, x, "gate")),
-                    Weight(q + "up_proj.weight", (mi, h), expert=ExpertTensor(layer, x, "up")),
-                    Weight(q + "down_proj.weight", (h, mi), expert=ExpertTensor(layer, x, "down"))]
-        return out
+        return out + routed_expert_weights(m, layer, e, h, mi, present)
 
     @classmethod
     def mtp_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
@@ -173,12 +164,8 @@ class MlaMoeForCausalLM(CausalLM):
         return out + cls.mtp_weights(cfg, present)
 
     def param(self, name: str) -> torch.Tensor | None:
-        if name == "model.embed_tokens.weight":
-            return self.embed
-        if name == "model.norm.weight":
-            return self.norm
-        if name == "lm_head.weight":
-            return None if self.cfg.tie_word_embeddings else self.lm_head
+        if (outer := self.outer_param(name)) is not False:
+            return outer
         m = _LAYER.fullmatch(name)
         if not m or int(m.group(1)) >= self.cfg.num_layers:  # MTP layers are not kept
             return None
