@@ -224,13 +224,13 @@ def test_make_checkpoint_loads_and_generates(tmp_path, preset):
 
 def test_plan_counts_the_latent_cache():
     """glm-5's KV per token is the latent (kv_lora 512 + rope 64) and the indexer key (128) of every
-    layer: 78 x (576 + 128) x 2 B in bf16, about 1/10 of full K/V heads (64 x (256 + 256) x 2 x 2 B)."""
+    layer: 78 x (576 + 128) x 2 B in bf16, about 1/47 of full K and V heads (64 x (256 + 256) x 2 B)."""
     from moetier.plan.memory import _kv_bytes_per_token
 
     cfg = presets.preset("glm-5")
     per_token = _kv_bytes_per_token(cfg, torch.bfloat16)
     assert per_token == 78 * (512 + 64 + 128) * 2
-    assert per_token < 78 * 64 * (256 + 256) * 2 * 2 / 9
+    assert 40 * per_token < 78 * 64 * (256 + 256) * 2
     assert cfg.moe_layers == list(range(3, 78)) and len(cfg.index_layers) == 78
     assert 7.0e11 < cfg.num_parameters() < 8.0e11
     dsv3 = presets.preset("deepseek-v3")
