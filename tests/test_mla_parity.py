@@ -101,3 +101,17 @@ def test_routing_trace_records_and_replays(tmp_path):
     assert max(len(set((row // 4).tolist())) for row in t.ids.reshape(-1, 4)) <= 2
     replay = LLM(path, dtype="float32", device="cpu", replay_trace=tmp_path / "t.mtrace")
     assert replay.generate(prompt, sp)[0].outputs[0].token_ids == first
+
+
+@pytest.mark.parametrize("preset", ["tiny-dsv3", "tiny-glm5"])
+def test_bfloat16_tracks_transformers(tmp_path, preset):
+    """bfloat16 on the CPU, both engines in bf16 (router gate and bias float32 in both): logits
+    close at bf16 precision."""
+    path, ref = hf_mla_checkpoint(tmp_path / preset, preset, 5)
+    ref = type(ref).from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = LLM(path, dtype="bfloat16", device="cpu").model
+    assert model.embed.dtype == torch.bfloat16 and model.moe_blocks()[0].router.weight.dtype == torch.float32
+    ids = torch.arange(5, 30)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    assert rel_err(model.logits(Sequence(model, 64).forward(ids)), want) <= 2e-2

@@ -90,7 +90,8 @@ class DsaIndexer(nn.Module):
         self.wk = param(head_dim, hidden, dtype=dtype, device=device)
         self.k_norm = param(head_dim, dtype=dtype, device=device)
         self.k_norm_bias = param(head_dim, dtype=dtype, device=device)
-        # float32 whatever the model dtype, as the reference keeps it (_keep_in_fp32_modules)
+        # float32 whatever the model dtype: transformers lists it in _keep_in_fp32_modules (though its
+        # bf16 from_pretrained still rounds it to bf16: a difference at bf16 rounding level)
         self.weights_proj = param(num_heads, hidden, dtype=torch.float32, device=device)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
