@@ -237,6 +237,31 @@ def test_plan_counts_the_latent_cache():
     assert 6.6e11 < dsv3.num_parameters() < 6.8e11  # 671B without the MTP layer
 
 
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv3-plain"])
+def test_plan_dense_bytes_are_what_the_model_allocates(preset):
+    """The plan's dense weights (checkpoint list, float32 gates included) equal the model's bytes."""
+    from moetier.models.registry import model_class
+    from moetier.plan.residents import dense_weights
+
+    cfg = presets.preset(preset)
+    model = model_class(cfg)(cfg, torch.bfloat16, "cpu")
+    dense = dense_weights(cfg, torch.bfloat16)
+    assert dense.embedding_and_head + dense.layers == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) + cfg.num_experts * 3 * cfg.hidden_size * (
+        cfg.moe_intermediate_size * len(cfg.moe_layers)) == cfg.num_parameters()
+
+
+def test_plan_cli_for_glm5():
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    r = CliRunner().invoke(app, ["plan", "--preset", "glm-5", "--layers", "8", "--gpu-memory", "139GiB",
+                                 "--host-memory", "500GiB", "--max-model-len", "8192"])
+    assert r.exit_code == 0, r.output
+    assert "11,264 B/token" in r.output and "glm_moe_dsa, 8 layers (5 MoE)" in r.output
+
+
 def test_latent_attention_reads_only_the_chosen_positions():
     """topk rows: -1 entries are ignored, positions past the token are never read, and a token
     attends over exactly the listed causal keys."""

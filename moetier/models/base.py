@@ -44,6 +44,7 @@ class Weight:
     shape: tuple[int, ...]
     optional: bool = False  # may be absent (e.g. the tied lm_head copy some exporters write)
     expert: ExpertTensor | None = None
+    float32: bool = False  # kept in float32 whatever the model dtype (routers' gates and biases)
 
 
 def routed_expert_weights(prefix: str, layer: int, num_experts: int, hidden: int, inter: int,

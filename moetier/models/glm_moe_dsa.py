@@ -109,7 +109,7 @@ class GlmMoeDsaForCausalLM(MlaMoeForCausalLM):
         h, hi, d = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
         return [Weight(prefix + "wq_b.weight", (hi * d, cfg.q_lora_rank)), Weight(prefix + "wk.weight", (d, h)),
                 Weight(prefix + "k_norm.weight", (d,)), Weight(prefix + "k_norm.bias", (d,)),
-                Weight(prefix + "weights_proj.weight", (hi, h))]
+                Weight(prefix + "weights_proj.weight", (hi, h), float32=True)]
 
     def indexer_param(self, indexer: nn.Module, rest: str) -> torch.Tensor | None:
         if indexer is None:

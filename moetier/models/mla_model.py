@@ -134,7 +134,8 @@ class MlaMoeForCausalLM(CausalLM):
         if not moe:
             return out + _swiglu_weights(m, h, cfg.intermediate_size)
         e, mi = cfg.num_experts, cfg.moe_intermediate_size
-        out += [Weight(m + "gate.weight", (e, h)), Weight(m + "gate.e_score_correction_bias", (e,))]
+        out += [Weight(m + "gate.weight", (e, h), float32=True),
+                Weight(m + "gate.e_score_correction_bias", (e,), float32=True)]
         if cfg.n_shared_experts:
             out += _swiglu_weights(m + "shared_experts.", h, mi * cfg.n_shared_experts)
         return out + routed_expert_weights(m, layer, e, h, mi, present)

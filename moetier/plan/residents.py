@@ -53,14 +53,15 @@ class Dense:
 @lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
-    in the model dtype; the tied LM head (optional, never kept) is not counted."""
+    in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
+    kept) is not counted."""
     from moetier.models.registry import model_class
 
     head, rest, sizes = 0, 0, []
     for w in model_class(cfg).checkpoint_weights(cfg, set()):
         if w.expert is not None or w.optional:
             continue
-        n = dtype.itemsize
+        n = 4 if w.float32 else dtype.itemsize
         for d in w.shape:
             n *= d
         sizes.append(n)
