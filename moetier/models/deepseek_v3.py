@@ -24,7 +24,7 @@ class DeepseekV3Config(MlaMoeConfig):
     @classmethod
     def parse(cls, f: Fields) -> dict[str, Any]:
         # transformers' DeepseekV3Config defaults: first_k_dense_replace 3, rope_interleave true
-        out = cls.parse_mla(f, first_k_dense_default=3)
+        out = cls.parse_mla(f, first_k_dense_default=3, layer_types_field=False)
         out["rope_interleave"] = bool(f.get("rope_interleave", default=True))
         return out
 

@@ -48,7 +48,7 @@ class GlmMoeDsaConfig(MlaMoeConfig):
 
     @classmethod
     def parse(cls, f: Fields) -> dict[str, Any]:
-        out = cls.parse_mla(f, first_k_dense_default=3)
+        out = cls.parse_mla(f, first_k_dense_default=3, layer_types_field=True)
         layers = out["num_layers"]
         if not f.get("rope_interleave", default=True):
             f.problems.append("rope_interleave false is not supported for glm_moe_dsa (GLM-5 interleaves its "

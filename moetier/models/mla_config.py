@@ -85,8 +85,9 @@ class MlaMoeConfig(ModelConfig):
         return rope_inv_freq(d, self.rope_theta)
 
     @classmethod
-    def parse_mla(cls, f: Fields, first_k_dense_default: int) -> dict[str, Any]:
-        """The shared fields, read and checked (problems collected in f)."""
+    def parse_mla(cls, f: Fields, first_k_dense_default: int, layer_types_field: bool) -> dict[str, Any]:
+        """The shared fields, read and checked (problems collected in f). layer_types_field: whether
+        the family reads mlp_layer_types (glm_moe_dsa) or only first_k_dense_replace (deepseek_v3)."""
         c = cls.common(f)
         layers, experts = c["num_layers"], c["num_experts"]
         heads = f.positive_int("num_attention_heads")
@@ -127,7 +128,7 @@ class MlaMoeConfig(ModelConfig):
         if not isinstance(first_k, int) or first_k < 0:
             f.problems.append(f"first_k_dense_replace must be an integer >= 0, got {first_k!r}")
             first_k = 0
-        types = f.get("mlp_layer_types", default=None)
+        types = f.get("mlp_layer_types", default=None) if layer_types_field else None
         if types is None:
             n_dense = min(first_k, layers)
             types = ["dense"] * n_dense + ["sparse"] * (layers - n_dense)
@@ -150,6 +151,10 @@ class MlaMoeConfig(ModelConfig):
                 f.problems.append("rope_scaling original_max_position_embeddings must be a positive integer for "
                                   f"yarn, got {orig!r}")
                 orig = 1
+        shared = f.get("n_shared_experts", default=0)
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            f.problems.append(f"n_shared_experts must be an integer >= 0, got {shared!r}")
+            shared = 0
         mtp = f.get("num_nextn_predict_layers", "num_mtp_layers", default=0)
         if not isinstance(mtp, int) or mtp < 0:
             f.problems.append(f"num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
@@ -167,7 +172,7 @@ class MlaMoeConfig(ModelConfig):
             topk_group=topk_group,
             norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
             routed_scaling_factor=f.number("routed_scaling_factor", default=1.0),
-            n_shared_experts=f.get("n_shared_experts", default=0) or 0,
+            n_shared_experts=shared,
             first_k_dense_replace=first_k,
             mlp_layer_types=tuple(types),
             rope_theta=float(rope.get("rope_theta", f.get("rope_theta", default=10000.0))),
