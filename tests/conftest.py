@@ -40,15 +40,16 @@ def hf_checkpoint(out: Path, preset: str, seed: int, max_shard_size: str | None 
 
 
 
-def hf_mla_model(preset: str, seed: int):
+def hf_mla_model(preset: str, seed: int, **overrides):
     """A random transformers DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM of a tiny preset, float32.
     Norms, the router's correction bias and the indexer's LayerNorm bias are randomised too
-    (transformers initialises them to 1 and 0), so parity sees every weight."""
+    (transformers initialises them to 1 and 0), so parity sees every weight. overrides: config.json
+    fields changed from the preset's."""
     import transformers
 
     from moetier import presets
 
-    d = presets.preset(preset).to_hf_dict()
+    d = {**presets.preset(preset).to_hf_dict(), **overrides}
     arch = d.pop("architectures")[0]
     d.pop("model_type")
     config = getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")(**d)
@@ -66,11 +67,11 @@ def hf_mla_model(preset: str, seed: int):
     return model
 
 
-def hf_mla_checkpoint(out: Path, preset: str, seed: int):
+def hf_mla_checkpoint(out: Path, preset: str, seed: int, **overrides):
     """hf_mla_model saved with save_pretrained, plus our tokenizer. -> (path, the transformers model)."""
     from moetier.tokenizer.synthetic import write_tokenizer
 
-    model = hf_mla_model(preset, seed)
+    model = hf_mla_model(preset, seed, **overrides)
     model.save_pretrained(out)
     write_tokenizer(out)
     return out, model

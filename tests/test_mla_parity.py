@@ -37,6 +37,22 @@ def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, prompt_len
     assert_matches_transformers(gen, ref, prompt, page_size=4)  # several pages per sequence
 
 
+def test_attention_bias_and_mlp_layer_types(tmp_path):
+    """attention_bias (q_a, kv_a and o_proj biases) and GLM-5's explicit mlp_layer_types (a dense
+    layer after MoE layers), both absent from the presets."""
+    path, ref = hf_mla_checkpoint(tmp_path / "glm", "tiny-glm5", 9, attention_bias=True,
+                                  mlp_layer_types=["sparse", "dense", "sparse", "sparse"])
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("proj.bias"):
+                p.uniform_(-0.1, 0.1)
+    ref.save_pretrained(path)
+    gen = Generator(LLM(path, dtype="float32", device="cpu"))
+    assert gen.cfg.attention_bias and gen.cfg.moe_layers == [0, 2, 3]
+    prompt = torch.randint(0, gen.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(9))
+    assert_matches_transformers(gen, ref, prompt)
+
+
 def test_sparse_attention_is_what_matches(tmp_path):
     """The parity above is not vacuous for DSA: attending over every causal key instead of the
     indexer's top-8 misses transformers by far at a 30-token context."""
