@@ -81,6 +81,13 @@ def test_group_limit_and_bias_by_hand():
     torch.testing.assert_close(w.sum(), torch.tensor(1.0))
 
 
+def test_grouped_router_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.interpreter import run_script
+
+    assert "grouped router ok: 40 cases" in run_script("router_interpreter.py")
+
+
 def expanded_mla(attn: MlaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Plain MLA without absorption, one sequence from position 0: keys and values expanded per head."""
     t = x.shape[0]

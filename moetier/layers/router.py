@@ -2,7 +2,7 @@
 
     SoftmaxTopK         softmax over all experts, top-k, optional renormalisation (Qwen3-MoE, Mixtral)
     GroupedSigmoidTopK  sigmoid scores + selection bias, group-limited top-k, routed scaling
-                        (DeepSeek-V3, GLM-5); plain torch on every device for now
+                        (DeepSeek-V3, GLM-5); on CUDA one Triton launch (layers/router_triton.py)
 
 On CUDA the softmax-top-k-renorm is one fused Triton kernel (layers/fused.route_topk); the CPU path
 and its test oracle is route_reference.
@@ -87,6 +87,11 @@ class GroupedSigmoidTopK(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk_ids [T, k] int64, topk_weights [T, k] in x.dtype (what the backends take)
         logits = F.linear(x.float(), self.weight)
-        ids, weights = grouped_route_reference(logits, self.bias, self.top_k, self.n_group, self.topk_group,
-                                               self.renormalize, self.scaling)
+        args = (logits, self.bias, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scaling)
+        if logits.is_cuda:
+            from moetier.layers import router_triton
+
+            if router_triton.route_grouped_supported(logits.shape[1], self.n_group):
+                return router_triton.route_grouped(*args, x.dtype)
+        ids, weights = grouped_route_reference(*args)
         return ids, weights.to(x.dtype)
