@@ -301,3 +301,24 @@ def test_fixed_shape_selection_equals_the_reference():
     got = select_topk_fixed(q, w, index_k, batch, 5, 0.25)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     assert (want == -1).any() and (want[:, -1] >= 0).any()  # both short and full rows were checked
+
+
+def test_references_in_query_chunks_equal_one_pass(monkeypatch):
+    """A long prefill runs the references in runs of queries (scores within a byte budget); runs of 3
+    tokens give what one pass gives."""
+    import moetier.layers.dsa_indexer as di
+    import moetier.layers.latent_attention as la
+    from moetier.layers.attention import query_chunks
+
+    g = torch.Generator().manual_seed(6)
+    latent, index_k = torch.randn(6, 4, 12, generator=g), torch.rand(6, 4, 16, generator=g)
+    batch = make_batch([(3, 9, [4, 0, 5]), (0, 1, [2])], 4, "cpu")
+    q, qi, w = torch.randn(10, 2, 12, generator=g), torch.rand(10, 3, 16, generator=g), torch.rand(10, 3, generator=g)
+    topk = di.select_topk_reference(qi, w, index_k, batch, 5, 0.25)
+    want = la.latent_attention_reference(q, latent, batch, 0.3, 8, topk)
+    small = lambda a, b, row_bytes: query_chunks(a, b, row_bytes, budget=3 * row_bytes)
+    monkeypatch.setattr(di, "query_chunks", small)
+    monkeypatch.setattr(la, "query_chunks", small)
+    assert len(small(0, 9, 100)) == 3
+    assert torch.equal(di.select_topk_reference(qi, w, index_k, batch, 5, 0.25), topk)
+    torch.testing.assert_close(la.latent_attention_reference(q, latent, batch, 0.3, 8, topk), want)

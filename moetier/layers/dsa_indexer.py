@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.layers.attention import AttnBatch, sequence_rows
+from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope_interleave
@@ -45,15 +45,16 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
         a, b, ctx = qs[i], qs[i + 1], lens[i]
         if a == b:
             continue
-        keys = sequence_rows(index_k, batch, i)  # [ctx, D]
-        scores = F.relu(torch.matmul(q[a:b].float(), keys.float().t()) * scale)  # [T, Hi, ctx]
-        index = torch.matmul(w[a:b, None, :], scores).squeeze(1)  # [T, ctx]
-        pos = torch.arange(ctx - (b - a), ctx, device=q.device)
-        causal = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
-        index = index.masked_fill(~causal, float("-inf"))
-        k = min(topk, ctx)
-        vals, ids = index.topk(k, dim=-1)
-        out[a:b, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
+        keys = sequence_rows(index_k, batch, i).float()  # [ctx, D]
+        for c, d in query_chunks(a, b, q.shape[1] * ctx * 4):
+            scores = F.relu(torch.matmul(q[c:d].float(), keys.t()) * scale)  # [T, Hi, ctx]
+            index = torch.matmul(w[c:d, None, :], scores).squeeze(1)  # [T, ctx]
+            pos = torch.arange(ctx - (b - c), ctx - (b - d), device=q.device)
+            causal = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+            index = index.masked_fill(~causal, float("-inf"))
+            k = min(topk, ctx)
+            vals, ids = index.topk(k, dim=-1)
+            out[c:d, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
     return out
 
 
