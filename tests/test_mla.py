@@ -322,3 +322,19 @@ def test_references_in_query_chunks_equal_one_pass(monkeypatch):
     assert len(small(0, 9, 100)) == 3
     assert torch.equal(di.select_topk_reference(qi, w, index_k, batch, 5, 0.25), topk)
     torch.testing.assert_close(la.latent_attention_reference(q, latent, batch, 0.3, 8, topk), want)
+
+
+def test_fused_expert_layout_loads_the_same_model(tmp_path):
+    """transformers 5.24's save_pretrained writes per-expert names (tests/test_mla_parity.py loads
+    them); a checkpoint with fused mlp.experts.gate_up_proj / down_proj loads to the same model."""
+    from moetier.checkpoint.loader import load_model
+    from moetier.checkpoint.writer import make_checkpoint
+    from tests.helpers import Sequence
+
+    ids = torch.arange(3, 30)
+    logits = []
+    for fused in (False, True):
+        path = make_checkpoint(tmp_path / str(fused), "tiny-dsv3", seed=3, dtype="float32", fused_experts=fused)
+        _, model, _ = load_model(path)
+        logits.append(model.logits(Sequence(model, 32).forward(ids)))
+    assert torch.equal(*logits)
