@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from moetier.errors import ConfigError, problem_list
 from moetier.experts.shape import MoeShape
 
@@ -151,6 +153,11 @@ class ModelConfig:
         raise NotImplementedError
 
     def num_parameters(self) -> int:
+        raise NotImplementedError
+
+    def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
+        """Bytes of each transient the attention of one layer holds at a step of `tokens` tokens
+        (plan/residents.step_activations)."""
         raise NotImplementedError
 
 

@@ -23,6 +23,25 @@ _QWEN3_COMMON: dict[str, Any] = {
     "use_sliding_window": False,
 }
 
+_DEEPSEEK_COMMON: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_act": "silu",
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "moe_layer_freq": 1,
+    "attention_bias": False,
+}
+
+_GLM_COMMON: dict[str, Any] = {
+    "model_type": "glm_moe_dsa",
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "hidden_act": "silu",
+    "attention_bias": False,
+}
+
+_COMMON = {"qwen3_moe": _QWEN3_COMMON, "deepseek_v3": _DEEPSEEK_COMMON, "glm_moe_dsa": _GLM_COMMON}
+
 # Shapes from the published config.json files of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B.
 _PUBLISHED = {
     "qwen3-30b-a3b": {
@@ -39,6 +58,36 @@ _PUBLISHED = {
         "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
         "norm_topk_prob": True, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # deepseek-ai/DeepSeek-V3's config.json (V3-0324 and R1 share it); num_nextn_predict_layers 1: the
+    # MTP layer 61, skipped on load.
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3, "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+        "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    # zai-org/GLM-5: transformers' GlmMoeDsaConfig defaults, which describe it (docs/models.md says
+    # where to check the card): 78 layers, 256 experts top-8, DSA top-2048 on every layer.
+    "glm-5": {
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "num_hidden_layers": 78,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+        "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "bfloat16",
     },
 }
@@ -71,11 +120,52 @@ _TINY = {
         "tie_word_embeddings": False, "decoder_sparse_step": 2, "mlp_only_layers": [5],
         "torch_dtype": "float32",
     },
+    # MLA with the low-rank query, YaRN (cos/sin scaled: mscale != mscale_all_dim), groups 4 pick 2,
+    # one shared expert, one leading dense layer.
+    "tiny-dsv3": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 20,
+        "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+    },
+    # No low-rank query (q_proj), rotate-half rotary, plain rope, one group, two shared experts,
+    # no renormalisation, two dense layers, tied embeddings.
+    "tiny-dsv3-plain": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 520, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": None, "kv_lora_rank": 24,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "rope_interleave": False,
+        "moe_intermediate_size": 24, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 2,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.5,
+        "first_k_dense_replace": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "float32",
+    },
+    # DSA: index_topk 8, below the test contexts; full, shared, full, shared indexer layers; groups 4
+    # pick 2, a shared expert, one leading dense layer.
+    "tiny-glm5": {
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "index_topk": 8, "index_head_dim": 32, "index_n_heads": 8,
+        "indexer_types": ["full", "shared", "full", "shared"],
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    },
 }
 
 
 # MoE layer shapes of architectures without a model preset yet (published config.json values).
-MOE_SHAPES = {"glm-5": MoeShape(num_experts=256, top_k=8, hidden=6144, inter=2048)}
+MOE_SHAPES: dict[str, MoeShape] = {}
 
 
 def moe_shape(name: str) -> MoeShape:
@@ -92,13 +182,17 @@ def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) 
     table = {**_PUBLISHED, **_TINY}
     if name not in table:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(names())}")
-    d = {**_QWEN3_COMMON, **table[name]}
+    d = {**_COMMON[table[name].get("model_type", "qwen3_moe")], **table[name]}
     if layers is not None:
         full = d["num_hidden_layers"]
         if not 1 <= layers <= full:
             raise ConfigError(f"--layers {layers}: preset {name} has {full} layers; keep 1 to {full} of them")
         d["num_hidden_layers"] = layers
-        d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
+        for key in ("mlp_layer_types", "indexer_types"):  # per-layer lists keep their first `layers`
+            if key in d:
+                d[key] = d[key][:layers]
     if dtype is not None:
         d["torch_dtype"] = dtype
     return d

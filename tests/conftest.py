@@ -38,3 +38,40 @@ def hf_checkpoint(out: Path, preset: str, seed: int, max_shard_size: str | None 
     write_tokenizer(out)
     return out
 
+
+
+def hf_mla_model(preset: str, seed: int, **overrides):
+    """A random transformers DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM of a tiny preset, float32.
+    Norms, the router's correction bias and the indexer's LayerNorm bias are randomised too
+    (transformers initialises them to 1 and 0), so parity sees every weight. overrides: config.json
+    fields changed from the preset's."""
+    import transformers
+
+    from moetier import presets
+
+    d = {**presets.preset(preset).to_hf_dict(), **overrides}
+    arch = d.pop("architectures")[0]
+    d.pop("model_type")
+    config = getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")(**d)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.bias"):
+                p.uniform_(-0.2, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
+    return model
+
+
+def hf_mla_checkpoint(out: Path, preset: str, seed: int, **overrides):
+    """hf_mla_model saved with save_pretrained, plus our tokenizer. -> (path, the transformers model)."""
+    from moetier.tokenizer.synthetic import write_tokenizer
+
+    model = hf_mla_model(preset, seed, **overrides)
+    model.save_pretrained(out)
+    write_tokenizer(out)
+    return out, model

@@ -36,18 +36,12 @@ def hf_model(path):
     return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("preset,seed,shard", CASES)
-def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
-    path = hf_checkpoint(tmp_path / preset, preset, seed, shard)
-    if shard:
-        assert (path / "model.safetensors.index.json").is_file()
-    ref = hf_model(path)
-    gen = Generator(LLM(path, dtype="float32", device="cpu"))
+def assert_matches_transformers(gen: Generator, ref, prompt: torch.Tensor, page_size: int = 16) -> None:
+    """Logits to 1e-5 relative at prefill and DECODE_STEPS greedy decode steps (transformers
+    recomputes the whole sequence each step, so our KV cache is checked too), and greedy generate()
+    giving transformers' tokens."""
     model = gen.model
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, gen.cfg.vocab_size, (13,), generator=g)
-
-    cache = Sequence(model, 64)
+    cache = Sequence(model, 64, page_size)
     ours = model.logits(cache.forward(prompt))
     with torch.no_grad():
         want = ref(prompt[None]).logits[0].float()
@@ -68,6 +62,19 @@ def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
                               pad_token_id=0, min_new_tokens=DECODE_STEPS)[0, len(prompt):].tolist()
     assert result.output_ids == hf_ids
     assert result.output_ids == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("preset,seed,shard", CASES)
+def test_logits_and_greedy_match_transformers(tmp_path, preset, seed, shard):
+    path = hf_checkpoint(tmp_path / preset, preset, seed, shard)
+    if shard:
+        assert (path / "model.safetensors.index.json").is_file()
+    ref = hf_model(path)
+    gen = Generator(LLM(path, dtype="float32", device="cpu"))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, gen.cfg.vocab_size, (13,), generator=g)
+
+    assert_matches_transformers(gen, ref, prompt)
 
 
 def test_fused_expert_layout_loads_the_same_model(tmp_path):

@@ -92,6 +92,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, hkv, d)[slot_mapping] = v
 
 
+def sequence_rows(cache: torch.Tensor, batch: AttnBatch, i: int) -> torch.Tensor:
+    """cache: [pages, page_size, ...] of one layer -> [ctx, ...], sequence i's rows in token order."""
+    ctx, page_size = batch.seq_lens_host[i], cache.shape[1]
+    pages = batch.page_table[i, : (ctx + page_size - 1) // page_size].long()
+    return cache[pages].flatten(0, 1)[:ctx]
+
+
+def query_chunks(a: int, b: int, row_bytes: int, budget: int = 1 << 28) -> list[tuple[int, int]]:
+    """Tokens a..b of a step in runs whose float32 score rows (row_bytes each) stay within budget
+    bytes: a long prefill's [T, context] scores are never materialised whole."""
+    step = max(1, budget // max(row_bytes, 1))
+    return [(c, min(c + step, b)) for c in range(a, b, step)]
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               batch: AttnBatch) -> torch.Tensor:
     """q: [N, Hq, D]; k_cache, v_cache: [P, page_size, Hkv, D] (this step's keys already written).

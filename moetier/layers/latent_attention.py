@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetier.layers.attention import AttnBatch
+from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
 
 
 def write_latent(latent: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -36,28 +36,27 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, batch: Att
 
     Scores and softmax in float32; probabilities rounded to q.dtype before they weigh the values,
     as layers/attention.causal_attention does."""
-    page_size = latent.shape[1]
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     qs, lens = batch.query_start_host, batch.seq_lens_host
     for i in range(batch.num_seqs):
         a, b, ctx = qs[i], qs[i + 1], lens[i]
         if a == b:
             continue
-        pages = batch.page_table[i, : (ctx + page_size - 1) // page_size].long()
-        rows = latent[pages].flatten(0, 1)[:ctx]  # [ctx, R + P]
-        scores = torch.einsum("thd,sd->hts", q[a:b].float(), rows.float()) * scale  # [Hq, T, ctx]
-        pos = torch.arange(ctx - (b - a), ctx, device=q.device)
+        rows = sequence_rows(latent, batch, i)  # [ctx, R + P]
         keys = torch.arange(ctx, device=q.device)
-        allowed = keys[None, :] <= pos[:, None]  # [T, ctx]
-        if topk is not None:
-            sel = topk[a:b].long()
-            chosen = torch.zeros(b - a, ctx + 1, dtype=torch.bool, device=q.device)
-            # -1 entries land in the spare last column, which is dropped
-            chosen.scatter_(1, torch.where(sel < 0, ctx, sel.clamp(max=ctx)), True)
-            allowed &= chosen[:, :ctx]
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[a:b] = torch.einsum("hts,sr->thr", probs, rows[:, :kv_lora_rank])
+        for c, d in query_chunks(a, b, q.shape[1] * ctx * 4):
+            scores = torch.einsum("thd,sd->hts", q[c:d].float(), rows.float()) * scale  # [Hq, T, ctx]
+            pos = torch.arange(ctx - (b - c), ctx - (b - d), device=q.device)
+            allowed = keys[None, :] <= pos[:, None]  # [T, ctx]
+            if topk is not None:
+                sel = topk[c:d].long()
+                chosen = torch.zeros(d - c, ctx + 1, dtype=torch.bool, device=q.device)
+                # -1 entries land in the spare last column, which is dropped
+                chosen.scatter_(1, torch.where(sel < 0, ctx, sel.clamp(max=ctx)), True)
+                allowed &= chosen[:, :ctx]
+            scores = scores.masked_fill(~allowed[None], float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[c:d] = torch.einsum("hts,sr->thr", probs, rows[:, :kv_lora_rank])
     return out
 
 

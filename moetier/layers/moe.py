@@ -1,11 +1,13 @@
 """The generic MoE block: a router chooses experts, an expert backend computes them.
 
     x [T, H] -> router -> topk_ids [T, k], topk_weights [T, k] -> (route hook) -> experts -> [T, H]
+                                                                   (+ shared(x): dense shared experts)
 
 The router is the model's (layers/router.py); the expert backend (experts/backends.py: resident,
 slots, uva) is built by the loader after the weights are in place and handed to the block, so the
 model never knows where its experts live. The route hook sees (layer, ids, weights) and may replace
-them: routing traces record and replay through it (traces/hooks.py).
+them: routing traces record and replay through it (traces/hooks.py). Shared experts (DeepSeek-V3,
+GLM-5) are a dense module every token runs, always on the device, outside the expert tiers.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ RouteHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, layer: int, router: nn.Module):
+    def __init__(self, layer: int, router: nn.Module, shared: nn.Module | None = None):
         super().__init__()
         self.layer = layer
         self.router = router
+        self.shared = shared
         self.experts: ExpertBackend | None = None  # set by the loader (checkpoint/loader.py)
         self.route_hook: RouteHook | None = None
 
@@ -33,4 +36,5 @@ class MoEBlock(nn.Module):
         ids, weights = self.router(x)
         if self.route_hook is not None:
             ids, weights = self.route_hook(self.layer, ids, weights)
-        return self.experts.forward(x, ids, weights)
+        out = self.experts.forward(x, ids, weights)
+        return out if self.shared is None else out + self.shared(x)

@@ -44,6 +44,25 @@ class Weight:
     shape: tuple[int, ...]
     optional: bool = False  # may be absent (e.g. the tied lm_head copy some exporters write)
     expert: ExpertTensor | None = None
+    float32: bool = False  # kept in float32 whatever the model dtype (routers' gates and biases)
+
+
+def routed_expert_weights(prefix: str, layer: int, num_experts: int, hidden: int, inter: int,
+                          present: set[str]) -> list[Weight]:
+    """The routed experts of one MoE layer under `prefix` ("model.layers.{i}.mlp."): fused
+    experts.gate_up_proj / down_proj when the checkpoint holds them (transformers 5), else per expert
+    experts.{x}.gate_proj / up_proj / down_proj (the published checkpoints)."""
+    e, m = num_experts, prefix
+    if m + "experts.gate_up_proj" in present or m + "experts.down_proj" in present:
+        return [Weight(m + "experts.gate_up_proj", (e, 2 * inter, hidden), expert=ExpertTensor(layer, None, "gate_up")),
+                Weight(m + "experts.down_proj", (e, hidden, inter), expert=ExpertTensor(layer, None, "down"))]
+    out = []
+    for x in range(e):
+        q = f"{m}experts.{x}."
+        out += [Weight(q + "gate_proj.weight", (inter, hidden), expert=ExpertTensor(layer, x, "gate")),
+                Weight(q + "up_proj.weight", (inter, hidden), expert=ExpertTensor(layer, x, "up")),
+                Weight(q + "down_proj.weight", (hidden, inter), expert=ExpertTensor(layer, x, "down"))]
+    return out
 
 
 class CausalLM(nn.Module, ABC):
@@ -76,6 +95,17 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         ...
+
+    def outer_param(self, name: str) -> torch.Tensor | None | bool:
+        """The embedding, final norm and LM head, for families that keep them as self.embed, self.norm
+        and self.lm_head; False: `name` is none of them."""
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "model.norm.weight":
+            return self.norm
+        if name == "lm_head.weight":
+            return None if self.cfg.tie_word_embeddings else self.lm_head
+        return False
 
     def expert_stats(self) -> dict[str, int]:
         """The expert backends' counters summed over layers (one host read per layer; between steps)."""

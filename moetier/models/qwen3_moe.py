@@ -28,9 +28,9 @@ from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
 from moetier.layers.norm import add_rms_norm
 from moetier.layers.param import param
-from moetier.layers.router import SoftmaxTopK
 from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
-from moetier.models.base import CausalLM, ExpertTensor, Weight
+from moetier.layers.router import SoftmaxTopK
+from moetier.models.base import CausalLM, Weight, routed_expert_weights
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -117,6 +117,14 @@ class Qwen3MoeConfig(ModelConfig):
             "sliding_window": None,
         }
 
+    def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
+        """q/k/v [T, (Hq + 2 Hkv) D] and q after rotary, attention output [T, Hq D], the paged
+        attention's key-split partials (at most 64 splits, float32)."""
+        t, d, hq, hkv, isz = tokens, self.head_dim, self.num_heads, self.num_kv_heads, dtype.itemsize
+        splits = max(1, min(64, 4 * 132 // max(1, t * hkv)))  # paged_attention_triton.default_num_splits
+        return [t * (hq + 2 * hkv) * d * isz, t * hq * d * isz, t * hq * d * isz, splits * t * hq * d * 4,
+                splits * t * hq * 4]
+
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * d + 2 * h
@@ -189,27 +197,15 @@ class Qwen3MoeForCausalLM(CausalLM):
                         Weight(m + "down_proj.weight", (h, cfg.intermediate_size))]
                 continue
             out.append(Weight(m + "gate.weight", (e, h)))
-            if m + "experts.gate_up_proj" in present or m + "experts.down_proj" in present:
-                out += [Weight(m + "experts.gate_up_proj", (e, 2 * i_moe, h), expert=ExpertTensor(layer, None, "gate_up")),
-                        Weight(m + "experts.down_proj", (e, h, i_moe), expert=ExpertTensor(layer, None, "down"))]
-                continue
-            for x in range(e):
-                q = f"{m}experts.{x}."
-                out += [Weight(q + "gate_proj.weight", (i_moe, h), expert=ExpertTensor(layer, x, "gate")),
-                        Weight(q + "up_proj.weight", (i_moe, h), expert=ExpertTensor(layer, x, "up")),
-                        Weight(q + "down_proj.weight", (h, i_moe), expert=ExpertTensor(layer, x, "down"))]
+            out += routed_expert_weights(m, layer, e, h, i_moe, present)
         out.append(Weight("model.norm.weight", (h,)))
         # some exporters write the tied copy, most do not
         out.append(Weight("lm_head.weight", (cfg.vocab_size, h), optional=cfg.tie_word_embeddings))
         return out
 
     def param(self, name: str) -> torch.Tensor | None:
-        if name == "model.embed_tokens.weight":
-            return self.embed
-        if name == "model.norm.weight":
-            return self.norm
-        if name == "lm_head.weight":
-            return None if self.cfg.tie_word_embeddings else self.lm_head
+        if (outer := self.outer_param(name)) is not False:
+            return outer
         m = _LAYER.fullmatch(name)
         if not m:
             return None

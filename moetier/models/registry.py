@@ -28,6 +28,10 @@ class Architecture:
 ARCHITECTURES = (
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), "moetier.models.qwen3_moe", "Qwen3MoeForCausalLM",
                  "Qwen3MoeConfig"),
+    Architecture("deepseek_v3", ("DeepseekV3ForCausalLM",), "moetier.models.deepseek_v3", "DeepseekV3ForCausalLM",
+                 "DeepseekV3Config"),
+    Architecture("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "moetier.models.glm_moe_dsa", "GlmMoeDsaForCausalLM",
+                 "GlmMoeDsaConfig"),
 )
 
 

@@ -81,14 +81,15 @@ class Dense:
 @lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
-    in the model dtype; the tied LM head (optional, never kept) is not counted."""
+    in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
+    kept) is not counted."""
     from moetier.models.registry import model_class
 
     head, rest, sizes = 0, 0, []
     for w in model_class(cfg).checkpoint_weights(cfg, set()):
         if w.expert is not None or w.optional:
             continue
-        n = dtype.itemsize
+        n = 4 if w.float32 else dtype.itemsize
         for d in w.shape:
             n *= d
         sizes.append(n)
@@ -152,19 +153,12 @@ def graph_host_inputs(max_batch: int, max_pages_per_seq: int) -> int:
 def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_rows: int) -> list[int]:
     """The largest transient of one step of `tokens` tokens, one layer deep (layers run one after
     another; each frees its intermediates): residual stream, normed input and the layer output
-    [T, H] x 3, q/k/v [T, (Hq + 2 Hkv) D] and q after rotary, attention output [T, Hq D], the
-    attention's key-split partials (at most 64 splits, float32), router logits [T, E] float32 and
-    top-k, the MoE input copy and output [T, H] x 2; then logits [rows, V] in the model dtype and
-    float32."""
-    h, isz = cfg.hidden_size, dtype.itemsize
-    heads = getattr(cfg, "num_heads", 1)
-    kv_heads = getattr(cfg, "num_kv_heads", 1)
-    d = getattr(cfg, "head_dim", h // max(heads, 1))
-    t = tokens
-    splits = max(1, min(64, 4 * 132 // max(1, t * kv_heads)))  # paged_attention_triton.default_num_splits
-    out = [t * h * isz] * 5 + [t * (heads + 2 * kv_heads) * d * isz, t * heads * d * isz, t * heads * d * isz,
-                               splits * t * heads * d * 4, splits * t * heads * 4,
-                               t * cfg.num_experts * 4, t * cfg.top_k * 8, t * cfg.top_k * isz]
+    [T, H] x 3, the attention's own transients (the family says: ModelConfig.attention_activations),
+    router logits [T, E] float32 and top-k, the MoE input copy and output [T, H] x 2; then logits
+    [rows, V] in the model dtype and float32."""
+    h, isz, t = cfg.hidden_size, dtype.itemsize, tokens
+    out = [t * h * isz] * 5 + cfg.attention_activations(t, dtype) + [
+        t * cfg.num_experts * 4, t * cfg.top_k * 8, t * cfg.top_k * isz]
     return out + [logit_rows * cfg.vocab_size * isz, logit_rows * cfg.vocab_size * 4]
 
 

@@ -1,0 +1,114 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-5) over the paged latent cache
+(layers/kv_cache.MlaKVCache), with the absorbed weights.
+
+    x [N, H] -> q: q_b(rms(q_a(x))) (low-rank path) or q_proj(x)  -> [N, Hq, nope + rope]
+             -> kv_a_proj_with_mqa(x) = [c_kv (R) | k_pe (P)]; c_kv normed, k_pe roped (one head,
+                shared by all query heads) -> the latent row [c_kv | k_pe] written to the cache
+             -> q_nope absorbed through W_UK (kv_b_proj's key rows): [N, Hq, R], next to roped q_pe
+             -> latent_attention (optionally over the DSA indexer's top-k positions) -> [N, Hq, R]
+             -> W_UV (kv_b_proj's value rows) per head -> [N, Hq, v] -> o_proj -> [N, H]
+
+Every token, prefill and decode alike, goes through the absorbed path: keys and values are never
+expanded to full heads. That is what decode wants (the latent is read once per token of context);
+for long prefills expanding kv_b per head can be cheaper in FLOPs, which is not done yet.
+
+The arithmetic equals transformers' DeepseekV3Attention / GlmMoeDsaAttention up to float
+reassociation: (q_nope W_UK) . c_kv instead of q_nope . (W_UK c_kv), and W_UV after the weighted sum
+instead of before. qk_rope_head_dim may be 0 (no position part: the latent is c_kv alone).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.layers.attention import AttnBatch
+from moetier.layers.kv_cache import MlaKVCache
+from moetier.layers.latent_attention import latent_attention, write_latent
+from moetier.layers.norm import rms_norm
+from moetier.layers.param import param
+from moetier.layers.rotary import apply_rope, apply_rope_interleave
+
+# q_a_layernorm and kv_a_layernorm are built without an eps argument in the reference (and in
+# DeepSeek's own code), so they use 1e-6 whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module):
+    """One layer's MLA. q_lora_rank 0: a plain q_proj. indexer: a layers/dsa_indexer.DsaIndexer
+    for DSA layers that pick their own keys (None: every causal key, or the top-k handed in)."""
+
+    def __init__(self, layer: int, hidden: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
+                 rope: int, v_dim: int, bias: bool, scale: float, interleave: bool, dtype: torch.dtype,
+                 device: torch.device | str, indexer: nn.Module | None = None):
+        super().__init__()
+        self.layer, self.hq, self.r, self.nope, self.rope, self.v = layer, num_heads, kv_lora_rank, nope, rope, v_dim
+        self.scale, self.interleave = scale, interleave
+        qk = nope + rope
+
+        def opt_bias(n: int) -> nn.Parameter | None:
+            return param(n, dtype=dtype, device=device) if bias else None
+
+        if q_lora_rank:
+            self.q_a = param(q_lora_rank, hidden, dtype=dtype, device=device)
+            self.q_a_bias = opt_bias(q_lora_rank)
+            self.q_a_norm = param(q_lora_rank, dtype=dtype, device=device)
+            self.q_b = param(num_heads * qk, q_lora_rank, dtype=dtype, device=device)
+            self.q_proj = None
+        else:
+            self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = None
+            self.q_proj = param(num_heads * qk, hidden, dtype=dtype, device=device)
+        self.kv_a = param(kv_lora_rank + rope, hidden, dtype=dtype, device=device)
+        self.kv_a_bias = opt_bias(kv_lora_rank + rope)
+        self.kv_a_norm = param(kv_lora_rank, dtype=dtype, device=device)
+        # rows per head: [k_nope (nope) | v (v_dim)], each a map from the latent (R)
+        self.kv_b = param(num_heads * (nope + v_dim), kv_lora_rank, dtype=dtype, device=device)
+        self.o = param(hidden, num_heads * v_dim, dtype=dtype, device=device)
+        self.o_bias = opt_bias(hidden)
+        self.indexer = indexer
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        # [Hq, nope, R]: head h's key = W_UK[h] @ c_kv
+        return self.kv_b.view(self.hq, self.nope + self.v, self.r)[:, : self.nope]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        # [Hq, v, R]: head h's value = W_UV[h] @ c_kv
+        return self.kv_b.view(self.hq, self.nope + self.v, self.r)[:, self.nope:]
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [N, heads, rope]
+        return (apply_rope_interleave if self.interleave else apply_rope)(x, cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (q_resid [N, q_lora] or None, q [N, Hq, R + P] absorbed and roped,
+        latent rows [N, R + P] = [normed c_kv | roped k_pe])."""
+        t = x.shape[0]
+        if self.q_proj is None:
+            q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q = F.linear(q_resid, self.q_b)
+        else:
+            q_resid, q = None, F.linear(x, self.q_proj)
+        q_nope, q_pe = q.view(t, self.hq, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = F.linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
+        c_kv = rms_norm(c_kv, self.kv_a_norm, LATENT_NORM_EPS)
+        k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
+        q_abs = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
+        q = torch.cat([q_abs, self.rotate(q_pe, cos, sin)], dim=-1)
+        return q_resid, q, torch.cat([c_kv, k_pe], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch, kv: MlaKVCache,
+                topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [N, H]; cos, sin: [N, rope]; topk: [N, K] int32 positions chosen by an earlier layer's
+        indexer (DSA 'shared' layers) or None. -> (out [N, H], the top-k this layer attended over)."""
+        q_resid, q, rows = self.project(x, cos, sin)
+        latent = kv.latent[self.layer]
+        write_latent(latent, rows, batch.slot_mapping)
+        if self.indexer is not None:
+            topk = self.indexer(x, q_resid, cos, sin, batch, kv)
+        out = latent_attention(q, latent, batch, self.scale, self.r, topk)  # [N, Hq, R]
+        out = torch.einsum("nhr,hvr->nhv", out, self.w_uv)
+        return F.linear(out.reshape(x.shape[0], self.hq * self.v), self.o, self.o_bias), topk

@@ -1,0 +1,222 @@
+"""The decoder the DeepSeek-V3 family shares (deepseek_v3, glm_moe_dsa): its checkpoint names, its
+layers, its forward. The families differ in config fields and in GLM-5's DSA indexer, which they
+add through the hooks `make_indexer`, `index_keys`, `indexer_weights` and `indexer_param`.
+
+Decoder layer: x + mla(rms(x)); then h + mlp(rms(h)), where mlp is a dense SwiGLU for the leading
+dense layers (mlp_layer_types "dense") and otherwise a MoEBlock: grouped sigmoid router, routed
+experts through the expert backend, plus the dense shared experts on the device.
+
+Checkpoint layers num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1 are the
+multi-token-prediction (MTP) layers of the published checkpoints: listed as optional weights so the
+validation knows them, and never read (param() returns None) until speculative decoding uses them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.layers.attention import AttnBatch
+from moetier.layers.kv_cache import MlaKVCache, MlaKVSpec
+from moetier.layers.mla_attention import MlaAttention
+from moetier.layers.mlp import SwigluMLP
+from moetier.layers.moe import MoEBlock
+from moetier.layers.norm import add_rms_norm
+from moetier.layers.param import param
+from moetier.layers.rotary import rope_cos_sin
+from moetier.layers.router import GroupedSigmoidTopK
+from moetier.models.base import CausalLM, Weight, routed_expert_weights
+from moetier.models.mla_config import MlaMoeConfig
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MLP = {"gate_proj": 0, "up_proj": 1}  # halves of SwigluMLP.w13
+
+
+class MlaDecoderLayer(nn.Module):
+    def __init__(self, cfg: MlaMoeConfig, layer: int, indexer: nn.Module | None, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.layer, self.eps = layer, cfg.rms_norm_eps
+        h = cfg.hidden_size
+        self.input_norm = param(h, dtype=dtype, device=device)
+        self.post_norm = param(h, dtype=dtype, device=device)
+        self.attn = MlaAttention(layer, h, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                                 cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias, cfg.softmax_scale,
+                                 cfg.rope_interleave, dtype, device, indexer)
+        if cfg.is_moe_layer(layer):
+            router = GroupedSigmoidTopK(cfg.num_experts, h, cfg.top_k, cfg.n_group, cfg.topk_group,
+                                        cfg.norm_topk_prob, cfg.routed_scaling_factor, device)
+            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
+                      if cfg.n_shared_experts else None)
+            self.mlp: MoEBlock | SwigluMLP = MoEBlock(layer, router, shared)
+        else:
+            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttnBatch, kv: MlaKVCache, topk: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The residual stream enters as x + delta and leaves the same way (see qwen3_moe); topk: the
+        DSA selection of the last indexer layer, passed on to 'shared' layers."""
+        h, x = add_rms_norm(x, delta, self.input_norm, self.eps)
+        a, topk = self.attn(h, cos, sin, batch, kv, topk)
+        h, x = add_rms_norm(x, a, self.post_norm, self.eps)
+        return x, self.mlp(h), topk
+
+
+def _swiglu_weights(prefix: str, hidden: int, inter: int) -> list[Weight]:
+    return [Weight(prefix + "gate_proj.weight", (inter, hidden)), Weight(prefix + "up_proj.weight", (inter, hidden)),
+            Weight(prefix + "down_proj.weight", (hidden, inter))]
+
+
+class MlaMoeForCausalLM(CausalLM):
+    cfg: MlaMoeConfig
+
+    def __init__(self, cfg: MlaMoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            MlaDecoderLayer(cfg, i, self.make_indexer(cfg, i, dtype, device), dtype, device)
+            for i in range(cfg.num_layers))
+        self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.register_buffer("inv_freq", cfg.inv_freq().to(device), persistent=False)
+
+    # -- family hooks (GLM-5's DSA indexer) --
+
+    @classmethod
+    def make_indexer(cls, cfg: MlaMoeConfig, layer: int, dtype: torch.dtype, device: torch.device | str
+                     ) -> nn.Module | None:
+        return None
+
+    @classmethod
+    def index_keys(cls, cfg: MlaMoeConfig) -> tuple[int, tuple[int, ...]]:
+        """(indexer key width, the layers whose indexer keys the KV cache holds)."""
+        return 0, ()
+
+    @classmethod
+    def indexer_weights(cls, cfg: MlaMoeConfig, prefix: str, layer: int) -> list[Weight]:
+        return []
+
+    def indexer_param(self, indexer: nn.Module, rest: str) -> torch.Tensor | None:
+        return None
+
+    # -- checkpoint --
+
+    @classmethod
+    def layer_weights(cls, cfg: MlaMoeConfig, layer: int, present: set[str], moe: bool) -> list[Weight]:
+        """The tensors of decoder layer `layer` (routed experts as ExpertTensor of `layer`)."""
+        h, hq, r, p = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        pre = f"model.layers.{layer}."
+        a = pre + "self_attn."
+        out = [Weight(pre + "input_layernorm.weight", (h,)), Weight(pre + "post_attention_layernorm.weight", (h,))]
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank:
+            ql = cfg.q_lora_rank
+            out += [Weight(a + "q_a_proj.weight", (ql, h))] + ([Weight(a + "q_a_proj.bias", (ql,))] if bias else [])
+            out += [Weight(a + "q_a_layernorm.weight", (ql,)), Weight(a + "q_b_proj.weight", (hq * cfg.qk_head_dim, ql))]
+        else:
+            out.append(Weight(a + "q_proj.weight", (hq * cfg.qk_head_dim, h)))
+        out.append(Weight(a + "kv_a_proj_with_mqa.weight", (r + p, h)))
+        if bias:
+            out.append(Weight(a + "kv_a_proj_with_mqa.bias", (r + p,)))
+        out += [Weight(a + "kv_a_layernorm.weight", (r,)),
+                Weight(a + "kv_b_proj.weight", (hq * (cfg.qk_nope_head_dim + cfg.v_head_dim), r)),
+                Weight(a + "o_proj.weight", (h, hq * cfg.v_head_dim))]
+        if bias:
+            out.append(Weight(a + "o_proj.bias", (h,)))
+        out += cls.indexer_weights(cfg, a + "indexer.", layer)
+        m = pre + "mlp."
+        if not moe:
+            return out + _swiglu_weights(m, h, cfg.intermediate_size)
+        e, mi = cfg.num_experts, cfg.moe_intermediate_size
+        out += [Weight(m + "gate.weight", (e, h), float32=True),
+                Weight(m + "gate.e_score_correction_bias", (e,), float32=True)]
+        if cfg.n_shared_experts:
+            out += _swiglu_weights(m + "shared_experts.", h, mi * cfg.n_shared_experts)
+        return out + routed_expert_weights(m, layer, e, h, mi, present)
+
+    @classmethod
+    def mtp_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
+        """The MTP layers (DeepSeek-V3 / GLM-5 layout): a MoE decoder layer plus enorm, hnorm, eh_proj
+        and a shared head; all optional, none kept (expert=None: their experts go to no tier)."""
+        h, v = cfg.hidden_size, cfg.vocab_size
+        out = []
+        for layer in range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers):
+            pre = f"model.layers.{layer}."
+            out += [Weight(w.name, w.shape, optional=True) for w in cls.layer_weights(cfg, layer, present, True)]
+            out += [Weight(pre + n, s, optional=True) for n, s in (
+                ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                ("embed_tokens.weight", (v, h)), ("shared_head.norm.weight", (h,)),
+                ("shared_head.head.weight", (v, h)))]
+        return out
+
+    @classmethod
+    def checkpoint_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
+        out = [Weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))]
+        for layer in range(cfg.num_layers):
+            out += cls.layer_weights(cfg, layer, present, cfg.is_moe_layer(layer))
+        out.append(Weight("model.norm.weight", (cfg.hidden_size,)))
+        out.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), optional=cfg.tie_word_embeddings))
+        return out + cls.mtp_weights(cfg, present)
+
+    def param(self, name: str) -> torch.Tensor | None:
+        if (outer := self.outer_param(name)) is not False:
+            return outer
+        m = _LAYER.fullmatch(name)
+        if not m or int(m.group(1)) >= self.cfg.num_layers:  # MTP layers are not kept
+            return None
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        if rest == "input_layernorm.weight":
+            return layer.input_norm
+        if rest == "post_attention_layernorm.weight":
+            return layer.post_norm
+        if rest.startswith("self_attn.indexer."):
+            return self.indexer_param(layer.attn.indexer, rest[len("self_attn.indexer."):])
+        if rest.startswith("self_attn."):
+            a = layer.attn
+            return {"q_a_proj.weight": a.q_a, "q_a_proj.bias": a.q_a_bias, "q_a_layernorm.weight": a.q_a_norm,
+                    "q_b_proj.weight": a.q_b, "q_proj.weight": a.q_proj, "kv_a_proj_with_mqa.weight": a.kv_a,
+                    "kv_a_proj_with_mqa.bias": a.kv_a_bias, "kv_a_layernorm.weight": a.kv_a_norm,
+                    "kv_b_proj.weight": a.kv_b, "o_proj.weight": a.o, "o_proj.bias": a.o_bias,
+                    }.get(rest[len("self_attn."):])
+        mlp = layer.mlp
+        if rest == "mlp.gate.weight":
+            return mlp.router.weight
+        if rest == "mlp.gate.e_score_correction_bias":
+            return mlp.router.bias
+        if rest.startswith("mlp.shared_experts."):
+            mlp, rest = mlp.shared, "mlp." + rest[len("mlp.shared_experts."):]
+        proj = rest[len("mlp."):].removesuffix(".weight")
+        if proj == "down_proj":
+            return mlp.w2
+        half = _MLP.get(proj)
+        return None if half is None else mlp.w13[half * mlp.inter:(half + 1) * mlp.inter]
+
+    # -- runtime --
+
+    def kv_spec(self) -> MlaKVSpec:
+        # from cfg alone: plan/memory.py calls it on a model built without weights
+        cfg = self.cfg
+        return MlaKVSpec(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *self.index_keys(cfg))
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: MlaKVCache) -> torch.Tensor:
+        # input_ids: [N] -> last hidden states [N, H]
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype, self.cfg.rope_attention_factor)
+        x, delta, topk = F.embedding(input_ids, self.embed), None, None
+        for layer in self.layers:
+            x, delta, topk = layer(x, delta, cos, sin, batch, kv, topk)
+        return add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, H] -> [T, V] float32
+        return F.linear(hidden, self.lm_head).float()

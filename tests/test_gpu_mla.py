@@ -1,0 +1,96 @@
+"""GPU tests of the DeepSeek-V3 family (marked `gpu`, skipped without CUDA): float32 parity with
+transformers on the device, the engine's backends and batching on the device, eagerly and from
+CUDA graphs (those need the latent attention kernel, layers/latent_attention_triton.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.conftest import hf_mla_checkpoint
+from tests.test_parity import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+HAS_KERNEL = importlib.util.find_spec("moetier.layers.latent_attention_triton") is not None
+PRESETS = ["tiny-dsv3", "tiny-glm5"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_float32_on_gpu_matches_transformers(tmp_path, preset):
+    from moetier.engine.llm import LLM
+    from tests.helpers import Sequence
+
+    path, ref = hf_mla_checkpoint(tmp_path / preset, preset, 11)
+    model = LLM(path, dtype="float32", device="cuda", cuda_graphs=False).model
+    ids = torch.randint(0, 512, (29,), generator=torch.Generator().manual_seed(11))
+    seq = Sequence(model, 64, page_size=16)
+    ours = model.logits(seq.forward(ids[:21])).cpu()
+    with torch.no_grad():
+        want = ref(ids[None, :21]).logits[0]
+    assert rel_err(ours, want) <= 1e-4
+    for n in range(21, 29):  # decode steps: on CUDA the indexer takes its fixed-shape path
+        ours = model.logits(seq.forward(ids[n:n + 1])).cpu()
+        with torch.no_grad():
+            want = ref(ids[None, : n + 1]).logits[0, -1:]
+        assert rel_err(ours, want) <= 1e-4
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAS_KERNEL, reason="decode graphs need layers/latent_attention_triton.py"))])
+def test_engine_on_gpu_backends_and_batch_equal_alone(tmp_path, preset, graphs):
+    from moetier.checkpoint.writer import make_checkpoint
+    from moetier.engine import LLM
+    from moetier.experts.placement import ExpertOptions
+    from tests.test_engine import workload
+
+    path = make_checkpoint(tmp_path / preset, preset, seed=12, dtype="bf16")
+    prompts, params = workload(n=16, vocab=512)
+    outs = {}
+    for name, opts in {"resident": ExpertOptions("resident"), "slots": ExpertOptions("slots", slots=4),
+                       "uva": ExpertOptions("uva")}.items():
+        llm = LLM(path, device="cuda", experts=opts, max_num_seqs=8, max_num_tokens=64, cuda_graphs=graphs)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (llm.runner.graph_steps > 10) == graphs
+        if name == "slots":
+            assert llm.metrics()["expert_stats"]["misses"] > 50
+            alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+            assert outs[name] == alone
+        llm.scheduler.check()
+    assert outs["slots"] == outs["resident"] == outs["uva"]
+
+
+def test_fixed_shape_selection_captures_and_equals_the_reference():
+    from moetier.layers.attention import make_batch
+    from moetier.layers.dsa_indexer import select_topk_fixed, select_topk_reference
+    from tests.test_gpu import capture
+
+    g = torch.Generator().manual_seed(4)
+    index_k = torch.rand(12, 4, 16, generator=g).cuda()
+    batch = make_batch([(9, 1, [3, 7, 1]), (13, 1, [5, 11, 4, 9]), (2, 1, [6, 8])], 4, "cuda")
+    q, w = torch.rand(3, 3, 16, generator=g).cuda(), torch.rand(3, 3, generator=g).cuda()
+    graph, got = capture(lambda: select_topk_fixed(q, w, index_k, batch, 5, 0.25))
+    graph.replay()
+    want = select_topk_reference(q, w, index_k, batch, 5, 0.25)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(8, 4), (1, 1)])
+def test_grouped_router_kernel_on_gpu_and_in_a_graph(n_group, topk_group):
+    """DeepSeek-V3's router shape (256 experts, 8 groups keep 4, top-8) and GLM-5's (one group): the
+    kernel's picks are the reference's, replayed from a graph too."""
+    from moetier.layers.router import grouped_route_reference
+    from moetier.layers.router_triton import route_grouped
+    from tests.test_gpu import capture
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.stack([(torch.randperm(256, generator=g).float() - 128) / 32 for _ in range(64)]).cuda()
+    bias = (torch.randn(256, generator=g) * 0.05).cuda()
+    want_ids, want_w = grouped_route_reference(logits, bias, 8, n_group, topk_group, True, 2.5)
+    graph, (ids, w) = capture(lambda: route_grouped(logits, bias, 8, n_group, topk_group, True, 2.5, torch.float32))
+    graph.replay()
+    o, wo = ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, o), want_ids.gather(1, wo))
+    torch.testing.assert_close(w.gather(1, o), want_w.gather(1, wo), rtol=1e-6, atol=0)
