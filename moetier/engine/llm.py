@@ -151,6 +151,8 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
+        if not all(getattr(b.experts, "graph_safe", True) for b in model.moe_blocks()):
+            cuda_graphs = False  # e.g. hybrid: a host decision per MoE layer (experts/hybrid.py)
         graphs = None
         if cuda_graphs and model.device.type == "cuda":
             # Steps above the decode limit take the eager path.
@@ -237,7 +239,7 @@ class LLM:
     def metrics(self) -> dict:
         s = self.scheduler
         stats = self.model.expert_stats()
-        looked = stats["hits"] + stats["misses"] + stats["overflow"]
+        looked = stats["hits"] + stats["misses"] + stats["overflow"] + stats.get("host", 0)
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),

@@ -148,12 +148,16 @@ class SplitKernel(HostKernel):
         out = x.new_empty(tokens.numel(), lay.hidden)
         ys = [x.new_empty(xe.shape[0], lay.hidden) for xe in xs]
 
+        # NOTE: inference mode is per thread; the workers enter it so that they may write into buffers
+        # the caller made under it (the engine runs the model under torch.inference_mode)
+        @torch.inference_mode()
         def gate_up(g: int, a: int, b: int) -> None:
             w13 = lay.w13(rows[groups[g][0]:groups[g][0] + 1])[0]
             # gate rows [a, b) and the matching up rows, so silu_mul needs no second pass
             gu[g][:, a:b] = F.linear(xs[g], w13[a:b])
             gu[g][:, i + a:i + b] = F.linear(xs[g], w13[i + a:i + b])
 
+        @torch.inference_mode()
         def down(g: int, h: torch.Tensor, a: int, b: int) -> None:
             w2 = lay.w2(rows[groups[g][0]:groups[g][0] + 1])[0]
             ys[g][:, a:b] = F.linear(h, w2[a:b])

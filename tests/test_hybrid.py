@@ -1,0 +1,249 @@
+"""The hybrid expert backend: the host expert kernels against their reference, the cost model's choices
+on synthetic bandwidths, the backend against resident on the CPU (and on CUDA, marked gpu), and the
+engine's batch == alone with it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from moetier.experts.backends import ResidentExperts, SlotExperts
+from moetier.experts.cost_model import CostModel, PathRates
+from moetier.experts.cpu_experts import KERNELS, host_kernel, reference
+from moetier.experts.hybrid import HostPath, HybridExperts
+from moetier.experts.placement import ExpertOptions
+from moetier.experts.shape import RowLayout
+
+ROW = 9_437_184  # one Qwen3-30B-A3B expert in bf16, bytes
+BF16 = "bfloat16"
+
+
+def model(link: float, host: float, overhead: float = 0.0, token: float = 0.0) -> CostModel:
+    return CostModel(PathRates(link, {BF16: host}, overhead, token), ROW, BF16)
+
+
+# -- cost model -----------------------------------------------------------------------------------
+def test_fast_link_sends_everything_over_it():
+    s = model(link=1000.0, host=10.0).split([1] * 8)
+    assert s.num_host == 0 and s.link_s == pytest.approx(8 * ROW / 1000e9)
+
+
+def test_fast_host_takes_everything():
+    s = model(link=1.0, host=1000.0, overhead=1e-5).split([1] * 8)
+    assert s.num_host == 8 and s.link_s == 0.0
+
+
+def test_equal_rates_split_in_half_and_zero_host_rate_never_used():
+    s = model(link=50.0, host=50.0).split([1] * 8)
+    assert s.num_host == 4 and s.link_s == pytest.approx(s.host_s)
+    assert model(link=1.0, host=0.0).split([1] * 8).num_host == 0
+
+
+def test_split_between_follows_the_rates():
+    # link 55, host 65 GB/s, 0.05 ms per host call: of 8 misses the host should take 4 (3: link 0.86 ms)
+    s = model(link=55.0, host=65.0, overhead=5e-5).split([1] * 8)
+    assert s.num_host == 4
+    assert s.seconds < model(link=55.0, host=65.0).all_link_s(8)
+
+
+def test_host_takes_the_misses_with_fewest_tokens():
+    # a host token costs 1 ms more: the host takes the two one-token misses, the link the rest
+    tokens = [8, 1, 3, 1, 8, 2]
+    s = model(link=50.0, host=50.0, token=1e-3).split(tokens)
+    assert s.host == (False, True, False, True, False, False)
+
+
+def test_queued_work_moves_misses_to_the_idle_path():
+    m = model(link=50.0, host=50.0)
+    assert m.split([1] * 8, queued_link_s=10.0).num_host == 8
+    assert m.split([1] * 8, queued_host_s=10.0).num_host == 0
+
+
+def test_split_is_optimal_against_every_subset():
+    rnd = random.Random(0)
+    for _ in range(40):
+        tokens = [rnd.randint(1, 6) for _ in range(rnd.randint(1, 7))]
+        m = model(link=rnd.uniform(5, 100), host=rnd.uniform(5, 100), overhead=rnd.uniform(0, 5e-4),
+                  token=rnd.uniform(0, 5e-5))
+
+        def cost(chosen):
+            host = sum(m.host_cost(t) for t, h in zip(tokens, chosen) if h)
+            host += m.rates.host_overhead_s if any(chosen) else 0.0
+            return max((len(tokens) - sum(chosen)) * m.link_row_s, host)
+        best = min(cost(c) for c in itertools.product((False, True), repeat=len(tokens)))
+        assert m.split(tokens).seconds == pytest.approx(best)
+
+
+def test_bad_rates_are_refused():
+    with pytest.raises(ValueError, match="link bandwidth"):
+        PathRates(0.0, {BF16: 1.0})
+    with pytest.raises(ValueError, match="host bandwidth"):
+        PathRates(1.0, {BF16: -1.0})
+    with pytest.raises(ValueError, match="no measured host expert throughput for float8"):
+        CostModel(PathRates(1.0, {BF16: 1.0}), ROW, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="at least one token"):
+        model(1.0, 1.0).split([1, 0])
+
+
+# -- host kernels ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", KERNELS)
+def test_host_kernels_match_the_reference(name):
+    lay = RowLayout(64, 48)
+    g = torch.Generator().manual_seed(1)
+    rows = (torch.randn(10, lay.numel, generator=g) * 0.1).to(torch.bfloat16)
+    t, k = 5, 3
+    ids = torch.stack([torch.randperm(10, generator=g)[:k] for _ in range(t)]).reshape(-1)
+    w = torch.rand(t * k, generator=g)
+    pairs = torch.tensor([0, 1, 4, 6, 7, 8, 12, 14])
+    x = torch.randn(t, 64, generator=g)
+    kern = host_kernel(name, lay, threads=2)
+    kern.min_rows = 8  # split: more than one slice per expert at this size
+    got = kern(x, pairs, ids[pairs], w[pairs], rows, k)
+    want = reference(x, pairs, ids[pairs], w[pairs], rows, lay, k)
+    assert got.shape == (t, 64) and got[2].abs().max() > 0
+    assert torch.equal(got[3], torch.zeros(64))  # token 3's pairs (9, 10, 11) are not asked for
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def test_host_kernel_refuses_bad_input():
+    lay = RowLayout(16, 8)
+    rows = torch.zeros(4, lay.numel)
+    k = host_kernel("grouped", lay)
+    with pytest.raises(ValueError, match="expert ids must be in 0..3"):
+        k(torch.zeros(1, 16), torch.tensor([0]), torch.tensor([4]), torch.ones(1), rows, 1)
+    with pytest.raises(ValueError, match="no host expert kernel for torch.int8"):
+        k(torch.zeros(1, 16), torch.tensor([0]), torch.tensor([0]), torch.ones(1), rows.to(torch.int8), 1)
+    with pytest.raises(ValueError, match="unknown host expert kernel"):
+        host_kernel("fast", lay)
+
+
+# -- the backend on the CPU ------------------------------------------------------------------------
+E, K, S, H, I = 16, 4, 6, 64, 32
+
+
+def setup(dtype=torch.bfloat16, seed=0):
+    lay = RowLayout(H, I)
+    g = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(E, lay.numel, generator=g) * 0.1).to(dtype)
+    return lay, rows, g
+
+
+def steps(g, n=12, t=3):
+    for _ in range(n):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+        yield torch.randn(t, H, generator=g).to(torch.bfloat16), ids, torch.rand(t, K, generator=g)
+
+
+def hybrid(lay, rows, link, host, kernel="grouped"):
+    rates = PathRates(link, {BF16: host, "float32": host})
+    return HybridExperts(rows, lay, K, S, decode_tokens=16, host=HostPath(lay, kernel, 2, rates))
+
+
+def test_all_link_choice_is_bit_exact_against_slots_and_resident():
+    lay, rows, g = setup()
+    res, slots = ResidentExperts(rows, lay, K, 16), SlotExperts(rows, lay, K, S, 16)
+    hyb = hybrid(lay, rows, link=1e6, host=1e-3)
+    for x, ids, w in steps(g):
+        want = res.forward(x, ids, w)
+        assert torch.equal(hyb.forward(x, ids, w), want) and torch.equal(slots.forward(x, ids, w), want)
+    assert hyb.stats()["host"] == 0 and hyb.stats() == {**slots.stats(), "host": 0, "host_pairs": 0, "host_us": 0}
+    hyb.cache.check()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("link,host", [(1e-3, 1e6), (50.0, 50.0)], ids=["all-host", "split"])
+def test_hybrid_equals_resident_within_bf16(kernel, link, host):
+    lay, rows, g = setup()
+    res = ResidentExperts(rows, lay, K, 16)
+    hyb = hybrid(lay, rows, link, host, kernel)
+    for x, ids, w in steps(g):
+        want = res.forward(x, ids, w)
+        got = hyb.forward(x, ids, w)
+        assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        hyb.cache.check()
+    st = hyb.stats()
+    assert st["host"] > 0 and st["host_pairs"] >= st["host"]
+    if link < 1:
+        assert st["misses"] == 0 and st["overflow"] == 0  # nothing crossed the link
+    else:
+        assert st["misses"] > 0  # the other half went over it
+
+
+def test_same_choice_same_bits():
+    lay, rows, g = setup(seed=3)
+    a, b = hybrid(lay, rows, 50.0, 50.0), hybrid(lay, rows, 50.0, 50.0)
+    for x, ids, w in steps(g, n=6, t=5):
+        assert torch.equal(a.forward(x, ids, w), b.forward(x, ids, w))
+
+
+def test_prefill_bypasses_and_counts():
+    lay, rows, g = setup()
+    hyb = hybrid(lay, rows, 50.0, 50.0)
+    res = ResidentExperts(rows, lay, K, 16)
+    x, ids, w = next(steps(g, n=1, t=20))  # above decode_tokens = 16
+    assert torch.equal(hyb.forward(x, ids, w), res.forward(x, ids, w))
+    assert hyb.stats()["bypassed"] == 1 and hyb.stats()["host"] == 0
+
+
+def test_hybrid_is_not_graph_safe_and_options_check_the_kernel():
+    from moetier.experts.shape import MoeShape
+
+    assert HybridExperts.graph_safe is False and SlotExperts.graph_safe is True
+    problems = ExpertOptions("hybrid", host_kernel="magic", host_threads=0).problems(MoeShape(E, K, H, I), [0])
+    assert any("host expert kernel 'magic'" in p for p in problems) and any("host threads" in p for p in problems)
+
+
+# -- the engine -------------------------------------------------------------------------------------
+def test_engine_batch_equals_alone_with_hybrid(tiny_ckpt):
+    from moetier.engine import LLM
+    from moetier.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 448, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    solo = LLM(tiny_ckpt, device="cpu")
+    want = [solo.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    # rates that split the misses: both paths run in every decode step with misses
+    opts = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}), host_threads=1)
+    llm = LLM(tiny_ckpt, device="cpu", experts=opts)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    s = llm.metrics()["expert_stats"]
+    assert s["host"] > 0 and s["misses"] > 0
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8, 32])
+def test_gpu_hybrid_against_resident(t):
+    from moetier.experts.store import HostStore
+
+    lay = RowLayout(256, 128)
+    store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
+    host = store.rows(0)
+    host.copy_((torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16))
+    res = ResidentExperts(host.cuda(), lay, 8, 64)
+    runs = {"link": (1e6, 1e-3), "split": (50.0, 50.0), "host": (1e-3, 1e6)}
+    hyb = {n: HybridExperts(host, lay, 8, 12, 64, "cuda", host=HostPath(lay, "grouped", None,
+                                                                          PathRates(a, {BF16: b})))
+           for n, (a, b) in runs.items()}
+    g = torch.Generator().manual_seed(t)
+    for _ in range(6):
+        ids = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(t)]).cuda()
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16).cuda()
+        w = torch.rand(t, 8, generator=g).cuda()
+        want = res.forward(x, ids, w).clone()
+        for n, b in hyb.items():
+            got = b.forward(x, ids, w)
+            if n == "link":
+                assert torch.equal(got, want)
+            else:
+                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), n
+    assert hyb["host"].stats()["misses"] == 0 and hyb["split"].stats()["host"] > 0
+    for b in hyb.values():
+        b.cache.check()
