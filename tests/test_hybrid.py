@@ -216,6 +216,37 @@ def test_engine_batch_equals_alone_with_hybrid(tiny_ckpt):
     assert s["host"] > 0 and s["misses"] > 0
 
 
+# -- bench decode rows -------------------------------------------------------------------------------
+def test_bench_decode_hybrid_rows_on_cpu(tmp_path):
+    import json
+
+    from moetier.bench import decode
+    from moetier.checkpoint.random_bed import random_bed
+    from moetier.presets import preset
+    from moetier.traces.format import write_trace
+    from moetier.traces.synth import SynthParams, meta_of, synthesize
+
+    cfg = preset("tiny")
+    trace = tmp_path / "uniform.mtrace"  # skew 0: uniform routing, as the H200 rows use
+    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=256, skew=0.0, seed=1)
+    write_trace(trace, synthesize(p), meta_of(p))
+    # a bench_cpu_experts.py record whose winner streams as fast as the link: the misses split
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"shape": {"dtype": "fp32"}, "winner": {"kernel": "grouped", "threads": 1,
+                                   "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0, "host_profile": str(profile)}
+    data = decode.run(cfg, str(trace), [0.5], [1, 4], ["hybrid"], args, bed=bed, bw={"hbm_GBps": 100.0,
+                                                                                    "link_GBps": 10.0})
+    rows = data["rows"]
+    assert [(r["backend"], r["budget"], r["batch"]) for r in rows] == [("hybrid", 0.5, 1), ("hybrid", 0.5, 4)]
+    for r in rows:
+        assert r["timed_tokens"] == r["batch"] * args["tokens"] and r["graph_steps"] == 0
+        assert r["hybrid"]["host_experts_per_layer_step"] > 0 and r["hybrid"]["rates"]["host_GBps"] == {"float32": 10.0}
+    assert "host" in decode.table(rows)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -53,20 +53,22 @@ class HostPath:
         self.rates = rates
         self._bufs: dict[tuple, torch.Tensor] = {}
 
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        # NOTE: shared by every layer. A layer's host->device copies out of them are ordered before the
-        # next layer's device->host copies into them, and the next layer waits for those (its sync).
-        key = (name, dtype, pin)
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
+               device: torch.device | None = None) -> torch.Tensor:
+        # NOTE: shared by every layer. A layer's host->device copies out of pinned ones are ordered before
+        # the next layer's device->host copies into them, and the next layer waits for those (its sync);
+        # a device one is used within one layer's stream order.
+        key = (name, dtype, pin, device)
         b = self._bufs.get(key)
         if b is None or b.numel() < _numel(shape):
-            b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin)
+            b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
         return b[:_numel(shape)].view(shape)
 
     def calibrate(self, host_rows: torch.Tensor, slots: torch.Tensor) -> PathRates:
         """Measure once: the link (host rows into slots, which are empty at build) and the host kernel
         (1 and 4 experts at one token, 4 experts at 8 tokens; medians of 3)."""
-        if self.rates is None:
-            self.rates = measure_rates(self.kernel, host_rows, slots)
+        if self.rates is None:  # on the worker: the kernel sets the thread count of the thread it runs on
+            self.rates = self.worker.submit(measure_rates, self.kernel, host_rows, slots).result()
         return self.rates
 
 
@@ -97,7 +99,7 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
         return sorted(times)[reps // 2]
 
     link = seconds(lambda: slots[:n].copy_(host_rows[:n], non_blocking=True))
-    x1 = torch.randn(8, lay.hidden).to(host_rows.dtype)
+    x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(host_rows.dtype)
 
     def host(tokens: int, experts: int):
         toks = torch.arange(tokens).repeat_interleave(experts)
@@ -125,15 +127,16 @@ class HybridExperts(SlotExperts):
         self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
                                str(host_rows.dtype).removeprefix("torch."))
         self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
+        self.layer_steps = 0  # decode steps of this layer (the cache's count misses all-host steps)
         self.host_us = 0.0  # wall time of the host kernel calls (on the worker thread)
         if self.cuda:
-            self._y = torch.empty(decode_tokens * top_k, layout.hidden, dtype=torch.float32, device=self.device)
             self._ev = torch.cuda.Event()
 
     def forward(self, hidden, topk_ids, topk_weights):
         t, k = topk_ids.shape
         if t > self.decode_tokens:
             return self._bypass(hidden, topk_ids, topk_weights)
+        self.layer_steps += 1
         ids, slot_now, x, w = self._down(hidden, topk_ids, topk_weights)
         host_set = self.choose(ids, slot_now, t)
         if not host_set:
@@ -202,7 +205,7 @@ class HybridExperts(SlotExperts):
         plan.copy_(torch.tensor(gpu_pos + host_pos))
         perm = plan.to(self.device, non_blocking=True)  # one upload: device pairs, then host pairs
         gpos, hpos = perm[:ng], perm[ng:]
-        y = self._y[: t * k]
+        y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
         if ng:
             g_ids = topk_ids.reshape(-1)[gpos].view(ng, 1)
             g_w = topk_weights.reshape(-1)[gpos].view(ng, 1)
@@ -218,10 +221,10 @@ class HybridExperts(SlotExperts):
         return combine_pairs(y, topk_weights, self._decode_out(hidden))
 
     def stats(self):
-        return {**super().stats(), "host": self.host_experts, "host_pairs": self.host_pairs,
+        return {**super().stats(), "steps": self.layer_steps, "host": self.host_experts, "host_pairs": self.host_pairs,
                 "host_us": int(self.host_us)}
 
     def reset(self):
         super().reset()
-        self.host_experts = self.host_pairs = 0
+        self.host_experts = self.host_pairs = self.layer_steps = 0
         self.host_us = 0.0
