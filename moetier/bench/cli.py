@@ -108,6 +108,9 @@ def bench_decode(
                                     help="hybrid rows: host expert kernel (grouped, split or pair)."),
     host_threads: Optional[int] = typer.Option(None, "--host-threads",
                                                help="hybrid rows: host threads (default: torch's count)."),
+    hybrid_graphs: str = typer.Option("piecewise", "--hybrid-graphs",
+                                      help="hybrid rows: comma-separated decode modes, piecewise (CUDA graphs split "
+                                           "at MoE layers) and/or eager (no graphs)."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -132,6 +135,9 @@ def bench_decode(
             opt.at_least(host_threads, 1, "--host-threads")
         if host_profile is not None:
             opt.input_file(host_profile, "--host-profile")
+        modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
+        if not modes or set(modes) - {"piecewise", "eager"}:
+            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give piecewise, eager or both (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
@@ -159,7 +165,7 @@ def bench_decode(
 
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
-            "host_kernel": host_kernel, "host_threads": host_threads,
+            "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "host_profile": str(host_profile) if host_profile else None}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None))

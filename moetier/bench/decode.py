@@ -125,14 +125,15 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict) -> list[dict]:
+                 args: dict, bw: dict, piecewise: bool = True) -> list[dict]:
     hybrid = backend == "hybrid"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
                         **(host_options(args, bw) if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
-                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16))
+                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
+                          piecewise_graphs=piecewise)
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
@@ -156,12 +157,18 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
                                "rates": hybrid_rates(bed.model)}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
-                         "slots": slots,
+                         "slots": slots, "graphs": graph_mode(llm, piecewise),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
     finally:
         llm.close()
     return rows
+
+
+def graph_mode(llm: LLM, piecewise: bool) -> str:
+    if llm.runner.graphs is None:
+        return "eager"
+    return "piecewise" if llm.runner.graphs.piecewise else "whole"
 
 
 def host_options(args: dict, bw: dict) -> dict:
@@ -227,9 +234,20 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     rows: list[dict] = []
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
-    plan += [("hybrid", b) for b in budgets if "hybrid" in backends]
-    for backend, budget in plan:
-        rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw)
+    # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
+    modes = sorted(args.get("hybrid_graphs") or ["piecewise"])
+    plan = [(b, budget, True) for b, budget in plan]
+    plan += [("hybrid", b, mode == "piecewise") for mode in modes for b in budgets if "hybrid" in backends]
+    errors = []
+    for backend, budget, piecewise in plan:
+        try:
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, piecewise)
+        except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
+            if backend != "hybrid":
+                raise
+            errors.append({"backend": backend, "budget": budget, "piecewise": piecewise, "error": repr(e)})
+            print(f"hybrid {budget:.0%} piecewise={piecewise} failed: {e!r}", flush=True)
+            continue
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends:
         for budget in budgets:
@@ -241,8 +259,8 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
                        "dtype": "bf16", "row_bytes": bed.row_bytes, "dense_bytes": bed.dense_bytes,
                        "expert_bytes": bed.row_bytes * cfg.num_experts * len(bed.host)},
             "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
-            "greedy_tokens_equal_to_resident": same, "rows": [{k: v for k, v in r.items() if k != "tokens"}
-                                                              for r in rows]}
+            "greedy_tokens_equal_to_resident": same, "errors": errors,
+            "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
@@ -252,7 +270,8 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
     for r in rows:
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and r["batch"] in ref:
-            key = f"{r['backend']}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
+            name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+            key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             out[key] = r["tokens"] == ref[r["batch"]]
     return out
 
@@ -264,7 +283,8 @@ def table(rows: list[dict]) -> str:
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
         hyb = r.get("hybrid")
         host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
-        lines.append(f"{r['backend']:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
+        lines.append(f"{name:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moetier.engine.piecewise import Pieces, capture_pieces
 from moetier.engine.step import SeqStep
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
@@ -28,8 +29,10 @@ MODES = ("greedy", "sample", "filter")
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4]):
+    def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
+                 piecewise: bool = False):
         self.model, self.kv, self.scratch = model, kv, scratch_page
+        self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
         self.sizes = tuple(sorted(sizes))
         self.max_batch = b = self.sizes[-1]
         dev = model.device
@@ -46,7 +49,7 @@ class DecodeGraphs:
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}  # both have replay()
         self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[tuple[int, str], torch.Tensor] = {}
@@ -98,10 +101,14 @@ class DecodeGraphs:
                     self._sampler(n, mode)
             torch.cuda.current_stream().wait_stream(side)
             self.model.reset_experts()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
-            self.graphs[n] = graph
+            if self.piecewise:
+                self.graphs[n], self.logits[n] = capture_pieces(
+                    self.model, lambda: self.model.logits(self.model.forward(self.ids[:n], batch, self.kv)), pool)
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                self.graphs[n] = graph
             for mode in MODES:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -1,0 +1,105 @@
+"""Piecewise CUDA graphs of the decode step, split at the MoE layers whose expert backend cannot be
+captured (ExpertBackend.graph_safe is False: hybrid reads its miss list on the host every layer).
+
+    pieces = capture_pieces(model, run, pool)   # run(): the model's forward, as DecodeGraphs captures it
+    pieces.replay()                              # graph 0, eager MoE 0, graph 1, eager MoE 1, ..., graph L
+
+During capture each such MoE block, instead of calling its backend, ends the graph being captured,
+remembers (backend, hidden, ids, weights, out) and begins the next graph; the block returns `out`, a
+static buffer allocated between the two captures (outside the pool), which the next graph reads. A
+replay runs the graphs in order and, between them, each remembered backend eagerly on the tensors the
+graph before it wrote (their addresses are fixed: they were allocated while capturing and stay
+referenced here), copying its result into `out`. So attention, norms, routers and the trace replay
+keep their graphs, and only the expert backend runs eagerly.
+
+Invariants: the pieces of one capture are replayed in capture order, all of them, before any other
+capture of the same pool is replayed (DecodeGraphs replays one size at a time). The eager parts run
+on the current stream, after the graph before them and before the graph after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moetier.models.base import CausalLM
+
+
+@dataclass
+class EagerPart:
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor  # [T, H], written by the graph before
+    ids: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+    out: torch.Tensor  # [T, H], read by the graph after
+
+    def run(self) -> None:
+        self.out.copy_(self.forward(self.hidden, self.ids, self.weights))
+
+
+@dataclass
+class Pieces:
+    """Graphs and the eager parts between them; len(graphs) == len(eager) + 1."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    eager: list[EagerPart] = field(default_factory=list)
+
+    def replay(self) -> None:
+        for graph, part in zip(self.graphs, self.eager):
+            graph.replay()
+            part.run()
+        self.graphs[-1].replay()
+
+
+class _Splitter:
+    def __init__(self, pool):
+        self.pool, self.pieces = pool, Pieces()
+        self.current: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.graphs.append(self.current)
+        self.current = None
+
+    def split(self, forward, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.end()
+        out = torch.empty_like(hidden)  # not capturing: the caching allocator's, not the graph pool's
+        self.pieces.eager.append(EagerPart(forward, hidden, ids, weights, out))
+        self.begin()
+        return out
+
+
+def needs_pieces(model: CausalLM) -> bool:
+    return not all(getattr(b.experts, "graph_safe", True) for b in model.moe_blocks())
+
+
+def capture_pieces(model: CausalLM, run: Callable[[], torch.Tensor], pool) -> tuple[Pieces, torch.Tensor]:
+    """Capture run() (the model's forward and logits, after its warm-up) split at every MoE block whose
+    backend is not graph-safe. -> (pieces, the logits tensor the last graph writes)."""
+    splitter = _Splitter(pool)
+    blocks = [b for b in model.moe_blocks() if not getattr(b.experts, "graph_safe", True)]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        for b in blocks:
+            b.eager_split = splitter.split
+        with torch.cuda.stream(stream):
+            splitter.begin()
+            try:
+                logits = run()
+            finally:
+                if splitter.current is not None:
+                    splitter.end()
+    finally:
+        for b in blocks:
+            b.eager_split = None
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return splitter.pieces, logits
