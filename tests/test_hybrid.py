@@ -247,6 +247,59 @@ def test_bench_decode_hybrid_rows_on_cpu(tmp_path):
     assert "host" in decode.table(rows)
 
 
+# -- piecewise capture, its bookkeeping on the CPU (fake graphs: the split, the parts, the replay order) --
+def test_piecewise_split_bookkeeping_with_fake_graphs(tiny_ckpt, monkeypatch):
+    import contextlib
+
+    from helpers import Sequence
+
+    from moetier.checkpoint.loader import load_model
+    from moetier.engine import piecewise
+
+    log = []
+
+    class FakeGraph:
+        def capture_begin(self, pool=None):
+            log.append(("begin", id(self)))
+
+        def capture_end(self):
+            log.append(("end", id(self)))
+
+        def replay(self):
+            log.append(("replay", id(self)))
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    opts = ExpertOptions("hybrid", slots=4, rates=PathRates(1e6, {"float32": 1e-3}))  # all link: exact
+    _, model, _ = load_model(tiny_ckpt, experts=opts)
+    blocks = model.moe_blocks()
+    assert piecewise.needs_pieces(model) and len(blocks) > 1
+    seq = Sequence(model, 64)
+    pieces, _ = piecewise.capture_pieces(model, lambda: seq.forward(torch.tensor([5, 17, 300])), pool=None)
+    assert len(pieces.graphs) == len(blocks) + 1 and len(pieces.eager) == len(blocks)
+    assert [e for e, _ in log] == ["begin", "end"] * (len(blocks) + 1)
+    assert all(b.eager_split is None for b in blocks)  # unset after the capture
+    assert sum(b.experts.stats()["steps"] for b in blocks) == 0  # no backend ran while capturing
+    log.clear()
+    with torch.inference_mode():
+        for part in pieces.eager:
+            part.out.fill_(float("nan"))
+    pieces.replay()
+    assert [e for e, _ in log] == ["replay"] * (len(blocks) + 1)
+    for part, b in zip(pieces.eager, blocks):
+        rows = b.experts.host
+        want = ResidentExperts(rows, b.experts.layout, b.experts.top_k, 64).forward(part.hidden, part.ids,
+                                                                                    part.weights)
+        assert torch.equal(part.out, want)
+        assert b.experts.stats()["steps"] == 1
+
+
 # -- CUDA ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

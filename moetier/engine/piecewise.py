@@ -35,6 +35,7 @@ class EagerPart:
     weights: torch.Tensor  # [T, k]
     out: torch.Tensor  # [T, H], read by the graph after
 
+    @torch.inference_mode()  # the buffers were made under it (the model's forward)
     def run(self) -> None:
         self.out.copy_(self.forward(self.hidden, self.ids, self.weights))
 
