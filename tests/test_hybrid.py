@@ -247,6 +247,12 @@ def test_bench_decode_hybrid_rows_on_cpu(tmp_path):
     assert "host" in decode.table(rows)
 
 
+def test_cuda_path_in_the_triton_interpreter():
+    from tests.interpreter import run_script
+
+    assert "ok" in run_script("hybrid_interpreter.py")
+
+
 # -- piecewise capture, its bookkeeping on the CPU (fake graphs: the split, the parts, the replay order) --
 def test_piecewise_split_bookkeeping_with_fake_graphs(tiny_ckpt, monkeypatch):
     import contextlib
