@@ -196,6 +196,16 @@ def test_hybrid_is_not_graph_safe_and_options_check_the_kernel():
     assert any("host expert kernel 'magic'" in p for p in problems) and any("host threads" in p for p in problems)
 
 
+def test_rates_are_measured_when_not_given():
+    lay, rows, g = setup()
+    path = HostPath(lay, "grouped", 1)
+    a = HybridExperts(rows, lay, K, S, 16, host=path)
+    b = HybridExperts(rows, lay, K, S, 16, host=path)  # a second layer: measured once per model
+    r = a.model.rates
+    assert r is b.model.rates and r.link_GBps > 0 and r.host_GBps["bfloat16"] > 0
+    assert r.host_overhead_s >= 0 and r.host_token_s >= 0
+
+
 # -- the engine -------------------------------------------------------------------------------------
 def test_engine_batch_equals_alone_with_hybrid(tiny_ckpt):
     from moetier.engine import LLM

@@ -133,8 +133,6 @@ def bench_decode(
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
             opt.at_least(host_threads, 1, "--host-threads")
-        if host_profile is not None:
-            opt.input_file(host_profile, "--host-profile")
         modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
         if not modes or set(modes) - {"piecewise", "eager"}:
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give piecewise, eager or both (comma-separated)")
@@ -160,6 +158,11 @@ def bench_decode(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("decode")
+    if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
+        try:
+            opt.input_file(host_profile, "--host-profile")
+        except MoetierError as e:
+            opt.fail(e)
     from moetier.bench import decode
     from moetier.bench.common import record, write_json
 

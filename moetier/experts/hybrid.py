@@ -101,10 +101,17 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
     link = seconds(lambda: slots[:n].copy_(host_rows[:n], non_blocking=True))
     x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(host_rows.dtype)
 
+    e, turn = host_rows.shape[0], [0]
+
     def host(tokens: int, experts: int):
         toks = torch.arange(tokens).repeat_interleave(experts)
-        ids = torch.arange(experts).repeat(tokens)
-        return lambda: kernel.pair_outputs(x1[:tokens], toks, ids, host_rows)
+
+        def call():
+            # each call takes the next experts, so that rows come from DRAM as misses do, not from L3
+            ids = (torch.arange(experts) + turn[0]) % e
+            turn[0] += experts
+            return kernel.pair_outputs(x1[:tokens], toks, ids.repeat(tokens), host_rows)
+        return call
     t1, tn, tm = seconds(host(1, 1)), seconds(host(1, n)), seconds(host(8, n))
     per = max((tn - t1) / max(n - 1, 1), 1e-9)
     return PathRates(link_GBps=n * row_bytes / 1e9 / link,
