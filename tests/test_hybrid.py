@@ -100,7 +100,7 @@ def test_host_kernels_match_the_reference(name):
     pairs = torch.tensor([0, 1, 4, 6, 7, 8, 12, 14])
     x = torch.randn(t, 64, generator=g)
     kern = host_kernel(name, lay, threads=2)
-    kern.min_rows = 8  # split: more than one slice per expert at this size
+    kern.min_rows = 8  # split: more than one slice per expert at this size (threads = 2)
     got = kern(x, pairs, ids[pairs], w[pairs], rows, k)
     want = reference(x, pairs, ids[pairs], w[pairs], rows, lay, k)
     assert got.shape == (t, 64) and got[2].abs().max() > 0

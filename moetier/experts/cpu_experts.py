@@ -124,13 +124,15 @@ class GroupedKernel(HostKernel):
 
 
 class SplitKernel(HostKernel):
-    """Each expert's output rows cut across a pool of single-threaded workers."""
+    """Every expert's output rows cut into one slice per worker of a pool of single-threaded workers:
+    worker w computes slice w of every expert of the call, gate_up then (after all have finished) down,
+    so a call costs two rounds of `threads` tasks whatever the number of experts."""
 
     name = "split"
 
-    def __init__(self, layout: RowLayout, threads: int | None = None, min_rows: int = 64):
+    def __init__(self, layout: RowLayout, threads: int | None = None, min_rows: int = 16):
         super().__init__(layout, threads)
-        self.min_rows = min_rows  # no slice thinner than this (per-task overhead)
+        self.min_rows = min_rows  # no slice thinner than this
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moetier-host-expert",
                                         initializer=_one_thread)
 
@@ -143,30 +145,28 @@ class SplitKernel(HostKernel):
         lay = self.layout
         i = lay.inter
         groups = self.groups(experts)
-        xs = [x[tokens[idx]] for _, idx in groups]
-        gu = [x.new_empty(xe.shape[0], 2 * i) for xe in xs]  # [n_e, 2I]: gate then up
-        out = x.new_empty(tokens.numel(), lay.hidden)
+        xs = [x[tokens[idx]] for _, idx in groups]  # per expert its tokens' rows [n_e, H]
+        w13 = [lay.w13(rows[e:e + 1])[0] for e, _ in groups]  # views [2I, H]: gate rows, then up rows
+        w2 = [lay.w2(rows[e:e + 1])[0] for e, _ in groups]  # views [H, I]
+        hs = [x.new_empty(xe.shape[0], i) for xe in xs]  # SwiGLU [n_e, I]
         ys = [x.new_empty(xe.shape[0], lay.hidden) for xe in xs]
 
         # NOTE: inference mode is per thread; the workers enter it so that they may write into buffers
         # the caller made under it (the engine runs the model under torch.inference_mode)
         @torch.inference_mode()
-        def gate_up(g: int, a: int, b: int) -> None:
-            w13 = lay.w13(rows[groups[g][0]:groups[g][0] + 1])[0]
-            # gate rows [a, b) and the matching up rows, so silu_mul needs no second pass
-            gu[g][:, a:b] = F.linear(xs[g], w13[a:b])
-            gu[g][:, i + a:i + b] = F.linear(xs[g], w13[i + a:i + b])
+        def gate_up(a: int, b: int) -> None:
+            # gate rows [a, b) and the matching up rows: the slice's SwiGLU needs nothing else
+            for xe, w, h in zip(xs, w13, hs):
+                h[:, a:b] = F.silu(F.linear(xe, w[a:b])) * F.linear(xe, w[i + a:i + b])
 
         @torch.inference_mode()
-        def down(g: int, h: torch.Tensor, a: int, b: int) -> None:
-            w2 = lay.w2(rows[groups[g][0]:groups[g][0] + 1])[0]
-            ys[g][:, a:b] = F.linear(h, w2[a:b])
+        def down(a: int, b: int) -> None:
+            for h, w, y in zip(hs, w2, ys):
+                y[:, a:b] = F.linear(h, w[a:b])
 
-        list(self._pool.map(lambda job: gate_up(*job), [(g, a, b) for g in range(len(groups))
-                                                        for a, b in self._slices(i)]))
-        hs = [silu_mul(v) for v in gu]
-        list(self._pool.map(lambda job: down(*job), [(g, hs[g], a, b) for g in range(len(groups))
-                                                     for a, b in self._slices(lay.hidden)]))
+        list(self._pool.map(lambda ab: gate_up(*ab), self._slices(i)))
+        list(self._pool.map(lambda ab: down(*ab), self._slices(lay.hidden)))
+        out = x.new_empty(tokens.numel(), lay.hidden)
         for (_, idx), y in zip(groups, ys):
             out[idx] = y
         return out
