@@ -316,6 +316,36 @@ def test_piecewise_split_bookkeeping_with_fake_graphs(tiny_ckpt, monkeypatch):
         assert b.experts.stats()["steps"] == 1
 
 
+def test_switch_replays_pieces_only_while_misses_pay_for_them():
+    from types import SimpleNamespace
+
+    from moetier.engine.piecewise import Switch
+
+    lay, rows, _ = setup()
+    # a real cost model (link 50, host 50 GB/s); the counters are set by hand
+    b = hybrid(lay, rows, 50.0, 50.0)
+    fake = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_experts=0,
+                           host_only_steps=0, host_saving_s=b.host_saving_s)
+    sw = Switch([fake, fake], window=4)
+    saving_at_4 = 2 * b.host_saving_s(4.0)
+    assert saving_at_4 > 0 and b.host_saving_s(0.0) == 0.0 and b.host_saving_s(1.0) == 0.0
+
+    def window(misses_per_layer_step, overhead):
+        out = []
+        for _ in range(4):
+            fake.cache.stats += torch.tensor([0, misses_per_layer_step, 0, 1])
+            out.append(sw.choose(overhead))
+        return out
+    assert window(4, overhead=saving_at_4 / 2) == [True] * 4  # starts on pieces; 4 misses pay
+    assert window(0, overhead=saving_at_4 / 2) == [True] * 3 + [False]  # no misses: the whole graph
+    assert sw.last_misses_per_layer_step == 0.0
+    assert window(4, overhead=saving_at_4 * 2) == [False] * 4  # misses, but not worth the syncs
+    assert window(4, overhead=saving_at_4 / 2) == [False] * 3 + [True]
+    assert sw.counts == {"pieces": 8, "whole": 8}
+    with pytest.raises(ValueError, match="window"):
+        Switch([fake], window=0)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -369,10 +399,14 @@ def test_gpu_engine_hybrid_piecewise_and_eager(tiny_ckpt):
         return llm, outs
     _, want = run(ExpertOptions("resident"))
     link = ExpertOptions("hybrid", slots=4, rates=PathRates(1e6, {"float32": 1e-3}))
-    for piecewise in (True, False):
-        llm, got = run(link, piecewise_graphs=piecewise)
-        assert got == want
-        assert (llm.runner.graph_steps > 0) == piecewise
+    for engine in (dict(graph_switch=False), dict(graph_switch=True), dict(piecewise_graphs=False)):
+        llm, got = run(link, **engine)
+        assert got == want, engine
+        graphs = llm.runner.graphs
+        assert (graphs is not None and llm.runner.graph_steps > 0) == engine.get("piecewise_graphs", True)
+        if engine.get("graph_switch"):
+            assert sum(graphs.switch.counts.values()) == llm.runner.graph_steps
+            assert all(s >= 0 for s in graphs.overhead_s.values())
     split = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}))
     llm, batch = run(split)
     assert llm.runner.graph_steps > 0 and llm.metrics()["expert_stats"]["host"] > 0

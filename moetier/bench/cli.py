@@ -108,8 +108,10 @@ def bench_decode(
                                     help="hybrid rows: host expert kernel (grouped, split or pair)."),
     host_threads: Optional[int] = typer.Option(None, "--host-threads",
                                                help="hybrid rows: host threads (default: torch's count)."),
-    hybrid_graphs: str = typer.Option("piecewise", "--hybrid-graphs",
-                                      help="hybrid rows: comma-separated decode modes, piecewise (CUDA graphs split "
+    hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
+                                      help="hybrid rows: comma-separated decode modes: auto (piecewise graphs and "
+                                           "the whole graph, switched per step by the recent misses), "
+                                           "piecewise (CUDA graphs split "
                                            "at MoE layers) and/or eager (no graphs)."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
@@ -134,8 +136,9 @@ def bench_decode(
         if host_threads is not None:
             opt.at_least(host_threads, 1, "--host-threads")
         modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
-        if not modes or set(modes) - {"piecewise", "eager"}:
-            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give piecewise, eager or both (comma-separated)")
+        if not modes or set(modes) - {"auto", "piecewise", "eager"}:
+            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise and/or eager "
+                               "(comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):

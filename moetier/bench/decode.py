@@ -125,7 +125,9 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, piecewise: bool = True) -> list[dict]:
+                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+    """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
+    piecewise (the pieces always) or eager (no graphs)."""
     hybrid = backend == "hybrid"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
                         **(host_options(args, bw) if hybrid else {}))
@@ -133,13 +135,19 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          piecewise_graphs=piecewise)
+                          piecewise_graphs=mode != "eager", graph_switch=mode == "auto")
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
     try:
         for b in batches:
+            switch = getattr(llm.runner.graphs, "switch", None)
+            counts0 = dict(switch.counts) if switch else {}
             r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            if switch:  # steps of this run (warm-up included) on each variant, and what they cost
+                r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
+                               "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
+                               "last_misses_per_layer_step": switch.last_misses_per_layer_step}
             st = r["expert_stats"]
             host_experts = None
             if backend in ("slots", "hybrid"):
@@ -157,7 +165,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
                                "rates": hybrid_rates(bed.model)}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
-                         "slots": slots, "graphs": graph_mode(llm, piecewise),
+                         "slots": slots, "graphs": graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
     finally:
@@ -165,10 +173,11 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     return rows
 
 
-def graph_mode(llm: LLM, piecewise: bool) -> str:
-    if llm.runner.graphs is None:
+def graph_mode(llm: LLM) -> str:
+    g = llm.runner.graphs
+    if g is None:
         return "eager"
-    return "piecewise" if llm.runner.graphs.piecewise else "whole"
+    return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
 
 
 def host_options(args: dict, bw: dict) -> dict:
@@ -235,18 +244,18 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
-    modes = sorted(args.get("hybrid_graphs") or ["piecewise"])
-    plan = [(b, budget, True) for b, budget in plan]
-    plan += [("hybrid", b, mode == "piecewise") for mode in modes for b in budgets if "hybrid" in backends]
+    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
+    plan = [(b, budget, "auto") for b, budget in plan]
+    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
     errors = []
-    for backend, budget, piecewise in plan:
+    for backend, budget, mode in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, piecewise)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "piecewise": piecewise, "error": repr(e)})
-            print(f"hybrid {budget:.0%} piecewise={piecewise} failed: {e!r}", flush=True)
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "error": repr(e)})
+            print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends:
@@ -283,6 +292,9 @@ def table(rows: list[dict]) -> str:
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
         hyb = r.get("hybrid")
         host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
+        if r.get("switch"):
+            st = r["switch"]["steps"]
+            host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
         lines.append(f"{name:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "

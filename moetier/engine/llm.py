@@ -161,7 +161,7 @@ class LLM:
             cap = min(config.max_num_seqs, config.decode_tokens)
             sizes = [n for n in GRAPH_SIZES if n <= cap] or [1]
             graphs = DecodeGraphs(model, self.kv, scratch_page=num_pages, max_pages_per_seq=-(-max_len // page),
-                                  sizes=sizes, piecewise=piecewise)
+                                  sizes=sizes, piecewise=piecewise, switching=config.graph_switch)
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(model, self.kv, graphs)

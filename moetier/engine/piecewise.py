@@ -104,3 +104,90 @@ def capture_pieces(model: CausalLM, run: Callable[[], torch.Tensor], pool) -> tu
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return splitter.pieces, logits
+
+
+class Switch:
+    """Per decode step: replay the pieces (the host path in play, a sync per hybrid layer) or the whole
+    graph (every hybrid backend on its slots step alone, graph-safe), whichever the recent misses say
+    is faster.
+
+    Every `window` steps it reads the counters once (between steps: the GPU is idle then):
+        m = (link fills + overflow + host experts) / layer-steps over the window
+    the misses a layer-step could hand to the host. Pieces when the backends' expected saving at m,
+    summed over the hybrid layers, exceeds the measured extra cost of a pieces replay over a whole
+    one (`overhead_s`, per captured size, measured at no misses). It starts on pieces: a cold cache
+    misses most. backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_experts,
+    host_only_steps and host_saving_s(m) (experts/hybrid.HybridExperts)."""
+
+    def __init__(self, backends: list, window: int = 16):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.backends, self.window = backends, window
+        self.pieces = True
+        self.steps = 0
+        self.counts = {"pieces": 0, "whole": 0}
+        self.last_misses_per_layer_step: float | None = None
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int]:
+        hits, misses, overflow, steps = torch.stack([b.cache.stats for b in self.backends]).sum(0).tolist()
+        host = sum(b.host_experts for b in self.backends)
+        return misses + overflow + host, steps + sum(b.host_only_steps for b in self.backends)
+
+    def choose(self, overhead_s: float) -> bool:
+        """-> True: replay the pieces for this step."""
+        self.steps += 1
+        if self.steps % self.window == 0:
+            now = self._read()
+            dm, ds = now[0] - self._last[0], now[1] - self._last[1]
+            self._last = now
+            if ds > 0 and dm >= 0:  # a reset in between: skip this window
+                m = dm / ds
+                self.last_misses_per_layer_step = m
+                self.pieces = sum(b.host_saving_s(m) for b in self.backends) > overhead_s
+        self.counts["pieces" if self.pieces else "whole"] += 1
+        return self.pieces
+
+
+def host_enabled(model: CausalLM, on: bool) -> None:
+    """Turn the host path of every hybrid backend on or off (off: the graph-safe slots step)."""
+    for b in model.moe_blocks():
+        if hasattr(b.experts, "host_enabled"):
+            b.experts.host_enabled = on
+
+
+def capture_whole(model: CausalLM, run: Callable[[], torch.Tensor], logits_out: torch.Tensor, pool
+                  ) -> torch.cuda.CUDAGraph:
+    """The whole step as one graph, every hybrid backend on its slots step (host path off), after an
+    eager warm-up that compiles those kernels at this size. The graph writes `logits_out` (the pieces'
+    logits, which the sampler graphs read), so either variant feeds the same samplers."""
+    host_enabled(model, False)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        model.reset_experts()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits_out.copy_(run())
+    finally:
+        host_enabled(model, True)
+    return graph
+
+
+def replay_seconds(replay: Callable[[], None], reps: int = 5) -> float:
+    """Median wall seconds of replay() to completion, after one untimed replay."""
+    import statistics
+    import time
+
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -134,7 +134,11 @@ class HybridExperts(SlotExperts):
         self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
                                str(host_rows.dtype).removeprefix("torch."))
         self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
-        self.layer_steps = 0  # decode steps of this layer (the cache's count misses all-host steps)
+        # steps served all on the host (no cache step); the cache counts the others, graph replays included
+        self.host_only_steps = 0
+        # False: forward is the slots step alone (graph-safe); the engine's whole-graph variant is
+        # captured so, for steps where the host path is not worth its sync (engine/piecewise.Switch)
+        self.host_enabled = True
         self.host_us = 0.0  # wall time of the host kernel calls (on the worker thread)
         if self.cuda:
             self._ev = torch.cuda.Event()
@@ -143,7 +147,8 @@ class HybridExperts(SlotExperts):
         t, k = topk_ids.shape
         if t > self.decode_tokens:
             return self._bypass(hidden, topk_ids, topk_weights)
-        self.layer_steps += 1
+        if not self.host_enabled:
+            return super().forward(hidden, topk_ids, topk_weights)
         ids, slot_now, x, w = self._down(hidden, topk_ids, topk_weights)
         host_set = self.choose(ids, slot_now, t)
         if not host_set:
@@ -152,6 +157,7 @@ class HybridExperts(SlotExperts):
         gpu_pos = [p for p, e in enumerate(ids) if e not in host_set]
         self.host_experts += len(host_set)
         self.host_pairs += len(host_pos)
+        self.host_only_steps += not gpu_pos
         job = self.hostpath.worker.submit(self._host_outputs, x, host_pos, [ids[p] for p in host_pos], k)
         if self.cuda:
             return self._combine_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos, job)
@@ -227,11 +233,19 @@ class HybridExperts(SlotExperts):
         y[hpos] = out_host.to(self.device, non_blocking=True).float()
         return combine_pairs(y, topk_weights, self._decode_out(hidden))
 
+    def host_saving_s(self, misses: float) -> float:
+        """Seconds per layer-step the host path should save at `misses` misses a step (one token each):
+        all over the link against the cost model's split. For the engine's choice of graphs."""
+        m = round(misses)
+        return self.model.all_link_s(m) - self.model.split([1] * m).seconds if m > 0 else 0.0
+
     def stats(self):
-        return {**super().stats(), "steps": self.layer_steps, "host": self.host_experts, "host_pairs": self.host_pairs,
+        base = super().stats()
+        return {**base, "steps": base["steps"] + self.host_only_steps, "host": self.host_experts,
+                "host_pairs": self.host_pairs,
                 "host_us": int(self.host_us)}
 
     def reset(self):
         super().reset()
-        self.host_experts = self.host_pairs = self.layer_steps = 0
+        self.host_experts = self.host_pairs = self.host_only_steps = 0
         self.host_us = 0.0
