@@ -119,6 +119,9 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
                      host_overhead_s=max(t1 - per, 0.0), host_token_s=max((tm - tn) / (7 * n), 0.0))
 
 
+_COMPILED: set[tuple] = set()  # shapes whose kernel variants HybridExperts._precompile has compiled
+
+
 class HybridExperts(SlotExperts):
     """S slots over the host store; misses filled over the link or computed on the host."""
 
@@ -142,6 +145,7 @@ class HybridExperts(SlotExperts):
         self.host_us = 0.0  # wall time of the host kernel calls (on the worker thread)
         if self.cuda:
             self._ev = torch.cuda.Event()
+            self._precompile()
 
     def forward(self, hidden, topk_ids, topk_weights):
         t, k = topk_ids.shape
@@ -238,6 +242,42 @@ class HybridExperts(SlotExperts):
         all over the link against the cost model's split. For the engine's choice of graphs."""
         m = round(misses)
         return self.model.all_link_s(m) - self.model.split([1] * m).seconds if m > 0 else 0.0
+
+    def _precompile(self) -> None:
+        """Compile, at build, the kernel variants the compacted device pairs can need: Triton specializes
+        the bookkeeping kernel on BLOCK_N (the next power of two of the pairs) and the GEMM's plan on its
+        block count, both on whether the count divides by 16; a step's count of device pairs is any of
+        1..T*k, so without this a timed step could pay a compile. Throwaway cache, ids and outputs; once
+        per process and shape."""
+        from moetier.experts.grouped_gemm import PLAN_BLOCK, combine_pairs, grouped_expert_mlp
+        from moetier.experts.slot_kernels import BookkeepingScratch, bookkeeping
+        from moetier.experts.slots import SlotCache
+
+        c, k, p, dev = self.cache, self.top_k, self.decode_tokens * self.top_k, self.device
+        key = (self.layout, k, c.num_experts, c.num_slots, p, self.slots.dtype, str(self.cache.policy))
+        if key in _COMPILED:
+            return
+        sizes = {1, 2, 16, 17, 32, 33}
+        for b in range(1, -(-p // PLAN_BLOCK) + 1):
+            sizes |= {PLAN_BLOCK * b - 15, PLAN_BLOCK * b}
+        cache = SlotCache(c.num_experts, c.num_slots, dev, c.policy)
+        scratch = BookkeepingScratch(c.num_experts, c.num_slots, p, dev)
+        x = torch.zeros(p, self.layout.hidden, dtype=self.slots.dtype, device=dev)
+        w = torch.ones(p, 1, device=dev)
+        out = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=dev)
+        for n in sorted(m for m in sizes if m <= p):
+            ids = (torch.arange(n, device=dev) % c.num_experts).view(n, 1)
+            slot_ids = bookkeeping(cache, scratch, ids)
+            grouped_expert_mlp(x[:n], slot_ids, ids, w[:n], self.slots, self._host_dev, self.layout.hidden,
+                               self.layout.inter, self._work, out[:n], self.gemm)
+        for wdt in (torch.float32, self.slots.dtype):  # routing weights come in the hidden dtype (router.py)
+            combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev),
+                          torch.empty(1, self.layout.hidden, dtype=self.slots.dtype, device=dev))
+            ids = torch.zeros(2, 1, dtype=torch.int64, device=dev)
+            grouped_expert_mlp(x[:2], bookkeeping(cache, scratch, ids), ids, w[:2].to(wdt), self.slots,
+                               self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm)
+        torch.cuda.synchronize(dev)
+        _COMPILED.add(key)
 
     def stats(self):
         base = super().stats()
