@@ -196,6 +196,8 @@ def count(req: PlanRequest) -> Plan:
         gin = r.graph_inputs(b, width)
         dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
         kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
+        if backend == "hybrid":  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
+            kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
         peak = r.step_activations(cfg, b, dt, 0) + [r.sampler_transient(b, cfg.vocab_size)]
         pool = r.segments(kept) + r.segments(peak)
         dev.append(Item("CUDA graph pool", pool, "capture",
