@@ -113,7 +113,8 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
             return kernel.pair_outputs(x1[:tokens], toks, ids.repeat(tokens), host_rows)
         return call
     t1, tn, tm = seconds(host(1, 1)), seconds(host(1, n)), seconds(host(8, n))
-    per = max((tn - t1) / max(n - 1, 1), 1e-9)
+    # seconds per more expert; noise can make tn - t1 tiny: never more than twice the average rate
+    per = max((tn - t1) / max(n - 1, 1), tn / n / 2)
     return PathRates(link_GBps=n * row_bytes / 1e9 / link,
                      host_GBps={str(host_rows.dtype).removeprefix("torch."): row_bytes / 1e9 / per},
                      host_overhead_s=max(t1 - per, 0.0), host_token_s=max((tm - tn) / (7 * n), 0.0))
