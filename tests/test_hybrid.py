@@ -357,9 +357,9 @@ def test_gpu_hybrid_against_resident(t):
     store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
     host = store.rows(0)
     host.copy_((torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16))
-    res = ResidentExperts(host.cuda(), lay, 8, 64)
+    res = ResidentExperts(host.cuda(), lay, 8, 32)
     runs = {"link": (1e6, 1e-3), "split": (50.0, 50.0), "host": (1e-3, 1e6)}
-    hyb = {n: HybridExperts(host, lay, 8, 12, 64, "cuda", host=HostPath(lay, "grouped", None,
+    hyb = {n: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, "grouped", None,
                                                                           PathRates(a, {BF16: b})))
            for n, (a, b) in runs.items()}
     g = torch.Generator().manual_seed(t)
@@ -373,7 +373,11 @@ def test_gpu_hybrid_against_resident(t):
             if n == "link":
                 assert torch.equal(got, want)
             else:
-                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), n
+                # host pairs round their outputs to bf16 where the device kernel keeps fp32: 1e-2 of the
+                # norm, and 2e-2 of the largest value elementwise (cancellation in the k-sum)
+                d = got.float() - want.float()
+                assert d.norm() <= 1e-2 * want.float().norm(), n
+                assert d.abs().max() <= 2e-2 * want.float().abs().max(), n
     assert hyb["host"].stats()["misses"] == 0 and hyb["split"].stats()["host"] > 0
     for b in hyb.values():
         b.cache.check()
