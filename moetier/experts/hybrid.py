@@ -3,11 +3,11 @@ slot over the link and computed on the device, or computed by the host cores fro
 (cpu_experts.py), as the cost model (cost_model.py) chooses per step and layer.
 
 One decode step of one MoE layer (T tokens x k pairs, P = T * k):
-  1. down:   topk ids, where each expert sits now (expert_slot[ids]), the routing weights and the hidden
-             state [T, H] are copied to pinned host buffers; one event wait.
+  1. down:   topk ids with where each expert sits now (expert_slot[ids]), as one [2, P] int32 copy, and
+             the hidden state [T, H] go to pinned host buffers; one event wait.
              NOTE: this is the layer's one host sync, by nature: the choice needs the miss list on the
-             host. The copies are small (P ids and slots, P weights, T x H hidden: 128 KiB at T = 32,
-             H = 2048). A decode step of this backend therefore runs eagerly (no CUDA graph: the engine
+             host. The copies are small (2P int32 and T x H: 128 KiB at T = 32, H = 2048 in bf16). The
+             weights stay on the device: host pairs come back unweighted. A decode step of this backend therefore runs eagerly (no CUDA graph: the engine
              reads ExpertBackend.graph_safe); docs/hybrid.md says what else was and was not tried.
   2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
              counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
@@ -154,7 +154,7 @@ class HybridExperts(SlotExperts):
             return self._bypass(hidden, topk_ids, topk_weights)
         if not self.host_enabled:
             return super().forward(hidden, topk_ids, topk_weights)
-        ids, slot_now, x, w = self._down(hidden, topk_ids, topk_weights)
+        ids, slot_now, x = self._down(hidden, topk_ids)
         host_set = self.choose(ids, slot_now, t)
         if not host_set:
             return super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
@@ -189,11 +189,11 @@ class HybridExperts(SlotExperts):
         split = self.model.split(list(tokens.values()))
         return {e for e, h in zip(tokens, split.host) if h}
 
-    def _down(self, hidden, topk_ids, topk_weights):
-        """-> (ids [P], their slots now [P], as host lists; hidden [T, H] and weights on the host)."""
+    def _down(self, hidden, topk_ids):
+        """-> (ids [P] and their slots now [P], as host lists; hidden [T, H] on the host)."""
         slot_now = self.cache.expert_slot[topk_ids]
         if not self.cuda:
-            return topk_ids.reshape(-1).tolist(), slot_now.reshape(-1).tolist(), hidden, topk_weights
+            return topk_ids.reshape(-1).tolist(), slot_now.reshape(-1).tolist(), hidden
         t, k = topk_ids.shape
         hp = self.hostpath
         both = hp.buffer("ids", (2, t * k), torch.int32, True)
@@ -203,7 +203,7 @@ class HybridExperts(SlotExperts):
         self._ev.record()
         self._ev.synchronize()  # NOTE: the layer's one host sync (module docstring)
         ids, slots = both.tolist()
-        return ids, slots, x, None
+        return ids, slots, x
 
     @torch.inference_mode()
     def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int) -> torch.Tensor:
