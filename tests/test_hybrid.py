@@ -303,8 +303,15 @@ def test_piecewise_split_bookkeeping_with_fake_graphs(tiny_ckpt, monkeypatch):
     assert all(b.eager_split is None for b in blocks)  # unset after the capture
     assert sum(b.experts.stats()["steps"] for b in blocks) == 0  # no backend ran while capturing
     log.clear()
+    # the fake capture ran the rest of the model on `out` buffers never written: give every part the
+    # input a graph would have written (fresh, finite), and poison its output
+    g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for part in pieces.eager:
+            t, k = part.ids.shape
+            part.hidden.copy_(torch.randn(part.hidden.shape, generator=g))
+            part.ids.copy_(torch.stack([torch.randperm(32, generator=g)[:k] for _ in range(t)]))
+            part.weights.copy_(torch.rand(t, k, generator=g))
             part.out.fill_(float("nan"))
     pieces.replay()
     assert [e for e, _ in log] == ["replay"] * (len(blocks) + 1)
