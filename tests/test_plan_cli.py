@@ -39,7 +39,7 @@ def invoke(*args: str):
     (("--preset", "qwen3-30b-a3b", "--expert-slots", "500", *SIZES), "between 1 and the number of experts (128)"),
     (("--preset", "qwen3-30b-a3b", "--expert-slots", "8", "--expert-budget", "50%", *SIZES), "not several"),
     (("--preset", "qwen3-30b-a3b", "--expert-budget", "150%", *SIZES), "at most 100%"),
-    (("--preset", "qwen3-30b-a3b", "--expert-backend", "ram", *SIZES), "choose auto, resident, slots or uva"),
+    (("--preset", "qwen3-30b-a3b", "--expert-backend", "ram", *SIZES), "choose auto, resident, slots, uva or hybrid"),
     (("--preset", "qwen3-30b-a3b", "--trace", "/nonexistent.mtrace", *SIZES), "no such file"),
 ])
 def test_plan_cli_errors(args, says):

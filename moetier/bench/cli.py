@@ -104,20 +104,41 @@ def bench_decode(
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
+    host_kernel: str = typer.Option("grouped", "--host-kernel",
+                                    help="hybrid rows: host expert kernel (grouped, split or pair)."),
+    host_threads: Optional[int] = typer.Option(None, "--host-threads",
+                                               help="hybrid rows: host threads (default: torch's count)."),
+    hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
+                                      help="hybrid rows: comma-separated decode modes: auto (piecewise graphs and "
+                                           "the whole graph, switched per step by the recent misses), "
+                                           "piecewise (CUDA graphs split "
+                                           "at MoE layers) and/or eager (no graphs)."),
+    host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
+                                                help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
+                                                     "kernel, threads and rates (default: measured at build)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Write a PNG of tok/s against expert budget."),
 ) -> None:
-    """Decode tok/s through the engine for resident, slots, uva and transformers+accelerate (CUDA)."""
+    """Decode tok/s through the engine for resident, slots, uva, hybrid and transformers+accelerate (CUDA)."""
+    from moetier.experts.cpu_experts import KERNELS as HOST_KERNELS
     from moetier.config import config_from_dir
     from moetier.presets import preset as make_preset
 
     try:
         budgets = [parse_budget(b) for b in budget]
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        unknown = sorted(set(names) - {"resident", "uva", "slots", "hf"})
+        unknown = sorted(set(names) - {"resident", "uva", "slots", "hybrid", "hf"})
         if unknown or not names:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hf")
+            raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hybrid, hf")
+        if host_kernel not in HOST_KERNELS:
+            raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
+        if host_threads is not None:
+            opt.at_least(host_threads, 1, "--host-threads")
+        modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
+        if not modes or set(modes) - {"auto", "piecewise", "eager"}:
+            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise and/or eager "
+                               "(comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
@@ -140,11 +161,18 @@ def bench_decode(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("decode")
+    if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
+        try:
+            opt.input_file(host_profile, "--host-profile")
+        except MoetierError as e:
+            opt.fail(e)
     from moetier.bench import decode
     from moetier.bench.common import record, write_json
 
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
-            "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset}
+            "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
+            "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
+            "host_profile": str(host_profile) if host_profile else None}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None))
     if out:

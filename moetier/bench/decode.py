@@ -125,33 +125,83 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict) -> list[dict]:
-    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
+                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+    """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
+    piecewise (the pieces always) or eager (no graphs)."""
+    hybrid = backend == "hybrid"
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
+                        **(host_options(args, bw) if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
-                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16))
+                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
+                          piecewise_graphs=mode != "eager", graph_switch=mode == "auto")
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
     try:
         for b in batches:
+            switch = getattr(llm.runner.graphs, "switch", None)
+            counts0 = dict(switch.counts) if switch else {}
             r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            if switch:  # steps of this run (warm-up included) on each variant, and what they cost
+                r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
+                               "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
+                               "last_misses_per_layer_step": switch.last_misses_per_layer_step}
             st = r["expert_stats"]
-            if backend == "slots":
+            host_experts = None
+            if backend in ("slots", "hybrid"):
                 per = max(1, st["steps"])  # layer-steps: every counter is summed over layers
                 hbm_experts = (st["hits"] + st["misses"]) / per
                 link_experts = (st["misses"] + st["overflow"]) / per
+                if hybrid:
+                    host_experts = st.get("host", 0) / per
             else:
                 distinct = distinct_per_step(trace, *r["cursor"], b)
                 hbm_experts, link_experts = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
             roof = roofline(bed, b, hbm_experts, link_experts, bw["hbm_GBps"], bw["link_GBps"])
-            rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+            if hybrid:
+                r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
+                               "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
+                               "rates": hybrid_rates(bed.model)}
+            rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
+                         "slots": slots, "graphs": graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
     finally:
         llm.close()
     return rows
+
+
+def graph_mode(llm: LLM) -> str:
+    g = llm.runner.graphs
+    if g is None:
+        return "eager"
+    return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
+
+
+def host_options(args: dict, bw: dict) -> dict:
+    """ExpertOptions fields of the hybrid rows: the host kernel and threads, and the rates: from a
+    scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
+    backend when it is built."""
+    import json
+
+    from moetier.experts.cost_model import rates_from_bench
+
+    out = {"host_kernel": args.get("host_kernel", "grouped"), "host_threads": args.get("host_threads")}
+    if args.get("host_profile"):
+        with open(args["host_profile"]) as f:
+            data = json.load(f)
+        out["rates"] = rates_from_bench(data, bw["link_GBps"])
+        out["host_kernel"], out["host_threads"] = data["winner"]["kernel"], data["winner"]["threads"]
+    return out
+
+
+def hybrid_rates(model: CausalLM) -> dict | None:
+    b = model.moe_blocks()[0].experts
+    rates = getattr(getattr(b, "hostpath", None), "rates", None)
+    return None if rates is None else {"link_GBps": rates.link_GBps, "host_GBps": rates.host_GBps,
+                                       "host_overhead_s": rates.host_overhead_s, "host_token_s": rates.host_token_s}
 
 
 def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:
@@ -193,8 +243,20 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     rows: list[dict] = []
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
-    for backend, budget in plan:
-        rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw)
+    # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
+    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
+    plan = [(b, budget, "auto") for b, budget in plan]
+    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
+    errors = []
+    for backend, budget, mode in plan:
+        try:
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
+        except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
+            if backend != "hybrid":
+                raise
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "error": repr(e)})
+            print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
+            continue
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends:
         for budget in budgets:
@@ -206,8 +268,8 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
                        "dtype": "bf16", "row_bytes": bed.row_bytes, "dense_bytes": bed.dense_bytes,
                        "expert_bytes": bed.row_bytes * cfg.num_experts * len(bed.host)},
             "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
-            "greedy_tokens_equal_to_resident": same, "rows": [{k: v for k, v in r.items() if k != "tokens"}
-                                                              for r in rows]}
+            "greedy_tokens_equal_to_resident": same, "errors": errors,
+            "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
@@ -215,8 +277,10 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
     ref = {r["batch"]: r["tokens"] for r in rows if r["backend"] == "resident"}
     out = {}
     for r in rows:
-        if r["backend"] in ("slots", "uva") and r["batch"] in ref:
-            key = f"{r['backend']}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
+        # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
+        if r["backend"] in ("slots", "uva", "hybrid") and r["batch"] in ref:
+            name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+            key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             out[key] = r["tokens"] == ref[r["batch"]]
     return out
 
@@ -226,10 +290,16 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
-        lines.append(f"{r['backend']:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        hyb = r.get("hybrid")
+        host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
+        if r.get("switch"):
+            st = r["switch"]["steps"]
+            host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
+        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
+        lines.append(f"{name:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
-                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step")
+                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
     return "\n".join(lines)
 
 
@@ -239,7 +309,7 @@ def plot(result: dict, path: str) -> None:
     budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
     fig, axes = batch_axes(batches)
     for ax, b in zip(axes, batches):
-        for name, style in (("slots", "o-"), ("hf-accelerate", "s-")):
+        for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
             pts = sorted((r["budget"], r["tok_s"]) for r in rows if r["backend"] == name and r["batch"] == b)
             if pts:
                 ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name)

@@ -79,16 +79,19 @@ def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | 
     return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense)
 
 
-def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64) -> int:
-    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none)."""
+def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64,
+                **options) -> int:
+    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none).
+    options: further ExpertOptions fields (hybrid: host_kernel, host_threads, rates)."""
     cfg, dev = bed.cfg, bed.model.device
     for block in bed.model.moe_blocks():
         block.experts = None  # free the previous backend's device memory first
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend == "slots" else 0
+    slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend in ("slots", "hybrid") else 0
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
-                                ExpertOptions(backend, slots=slots or None, policy=policy), dev, decode_tokens)
+                                ExpertOptions(backend, slots=slots or None, policy=policy, **options), dev,
+                                decode_tokens)
     for block in bed.model.moe_blocks():
         rows = bed.host[block.layer]
         block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)

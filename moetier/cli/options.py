@@ -28,8 +28,8 @@ Device = Annotated[str, typer.Option("--device", help="auto (cuda when available
 # -- expert tiers -----------------------------------------------------------------------------------
 ExpertBackend = Annotated[str, typer.Option(
     "--expert-backend", help="Where routed experts live: auto (resident when every expert fits the memory plan, "
-    "else as many slots as fit), resident, slots (an HBM slot cache over pinned host memory) "
-    "or uva (read from host memory on every use).")]
+    "else as many slots as fit), resident, slots (an HBM slot cache over pinned host memory), "
+    "uva (read from host memory on every use) or hybrid (slots whose misses the host cores may compute).")]
 ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
@@ -57,12 +57,13 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
-    if backend not in ("auto", "resident", "slots", "uva"):
-        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots or uva")
+    if backend not in ("auto", "resident", "slots", "uva", "hybrid"):
+        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots, uva "
+                           "or hybrid")
     if (slots is not None or slots_file is not None) and backend == "auto":
         backend = "slots"  # a slot count says which backend
-    if (slots is not None or slots_file is not None) and backend != "slots":
-        raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots")
+    if (slots is not None or slots_file is not None) and backend not in ("slots", "hybrid"):
+        raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots (or hybrid)")
     if slots is not None and slots_file is not None:
         raise MoetierError("give --expert-slots or --expert-slots-file, not both")
     if slots is not None and slots < 1:

@@ -24,6 +24,12 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output per request; default the model's, capped by the pool
     decode_tokens: int = 64  # steps of up to this many tokens: CUDA graphs and the expert cache
     cuda_graphs: bool = True
+    # When an expert backend cannot be captured (hybrid): CUDA graphs split at its MoE layers, which then
+    # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.
+    piecewise_graphs: bool = True
+    # With piecewise graphs: also capture the whole step in one graph (such backends on their graph-safe
+    # path) and replay, step by step, whichever the recent misses say is faster (engine/piecewise.Switch).
+    graph_switch: bool = True
     record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
     replay_trace: str | Path | None = None  # route by this trace instead of the router
     trace_meta: dict[str, Any] = field(default_factory=dict)

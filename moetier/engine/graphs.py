@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moetier.engine.piecewise import Pieces, Switch, capture_pieces, capture_whole, replay_seconds
 from moetier.engine.step import SeqStep
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
@@ -28,8 +29,16 @@ MODES = ("greedy", "sample", "filter")
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4]):
+    def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
+                 piecewise: bool = False, switching: bool = True):
         self.model, self.kv, self.scratch = model, kv, scratch_page
+        self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
+        # with piecewise: also the whole step in one graph (hybrid on its slots step), replayed when the
+        # recent misses do not pay for the pieces' syncs (piecewise.Switch)
+        self.switching = piecewise and switching
+        self.whole: dict[int, torch.cuda.CUDAGraph] = {}
+        self.overhead_s: dict[int, float] = {}  # per size: pieces replay - whole replay, at no misses
+        self.switch: Switch | None = None
         self.sizes = tuple(sorted(sizes))
         self.max_batch = b = self.sizes[-1]
         dev = model.device
@@ -46,7 +55,7 @@ class DecodeGraphs:
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}  # both have replay()
         self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[tuple[int, str], torch.Tensor] = {}
@@ -100,16 +109,27 @@ class DecodeGraphs:
                     self._sampler(n, mode)
             torch.cuda.current_stream().wait_stream(side)
             self.model.reset_experts()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
-            self.graphs[n] = graph
+            if self.piecewise:
+                def run(n=n, batch=batch):
+                    return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                self.graphs[n], self.logits[n] = capture_pieces(self.model, run, pool)
+                if self.switching:
+                    self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
+                    self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
+                                             - replay_seconds(self.whole[n].replay))
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                self.graphs[n] = graph
             for mode in MODES:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.tokens[n, mode] = self._sampler(n, mode)
                 self.samplers[n, mode] = graph
         self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
+        if self.switching:
+            self.switch = Switch([b.experts for b in self.model.moe_blocks() if not b.experts.graph_safe])
 
     def logits_of(self, n: int) -> torch.Tensor:
         """The last replay's logits [n, V] float32 (valid until the next replay)."""
@@ -139,6 +159,9 @@ class DecodeGraphs:
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
         self._upload()
         mode = mode_of([s.params for s in seqs])
-        self.graphs[size].replay()
+        graph = self.graphs[size]
+        if self.switch is not None and not self.switch.choose(self.overhead_s[size]):
+            graph = self.whole[size]
+        graph.replay()
         self.samplers[size, mode].replay()
         return self.tokens[size, mode][:n]

@@ -23,6 +23,7 @@ from moetier.checkpoint.loader import LoadReport, load_model
 from moetier.config import config_from_dir
 from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import SIZES as GRAPH_SIZES, DecodeGraphs
+from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
 from moetier.engine.pages import PagePool
 from moetier.engine.request import Request
@@ -151,13 +152,16 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
+        piecewise = needs_pieces(model)  # e.g. hybrid: a host decision per MoE layer (experts/hybrid.py)
+        if piecewise and not config.piecewise_graphs:
+            cuda_graphs = False
         graphs = None
         if cuda_graphs and model.device.type == "cuda":
             # Steps above the decode limit take the eager path.
             cap = min(config.max_num_seqs, config.decode_tokens)
             sizes = [n for n in GRAPH_SIZES if n <= cap] or [1]
             graphs = DecodeGraphs(model, self.kv, scratch_page=num_pages, max_pages_per_seq=-(-max_len // page),
-                                  sizes=sizes)
+                                  sizes=sizes, piecewise=piecewise, switching=config.graph_switch)
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(model, self.kv, graphs)
@@ -237,7 +241,7 @@ class LLM:
     def metrics(self) -> dict:
         s = self.scheduler
         stats = self.model.expert_stats()
-        looked = stats["hits"] + stats["misses"] + stats["overflow"]
+        looked = stats["hits"] + stats["misses"] + stats["overflow"] + stats.get("host", 0)
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),

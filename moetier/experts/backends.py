@@ -37,6 +37,9 @@ class ExpertBackend(ABC):
     """Computes one MoE layer's routed experts for the tokens of a step."""
 
     name: str
+    # False: forward() reads device values on the host (a sync), so a decode step cannot be captured
+    # in a CUDA graph; the engine then runs decode steps eagerly.
+    graph_safe = True
 
     def __init__(self, layout: RowLayout, top_k: int, decode_tokens: int, device: torch.device,
                  gemm: GemmConfig = GemmConfig()):
@@ -239,4 +242,4 @@ class SlotExperts(ExpertBackend):
         self.cache.reset()
 
 
-BACKENDS = ("resident", "slots", "uva")
+BACKENDS = ("resident", "slots", "uva", "hybrid")  # hybrid: hybrid.py (the slots cache + host cores)

@@ -278,6 +278,16 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
                                                        BLOCK_N=COMBINE_BLOCK, num_warps=4)
 
 
+def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The combine of grouped_expert_mlp alone: out [T, H] = sum over j = 0..k-1, in order, of
+    w[t, j] * y[t*k + j]; y [T*k, H] fp32 (pair outputs before weighting, from any path)."""
+    t, k = topk_weights.shape
+    hidden = y.shape[1]
+    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden, BLOCK_N=COMBINE_BLOCK,
+                                                       num_warps=4)
+    return out
+
+
 @triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)

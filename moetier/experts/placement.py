@@ -17,6 +17,8 @@ import torch
 
 from moetier.errors import MoetierError
 from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
+from moetier.experts.cost_model import PathRates
+from moetier.experts.cpu_experts import KERNELS as HOST_KERNELS
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
@@ -34,6 +36,11 @@ class ExpertOptions:
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"
     gemm: GemmConfig = field(default_factory=GemmConfig)  # block sizes of the grouped expert GEMM
+    # hybrid backend: the host expert kernel (cpu_experts.py), its threads (None: torch's count), and
+    # the path rates (None: measured when the first layer is built)
+    host_kernel: str = "grouped"
+    host_threads: int | None = None
+    rates: PathRates | None = None
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
@@ -57,6 +64,10 @@ class ExpertOptions:
                        f"the slots file names layers {unknown}, but this model has no MoE layers")
         if self.policy not in POLICIES:
             out.append(f"cache policy {self.policy!r}: choose lru or lfru")
+        if self.host_kernel not in HOST_KERNELS:
+            out.append(f"host expert kernel {self.host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
+        if self.host_threads is not None and self.host_threads < 1:
+            out.append(f"host threads must be at least 1, got {self.host_threads}")
         if self.fill not in FILLS:
             out.append(f"fill must be 'kernel' or 'copy', got {self.fill!r}")
         return out
@@ -75,6 +86,7 @@ class ExpertPlacement:
             raise MoetierError("; ".join(problems))
         self.moe_layers = moe_layers
         self.store: HostStore | None = None  # made by the first rows() of a host-backed placement
+        self._hostpath = None  # hybrid: one host worker and one calibration for every layer
 
     def rows(self, layer: int) -> torch.Tensor:
         """[E, R] rows the loader fills for `layer`: device memory (resident) or the host store."""
@@ -91,6 +103,13 @@ class ExpertPlacement:
             return ResidentExperts(rows, self.layout, k, n, o.gemm)
         if o.backend == "uva":
             return UvaExperts(rows, self.layout, k, n, self.device, o.gemm)
+        if o.backend == "hybrid":
+            from moetier.experts.hybrid import HostPath, HybridExperts
+
+            if self._hostpath is None:
+                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
+            return HybridExperts(rows, self.layout, k, o.slots_for(layer, self.shape.num_experts), n, self.device,
+                                 o.policy, o.gemm, self._hostpath)
         return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.shape.num_experts), n, self.device, o.fill,
                            o.policy, o.gemm)
 

@@ -31,10 +31,17 @@ class MoEBlock(nn.Module):
         self.shared = shared
         self.experts: ExpertBackend | None = None  # set by the loader (checkpoint/loader.py)
         self.route_hook: RouteHook | None = None
+        # Set only while engine/piecewise.py captures a decode step: called instead of the backend, it
+        # ends the graph being captured and runs the backend eagerly at replay (backends that are not
+        # graph-safe, such as hybrid).
+        self.eager_split: Callable | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         if self.route_hook is not None:
             ids, weights = self.route_hook(self.layer, ids, weights)
-        out = self.experts.forward(x, ids, weights)
+        if self.eager_split is not None:
+            out = self.eager_split(self.experts.forward, x, ids, weights)
+        else:
+            out = self.experts.forward(x, ids, weights)
         return out if self.shared is None else out + self.shared(x)

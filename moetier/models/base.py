@@ -112,7 +112,7 @@ class CausalLM(nn.Module, ABC):
         total = dict.fromkeys(COUNTERS, 0)
         for block in self.moe_blocks():
             for k, v in block.experts.stats().items():
-                total[k] += v
+                total[k] = total.get(k, 0) + v  # a backend may count more (hybrid: host)
         return total
 
     def reset_experts(self) -> None:

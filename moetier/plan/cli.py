@@ -60,9 +60,9 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     if trace.num_experts != cfg.num_experts:
         raise MoetierError(f"--trace routes over {trace.num_experts} experts, the model has {cfg.num_experts}")
     e = cfg.num_experts
-    slots = plan.slots_per_layer if plan.backend == "slots" else {}
+    slots = plan.slots_per_layer if plan.backend in ("slots", "hybrid") else {}
     mean = round(sum(slots.values()) / len(slots)) if slots else e
-    per_layer = {layer: slots.get(layer, mean) if plan.backend == "slots" else e for layer in trace.layers}
+    per_layer = {layer: slots.get(layer, mean) if slots else e for layer in trace.layers}
     dense = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: decoder layers"))
     head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only

@@ -30,12 +30,15 @@ from moetier.plan.units import GiB, gib, round_up
 HOST_MARGIN_SHARE, HOST_MARGIN_MIN = 0.05, 4 * GiB  # keep this much of available host memory free
 
 
+
+CACHED = ("slots", "hybrid")  # backends with an HBM slot cache per MoE layer
+
 @dataclass
 class PlanRequest:
     cfg: ModelConfig
     dtype: torch.dtype
     device: str = "cuda"  # "cuda" or "cpu" (everything then lives in host memory)
-    backend: str = "resident"  # resident, slots or uva (sizing.auto_plan chooses for "auto")
+    backend: str = "resident"  # resident, slots, uva or hybrid (sizing.auto_plan chooses for "auto")
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # slots backend: every MoE layer
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 1
@@ -153,7 +156,7 @@ def count(req: PlanRequest) -> Plan:
     row = r.row_bytes(shape, dt)
     e, p = shape.num_experts, req.decode_tokens * shape.top_k
     backend = req.backend
-    slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if backend == "slots" else {}
+    slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if backend in CACHED else {}
     dense = r.dense_weights(cfg, dt)
     dev: list[Item] = []
     tensors: list[int] = list(dense.tensors)  # every device tensor, for the allocator's rounding
@@ -164,7 +167,7 @@ def count(req: PlanRequest) -> Plan:
     if backend == "resident":
         rows = [e * row] * len(layers)
         note = f"{len(layers)} layers x {e} experts x {row:,} B rows (scales in the row)"
-    elif backend == "slots":
+    elif backend in CACHED:
         rows = [slots[layer] * row for layer in layers]
         note = (f"{sum(slots.values())} slots over {len(layers)} layers "
                 f"({min(slots.values(), default=0)}..{max(slots.values(), default=0)} per layer) x {row:,} B rows")
@@ -176,6 +179,8 @@ def count(req: PlanRequest) -> Plan:
         scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
         state = [n for layer in layers for n in r.backend_extras(backend, shape, dt, req.decode_tokens,
                                                                  slots.get(layer, 0))[1:]]
+        if backend == "hybrid":  # experts/hybrid.py: the pair outputs [P, H] fp32, one for every layer
+            state.append(p * shape.hidden * 4)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
         outs = [req.decode_tokens * shape.hidden * dt.itemsize] * len(layers)
@@ -194,6 +199,8 @@ def count(req: PlanRequest) -> Plan:
         gin = r.graph_inputs(b, width)
         dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
         kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
+        if backend == "hybrid":  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
+            kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
         peak = r.step_activations(cfg, b, dt, 0) + [r.sampler_transient(b, cfg.vocab_size)]
         pool = r.segments(kept) + r.segments(peak)
         dev.append(Item("CUDA graph pool", pool, "capture",

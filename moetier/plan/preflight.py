@@ -52,21 +52,22 @@ def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
             raise MoetierError("; ".join(problems))
     if experts.backend == "auto":
         return auto_plan(req, trace, experts.policy)
-    if experts.backend == "slots":
+    if experts.backend in ("slots", "hybrid"):  # hybrid: the slots' plan, then counted as hybrid
+        b = experts.backend
         if experts.slots is None and not experts.slots_per_layer:
             plan = auto_plan(req, trace, experts.policy)
             if plan.backend == "slots":
-                return plan
-            return count(replace(req, backend="slots", slots_per_layer=dict.fromkeys(layers, e)))
+                return plan if b == "slots" else count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer))
+            return count(replace(req, backend=b, slots_per_layer=dict.fromkeys(layers, e)))
         slots = {layer: experts.slots_for(layer, e) for layer in layers}
-        return count(replace(req, backend="slots", slots_per_layer=slots))
+        return count(replace(req, backend=b, slots_per_layer=slots))
     return count(replace(req, backend=experts.backend))
 
 
 def options_for(plan: Plan, experts):
     """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
     return replace(experts, backend=plan.backend, slots=None,
-                   slots_per_layer=dict(plan.slots_per_layer) if plan.backend == "slots" else {})
+                   slots_per_layer=dict(plan.slots_per_layer) if plan.backend in ("slots", "hybrid") else {})
 
 
 def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:

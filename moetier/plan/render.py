@@ -33,8 +33,8 @@ def table(plan: Plan) -> str:
     con = Console(file=buf, width=WIDTH, force_terminal=False, color_system=None)
     q = plan.request
     slots = plan.slots_per_layer
-    placement = plan.backend if plan.backend != "slots" else (
-        f"slots {min(slots.values())}..{max(slots.values())} per layer" if slots else "slots")
+    placement = plan.backend if plan.backend not in ("slots", "hybrid") else (
+        f"{plan.backend} {min(slots.values())}..{max(slots.values())} per layer" if slots else plan.backend)
     con.print(f"memory plan: {q['model_type']}, {q['layers']} layers ({q['moe_layers']} MoE), {q['dtype']}, "
               f"experts {placement}; {q['max_num_seqs']} x {q['max_model_len']:,} tokens of KV, "
               f"steps of {q['max_num_tokens']} tokens on {q['device']}", markup=False)

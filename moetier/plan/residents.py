@@ -133,6 +133,8 @@ def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tok
         out += [4 * p, row_bytes(shape, dtype)]
     elif backend == "slots":
         out += slot_cache_state(shape.num_experts, slots, p)
+    elif backend == "hybrid":  # slots' state; the pair outputs [P, H] fp32 are one buffer for all layers
+        out += slot_cache_state(shape.num_experts, slots, p)
     return out
 
 

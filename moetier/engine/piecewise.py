@@ -1,0 +1,193 @@
+"""Piecewise CUDA graphs of the decode step, split at the MoE layers whose expert backend cannot be
+captured (ExpertBackend.graph_safe is False: hybrid reads its miss list on the host every layer).
+
+    pieces = capture_pieces(model, run, pool)   # run(): the model's forward, as DecodeGraphs captures it
+    pieces.replay()                              # graph 0, eager MoE 0, graph 1, eager MoE 1, ..., graph L
+
+During capture each such MoE block, instead of calling its backend, ends the graph being captured,
+remembers (backend, hidden, ids, weights, out) and begins the next graph; the block returns `out`, a
+static buffer allocated between the two captures (outside the pool), which the next graph reads. A
+replay runs the graphs in order and, between them, each remembered backend eagerly on the tensors the
+graph before it wrote (their addresses are fixed: they were allocated while capturing and stay
+referenced here), copying its result into `out`. So attention, norms, routers and the trace replay
+keep their graphs, and only the expert backend runs eagerly.
+
+Invariants: the pieces of one capture are replayed in capture order, all of them, before any other
+capture of the same pool is replayed (DecodeGraphs replays one size at a time). The eager parts run
+on the current stream, after the graph before them and before the graph after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moetier.models.base import CausalLM
+
+
+@dataclass
+class EagerPart:
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor  # [T, H], written by the graph before
+    ids: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+    out: torch.Tensor  # [T, H], read by the graph after
+
+    @torch.inference_mode()  # the buffers were made under it (the model's forward)
+    def run(self) -> None:
+        self.out.copy_(self.forward(self.hidden, self.ids, self.weights))
+
+
+@dataclass
+class Pieces:
+    """Graphs and the eager parts between them; len(graphs) == len(eager) + 1."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    eager: list[EagerPart] = field(default_factory=list)
+
+    def replay(self) -> None:
+        for graph, part in zip(self.graphs, self.eager):
+            graph.replay()
+            part.run()
+        self.graphs[-1].replay()
+
+
+class _Splitter:
+    def __init__(self, pool):
+        self.pool, self.pieces = pool, Pieces()
+        self.current: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.graphs.append(self.current)
+        self.current = None
+
+    def split(self, forward, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.end()
+        out = torch.empty_like(hidden)  # not capturing: the caching allocator's, not the graph pool's
+        self.pieces.eager.append(EagerPart(forward, hidden, ids, weights, out))
+        self.begin()
+        return out
+
+
+def needs_pieces(model: CausalLM) -> bool:
+    return not all(getattr(b.experts, "graph_safe", True) for b in model.moe_blocks())
+
+
+def capture_pieces(model: CausalLM, run: Callable[[], torch.Tensor], pool) -> tuple[Pieces, torch.Tensor]:
+    """Capture run() (the model's forward and logits, after its warm-up) split at every MoE block whose
+    backend is not graph-safe. -> (pieces, the logits tensor the last graph writes)."""
+    splitter = _Splitter(pool)
+    blocks = [b for b in model.moe_blocks() if not getattr(b.experts, "graph_safe", True)]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        for b in blocks:
+            b.eager_split = splitter.split
+        with torch.cuda.stream(stream):
+            splitter.begin()
+            try:
+                logits = run()
+            finally:
+                if splitter.current is not None:
+                    splitter.end()
+    finally:
+        for b in blocks:
+            b.eager_split = None
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return splitter.pieces, logits
+
+
+class Switch:
+    """Per decode step: replay the pieces (the host path in play, a sync per hybrid layer) or the whole
+    graph (every hybrid backend on its slots step alone, graph-safe), whichever the recent misses say
+    is faster.
+
+    Every `window` steps it reads the counters once (between steps: the GPU is idle then):
+        m = (link fills + overflow + host experts) / layer-steps over the window
+    the misses a layer-step could hand to the host. Pieces when the backends' expected saving at m,
+    summed over the hybrid layers, exceeds the measured extra cost of a pieces replay over a whole
+    one (`overhead_s`, per captured size, measured at no misses). It starts on pieces: a cold cache
+    misses most. backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_experts,
+    host_only_steps and host_saving_s(m) (experts/hybrid.HybridExperts)."""
+
+    def __init__(self, backends: list, window: int = 16):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.backends, self.window = backends, window
+        self.pieces = True
+        self.steps = 0
+        self.counts = {"pieces": 0, "whole": 0}
+        self.last_misses_per_layer_step: float | None = None
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int]:
+        hits, misses, overflow, steps = torch.stack([b.cache.stats for b in self.backends]).sum(0).tolist()
+        host = sum(b.host_experts for b in self.backends)
+        return misses + overflow + host, steps + sum(b.host_only_steps for b in self.backends)
+
+    def choose(self, overhead_s: float) -> bool:
+        """-> True: replay the pieces for this step."""
+        self.steps += 1
+        if self.steps % self.window == 0:
+            now = self._read()
+            dm, ds = now[0] - self._last[0], now[1] - self._last[1]
+            self._last = now
+            if ds > 0 and dm >= 0:  # a reset in between: skip this window
+                m = dm / ds
+                self.last_misses_per_layer_step = m
+                self.pieces = sum(b.host_saving_s(m) for b in self.backends) > overhead_s
+        self.counts["pieces" if self.pieces else "whole"] += 1
+        return self.pieces
+
+
+def host_enabled(model: CausalLM, on: bool) -> None:
+    """Turn the host path of every hybrid backend on or off (off: the graph-safe slots step)."""
+    for b in model.moe_blocks():
+        if hasattr(b.experts, "host_enabled"):
+            b.experts.host_enabled = on
+
+
+def capture_whole(model: CausalLM, run: Callable[[], torch.Tensor], logits_out: torch.Tensor, pool
+                  ) -> torch.cuda.CUDAGraph:
+    """The whole step as one graph, every hybrid backend on its slots step (host path off), after an
+    eager warm-up that compiles those kernels at this size. The graph writes `logits_out` (the pieces'
+    logits, which the sampler graphs read), so either variant feeds the same samplers."""
+    host_enabled(model, False)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        model.reset_experts()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits_out.copy_(run())
+    finally:
+        host_enabled(model, True)
+    return graph
+
+
+def replay_seconds(replay: Callable[[], None], reps: int = 5) -> float:
+    """Median wall seconds of replay() to completion, after one untimed replay."""
+    import statistics
+    import time
+
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

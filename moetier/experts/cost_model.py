@@ -1,0 +1,121 @@
+"""Which misses of a step the hybrid backend fills over the link and which the host cores compute.
+Pure CPU arithmetic on a few numbers per layer; no torch.
+
+A missed expert can be served two ways, and both ways run at the same time:
+    link   its row (row_bytes) crosses host -> device, then the GPU computes it with the hits:
+           link_s(n) = queued_link_s + n * row_bytes / link_bandwidth
+    host   the host cores compute its tokens from the host store; a hidden state goes down and an
+           output comes back (kilobytes). One call per layer pays a fixed overhead:
+           host_s(S) = queued_host_s + overhead_s + sum over e in S of (row_bytes / host_bandwidth
+                                                                      + (tokens_e - 1) * token_s)
+The layer waits for the slower path, so the choice minimizes max(link_s, host_s) (the GPU's own work
+on the hits overlaps both and is the same whichever way a miss goes).
+
+Every link miss costs the same and a host miss costs more the more tokens use it, so an optimal
+host set is always some n misses with the fewest tokens: the model sorts the misses by (tokens, order
+of first appearance), tries every n and keeps the best, the smallest n on ties (a link miss also
+warms the cache for the next step). O(m log m) for m misses (m <= T * k); deterministic.
+
+Bandwidths are measured (the link at start-up, the host kernel by scripts/bench_cpu_experts.py or a
+short calibration), never hard-coded. GB is 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class PathRates:
+    link_GBps: float  # host -> device bytes per second / 1e9 (pinned, copy engine or SM copy)
+    host_GBps: dict[str, float] = field(default_factory=dict)  # weight bytes the host kernel streams, by dtype
+    host_overhead_s: float = 0.0  # per host call: thread hand-off, hidden down, output back
+    host_token_s: float = 0.0  # extra host seconds per extra token of one expert (M > 1 adds compute)
+
+    def __post_init__(self):
+        problems = []
+        if not (math.isfinite(self.link_GBps) and self.link_GBps > 0):
+            problems.append(f"link bandwidth must be a positive number of GB/s, got {self.link_GBps}")
+        for dtype, v in self.host_GBps.items():
+            if not (math.isfinite(v) and v >= 0):
+                problems.append(f"host bandwidth for {dtype} must be >= 0 GB/s (0: never use the host), got {v}")
+        for name in ("host_overhead_s", "host_token_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                problems.append(f"{name} must be >= 0 seconds, got {v}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def host_rate(self, dtype: str) -> float:
+        if dtype not in self.host_GBps:
+            raise ValueError(f"no measured host expert throughput for {dtype} rows (have: "
+                             f"{', '.join(self.host_GBps) or 'none'}); run scripts/bench_cpu_experts.py or "
+                             "let the backend calibrate")
+        return self.host_GBps[dtype]
+
+
+@dataclass(frozen=True)
+class Split:
+    host: tuple[bool, ...]  # per miss, in the order given: computed on the host
+    link_s: float  # predicted seconds of the link path (queued work included)
+    host_s: float  # predicted seconds of the host path (queued work included)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.link_s, self.host_s)
+
+    @property
+    def num_host(self) -> int:
+        return sum(self.host)
+
+
+class CostModel:
+    def __init__(self, rates: PathRates, row_bytes: int, dtype: str):
+        if row_bytes <= 0:
+            raise ValueError(f"row_bytes must be positive, got {row_bytes}")
+        self.rates, self.row_bytes, self.dtype = rates, row_bytes, dtype
+        self.link_row_s = row_bytes / (rates.link_GBps * GB)
+        host = rates.host_rate(dtype)
+        self.host_row_s = row_bytes / (host * GB) if host > 0 else math.inf
+
+    def host_cost(self, tokens: int) -> float:
+        """Seconds the host spends on one expert used by `tokens` tokens (overhead excluded)."""
+        return self.host_row_s + (tokens - 1) * self.rates.host_token_s
+
+    def split(self, tokens: Sequence[int], queued_link_s: float = 0.0, queued_host_s: float = 0.0) -> Split:
+        """tokens[i]: how many of the step's tokens use miss i (misses in order of first appearance)."""
+        if any(t < 1 for t in tokens):
+            raise ValueError(f"every miss is used by at least one token, got {list(tokens)}")
+        if queued_link_s < 0 or queued_host_s < 0:
+            raise ValueError("queued work must be >= 0 seconds")
+        m = len(tokens)
+        order = sorted(range(m), key=lambda i: (tokens[i], i))
+        best_n, best = 0, (queued_link_s + m * self.link_row_s, queued_host_s)
+        if math.isfinite(self.host_row_s):
+            host = queued_host_s + self.rates.host_overhead_s
+            for n in range(1, m + 1):
+                host += self.host_cost(tokens[order[n - 1]])
+                link = queued_link_s + (m - n) * self.link_row_s
+                if max(link, host) < max(best):  # strict: ties keep the smaller n
+                    best_n, best = n, (link, host)
+        chosen = set(order[:best_n])
+        return Split(tuple(i in chosen for i in range(m)), *best)
+
+    def all_link_s(self, m: int, queued_link_s: float = 0.0) -> float:
+        return queued_link_s + m * self.link_row_s
+
+
+def rates_from_bench(data: dict, link_GBps: float) -> PathRates:
+    """PathRates from scripts/bench_cpu_experts.py's JSON (its winner's fit) and a measured link."""
+    w = data["winner"]
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(data["shape"]["dtype"], data["shape"]["dtype"])
+    token_s = 0.0
+    by = {(r["tokens"], r["experts"]): r for r in data["results"]
+          if r["kernel"] == w["kernel"] and r["threads"] == w["threads"]}
+    if (1, 8) in by and (8, 8) in by:  # 7 more tokens on each of 8 experts
+        token_s = max(0.0, (by[8, 8]["ms"] - by[1, 8]["ms"]) / 1e3 / (8 * 7))
+    return PathRates(link_GBps, {dtype: w["GBps"]}, w["overhead_s"], token_s)

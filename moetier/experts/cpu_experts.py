@@ -1,0 +1,204 @@
+"""Routed experts computed on the host cores, straight from the host store's rows (the `hybrid`
+backend's second path for misses; scripts/bench_cpu_experts.py measures the kernels).
+
+    kernel = host_kernel("grouped", layout, threads=16)
+    out = kernel(x [T, H], pairs [P] int64, experts [P] int64, weights [P] fp32, rows [E, R], top_k) -> [T, H] fp32
+
+`pairs` are flat pair indices t * top_k + j of the pairs to compute (any subset of a step's T x k),
+`experts[i]` the host row pair i reads, `weights[i]` its routing weight. The result is the weighted
+sum over those pairs only, per token, in fp32, summed in pair order j = 0..k-1 with absent pairs
+contributing exact zeros: for a given set of pairs the sum order is fixed whichever kernel computed
+the pair outputs (the backend adds it to the device's partial sum of the other pairs).
+
+Every kernel computes a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)), w2)
+in the rows' dtype. They differ in how the work meets the cores:
+
+    pair      one F.linear per (token, expert) pair: the plain reference; an expert's weights are
+              read once per pair that uses it
+    grouped   one F.linear per distinct expert over all of its tokens (each weight read once per
+              call); torch's intra-op threads (oneDNN/MKL) split each GEMM
+    split     each distinct expert's gate_up rows, then its down rows, cut into `threads` slices that
+              a pool of Python threads computes at once (torch releases the GIL inside F.linear;
+              every worker runs torch single-threaded): for M = 1 GEMVs that one torch call does
+              not spread well over 16 cores
+
+FP8 rows (another change in flight) will arrive as a different RowLayout whose w13/w2 are fp8 plus
+block scales; a kernel then dequantizes one slice of a row into bf16 scratch before its F.linear, and
+the cost model (cost_model.py) keeps a throughput per dtype. Until then a dtype the kernels do not
+know is refused here, not silently computed wrong.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+from moetier.experts.shape import RowLayout
+from moetier.layers.activation import silu_mul
+
+KERNELS = ("grouped", "split", "pair")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class HostKernel:
+    """Base: checks the arguments, groups the pairs by expert, owns the fixed-order combine."""
+
+    name = "base"
+
+    def __init__(self, layout: RowLayout, threads: int | None = None):
+        self.layout = layout
+        self.threads = threads or torch.get_num_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def __call__(self, x: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                 rows: torch.Tensor, top_k: int) -> torch.Tensor:
+        self._check(x, pairs, experts, weights, rows)
+        t = x.shape[0]
+        y = torch.zeros(t * top_k, self.layout.hidden, dtype=torch.float32)  # [T*k, H]; absent pairs stay 0
+        if pairs.numel():
+            xs = x.to(rows.dtype)
+            out = self.pair_outputs(xs, pairs // top_k, experts, rows)  # [P, H] in rows.dtype
+            y[pairs] = out.float() * weights.float()[:, None]
+        return y.view(t, top_k, -1).sum(dim=1)  # fixed order over j
+
+    def pair_outputs(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor
+                     ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check(self, x, pairs, experts, weights, rows) -> None:
+        if x.device.type != "cpu" or rows.device.type != "cpu":
+            raise ValueError("host expert kernels take CPU tensors (copy the hidden state down first)")
+        if rows.dtype not in DTYPES:
+            raise ValueError(f"no host expert kernel for {rows.dtype} rows yet (have {DTYPES})")
+        if rows.dim() != 2 or rows.shape[1] != self.layout.numel:
+            raise ValueError(f"rows must be [E, {self.layout.numel}], got {list(rows.shape)}")
+        if x.dim() != 2 or x.shape[1] != self.layout.hidden:
+            raise ValueError(f"x must be [T, {self.layout.hidden}], got {list(x.shape)}")
+        if not pairs.shape == experts.shape == weights.shape or pairs.dim() != 1:
+            raise ValueError("pairs, experts and weights must be 1-d and of one length")
+        if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < rows.shape[0]:
+            raise ValueError(f"expert ids must be in 0..{rows.shape[0] - 1}")
+
+    @staticmethod
+    def groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(expert, pair indices in order) per distinct expert, experts ascending."""
+        order = torch.argsort(experts, stable=True)
+        uniq, counts = torch.unique_consecutive(experts[order], return_counts=True)
+        return list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
+
+
+class PairKernel(HostKernel):
+    """The reference: one GEMV pair at a time."""
+
+    name = "pair"
+
+    def pair_outputs(self, x, tokens, experts, rows):
+        lay = self.layout
+        out = x.new_empty(tokens.numel(), lay.hidden)
+        for i, (t, e) in enumerate(zip(tokens.tolist(), experts.tolist())):
+            row = rows[e:e + 1]
+            out[i] = F.linear(silu_mul(F.linear(x[t:t + 1], lay.w13(row)[0])), lay.w2(row)[0])[0]
+        return out
+
+
+class GroupedKernel(HostKernel):
+    """One GEMM per distinct expert over its tokens; torch's own threads (set to `threads`)."""
+
+    name = "grouped"
+
+    def pair_outputs(self, x, tokens, experts, rows):
+        lay = self.layout
+        out = x.new_empty(tokens.numel(), lay.hidden)
+        # NOTE: sets the calling thread's torch thread count and leaves it (under OpenMP the count is
+        # per thread; switching it back and forth every call costs more than a small GEMV). The hybrid
+        # backend calls kernels from its own host thread, so the main thread's setting is untouched.
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        for e, idx in self.groups(experts):
+            row = rows[e:e + 1]
+            out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], lay.w13(row)[0])), lay.w2(row)[0])
+        return out
+
+
+class SplitKernel(HostKernel):
+    """Every expert's output rows cut into one slice per worker of a pool of single-threaded workers:
+    worker w computes slice w of every expert of the call, gate_up then (after all have finished) down,
+    so a call costs two rounds of `threads` tasks whatever the number of experts."""
+
+    name = "split"
+
+    def __init__(self, layout: RowLayout, threads: int | None = None, min_rows: int = 16):
+        super().__init__(layout, threads)
+        self.min_rows = min_rows  # no slice thinner than this
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moetier-host-expert",
+                                        initializer=_one_thread)
+
+    def _slices(self, n: int) -> list[tuple[int, int]]:
+        parts = max(1, min(self.threads, n // self.min_rows))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def pair_outputs(self, x, tokens, experts, rows):
+        lay = self.layout
+        i = lay.inter
+        groups = self.groups(experts)
+        xs = [x[tokens[idx]] for _, idx in groups]  # per expert its tokens' rows [n_e, H]
+        w13 = [lay.w13(rows[e:e + 1])[0] for e, _ in groups]  # views [2I, H]: gate rows, then up rows
+        w2 = [lay.w2(rows[e:e + 1])[0] for e, _ in groups]  # views [H, I]
+        hs = [x.new_empty(xe.shape[0], i) for xe in xs]  # SwiGLU [n_e, I]
+        ys = [x.new_empty(xe.shape[0], lay.hidden) for xe in xs]
+
+        # NOTE: inference mode is per thread; the workers enter it so that they may write into buffers
+        # the caller made under it (the engine runs the model under torch.inference_mode)
+        @torch.inference_mode()
+        def gate_up(a: int, b: int) -> None:
+            # gate rows [a, b) and the matching up rows: the slice's SwiGLU needs nothing else
+            for xe, w, h in zip(xs, w13, hs):
+                h[:, a:b] = F.silu(F.linear(xe, w[a:b])) * F.linear(xe, w[i + a:i + b])
+
+        @torch.inference_mode()
+        def down(a: int, b: int) -> None:
+            for h, w, y in zip(hs, w2, ys):
+                y[:, a:b] = F.linear(h, w[a:b])
+
+        list(self._pool.map(lambda ab: gate_up(*ab), self._slices(i)))
+        list(self._pool.map(lambda ab: down(*ab), self._slices(lay.hidden)))
+        out = x.new_empty(tokens.numel(), lay.hidden)
+        for (_, idx), y in zip(groups, ys):
+            out[idx] = y
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _one_thread() -> None:
+    # NOTE: under OpenMP the thread count is per calling thread: the pool's workers run torch with
+    # one thread each and leave the main thread's setting alone.
+    torch.set_num_threads(1)
+
+
+def host_kernel(name: str, layout: RowLayout, threads: int | None = None) -> HostKernel:
+    if name == "grouped":
+        return GroupedKernel(layout, threads)
+    if name == "split":
+        return SplitKernel(layout, threads)
+    if name == "pair":
+        return PairKernel(layout, threads)
+    raise ValueError(f"unknown host expert kernel {name!r}; choose one of: {', '.join(KERNELS)}")
+
+
+def reference(x: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+              rows: torch.Tensor, layout: RowLayout, top_k: int) -> torch.Tensor:
+    """The oracle: every pair on its own in fp32 math, combined as the kernels do. -> [T, H] fp32."""
+    t = x.shape[0]
+    y = torch.zeros(t * top_k, layout.hidden, dtype=torch.float32)
+    xs = x.to(rows.dtype).float()
+    for p, e, w in zip(pairs.tolist(), experts.tolist(), weights.tolist()):
+        row = rows[e:e + 1].float()
+        h = silu_mul(xs[p // top_k] @ layout.w13(row)[0].T).to(rows.dtype).float()
+        y[p] = (h @ layout.w2(row)[0].T).to(rows.dtype).float() * w
+    return y.view(t, top_k, -1).sum(dim=1)

@@ -1,0 +1,292 @@
+"""The `hybrid` expert backend: the slot cache (slots.py) whose misses are each either filled into a
+slot over the link and computed on the device, or computed by the host cores from the host store
+(cpu_experts.py), as the cost model (cost_model.py) chooses per step and layer.
+
+One decode step of one MoE layer (T tokens x k pairs, P = T * k):
+  1. down:   topk ids with where each expert sits now (expert_slot[ids]), as one [2, P] int32 copy, and
+             the hidden state [T, H] go to pinned host buffers; one event wait.
+             NOTE: this is the layer's one host sync, by nature: the choice needs the miss list on the
+             host. The copies are small (2P int32 and T x H: 128 KiB at T = 32, H = 2048 in bf16). The
+             weights stay on the device: host pairs come back unweighted. A decode step of this backend therefore runs eagerly (no CUDA graph: the engine
+             reads ExpertBackend.graph_safe); docs/hybrid.md says what else was and was not tried.
+  2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
+             counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
+             do not cross the link); the cache sees only the other pairs.
+  3. host:   the worker thread computes the host pairs' outputs (unweighted, rows dtype) from the host
+             store while the main thread launches the device path: pairs compacted to [n, 1] (each pair
+             its own "token" row of x), the cache step, fills, the grouped GEMM; the device pairs'
+             outputs land in y [P, H] at their pair positions.
+  4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
+             resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
+A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so
+the result for a given choice is reproducible, and when every miss goes over the link (or there is
+none) the layer takes the slots path unchanged: bit-exact against slots and resident.
+
+On the CPU the same steps run with the 'device' being the CPU (CI tests it): the device path is the
+reference (expert_pairs over slot rows), the host path the same host kernel as on a CUDA machine.
+Steps above the decode limit (prefill) bypass the cache as in slots.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from moetier.experts.backends import SlotExperts
+from moetier.experts.cost_model import CostModel, PathRates
+from moetier.experts.cpu_experts import HostKernel, host_kernel
+from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.reference import combine, expert_pairs
+from moetier.experts.shape import RowLayout
+
+
+class HostPath:
+    """What the layers of one model share: the host kernel, the one worker thread that runs it (layers
+    run one after another), pinned staging buffers, and the measured rates."""
+
+    def __init__(self, layout: RowLayout, kernel: str = "grouped", threads: int | None = None,
+                 rates: PathRates | None = None):
+        self.kernel: HostKernel = host_kernel(kernel, layout, threads)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
+        self.rates = rates
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
+               device: torch.device | None = None) -> torch.Tensor:
+        # NOTE: shared by every layer. A layer's host->device copies out of pinned ones are ordered before
+        # the next layer's device->host copies into them, and the next layer waits for those (its sync);
+        # a device one is used within one layer's stream order.
+        key = (name, dtype, pin, device)
+        b = self._bufs.get(key)
+        if b is None or b.numel() < _numel(shape):
+            b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
+        return b[:_numel(shape)].view(shape)
+
+    def calibrate(self, host_rows: torch.Tensor, slots: torch.Tensor) -> PathRates:
+        """Measure once: the link (host rows into slots, which are empty at build) and the host kernel
+        (1 and 4 experts at one token, 4 experts at 8 tokens; medians of 3)."""
+        if self.rates is None:  # on the worker: the kernel sets the thread count of the thread it runs on
+            self.rates = self.worker.submit(measure_rates, self.kernel, host_rows, slots).result()
+        return self.rates
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tensor, reps: int = 3) -> PathRates:
+    lay = kernel.layout
+    n = min(4, host_rows.shape[0], slots.shape[0])
+    row_bytes = host_rows.shape[1] * host_rows.element_size()
+    cuda = slots.device.type == "cuda"
+
+    def seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize(slots.device)
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(slots.device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[reps // 2]
+
+    link = seconds(lambda: slots[:n].copy_(host_rows[:n], non_blocking=True))
+    x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(host_rows.dtype)
+
+    e, turn = host_rows.shape[0], [0]
+
+    def host(tokens: int, experts: int):
+        toks = torch.arange(tokens).repeat_interleave(experts)
+
+        def call():
+            # each call takes the next experts, so that rows come from DRAM as misses do, not from L3
+            ids = (torch.arange(experts) + turn[0]) % e
+            turn[0] += experts
+            return kernel.pair_outputs(x1[:tokens], toks, ids.repeat(tokens), host_rows)
+        return call
+    t1, tn, tm = seconds(host(1, 1)), seconds(host(1, n)), seconds(host(8, n))
+    # seconds per more expert; noise can make tn - t1 tiny: never more than twice the average rate
+    per = max((tn - t1) / max(n - 1, 1), tn / n / 2)
+    return PathRates(link_GBps=n * row_bytes / 1e9 / link,
+                     host_GBps={str(host_rows.dtype).removeprefix("torch."): row_bytes / 1e9 / per},
+                     host_overhead_s=max(t1 - per, 0.0), host_token_s=max((tm - tn) / (7 * n), 0.0))
+
+
+_COMPILED: set[tuple] = set()  # shapes whose kernel variants HybridExperts._precompile has compiled
+
+
+class HybridExperts(SlotExperts):
+    """S slots over the host store; misses filled over the link or computed on the host."""
+
+    name = "hybrid"
+    graph_safe = False  # one host sync per layer (see the module NOTE)
+
+    def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
+                 decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
+                 gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
+        super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, "kernel", policy, gemm)
+        self.hostpath = host or HostPath(layout)
+        rates = self.hostpath.calibrate(host_rows, self.slots)
+        self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
+                               str(host_rows.dtype).removeprefix("torch."))
+        self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
+        # steps served all on the host (no cache step); the cache counts the others, graph replays included
+        self.host_only_steps = 0
+        # False: forward is the slots step alone (graph-safe); the engine's whole-graph variant is
+        # captured so, for steps where the host path is not worth its sync (engine/piecewise.Switch)
+        self.host_enabled = True
+        self.host_us = 0.0  # wall time of the host kernel calls (on the worker thread)
+        if self.cuda:
+            self._ev = torch.cuda.Event()
+            self._precompile()
+
+    def forward(self, hidden, topk_ids, topk_weights):
+        t, k = topk_ids.shape
+        if t > self.decode_tokens:
+            return self._bypass(hidden, topk_ids, topk_weights)
+        if not self.host_enabled:
+            return super().forward(hidden, topk_ids, topk_weights)
+        ids, slot_now, x = self._down(hidden, topk_ids)
+        host_set = self.choose(ids, slot_now, t)
+        if not host_set:
+            return super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
+        host_pos = [p for p, e in enumerate(ids) if e in host_set]
+        gpu_pos = [p for p, e in enumerate(ids) if e not in host_set]
+        self.host_experts += len(host_set)
+        self.host_pairs += len(host_pos)
+        self.host_only_steps += not gpu_pos
+        job = self.hostpath.worker.submit(self._host_outputs, x, host_pos, [ids[p] for p in host_pos], k)
+        if self.cuda:
+            return self._combine_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos, job)
+        y = hidden.new_empty(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them
+        if gpu_pos:
+            g = torch.tensor(gpu_pos)
+            g_ids = topk_ids.reshape(-1)[g].view(-1, 1)
+            slot_ids, miss = self.cache.step_reference(g_ids)
+            n = int(miss.count)
+            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+            keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
+            y[g] = expert_pairs(hidden[g // k], keys, self._fetch)[:, 0]
+        y[torch.tensor(host_pos)] = job.result()
+        return combine(y.view(t, k, -1), topk_weights)
+
+    def choose(self, ids: list[int], slot_now: list[int], t: int) -> set[int]:
+        """The host set: misses in order of first appearance, tokens per miss, the cost model's split."""
+        tokens: dict[int, int] = {}
+        for e, s in zip(ids, slot_now):
+            if s < 0:
+                tokens[e] = tokens.get(e, 0) + 1  # a token lists an expert once: pairs == tokens
+        if not tokens:
+            return set()
+        split = self.model.split(list(tokens.values()))
+        return {e for e, h in zip(tokens, split.host) if h}
+
+    def _down(self, hidden, topk_ids):
+        """-> (ids [P] and their slots now [P], as host lists; hidden [T, H] on the host)."""
+        slot_now = self.cache.expert_slot[topk_ids]
+        if not self.cuda:
+            return topk_ids.reshape(-1).tolist(), slot_now.reshape(-1).tolist(), hidden
+        t, k = topk_ids.shape
+        hp = self.hostpath
+        both = hp.buffer("ids", (2, t * k), torch.int32, True)
+        both.copy_(torch.stack((topk_ids.reshape(-1).int(), slot_now.reshape(-1))), non_blocking=True)
+        x = hp.buffer("x", (t, hidden.shape[1]), hidden.dtype, True)
+        x.copy_(hidden, non_blocking=True)
+        self._ev.record()
+        self._ev.synchronize()  # NOTE: the layer's one host sync (module docstring)
+        ids, slots = both.tolist()
+        return ids, slots, x
+
+    @torch.inference_mode()
+    def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.hostpath.kernel.pair_outputs(x.to(self.host.dtype), torch.tensor(pos) // k,
+                                                torch.tensor(experts), self.host)
+        self.host_us += (time.perf_counter() - t0) * 1e6
+        return out
+
+    def _combine_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos, job) -> torch.Tensor:
+        from moetier.experts.grouped_gemm import combine_pairs, grouped_expert_mlp
+        from moetier.experts.slot_kernels import bookkeeping, copy_rows
+
+        t, k = topk_ids.shape
+        ng, nh = len(gpu_pos), len(host_pos)
+        plan = self.hostpath.buffer("plan", (ng + nh,), torch.int64, True)
+        plan.copy_(torch.tensor(gpu_pos + host_pos))
+        perm = plan.to(self.device, non_blocking=True)  # one upload: device pairs, then host pairs
+        gpos, hpos = perm[:ng], perm[ng:]
+        y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
+        if ng:
+            g_ids = topk_ids.reshape(-1)[gpos].view(ng, 1)
+            g_w = topk_weights.reshape(-1)[gpos].view(ng, 1)
+            slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
+            copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
+            scratch_out = torch.empty(ng, self.layout.hidden, dtype=torch.float32, device=self.device)
+            grouped_expert_mlp(hidden[gpos // k].contiguous(), slot_ids, g_ids, g_w, self.slots, self._host_dev,
+                               self.layout.hidden, self.layout.inter, self._work, scratch_out, self.gemm)
+            y[gpos] = self._work.y[:ng]  # each device pair's output before weighting, fp32
+        out_host = self.hostpath.buffer("y", (nh, self.layout.hidden), self.host.dtype, True)
+        out_host.copy_(job.result())
+        y[hpos] = out_host.to(self.device, non_blocking=True).float()
+        return combine_pairs(y, topk_weights, self._decode_out(hidden))
+
+    def host_saving_s(self, misses: float) -> float:
+        """Seconds per layer-step the host path should save at `misses` misses a step (one token each):
+        all over the link against the cost model's split. For the engine's choice of graphs."""
+        m = round(misses)
+        return self.model.all_link_s(m) - self.model.split([1] * m).seconds if m > 0 else 0.0
+
+    def _precompile(self) -> None:
+        """Compile, at build, the kernel variants the compacted device pairs can need: Triton specializes
+        the bookkeeping kernel on BLOCK_N (the next power of two of the pairs) and the GEMM's plan on its
+        block count, both on whether the count divides by 16; a step's count of device pairs is any of
+        1..T*k, so without this a timed step could pay a compile. Throwaway cache, ids and outputs; once
+        per process and shape."""
+        from moetier.experts.grouped_gemm import PLAN_BLOCK, combine_pairs, grouped_expert_mlp
+        from moetier.experts.slot_kernels import BookkeepingScratch, bookkeeping
+        from moetier.experts.slots import SlotCache
+
+        c, k, p, dev = self.cache, self.top_k, self.decode_tokens * self.top_k, self.device
+        key = (self.layout, k, c.num_experts, c.num_slots, p, self.slots.dtype, str(self.cache.policy))
+        if key in _COMPILED:
+            return
+        sizes = {1, 2, 16, 17, 32, 33}
+        for b in range(1, -(-p // PLAN_BLOCK) + 1):
+            sizes |= {PLAN_BLOCK * b - 15, PLAN_BLOCK * b}
+        cache = SlotCache(c.num_experts, c.num_slots, dev, c.policy)
+        scratch = BookkeepingScratch(c.num_experts, c.num_slots, p, dev)
+        x = torch.zeros(p, self.layout.hidden, dtype=self.slots.dtype, device=dev)
+        w = torch.ones(p, 1, device=dev)
+        out = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=dev)
+        for n in sorted(m for m in sizes if m <= p):
+            ids = (torch.arange(n, device=dev) % c.num_experts).view(n, 1)
+            slot_ids = bookkeeping(cache, scratch, ids)
+            grouped_expert_mlp(x[:n], slot_ids, ids, w[:n], self.slots, self._host_dev, self.layout.hidden,
+                               self.layout.inter, self._work, out[:n], self.gemm)
+        for wdt in (torch.float32, self.slots.dtype):  # routing weights come in the hidden dtype (router.py)
+            combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev),
+                          torch.empty(1, self.layout.hidden, dtype=self.slots.dtype, device=dev))
+            ids = torch.zeros(2, 1, dtype=torch.int64, device=dev)
+            grouped_expert_mlp(x[:2], bookkeeping(cache, scratch, ids), ids, w[:2].to(wdt), self.slots,
+                               self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm)
+        torch.cuda.synchronize(dev)
+        _COMPILED.add(key)
+
+    def stats(self):
+        base = super().stats()
+        return {**base, "steps": base["steps"] + self.host_only_steps, "host": self.host_experts,
+                "host_pairs": self.host_pairs,
+                "host_us": int(self.host_us)}
+
+    def reset(self):
+        super().reset()
+        self.host_experts = self.host_pairs = self.host_only_steps = 0
+        self.host_us = 0.0
