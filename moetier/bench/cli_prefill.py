@@ -1,0 +1,127 @@
+"""`moetier bench prefill` and `moetier bench chunk`: the large-step path through the engine, and the
+prefill chunk against the decodes beside it (CUDA). Registered on bench/cli.py's app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moetier.bench.cli import REPO_TRACE, app, need_cuda, need_modules, parse_budget
+from moetier.cli import options as opt
+from moetier.errors import MoetierError
+
+
+@app.command("prefill")
+def bench_prefill(
+    preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
+    layers: Optional[int] = typer.Option(8, "--layers", help="Cut the preset to its first N layers."),
+    budget: list[str] = typer.Option(["50%", "25%"], "--expert-budget", metavar="SHARE",
+                                     help="Share of routed-expert bytes in HBM for the slots rows; repeat the "
+                                          "option for several."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Routing to replay (default: the repository's "
+                                              "data/traces/qwen3-30b-like.mtrace)."),
+    length: list[int] = typer.Option([128, 512, 2048, 8192], "--prompt-len", metavar="N",
+                                     help="Prompt tokens; repeat the option for several."),
+    batch: list[int] = typer.Option([1, 4], "--batch", metavar="N", help="Prompts at once; repeat for several."),
+    backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
+    chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
+    reps: int = typer.Option(5, "--reps", help="Timed runs per row (the median); fewer past 2 s a row."),
+    policy: opt.CachePolicy = "lfru",
+    decode_tokens: opt.DecodeTokens = 64,
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
+) -> None:
+    """Prefill tok/s through the engine: resident, slots at each budget, uva, with link and HBM/compute
+    bounds measured in the same run (CUDA)."""
+    from moetier.presets import preset as make_preset
+
+    try:
+        budgets = [parse_budget(b) for b in budget]
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        if not names or set(names) - {"resident", "uva", "slots"}:
+            raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
+        for value in (*length, *batch):
+            opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
+        opt.at_least(chunk, decode_tokens + 1, "--chunk")
+        opt.at_least(reps, 1, "--reps")
+        trace = opt.input_file(trace or REPO_TRACE, "--trace")
+        if plot is not None:
+            need_modules("matplotlib", why="--plot")
+            opt.output_file(plot, "--plot")
+        if out is not None:
+            opt.output_file(out, "--out")
+        cfg = make_preset(preset, layers, "bfloat16")
+    except MoetierError as e:
+        opt.fail(e)
+    need_cuda("prefill")
+    from moetier.bench import prefill
+    from moetier.bench.common import links, record, write_json
+    from moetier.checkpoint.random_bed import random_bed
+
+    args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
+            "preset": preset}
+    bed = random_bed(cfg, seed)
+    data = record("prefill", prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args,
+                                         links(row_bytes=bed.row_bytes)))
+    if out:
+        write_json(out, data)
+    if plot:
+        prefill.plot(data, str(plot))
+    typer.echo(prefill.table(data["rows"]))
+
+
+@app.command("chunk")
+def bench_chunk(
+    preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
+    layers: Optional[int] = typer.Option(8, "--layers", help="Cut the preset to its first N layers."),
+    budget: list[str] = typer.Option(["50%"], "--expert-budget", metavar="SHARE",
+                                     help="Share of routed-expert bytes in HBM for the slots rows; repeatable."),
+    backends: str = typer.Option("resident,slots", "--backends", help="Comma-separated rows: resident, slots."),
+    chunks: str = typer.Option("512,1024,2048,4096,8192", "--chunks", help="Tokens per step to compare."),
+    prompt_len: int = typer.Option(8192, "--prompt-len", help="The long prompt's tokens."),
+    streams: int = typer.Option(4, "--decode-streams", help="Requests decoding when the prompt arrives."),
+    before: int = typer.Option(16, "--before", help="Timed decode-only steps before the prompt comes."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
+    policy: opt.CachePolicy = "lfru",
+    decode_tokens: opt.DecodeTokens = 64,
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+) -> None:
+    """The prefill chunk under offload: a long prompt's TTFT against the inter-token latency of the
+    requests decoding beside it, per chunk size (CUDA)."""
+    from moetier.presets import preset as make_preset
+
+    try:
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        if not names or set(names) - {"resident", "slots"}:
+            raise MoetierError(f"--backends {backends!r}: choose from resident, slots")
+        sizes = opt.int_list(chunks, "--chunks")
+        for c in sizes:
+            opt.at_least(c, decode_tokens + 1, "--chunks")
+        opt.at_least(prompt_len, 1, "--prompt-len")
+        opt.at_least(streams, 1, "--decode-streams")
+        opt.at_least(before, 1, "--before")
+        rows = [("resident", 1.0)] * ("resident" in names)
+        rows += [("slots", parse_budget(b)) for b in budget] if "slots" in names else []
+        trace = opt.input_file(trace or REPO_TRACE, "--trace")
+        if out is not None:
+            opt.output_file(out, "--out")
+        cfg = make_preset(preset, layers, "bfloat16")
+    except MoetierError as e:
+        opt.fail(e)
+    need_cuda("chunk")
+    from moetier.bench import chunk
+    from moetier.bench.common import record, write_json
+    from moetier.checkpoint.random_bed import random_bed
+
+    args = {"policy": policy, "decode_tokens": decode_tokens, "seed": seed, "before": before, "preset": preset}
+    bed = random_bed(cfg, seed)
+    data = record("chunk", chunk.run(bed, str(trace), rows, sizes, prompt_len, streams, args))
+    if out:
+        write_json(out, data)
+    typer.echo(chunk.table(data["rows"]))
