@@ -82,7 +82,7 @@ class ExpertBackend(ABC):
 
         self.bypassed += 1
         return grouped_expert_mlp_large(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm)
+                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm, self.layout.quant)
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
         from moetier.experts.grouped_gemm import grouped_expert_mlp
@@ -93,7 +93,7 @@ class ExpertBackend(ABC):
         # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
         # bench/results/h200-tune-experts.json).
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
-                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm)
+                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant)
 
 
 class ResidentExperts(ExpertBackend):
