@@ -93,6 +93,22 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: b
     return f"fp8 {path} t={t} k={k} h={h} i={i} {str(dtype)[6:]} err={err:.2e}"
 
 
+def copies_fp8_rows() -> str:
+    """The fill kernel moves FP8 rows (as 2-byte words) byte for byte, scales included."""
+    from moetier.experts.slot_kernels import BookkeepingScratch, copy_rows
+
+    layout = RowLayout(200, 72, "fp8")
+    rows = fp8_rows(layout, 6, torch.Generator().manual_seed(9))
+    slots = torch.zeros(4, layout.numel, dtype=torch.uint8)
+    sc = BookkeepingScratch(6, 4, 8, torch.device("cpu"))
+    sc.miss_expert[:3] = torch.tensor([5, 0, 3], dtype=torch.int32)
+    sc.miss_slot[:3] = torch.tensor([2, 0, 3], dtype=torch.int32)
+    sc.miss_count.fill_(3)
+    copy_rows(rows, slots, sc, programs=3, block=4096)
+    assert torch.equal(slots[[2, 0, 3]], rows[[5, 0, 3]]) and not slots[1].any()
+    return "fp8 rows copied"
+
+
 def refuses_wide_k() -> str:
     try:
         grouped.fp8_args(64, 64, "fp8", (256, 128))
@@ -113,5 +129,6 @@ if __name__ == "__main__":
         for dtype in (torch.float32, torch.bfloat16):
             print(case(t, k, h, i, dtype, seed=n, large=False), flush=True)
             print(case(t, k, h, i, dtype, seed=50 + n, large=True), flush=True)
+    print(copies_fp8_rows(), flush=True)
     print(refuses_wide_k(), flush=True)
     sys.exit(0)
