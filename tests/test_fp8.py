@@ -394,3 +394,39 @@ def test_fp8_grouped_kernels_in_the_interpreter():
     lines = [line for line in out.splitlines() if line.startswith("fp8 decode") or line.startswith("fp8 large")]
     assert len(lines) == 12, out
     assert "fp8 refuses BLOCK_K 256" in out and "fp8 rows copied" in out
+
+
+def test_bench_decode_runs_fp8_rows_beside_bf16_on_cpu(tmp_path):
+    """The decode benchmark's rows for both expert formats in one record (on the CPU: tiny shape,
+    float32 compute); FP8 rows move and read fewer expert bytes and agree with their own resident."""
+    from moetier import presets
+    from moetier.bench import decode
+    from moetier.bench.cli import parse_dtypes
+    from moetier.checkpoint.random_bed import random_bed
+    from moetier.errors import MoetierError
+    from moetier.traces.format import write_trace
+    from moetier.traces.synth import SynthParams, meta_of, synthesize
+
+    assert parse_dtypes("bf16,fp8") == ["bf16", "fp8"]
+    for bad in ("fp4", "bf16,bf16", ""):
+        with pytest.raises(MoetierError, match="--dtype"):
+            parse_dtypes(bad)
+    cfg = presets.preset("tiny")
+    trace = tmp_path / "t.mtrace"
+    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=256, skew=1.2, seed=3)
+    write_trace(trace, synthesize(p), meta_of(p))
+    beds = {"bf16": random_bed(cfg, seed=1, device="cpu", dtype=torch.float32),
+            "fp8": random_bed(cfg, seed=1, device="cpu", dtype=torch.float32, quant="fp8")}
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16, "seed": 0}
+    data = decode.run(cfg, str(trace), [0.5], [1], ["resident", "uva", "slots"], args,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0}, dtypes=("bf16", "fp8"), beds=beds)
+    rows = data["rows"]
+    assert [(r["dtype"], r["backend"]) for r in rows] == [
+        (d, b) for d in ("float32", "fp8") for b in ("resident", "uva", "slots")]
+    eq = data["greedy_tokens_equal_to_resident"]
+    assert set(eq) == {"uva/b1", "slots@0.5/b1", "uva/b1/fp8", "slots@0.5/b1/fp8"} and all(eq.values())
+    fp8_row = data["config"]["by_dtype"]["fp8"]["row_bytes"]
+    assert fp8_row == beds["fp8"].cfg.moe_shape.layout.numel == 3 * 128 * 64 + 16  # 12 scale bytes, 4 pad
+    uva = {r["dtype"]: r for r in rows if r["backend"] == "uva"}
+    assert uva["fp8"]["link_bytes_per_step"] < 0.3 * uva["float32"]["link_bytes_per_step"]  # 1 byte vs 4
+    assert "fp8" in decode.table(rows)

@@ -55,7 +55,6 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     store = HostStore(cfg.moe_layers, cfg.num_experts, layout, dtype, pin=device == "cuda")
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm") or "_norm" in name:
@@ -66,15 +65,22 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
             for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, rows.shape[0])
                 if layout.quant == "fp8":
-                    for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-                        w = torch.empty(b - a, *shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
-                        q, scale = fp8.quantize(w)
-                        layout.part(rows[a:b], part).copy_(q)
-                        layout.part(rows[a:b], part + "_scale").copy_(scale)
+                    fill_fp8_rows(rows[a:b], layout, g, dtype)
                     continue
                 rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
                                 .normal_(0.0, 0.02, generator=g))
     return _bed(model, host)
+
+
+def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
+    """FP8 rows [N, R] of random experts: each projection drawn as N(0, 0.02) in `dtype` on the
+    generator's device, quantized by the block rule (fp8.quantize), written with its scales."""
+    h, i = layout.hidden, layout.inter
+    for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        w = torch.empty(rows.shape[0], *shape, dtype=dtype, device=g.device).normal_(0.0, 0.02, generator=g)
+        q, scale = fp8.quantize(w)
+        layout.part(rows, part).copy_(q)
+        layout.part(rows, part + "_scale").copy_(scale)
 
 
 def loaded_bed(path: str) -> Bed:
