@@ -258,7 +258,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
-        lines.append(f"{r['backend']:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        lines.append(f"{r['backend']:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} "
+                     f"{r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step")

@@ -259,6 +259,15 @@ def run(presets: list[str], steps: int, hits: list[float], slot_frac: float, tun
     return record("layer", results)
 
 
+def fill_text(x: dict) -> str:
+    text = f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms"
+    if not x["rows"]:
+        return text
+    return (text + f" ({x['kernel_GBps']:.1f} GB/s, {x['kernel_experts_per_s']:.0f} experts/s), copy engine "
+            f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s, "
+            f"{x['copy_engine_experts_per_s']:.0f} experts/s)")
+
+
 def table(data: dict) -> str:
     lines = []
     for name, r in data["shapes"].items():
@@ -277,18 +286,14 @@ def table(data: dict) -> str:
                 return fmt.format(v * scale) if isinstance(v, (int, float)) else "-"
             lines.append(f"{row['row']:<12}{row['ms']:>10.3f}{row['bound_ms']:>10.3f}{row['ms'] / row['bound_ms']:>9.2f}"
                          f"{row['ms'] / t_res:>11.2f}{f('bookkeeping_ms', 1e3, '{:.1f}'):>12}{f('fill_ms'):>9}"
-                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}{f('fill_experts_per_s', 1, '{:.0f}'):>11}")
+                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}"
+                         f"{f('fill_experts_per_s', 1, '{:.0f}'):>11}")
         if "tune_bookkeeping_warps" in r:
             lines.append("bookkeeping us by warps: " + "; ".join(
                 f"{w}: " + ", ".join(f"{h} {t:.1f}" for h, t in v.items()) for w, v in r["tune_bookkeeping_warps"].items()))
         if "fills" not in r:
             continue
-        lines.append("fills: " + "; ".join(
-            f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms" + (f" ({x['kernel_GBps']:.1f} GB/s, "
-                                                                 f"{x['kernel_experts_per_s']:.0f} experts/s), copy engine "
-                                                                 f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s, "
-                                                                 f"{x['copy_engine_experts_per_s']:.0f} experts/s)"
-                                                                 if x["rows"] else "") for x in r["fills"]))
+        lines.append("fills: " + "; ".join(fill_text(x) for x in r["fills"]))
         lines.append("decode vs bypass (ms): " + ", ".join(
             f"T={x['tokens']}: {x['decode_ms']:.3f} / {x['bypass_ms']:.3f}" for x in r["prefill_crossover"]))
     return "\n".join(lines)

@@ -24,7 +24,8 @@ BLOCK = 128  # weight_block_size [128, 128]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448.0
 # config.json `quantization_config` of the checkpoints this reads and writes (DeepSeek-V3, Qwen3-FP8)
-QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK]}
 SCALE_SUFFIX = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`, fused `experts.down_proj` -> `..._scale_inv`
 
 

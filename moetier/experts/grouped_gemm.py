@@ -378,7 +378,8 @@ def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max
 
 def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
                              topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
-                             max_rows: int, config: GemmConfig = GemmConfig(), quant: str | None = None) -> torch.Tensor:
+                             max_rows: int, config: GemmConfig = GemmConfig(),
+                             quant: str | None = None) -> torch.Tensor:
     """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
     config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
     bounded by the chunk count. Arguments as grouped_expert_mlp; max_rows: distinct rows possible
