@@ -30,6 +30,9 @@ from moetier.experts.shape import RowLayout  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LARGE = GemmConfig(large_block_m=16, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))
+# K tiles of 256: one tile spans two scale columns (hidden 200 = 128 + 72; inter 136 = 128 + 8)
+WIDE = GemmConfig(gate_up=(16, 256, 4), down=(16, 256, 4), large_block_m=16, large_gate_up=(16, 256, 4),
+                  large_down=(16, 256, 4))
 
 
 def fp8_rows(layout: RowLayout, e: int, g: torch.Generator) -> torch.Tensor:
@@ -59,7 +62,7 @@ def check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype) -> 
     return err
 
 
-def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool) -> str:
+def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool, wide: bool = False) -> str:
     g = torch.Generator().manual_seed(seed)
     e = 8
     layout = RowLayout(h, i, "fp8")
@@ -79,16 +82,17 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: b
 
     def run(slot_ids, dev_rows, max_rows):
         if large:
-            return grouped.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows, LARGE, "fp8")
+            return grouped.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows,
+                                                    WIDE if wide else LARGE, "fp8")
         scratch = grouped.GemmScratch.make(64, h, i, torch.device("cpu"))
         out = torch.full((t, h), float("nan"), dtype=dtype)
         return grouped.grouped_expert_mlp(x, slot_ids, ids, w, dev_rows, rows, h, i, scratch, out,
-                                          GemmConfig(), "fp8").clone()
+                                          WIDE if wide else GemmConfig(), "fp8").clone()
 
     out_slots = run(mixed, slots, e + e // 2)
     out_res = run(ids.int(), rows, e)
     out_uva = run(none, dummy, e)
-    path = "large" if large else "decode"
+    path = ("large" if large else "decode") + (" wide-k" if wide else "")
     err = check(path, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype)
     return f"fp8 {path} t={t} k={k} h={h} i={i} {str(dtype)[6:]} err={err:.2e}"
 
@@ -109,13 +113,13 @@ def copies_fp8_rows() -> str:
     return "fp8 rows copied"
 
 
-def refuses_wide_k() -> str:
+def refuses_unaligned_k() -> str:
     try:
-        grouped.fp8_args(64, 64, "fp8", (256, 128))
+        grouped.fp8_args(64, 64, "fp8", (96, 128))
     except ValueError as e:
-        assert "BLOCK_K dividing 128" in str(e)
-        return "fp8 refuses BLOCK_K 256"
-    raise AssertionError("BLOCK_K 256 was accepted for FP8 rows")
+        assert "BLOCK_K dividing or a multiple of 128" in str(e)
+        return "fp8 refuses BLOCK_K 96"
+    raise AssertionError("BLOCK_K 96 was accepted for FP8 rows")
 
 
 CASES = [  # (t, k, h, i)
@@ -129,6 +133,9 @@ if __name__ == "__main__":
         for dtype in (torch.float32, torch.bfloat16):
             print(case(t, k, h, i, dtype, seed=n, large=False), flush=True)
             print(case(t, k, h, i, dtype, seed=50 + n, large=True), flush=True)
+    for large in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            print(case(5, 2, 200, 136, dtype, seed=90, large=large, wide=True), flush=True)
     print(copies_fp8_rows(), flush=True)
-    print(refuses_wide_k(), flush=True)
+    print(refuses_unaligned_k(), flush=True)
     sys.exit(0)

@@ -170,6 +170,16 @@ def test_row_fetch_dequantizes_in_the_hidden_dtype():
     assert torch.equal(w13[:40], gate)
 
 
+def test_fp8_grouped_kernels_in_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.interpreter import run_script
+
+    out = run_script("fp8_interpreter.py")
+    lines = [line for line in out.splitlines() if line.startswith("fp8 decode") or line.startswith("fp8 large")]
+    assert len(lines) == 16 and sum("wide-k" in line for line in lines) == 4, out
+    assert "fp8 refuses BLOCK_K 96" in out and "fp8 rows copied" in out
+
+
 def test_memory_plan_counts_fp8_rows_exactly():
     import dataclasses
 

@@ -204,13 +204,3 @@ def test_random_bed_fp8_runs_every_backend_alike():
         use_backend(bed, backend, budget=0.5)
         outs.append(bed.model.logits(Sequence(bed.model, 32).forward(prompt)))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def test_fp8_grouped_kernels_in_the_interpreter():
-    pytest.importorskip("triton")
-    from tests.interpreter import run_script
-
-    out = run_script("fp8_interpreter.py")
-    lines = [line for line in out.splitlines() if line.startswith("fp8 decode") or line.startswith("fp8 large")]
-    assert len(lines) == 12, out
-    assert "fp8 refuses BLOCK_K 256" in out and "fp8 rows copied" in out

@@ -16,7 +16,8 @@ multiplied against all of them with tl.dot.
 FP8 rows (RowLayout quant "fp8": float8 weights + float32 128 x 128 block scales in one byte row):
 the same kernels with FP8 set load a weight tile's bytes, convert them to fp32, multiply each row by
 its block scale and round once to the dot type (bf16 for a bf16 model), exactly the weights
-fp8.dequantize gives the torch reference; BLOCK_K must divide 128 so a K tile sits in one scale block.
+fp8.dequantize gives the torch reference. BLOCK_K divides 128 (a K tile in one scale column: one
+scale per row) or is a multiple of it (a scale per element, gathered).
 
 No host sync and no data-dependent shape: the plan is a fixed grid of O(P^2) compares (P = T*k, 512
 at most for decode), gate_up and down take a grid of P chunk positions and the programs where no chunk
@@ -87,13 +88,19 @@ def _mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.cons
 
 
 @triton.jit
-def _dequant(w, scale_ptr, n, nm, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr):
-    # w [BLOCK_N, BLOCK_K] float8 bytes of rows n, columns [k0, k0 + BLOCK_K) -> DOT: fp32(w) times
-    # the block scale of each row, rounded once (to nearest even). scale_ptr: a byte pointer to a
-    # float32 grid [ceil(N/128), K_BLOCKS]; BLOCK_K divides 128: the tile reads scale column k0 // 128.
+def _dequant(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    # w [BLOCK_N, BLOCK_K] float8 bytes of rows n, columns kk = k0 + [0, BLOCK_K) -> DOT: fp32(w) times
+    # its block's scale, rounded once (to nearest even). scale_ptr: a byte pointer to a float32 grid
+    # [ceil(N/128), K_BLOCKS]. BLOCK_K divides 128: the tile sits in scale column k0 // 128, one scale
+    # per row; BLOCK_K a multiple of 128: each column reads its own (a gather of cached values).
     sp = scale_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
-    s = tl.load(sp + (n // 128) * K_BLOCKS + k0 // 128, mask=nm, other=0.0)
-    v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+    if BLOCK_K <= 128:
+        s = tl.load(sp + (n // 128) * K_BLOCKS + k0 // 128, mask=nm, other=0.0)[:, None]
+    else:
+        s = tl.load(sp + (n // 128)[:, None] * K_BLOCKS + (kk // 128)[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0)
+    v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
     if EMULATE:
         if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
             b = v.to(tl.uint32, bitcast=True)
@@ -160,8 +167,8 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
         wu = tl.load(base + (n[:, None] + inter) * hidden + kk[None, :], mask=wm, other=0.0)
         if FP8:  # gate's scale grid [NI, NH] at byte S13 of the row, up's right after it
-            wg = _dequant(wg, base + S13, n, nm, k0, NH, DOT, EMULATE)
-            wu = _dequant(wu, base + S13 + 4 * NI * NH, n, nm, k0, NH, DOT, EMULATE)
+            wg = _dequant(wg, base + S13, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
+            wu = _dequant(wu, base + S13 + 4 * NI * NH, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
         acc_g = _mma(xa, wg, acc_g, DOT, PRECISION, EMULATE)
         acc_u = _mma(xa, wu, acc_u, DOT, PRECISION, EMULATE)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -192,7 +199,7 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if FP8:
-            w = _dequant(w, scales, n, nm, k0, NI, DOT, EMULATE)
+            w = _dequant(w, scales, n, nm, kk, km, k0, NI, DOT, EMULATE, BLOCK_K)
         acc = _mma(ha, w, acc, DOT, PRECISION, EMULATE)
     tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=mm[:, None] & nm[None, :])
 
@@ -292,13 +299,14 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
 
 def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ...]) -> dict:
     """The FP8 constexprs of _gate_up and _down: byte offsets of the two scale grids in a row and the
-    grid widths (zeros when the rows are not FP8). Refuses a BLOCK_K that does not divide 128."""
+    grid widths (zeros when the rows are not FP8). Refuses a BLOCK_K that neither divides nor is a
+    multiple of 128 (a K tile must never cut a scale block but at its edges)."""
     if quant != "fp8":
         return dict(FP8=False, S13=0, S2=0, NI=0, NH=0)
-    bad = [bk for bk in blocks_k if fp8.BLOCK % bk]
+    bad = [bk for bk in blocks_k if fp8.BLOCK % bk and bk % fp8.BLOCK]
     if bad:
-        raise ValueError(f"FP8 rows need BLOCK_K dividing {fp8.BLOCK} (a K tile within one scale block); the "
-                         f"GemmConfig has {bad}: choose 16, 32, 64 or 128")
+        raise ValueError(f"FP8 rows need BLOCK_K dividing or a multiple of {fp8.BLOCK} (K tiles aligned to the "
+                         f"scale blocks); the GemmConfig has {bad}: choose a power of two")
     lay = RowLayout(hidden, inter, quant)
     return dict(FP8=True, S13=lay.s13_offset, S2=lay.s2_offset, NI=lay.n_inter, NH=lay.n_hidden)
 
