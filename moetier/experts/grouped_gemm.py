@@ -13,11 +13,8 @@ multiplied against all of them with tl.dot.
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
 
-FP8 rows (RowLayout quant "fp8": float8 weights + float32 128 x 128 block scales in one byte row):
-the same kernels with FP8 set load a weight tile's bytes, convert them to fp32, multiply each row by
-its block scale and round once to the dot type (bf16 for a bf16 model), exactly the weights
-fp8.dequantize gives the torch reference. BLOCK_K divides 128 (a K tile in one scale column: one
-scale per row) or is a multiple of it (a scale per element, gathered).
+FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
+registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
 
 No host sync and no data-dependent shape: the plan is a fixed grid of O(P^2) compares (P = T*k, 512
 at most for decode), gate_up and down take a grid of P chunk positions and the programs where no chunk
@@ -91,9 +88,8 @@ def _mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.cons
 def _dequant(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
              BLOCK_K: tl.constexpr):
     # w [BLOCK_N, BLOCK_K] float8 bytes of rows n, columns kk = k0 + [0, BLOCK_K) -> DOT: fp32(w) times
-    # its block's scale, rounded once (to nearest even). scale_ptr: a byte pointer to a float32 grid
-    # [ceil(N/128), K_BLOCKS]. BLOCK_K divides 128: the tile sits in scale column k0 // 128, one scale
-    # per row; BLOCK_K a multiple of 128: each column reads its own (a gather of cached values).
+    # its block's scale (float32 grid [ceil(N/128), K_BLOCKS] at byte pointer scale_ptr), rounded once.
+    # BLOCK_K divides 128: one scale per row (column k0 // 128); a multiple of 128: one per element.
     sp = scale_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     if BLOCK_K <= 128:
         s = tl.load(sp + (n // 128) * K_BLOCKS + k0 // 128, mask=nm, other=0.0)[:, None]
