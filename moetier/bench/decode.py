@@ -191,6 +191,8 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     already built and bandwidths already measured (tests on the CPU)."""
     from moetier.traces.format import read_trace
 
+    if bed is not None and len(dtypes) > 1:
+        raise ValueError("one bed runs one expert format; pass beds={dtype: bed} for several")
     trace = read_trace(trace_path)
     link, rows, configs, build_s = {}, [], {}, 0.0
     for dtype in dtypes:
