@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from moetier.errors import ConfigError, problem_list
+from moetier.experts.fp8 import quant_problems
 from moetier.experts.shape import MoeShape
 
 REQUIRED = object()
@@ -79,6 +80,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype as config.json states it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # config.json quantization_config: None, or "fp8" (block-scaled float8 weights, experts/fp8.py:
+    # routed experts stay FP8 in their rows, other FP8 weights are dequantized at load)
+    quant: str | None = None
+    quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     architecture: ClassVar[str] = ""  # the `architectures` entry Hugging Face writes for the family
@@ -92,7 +97,7 @@ class ModelConfig:
 
     @property
     def moe_shape(self) -> MoeShape:
-        return MoeShape(self.num_experts, self.top_k, self.hidden_size, self.moe_intermediate_size)
+        return MoeShape(self.num_experts, self.top_k, self.hidden_size, self.moe_intermediate_size, self.quant)
 
     @classmethod
     def common(cls, f: Fields) -> dict[str, Any]:
@@ -102,6 +107,9 @@ class ModelConfig:
         if experts and top_k and top_k > experts:
             f.problems.append(f"num_experts_per_tok {top_k} is larger than num_experts {experts}")
         eos = f.get("eos_token_id", default=[])
+        qc = f.get("quantization_config", default=None)
+        if qc is not None:
+            f.problems.extend(quant_problems(qc))
         return dict(
             model_type=f.d.get("model_type"),
             vocab_size=f.positive_int("vocab_size"),
@@ -116,6 +124,8 @@ class ModelConfig:
             torch_dtype=str(f.get("torch_dtype", "dtype", default="bfloat16")).replace("torch.", ""),
             bos_token_id=f.get("bos_token_id", default=None),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
+            quant="fp8" if qc is not None else None,
+            quant_config=qc,
             extra=f.d,
         )
 
@@ -146,6 +156,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "initializer_range": 0.02,
             "use_cache": True,
+            **({"quantization_config": self.quant_config} if self.quant else {}),
         }
 
     def to_hf_dict(self) -> dict[str, Any]:

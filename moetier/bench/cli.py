@@ -32,6 +32,19 @@ def need_modules(*names: str, why: str) -> None:
         raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
 
 
+EXPERT_DTYPES = ("bf16", "fp8")
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8']: the expert formats whose rows run side by side."""
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in names if d not in EXPERT_DTYPES]
+    if bad or not names or len(set(names)) != len(names):
+        raise MoetierError(f"--dtype {text!r}: give bf16, fp8 or bf16,fp8 (FP8: block-scaled e4m3 experts, "
+                           "dense weights bf16)")
+    return names
+
+
 def parse_budget(text: str) -> float:
     """'50%' or '0.5' -> 0.5, in (0, 1]."""
     try:
@@ -53,6 +66,8 @@ def bench_layer(
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
     policy: opt.CachePolicy = "lfru",
     extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Expert formats, comma-separated: bf16, fp8 or bf16,fp8 "
+                                                      "(every row for each, side by side)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
 ) -> None:
     """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
@@ -68,6 +83,7 @@ def bench_layer(
             raise MoetierError(f"--hits {hits!r}: each rate must be in [0, 1]")
         if not 0 < slot_frac <= 1:
             raise MoetierError(f"--slots-frac {slot_frac}: must be above 0 and at most 1")
+        dtypes = parse_dtypes(dtype)
         for p in preset:
             moe_shape(p)
         if out is not None:
@@ -78,7 +94,7 @@ def bench_layer(
     from moetier.bench.common import write_json
     from moetier.bench.layer import run, table
 
-    data = run(list(preset), steps, hit_rates, slot_frac, tune, policy, extras)
+    data = run(list(preset), steps, hit_rates, slot_frac, tune, policy, extras, dtypes)
     if out:
         write_json(out, data)
     typer.echo(table(data))
@@ -116,6 +132,8 @@ def bench_decode(
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Expert formats of the random weights, comma-separated: "
+                                                      "bf16, fp8 or bf16,fp8 (every row for each, side by side)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -127,6 +145,10 @@ def bench_decode(
 
     try:
         budgets = [parse_budget(b) for b in budget]
+        dtypes = parse_dtypes(dtype)
+        if model is not None and dtype != "bf16":
+            raise MoetierError("--dtype picks the format of random weights (--preset); a --model checkpoint runs in "
+                               "its own format (make one with `moetier make-checkpoint --dtype fp8`)")
         names = [b.strip() for b in backends.split(",") if b.strip()]
         unknown = sorted(set(names) - {"resident", "uva", "slots", "hybrid", "hf"})
         if unknown or not names:
@@ -172,14 +194,16 @@ def bench_decode(
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
-            "host_profile": str(host_profile) if host_profile else None}
+            "host_profile": str(host_profile) if host_profile else None, "dtype": dtype}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
-                                       str(model) if model else None))
+                                       str(model) if model else None, dtypes=tuple(dtypes)))
     if out:
         write_json(out, data)
     if plot:
         decode.plot(data, str(plot))
     typer.echo(decode.table(data["rows"]))
+    for line in decode.ratios(data["rows"]):
+        typer.echo(line)
     typer.echo(f"greedy tokens equal to resident: {data['greedy_tokens_equal_to_resident']}")
 
 

@@ -228,18 +228,58 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
     return rows
 
 
+def bed_dtype(bed: Bed) -> str:
+    """The row label of a bed's expert format: fp8, or the model dtype (bf16, float32)."""
+    return "fp8" if bed.cfg.quant == "fp8" else {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
+
+
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
-        args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None) -> dict:
-    """bed and bw: a model already built and bandwidths already measured (tests on the CPU)."""
+        args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None,
+        dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None) -> dict:
+    """Every backend row for each expert format in `dtypes` ("bf16", "fp8": random weights with the
+    experts in FP8 rows), one bed at a time, side by side in one record. bed / beds and bw: models
+    already built and bandwidths already measured (tests on the CPU)."""
     from moetier.traces.format import read_trace
 
+    if bed is not None and len(dtypes) > 1:
+        raise ValueError("one bed runs one expert format; pass beds={dtype: bed} for several")
     trace = read_trace(trace_path)
-    t0 = time.perf_counter()
-    if bed is None:
-        bed = loaded_bed(model_path) if model_path else random_bed(cfg, args["seed"])
-    build_s = time.perf_counter() - t0
-    link = links(row_bytes=bed.row_bytes) if bw is None else {}
-    bw = bw or {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"]}
+    link, rows, configs, build_s, errors = {}, [], {}, 0.0, []
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        if beds is not None:
+            b = beds[dtype]
+        elif bed is not None:
+            b = bed
+        else:
+            b = loaded_bed(model_path) if model_path else random_bed(cfg, args["seed"],
+                                                                      quant="fp8" if dtype == "fp8" else None)
+        build_s += time.perf_counter() - t0
+        if bw is None:  # measured once, with the first bed's rows
+            link = links(row_bytes=b.row_bytes)
+            bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"]}
+        label = bed_dtype(b)
+        configs[label] = {"row_bytes": b.row_bytes, "dense_bytes": b.dense_bytes,
+                          "expert_bytes": b.row_bytes * cfg.num_experts * len(b.host)}
+        rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends, args, bw,
+                                                         errors)]
+        for block in b.model.moe_blocks():
+            block.experts = None  # let this bed's device rows go before the next is built
+        del b
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    same = check_tokens(rows)
+    first = next(iter(configs.values()))
+    return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
+                       "top_k": cfg.top_k, "moe_inter": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
+                       "dtype": ",".join(configs), **first, "by_dtype": configs},
+            "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
+            "greedy_tokens_equal_to_resident": same, "errors": errors,
+            "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
+
+
+def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batches: list[int],
+            backends: list[str], args: dict, bw: dict, errors: list[dict]) -> list[dict]:
     rows: list[dict] = []
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
@@ -247,41 +287,36 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
     plan = [(b, budget, "auto") for b, budget in plan]
     plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
-    errors = []
     for backend, budget, mode in plan:
         try:
             rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "graphs": mode, "error": repr(e)})
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
+                           "error": repr(e)})
             print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
-        print(table(rows[-len(batches):]), flush=True)
-    if "hf" in backends:
+        print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
+    if "hf" in backends and bed_dtype(bed) != "fp8":  # the transformers peer runs bf16 experts only
         for budget in budgets:
             rows += bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
             print(table(rows[-1:]), flush=True)
-    same = check_tokens(rows)
-    return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
-                       "top_k": cfg.top_k, "moe_inter": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
-                       "dtype": "bf16", "row_bytes": bed.row_bytes, "dense_bytes": bed.dense_bytes,
-                       "expert_bytes": bed.row_bytes * cfg.num_experts * len(bed.host)},
-            "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
-            "greedy_tokens_equal_to_resident": same, "errors": errors,
-            "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
+    return rows
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
-    """Greedy tokens of every engine row against resident's at the same batch (same trace, same prompts)."""
-    ref = {r["batch"]: r["tokens"] for r in rows if r["backend"] == "resident"}
+    """Greedy tokens of every engine row against resident's at the same batch and expert format (same
+    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8."""
+    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"}
     out = {}
     for r in rows:
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
-        if r["backend"] in ("slots", "uva", "hybrid") and r["batch"] in ref:
+        if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
-            out[key] = r["tokens"] == ref[r["batch"]]
+            key += "/fp8" if r.get("dtype") == "fp8" else ""
+            out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
 
@@ -296,11 +331,23 @@ def table(rows: list[dict]) -> str:
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
-        lines.append(f"{name:>13} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        lines.append(f"{name:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
     return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """FP8 tok/s over bf16 tok/s for each (backend, budget, batch) measured in both formats."""
+    by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
+    out = []
+    for (backend, budget, batch, dtype), tok_s in by.items():
+        base = by.get((backend, budget, batch, "bf16"))
+        if dtype == "fp8" and base:
+            where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
+            out.append(f"fp8/bf16 {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -308,15 +355,19 @@ def plot(result: dict, path: str) -> None:
     batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
     budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
     fig, axes = batch_axes(batches)
+    dtypes = list(dict.fromkeys(r.get("dtype") for r in rows))
     for ax, b in zip(axes, batches):
-        for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
-            pts = sorted((r["budget"], r["tok_s"]) for r in rows if r["backend"] == name and r["batch"] == b)
-            if pts:
-                ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name)
-        for name, style in (("resident", "--"), ("uva", ":")):
-            flat = [r["tok_s"] for r in rows if r["backend"] == name and r["batch"] == b]
-            if flat and budgets:
-                ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name)
+        for dt in dtypes:  # one series per backend and expert format (bf16, fp8)
+            tag = f" {dt}" if len(dtypes) > 1 else ""
+            mine = [r for r in rows if r.get("dtype") == dt and r["batch"] == b]
+            for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
+                pts = sorted((r["budget"], r["tok_s"]) for r in mine if r["backend"] == name)
+                if pts:
+                    ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name + tag)
+            for name, style in (("resident", "--"), ("uva", ":")):
+                flat = [r["tok_s"] for r in mine if r["backend"] == name]
+                if flat and budgets:
+                    ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name + tag)
         ax.set_yscale("log")
         ax.set_xlabel("expert budget (% of routed-expert bytes in HBM)")
         ax.set_ylabel("decode tok/s")
@@ -325,6 +376,6 @@ def plot(result: dict, path: str) -> None:
         ax.legend()
     c = result["config"]
     fig.suptitle(f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
-                 f"{c['experts']} experts top-{c['top_k']}, bf16")
+                 f"{c['experts']} experts top-{c['top_k']}, {c.get('dtype', 'bf16')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -4,7 +4,8 @@ Rows: resident, uva, and slots at controlled hit rates, each with ms per layer, 
 bookkeeping, fill and expert GEMM, and the figures it is bound by (HBM and host-to-GPU bandwidth,
 measured in the same run). Also: both fill paths (copy kernel, copy engine), the decode-vs-bypass
 crossover that sets the prefill threshold, and a small tuning sweep of the grouped expert GEMM (the
-kernel every backend runs).
+kernel every backend runs). `--dtype bf16,fp8` runs every row for FP8 experts too (block-scaled e4m3
+rows, half the bytes plus scales, experts/fp8.py), side by side with bf16 in one record.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import torch
 
 from moetier.bench.common import GB, links, record, time_eager, time_graph
+from moetier.checkpoint.random_bed import fill_fp8_rows
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.gemm_config import SWEEP, GemmConfig
 from moetier.experts.grouped_gemm import grouped_expert_mlp
@@ -61,21 +63,33 @@ def uniform_stream(experts: int, top_k: int, steps: int, tokens: int, seed: int)
                         for _ in range(steps)])
 
 
+def fill_rows(host: torch.Tensor, layout: RowLayout, seed: int) -> None:
+    """Random experts: bf16 rows tiled from one block (fill_random); FP8 rows quantized on the GPU
+    from random bf16, 16 experts at a time (random bytes would hold NaNs)."""
+    if layout.quant != "fp8":
+        fill_random(host, seed)
+        return
+    g = torch.Generator("cuda").manual_seed(seed)
+    for a in range(0, host.shape[0], 16):
+        fill_fp8_rows(host[a:a + 16], layout, g)
+
+
 def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune: bool, seed: int = 0,
-                policy: str = "lfru", extras: bool = True) -> dict:
+                policy: str = "lfru", extras: bool = True, quant: str | None = None) -> dict:
     s = moe_shape(name)
     h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
-    layout = RowLayout(h, i)
-    dtype = torch.bfloat16
+    layout = RowLayout(h, i, quant)
+    dtype = torch.bfloat16  # the compute dtype; FP8 rows are bytes (layout.row_dtype)
     store = HostStore([0], e, layout, dtype, pin=True)
     host = store.rows(0)
-    fill_random(host, seed)
+    fill_rows(host, layout, seed)
     dev_rows = host.to("cuda")
     row_bytes = store.row_bytes
     num_slots = max(k, int(e * slot_frac))
     link = links(row_bytes=row_bytes)
     shape = {"hidden": h, "inter": i, "experts": e, "top_k": k}
-    res: dict = {"shape": {**shape, "row_bytes": row_bytes, "slots": num_slots, "dtype": "bf16", "policy": policy},
+    res: dict = {"shape": {**shape, "row_bytes": row_bytes, "slots": num_slots, "dtype": quant or "bf16",
+                           "policy": policy},
                  "host_store": store.report(), "links": link}
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -90,7 +104,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
             for j in range(steps):
                 ids = uni[j]
                 grouped_expert_mlp(x, ids.int(), ids, w, dev_rows, dev_rows, h, i, resident._work,
-                                   resident._decode_out(x), config)
+                                   resident._decode_out(x), config, quant)
         return run
 
     gemm, warps = GemmConfig(), BOOKKEEPING_WARPS
@@ -148,16 +162,18 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         assert got == want, f"the GPU cache took {got}, the stream was built for {want}"
         miss_bytes = got["misses"] / steps * row_bytes
         target = t_res + miss_bytes / GB / link["h2d_copy_engine_GBps"] * 1e3
+        fill_s = (t_fill - t_bk) / 1e3
         rows.append({"row": f"slots {hit:.0%}", "ms": t_full, "hit": got["hits"] / (got["hits"] + got["misses"]),
                      "bookkeeping_ms": t_bk, "fill_ms": t_fill - t_bk, "gemm_ms": t_full - t_fill,
                      "miss_MB_per_layer": miss_bytes / 1e6,
-                     "fill_GBps": miss_bytes / GB / ((t_fill - t_bk) / 1e3) if miss_bytes else None,
+                     "fill_GBps": miss_bytes / GB / fill_s if miss_bytes else None,
+                     "fill_experts_per_s": got["misses"] / steps / fill_s if miss_bytes else None,
                      "bound_ms": target, "vs_resident": t_full / t_res, "vs_bound": t_full / target})
         slots = None  # free its device slots before the next row allocates
     res["rows"] = rows
     if extras:
         res["fills"] = bench_fills(host, dev_rows, row_bytes, e, k)
-        res["prefill_crossover"] = bench_crossover(host, layout, e, k, num_slots, seed)
+        res["prefill_crossover"] = bench_crossover(host, layout, e, k, num_slots, seed, dtype)
     return res
 
 
@@ -200,19 +216,22 @@ def bench_fills(host: torch.Tensor, dev_rows: torch.Tensor, row_bytes: int, e: i
             torch.cuda.current_stream().wait_stream(stream)
         t_engine = time_eager(engine)
         out.append({"rows": m, "kernel_ms": t_kernel, "kernel_GBps": m * row_bytes / GB / (t_kernel / 1e3),
-                    "copy_engine_ms": t_engine, "copy_engine_GBps": m * row_bytes / GB / (t_engine / 1e3)})
+                    "kernel_experts_per_s": m / (t_kernel / 1e3),
+                    "copy_engine_ms": t_engine, "copy_engine_GBps": m * row_bytes / GB / (t_engine / 1e3),
+                    "copy_engine_experts_per_s": m / (t_engine / 1e3)})
     sc.miss_count.zero_()  # the no-miss step: what the copy launch costs when there is nothing to copy
     out.append({"rows": 0, "kernel_ms": time_graph(lambda: copy_rows(src, slots_t, sc, programs))})
     return out
 
 
-def bench_crossover(host: torch.Tensor, layout: RowLayout, e: int, k: int, num_slots: int, seed: int) -> list[dict]:
+def bench_crossover(host: torch.Tensor, layout: RowLayout, e: int, k: int, num_slots: int, seed: int,
+                    dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Decode path (cache + expert kernels, graph) against the prefill bypass (eager) by step size."""
     out = []
     for t in (1, 2, 4, 8, 16, 32, 64):
         g = torch.Generator().manual_seed(seed + t)
-        x = torch.randn(t, layout.hidden, generator=g).to(host.dtype).cuda()
-        w = torch.rand(t, k, generator=g).to(host.dtype).cuda()
+        x = torch.randn(t, layout.hidden, generator=g).to(dtype).cuda()
+        w = torch.rand(t, k, generator=g).to(dtype).cuda()
         ids = uniform_stream(e, k, 1, t, seed + t)[0].cuda()
         slots = SlotExperts(host, layout, k, num_slots, decode_tokens=64, device="cuda")
         slots.cache.warm(list(range(num_slots)))
@@ -226,24 +245,39 @@ def bench_crossover(host: torch.Tensor, layout: RowLayout, e: int, k: int, num_s
 
 
 def run(presets: list[str], steps: int, hits: list[float], slot_frac: float, tune: bool, policy: str = "lfru",
-        extras: bool = True) -> dict:
+        extras: bool = True, dtypes: list[str] = ("bf16",)) -> dict:
+    """Every row per preset and expert format; shapes are keyed by preset, "<preset> fp8" for FP8."""
     results = {"steps": steps, "shapes": {}}
     for name in presets:
-        results["shapes"][name] = bench_shape(name, steps, hits, slot_frac, tune, policy=policy, extras=extras)
-        torch.cuda.empty_cache()
+        for dt in dtypes:
+            quant = "fp8" if dt == "fp8" else None
+            key = name if quant is None else f"{name} fp8"
+            results["shapes"][key] = bench_shape(name, steps, hits, slot_frac, tune, policy=policy, extras=extras,
+                                                 quant=quant)
+            torch.cuda.empty_cache()
     return record("layer", results)
+
+
+def fill_text(x: dict) -> str:
+    text = f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms"
+    if not x["rows"]:
+        return text
+    return (text + f" ({x['kernel_GBps']:.1f} GB/s, {x['kernel_experts_per_s']:.0f} experts/s), copy engine "
+            f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s, "
+            f"{x['copy_engine_experts_per_s']:.0f} experts/s)")
 
 
 def table(data: dict) -> str:
     lines = []
     for name, r in data["shapes"].items():
         l, sh = r["links"], r["shape"]
-        lines.append(f"\n{name}: H {sh['hidden']}, I {sh['inter']}, E {sh['experts']}, top-{sh['top_k']}, "
+        lines.append(f"\n{name}: {sh.get('dtype', 'bf16')}, H {sh['hidden']}, I {sh['inter']}, E {sh['experts']}, "
+                     f"top-{sh['top_k']}, "
                      f"{sh['slots']} slots, row {sh['row_bytes'] / 1e6:.2f} MB; links: H2D {l['h2d_copy_engine_GBps']:.1f} "
                      f"GB/s (rows {l.get('h2d_copy_engine_row_GBps', 0):.1f}), HBM copy {l['d2d_GBps']:.0f} GB/s; "
                      f"kernels {r.get('kernel_config', 'default')}")
         lines.append(f"{'row':<12}{'ms/layer':>10}{'bound ms':>10}{'x bound':>9}{'x resident':>11}{'bookkeep us':>12}"
-                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}")
+                     f"{'fill ms':>9}{'gemm ms':>9}{'fill GB/s':>10}{'fill exp/s':>11}")
         t_res = r["rows"][0]["ms"]
         for row in r["rows"]:
             def f(key, scale=1.0, fmt="{:.3f}"):
@@ -251,16 +285,14 @@ def table(data: dict) -> str:
                 return fmt.format(v * scale) if isinstance(v, (int, float)) else "-"
             lines.append(f"{row['row']:<12}{row['ms']:>10.3f}{row['bound_ms']:>10.3f}{row['ms'] / row['bound_ms']:>9.2f}"
                          f"{row['ms'] / t_res:>11.2f}{f('bookkeeping_ms', 1e3, '{:.1f}'):>12}{f('fill_ms'):>9}"
-                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}")
+                         f"{f('gemm_ms'):>9}{f('fill_GBps', 1, '{:.1f}'):>10}"
+                         f"{f('fill_experts_per_s', 1, '{:.0f}'):>11}")
         if "tune_bookkeeping_warps" in r:
             lines.append("bookkeeping us by warps: " + "; ".join(
                 f"{w}: " + ", ".join(f"{h} {t:.1f}" for h, t in v.items()) for w, v in r["tune_bookkeeping_warps"].items()))
         if "fills" not in r:
             continue
-        lines.append("fills: " + "; ".join(
-            f"{x['rows']} rows kernel {x['kernel_ms']:.3f} ms" + (f" ({x['kernel_GBps']:.1f} GB/s), copy engine "
-                                                                 f"{x['copy_engine_ms']:.3f} ms ({x['copy_engine_GBps']:.1f} GB/s)"
-                                                                 if x["rows"] else "") for x in r["fills"]))
+        lines.append("fills: " + "; ".join(fill_text(x) for x in r["fills"]))
         lines.append("decode vs bypass (ms): " + ", ".join(
             f"T={x['tokens']}: {x['decode_ms']:.3f} / {x['bypass_ms']:.3f}" for x in r["prefill_crossover"]))
     return "\n".join(lines)

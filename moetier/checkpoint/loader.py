@@ -5,8 +5,10 @@ stream tensor by tensor.
     shard headers -> validated against the model's checkpoint_weights()
     model built (no expert memory), expert placement built (device rows or the pinned host store)
     each tensor read once and copied into its place, converting dtype on the way:
-        routed-expert tensors -> their expert's row (experts/shape.RowLayout.part)
-        everything else -> model.param(name)
+        routed-expert tensors -> their expert's row (experts/shape.RowLayout.part); FP8 experts and
+            their block scales unchanged into FP8 rows
+        everything else -> model.param(name); FP8 weights dequantized with their scales first
+            (checkpoint/fp8_weights.py)
     each MoE block gets its expert backend
 
 No second full copy of the model is ever held.
@@ -15,6 +17,7 @@ No second full copy of the model is ever held.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +25,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
@@ -72,17 +76,27 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
     for w in weights:
         by_file.setdefault(ckpt.tensors[w.name].file, []).append(w)
     done, read, total = 0, 0, sum(tensor_bytes(ckpt, w.name) for w in weights)
-    for file in sorted(by_file):
-        with safe_open(str(ckpt.path / file), framework="pt", device="cpu") as f:
+    with ExitStack() as stack:
+        handles = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            # a dense FP8 weight's scale may sit in another shard: every shard opens once (mmap)
+            file = ckpt.tensors[name].file
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(ckpt.path / file), framework="pt", device="cpu"))
+            return handles[file].get_tensor(name)
+
+        for file in sorted(by_file):
             for w in by_file[file]:
-                if w.expert is not None:
+                if is_dense_scale(w):
+                    pass  # read with its weight
+                elif w.expert is not None:
                     x = w.expert
-                    dest = placement.layout.part(rows[x.layer], x.part, x.expert)
-                else:
-                    dest = model.param(w.name)
-                if dest is not None:
                     with torch.no_grad():
-                        dest.copy_(f.get_tensor(w.name))
+                        placement.layout.part(rows[x.layer], x.part, x.expert).copy_(tensor(w.name))
+                elif (dest := model.param(w.name)) is not None:
+                    with torch.no_grad():
+                        dest.copy_(read_dense(tensor, ckpt, w.name, dest.dtype))
                 done += 1
                 read += tensor_bytes(ckpt, w.name)
                 if progress:
@@ -119,4 +133,10 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
     for block in model.moe_blocks():
         for tier, b in block.experts.nbytes().items():
             nbytes[tier] += b
-    return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes)
+    notes = []
+    if cfg.quant == "fp8":
+        lay = placement.layout
+        notes.append(f"routed experts stay FP8: {lay.row_bytes(torch_dtype)} bytes per expert row (weights and "
+                     f"block scales; {lay.w13_numel + lay.w2_numel} weight bytes), other float8 weights "
+                     f"dequantized to {str(torch_dtype).removeprefix('torch.')} at load")
+    return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes, notes)

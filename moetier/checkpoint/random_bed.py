@@ -3,16 +3,22 @@ published shapes are larger than the device machine's disk holds as a checkpoint
 61 GB). Its routed experts sit once in a pinned host store (exact size), and use_backend() rebuilds
 every MoE layer's expert backend over that store (resident: a device copy; slots at a budget; uva),
 so one model serves every row of a benchmark. loaded_bed() does the same for a checkpoint.
+
+quant="fp8": the routed experts are made as random bf16 and quantized by the block rule
+(experts/fp8.py) into FP8 rows, as make-checkpoint --dtype fp8 does; the dense weights stay random
+bf16 (what an FP8 checkpoint's dense weights become at load: dequantized to the model dtype).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from moetier.config import ModelConfig
+from moetier.experts import fp8
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import HostStore
 from moetier.models.base import CausalLM
@@ -36,10 +42,17 @@ class Bed:
         return self.model.cfg
 
 
-def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Bed:
-    """Random weights made on the device; routed experts copied into the (pinned) host store."""
+def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+               quant: str | None = None) -> Bed:
+    """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
+    rows when quant is "fp8"."""
+    if quant is not None:
+        if quant != "fp8":
+            raise ValueError(f"unknown expert quantization {quant!r}; only fp8")
+        cfg = dataclasses.replace(cfg, quant=quant, quant_config=dict(fp8.QUANT_CONFIG))
     model = model_class(cfg)(cfg, dtype, device)
-    store = HostStore(cfg.moe_layers, cfg.num_experts, cfg.moe_shape.layout, dtype, pin=device == "cuda")
+    layout = cfg.moe_shape.layout
+    store = HostStore(cfg.moe_layers, cfg.num_experts, layout, dtype, pin=device == "cuda")
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -51,9 +64,23 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
         for rows in host.values():
             for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, rows.shape[0])
+                if layout.quant == "fp8":
+                    fill_fp8_rows(rows[a:b], layout, g, dtype)
+                    continue
                 rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
                                 .normal_(0.0, 0.02, generator=g))
     return _bed(model, host)
+
+
+def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
+    """FP8 rows [N, R] of random experts: each projection drawn as N(0, 0.02) in `dtype` on the
+    generator's device, quantized by the block rule (fp8.quantize), written with its scales."""
+    h, i = layout.hidden, layout.inter
+    for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        w = torch.empty(rows.shape[0], *shape, dtype=dtype, device=g.device).normal_(0.0, 0.02, generator=g)
+        q, scale = fp8.quantize(w)
+        layout.part(rows, part).copy_(q)
+        layout.part(rows, part + "_scale").copy_(scale)
 
 
 def loaded_bed(path: str) -> Bed:

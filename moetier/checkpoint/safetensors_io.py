@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-         torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+         torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class StreamingWriter:

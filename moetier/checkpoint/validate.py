@@ -10,6 +10,7 @@ import dataclasses
 import re
 from collections import Counter
 
+from moetier.checkpoint.fp8_weights import FP8_CODE, with_scales
 from moetier.checkpoint.index import Checkpoint
 from moetier.config import ModelConfig
 from moetier.errors import CheckpointError, problem_list
@@ -57,7 +58,9 @@ def root_causes(cfg: ModelConfig, ckpt: Checkpoint, misshapen: list[tuple[str, t
 
 
 def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[Weight]:
-    """Check every tensor against the model's list; returns the expected weights that are present."""
+    """Check every tensor against the model's list; returns the expected weights that are present
+    (for FP8 checkpoints with their `*_scale_inv` block scales, checkpoint/fp8_weights.py)."""
+    weights, fp8_problems = with_scales(cfg, ckpt, weights)
     want = {w.name: w for w in weights}
     present = set(ckpt.tensors)
     missing = sorted(n for n, w in want.items() if n not in present and not w.optional)
@@ -67,17 +70,22 @@ def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[
         info = ckpt.tensors[name]
         if info.shape != want[name].shape:
             misshapen.append((name, want[name].shape, info.shape))
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype not in FLOAT_DTYPES and not (info.dtype == FP8_CODE and cfg.quant == "fp8"):
             dtypes.append(f"{info.file}: {name} has dtype {info.dtype}; only float32, bfloat16 and float16 "
-                          "weights are supported (quantized checkpoints come later)")
+                          "weights are supported, and float8_e4m3fn in FP8 checkpoints")
+    # float8 tensors without quantization_config: that one cause explains every scale and dtype line
+    lead = fp8_problems if cfg.quant != "fp8" else []
+    dtypes += [p for p in fp8_problems if p not in lead]
     if missing or unexpected or misshapen or dtypes:
-        causes = root_causes(cfg, ckpt, misshapen, unexpected, missing)
-        problems = _capped([f"missing tensor {n} (shape {list(want[n].shape)})" for n in missing], "missing tensors")
+        causes = lead + root_causes(cfg, ckpt, misshapen, unexpected, missing)
+        problems = _capped([f"missing tensor {n} (shape {list(want[n].shape)})"
+                            + (" (the block scale of a float8 weight)" if n.endswith("_scale_inv") else "")
+                            for n in missing], "missing tensors")
         problems += _capped([f"{ckpt.tensors[n].file}: unexpected tensor {n} (shape {list(ckpt.tensors[n].shape)})"
                              for n in unexpected], "unexpected tensors")
         problems += _capped([f"{ckpt.tensors[n].file}: {n} has shape {list(got)}, the config implies {list(w)}"
                              for n, w, got in misshapen], "misshapen tensors")
-        problems += _capped(dtypes, "tensors of unsupported dtypes")
+        problems += _capped(dtypes, "tensors of unsupported dtypes or formats")
         hint = ("Check that config.json belongs to these weights (layers, experts, sizes)"
                 + (", and that the checkpoint is complete." if missing else "."))
         count = len(missing) + len(unexpected) + len(misshapen) + len(dtypes)

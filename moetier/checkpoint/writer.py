@@ -3,6 +3,11 @@
 Tensors are generated one at a time from a seed derived from (seed, tensor name), and streamed into
 shards, so a 60 GB preset needs one tensor's worth of RAM. The same seed gives the same weights
 whatever the shard size or expert layout.
+
+--dtype fp8 writes a block-scaled FP8 checkpoint (checkpoint/fp8_weights.py): the same random bf16
+tensors, every projection quantized by the block rule of experts/fp8.py into float8_e4m3fn plus its
+`_scale_inv`, written next to each other; embeddings, norms, routers and lm_head stay bf16; config.json
+gets torch_dtype bfloat16 and quantization_config.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from typing import Callable, Iterator
 import torch
 
 from moetier import presets
+from moetier.checkpoint.fp8_weights import fp8_config, quantizable, scale_name
 from moetier.checkpoint.loader import DTYPES
 from moetier.checkpoint.safetensors_io import StreamingWriter
 from moetier.config import ModelConfig, config_from_dict
 from moetier.errors import MoetierError
+from moetier.experts import fp8
 from moetier.models.registry import model_class
 from moetier.tokenizer import Tokenizer
 from moetier.tokenizer.synthetic import write_tokenizer
@@ -64,14 +71,29 @@ def _fused(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> 
     return torch.stack(parts)
 
 
-def _shards(plan: list[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes: int) -> Iterator[list]:
+Entry = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def _entries(name: str, shape: tuple[int, ...], dtype: torch.dtype, quant: bool) -> list[Entry]:
+    """The tensors one planned weight becomes: itself, or its FP8 weight and block scale."""
+    if quant and quantizable(name, shape):
+        return [(name, fp8.FP8, shape), (scale_name(name), torch.float32, fp8.scale_shape(shape))]
+    return [(name, dtype, shape)]
+
+
+def _nbytes(entries: list[Entry]) -> int:
+    return sum(dtype.itemsize * int(torch.Size(shape).numel()) for _, dtype, shape in entries)
+
+
+def _shards(units: list[list[Entry]], max_bytes: int) -> Iterator[list[Entry]]:
+    # a unit (a weight and its scale) never straddles two shards
     shard, size = [], 0
-    for name, shape in plan:
-        n = itemsize * int(torch.Size(shape).numel())
+    for unit in units:
+        n = _nbytes(unit)
         if shard and size + n > max_bytes:
             yield shard
             shard, size = [], 0
-        shard.append((name, shape))
+        shard.extend(unit)
         size += n
     if shard:
         yield shard
@@ -97,12 +119,17 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, seed: int = 0,
                     dtype: str = "bf16", fused_experts: bool = False, shard_bytes: int = 4 * 2**30,
                     progress: Callable[[int, int], None] | None = None, overwrite: bool = False) -> Path:
-    if dtype not in DTYPES:
-        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16 or float16")
+    quant = dtype == "fp8"
+    if dtype not in DTYPES and not quant:
+        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16, float16 or fp8")
     if not shard_bytes > 0:
         raise MoetierError(f"the shard size must be positive, got {shard_bytes} bytes")
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]  # fp8: quantized from random bf16
     d = presets.preset_dict(preset, layers, dtype=str(torch_dtype).removeprefix("torch."))
+    if quant and fused_experts and d["moe_intermediate_size"] % fp8.BLOCK:
+        raise MoetierError(f"--dtype fp8 --fused-experts needs moe_intermediate_size a multiple of {fp8.BLOCK} "
+                           f"(preset {preset} has {d['moe_intermediate_size']}): a fused gate_up's block scales "
+                           "would mix gate and up rows; drop --fused-experts")
     out = Path(out)
     prepare_out(out, overwrite)
     vocab_needed = write_tokenizer(out)
@@ -113,26 +140,35 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     d["eos_token_id"] = tok.eos_token_ids[0] if len(tok.eos_token_ids) == 1 else tok.eos_token_ids
     d["bos_token_id"] = None
     cfg = config_from_dict(d, source=f"preset {preset}")
+    plan = tensor_plan(cfg, fused_experts)
+    if quant:
+        cfg = config_from_dict(fp8_config(d, [n for n, _ in plan]), source=f"preset {preset}")
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": d["eos_token_id"], "do_sample": False}, indent=2) + "\n")
 
-    plan = tensor_plan(cfg, fused_experts)
-    shards = list(_shards(plan, torch_dtype.itemsize, shard_bytes))
-    total = sum(torch_dtype.itemsize * int(torch.Size(s).numel()) for _, s in plan)
+    units = [_entries(n, s, torch_dtype, quant) for n, s in plan]
+    shards = list(_shards(units, shard_bytes))
+    total = sum(_nbytes(u) for u in units)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, done = {}, 0
     meta = {"format": "pt", "moetier_preset": preset, "moetier_seed": str(seed)}
     for file, shard in zip(files, shards):
-        entries = [(n, torch_dtype, s) for n, s in shard]
-        with StreamingWriter(out / file, entries, meta) as w:
-            for name, shape in shard:
+        with StreamingWriter(out / file, shard, meta) as w:
+            for name, dtype_, shape in shard:
+                if name.endswith(fp8.SCALE_SUFFIX):
+                    continue  # written with its weight, which comes right before it
                 fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
                 t = (_fused if fused else random_tensor)(name, shape, seed, torch_dtype)
-                w.write(name, t)
-                weight_map[name] = file
-                done += t.numel() * t.element_size()
+                parts = [(name, t)]
+                if dtype_ == fp8.FP8:
+                    q, scale = fp8.quantize(t)
+                    parts = [(name, q), (scale_name(name), scale)]
+                for n, x in parts:
+                    w.write(n, x)
+                    weight_map[n] = file
+                    done += x.numel() * x.element_size()
                 if progress:
                     progress(done, total)
     if len(files) > 1:

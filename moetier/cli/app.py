@@ -185,7 +185,8 @@ def make_checkpoint_cmd(
     out: Path = typer.Option(..., "--out", metavar="DIR", help="Directory to write (must be empty or absent)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers of the preset."),
     seed: int = typer.Option(0, "--seed"),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32 or float16."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, or fp8 (block-scaled float8 e4m3 with "
+                       "128 x 128 scales, quantized from random bf16; docs/fp8.md)."),
     fused_experts: bool = typer.Option(False, "--fused-experts",
                                        help="Store experts fused (transformers 5 layout) instead of per expert."),
     shard_gib: float = typer.Option(4.0, "--shard-size-gib", help="Largest shard, in GiB (2^30 bytes)."),

@@ -7,7 +7,8 @@
     uva        every expert in pinned host memory, read across the link on every use: what vLLM's
                --cpu-offload-gb does. The baseline to beat.
 
-An expert's weights are one row [gate_up (2I x H) | down (H x I)] (store.RowLayout). Every backend
+An expert's weights are one row [gate_up (2I x H) | down (H x I)] (shape.RowLayout; FP8 rows append
+the block scales, and the CPU path dequantizes a row before the same torch ops). Every backend
 computes each (token, expert) pair with the same ops and sums the k outputs in slot order, so the
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
@@ -80,11 +81,11 @@ class ExpertBackend(ABC):
     def _large(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, max_rows) -> torch.Tensor:
         """A step above the decode limit on CUDA (prefill): the same SwiGLU by the large-step grouped
         GEMM, a device sort for its plan, no host sync; host rows read across the link in the kernel."""
-        from moetier.experts.grouped_gemm import grouped_expert_mlp_large
+        from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
 
         self.bypassed += 1
         return grouped_expert_mlp_large(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm)
+                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm, self.layout.quant)
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
         from moetier.experts.grouped_gemm import grouped_expert_mlp
@@ -95,7 +96,7 @@ class ExpertBackend(ABC):
         # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
         # bench/results/h200-tune-experts.json).
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
-                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm)
+                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant)
 
 
 class ResidentExperts(ExpertBackend):
@@ -114,7 +115,8 @@ class ResidentExperts(ExpertBackend):
         if self.cuda:
             return self._large(hidden, topk_ids.int(), topk_ids, topk_weights, self.rows, self.rows,
                                self.rows.shape[0])
-        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.rows, self.layout)), topk_weights)
+        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.rows, self.layout, hidden.dtype)),
+                       topk_weights)
 
     def nbytes(self):
         return {"device": self.rows.numel() * self.rows.element_size(), "host": 0}
@@ -144,7 +146,8 @@ class UvaExperts(ExpertBackend):
             none = torch.full(topk_ids.shape, -1, dtype=torch.int32, device=self.device)
             return self._large(hidden, none, topk_ids, topk_weights, self._no_rows, self._host_dev,
                                self.host.shape[0])
-        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.host, self.layout)), topk_weights)
+        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.host, self.layout, hidden.dtype)),
+                       topk_weights)
 
     def nbytes(self):
         return {"device": 0, "host": self.host.numel() * self.host.element_size()}
@@ -184,7 +187,7 @@ class SlotExperts(ExpertBackend):
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
-            return combine(expert_pairs(hidden, keys, self._fetch), topk_weights)
+            return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype)), topk_weights)
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
         slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
@@ -194,10 +197,11 @@ class SlotExperts(ExpertBackend):
             self._fill_by_copy_engine()
         return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
 
-    def _fetch(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fetcher(self, dtype: torch.dtype):
+        """key -> weights: keys below S read slot `key`, the others host row `key - S`."""
         s = self.cache.num_slots
-        rows = self.slots[key:key + 1] if key < s else self.host[key - s:key - s + 1]
-        return self.layout.w13(rows)[0], self.layout.w2(rows)[0]
+        slot, host = row_fetch(self.slots, self.layout, dtype), row_fetch(self.host, self.layout, dtype)
+        return lambda key: slot(key) if key < s else host(key - s)
 
     def _fill_by_copy_engine(self) -> None:
         """Fill misses with cudaMemcpyAsync on a side stream. Reads the miss list on the host (a sync):
@@ -223,11 +227,12 @@ class SlotExperts(ExpertBackend):
                                self.cache.num_slots + self.cache.num_experts)
         self.bypassed += 1
         slot_of = self.cache.expert_slot.tolist()
-        host = row_fetch(self.host, self.layout)
+        host = row_fetch(self.host, self.layout, hidden.dtype)
+        slot = row_fetch(self.slots, self.layout, hidden.dtype)
 
         def fetch(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
             s = slot_of[expert]
-            return self._fetch(s) if s >= 0 else host(expert)
+            return slot(s) if s >= 0 else host(expert)
         return combine(expert_pairs(hidden, topk_ids, fetch), topk_weights)
 
     def nbytes(self):

@@ -13,6 +13,9 @@ multiplied against all of them with tl.dot.
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
 
+FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
+registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
+
 No host sync and no data-dependent shape: the plan is a fixed grid of O(P^2) compares (P = T*k, 512
 at most for decode), gate_up and down take a grid of P chunk positions and the programs where no chunk
 starts leave at once, so a CUDA graph replays the step. No atomics: the k-sum has a fixed order.
@@ -27,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moetier.experts import fp8
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.shape import RowLayout
 
 BLOCK_M = 16  # tokens of a group per tl.dot (the smallest M tl.dot takes)
 PLAN_BLOCK = 64
@@ -80,6 +85,26 @@ def _mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.cons
 
 
 @triton.jit
+def _dequant(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    # w [BLOCK_N, BLOCK_K] float8 bytes of rows n, columns kk = k0 + [0, BLOCK_K) -> DOT: fp32(w) times
+    # its block's scale (float32 grid [ceil(N/128), K_BLOCKS] at byte pointer scale_ptr), rounded once.
+    # BLOCK_K divides 128: one scale per row (column k0 // 128); a multiple of 128: one per element.
+    sp = scale_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+    if BLOCK_K <= 128:
+        s = tl.load(sp + (n // 128) * K_BLOCKS + k0 // 128, mask=nm, other=0.0)[:, None]
+    else:
+        s = tl.load(sp + (n // 128)[:, None] * K_BLOCKS + (kk // 128)[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0)
+    v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    if EMULATE:
+        if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
+            b = v.to(tl.uint32, bitcast=True)
+            v = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(DOT)
+
+
+@triton.jit
 def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M: tl.constexpr):
     # the chunk at sorted positions [i, end) -> (pairs [BLOCK_M], valid [BLOCK_M], its row's base pointer)
     m = i + tl.arange(0, BLOCK_M)
@@ -112,7 +137,8 @@ def _chunk_start(starts_ptr, chunk_end_ptr, LISTED: tl.constexpr):
 def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, starts_ptr, h_ptr,
              top_k: tl.constexpr, hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr,
              DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
+             FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr):
     # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
@@ -136,6 +162,9 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         wm = nm[:, None] & km[None, :]
         wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
         wu = tl.load(base + (n[:, None] + inter) * hidden + kk[None, :], mask=wm, other=0.0)
+        if FP8:  # gate's scale grid [NI, NH] at byte S13 of the row, up's right after it
+            wg = _dequant(wg, base + S13, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
+            wu = _dequant(wu, base + S13 + 4 * NI * NH, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
         acc_g = _mma(xa, wg, acc_g, DOT, PRECISION, EMULATE)
         acc_u = _mma(xa, wu, acc_u, DOT, PRECISION, EMULATE)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -146,7 +175,8 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
 def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, starts_ptr, y_ptr,
           hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr, w13: tl.constexpr,
           DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
+          FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr):
     # program (c, nb): chunk c (see _chunk_start), output rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
@@ -154,6 +184,7 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         return
     pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
     pair = pair.to(tl.int64)
+    scales = base + S2  # FP8: down's scale grid [NH, NI] (unused otherwise)
     base += w13
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
@@ -163,6 +194,8 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         km = kk < inter
         ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if FP8:
+            w = _dequant(w, scales, n, nm, kk, km, k0, NI, DOT, EMULATE, BLOCK_K)
         acc = _mma(ha, w, acc, DOT, PRECISION, EMULATE)
     tl.store(y_ptr + pair[:, None] * hidden + n[None, :], acc, mask=mm[:, None] & nm[None, :])
 
@@ -237,10 +270,11 @@ def _dot_type(dtype: torch.dtype) -> tuple[tl.dtype, str, bool]:
 
 def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        dev_rows: torch.Tensor, host_rows, hidden: int, inter: int, scratch: GemmScratch,
-                       out: torch.Tensor, config: GemmConfig = GemmConfig()) -> torch.Tensor:
+                       out: torch.Tensor, config: GemmConfig = GemmConfig(), quant: str | None = None) -> torch.Tensor:
     """SwiGLU experts for T tokens x k pairs, each distinct row read once. x [T, H]; slot_ids [T, k] int32
     (-1: read host row topk_ids); topk_ids, topk_weights [T, k]; dev_rows [S, R]; host_rows [E, R]
-    (a DevicePointer) or dev_rows again; scratch for >= T*k pairs; out [T, H] in x.dtype.
+    (a DevicePointer) or dev_rows again; scratch for >= T*k pairs; out [T, H] in x.dtype; quant: the
+    rows' RowLayout.quant (None, or "fp8": byte rows, computed in x.dtype).
     Deterministic: each output sums its k experts in slot order."""
     t, k = topk_ids.shape
     n_pairs = t * k
@@ -255,25 +289,40 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
         blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
         _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, order,
-             n_pairs, scratch.h, scratch.y, out, BLOCK_M, config.gate_up, config.down, listed=False)
+             n_pairs, scratch.h, scratch.y, out, BLOCK_M, config.gate_up, config.down, listed=False, quant=quant)
     return out
 
 
+def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ...]) -> dict:
+    """The FP8 constexprs of _gate_up and _down: byte offsets of the two scale grids in a row and the
+    grid widths (zeros when the rows are not FP8). Refuses a BLOCK_K that neither divides nor is a
+    multiple of 128 (a K tile must never cut a scale block but at its edges)."""
+    if quant != "fp8":
+        return dict(FP8=False, S13=0, S2=0, NI=0, NH=0)
+    bad = [bk for bk in blocks_k if fp8.BLOCK % bk and bk % fp8.BLOCK]
+    if bad:
+        raise ValueError(f"FP8 rows need BLOCK_K dividing or a multiple of {fp8.BLOCK} (K tiles aligned to the "
+                         f"scale blocks); the GemmConfig has {bad}: choose a power of two")
+    lay = RowLayout(hidden, inter, quant)
+    return dict(FP8=True, S13=lay.s13_offset, S2=lay.s2_offset, NI=lay.n_inter, NH=lay.n_hidden)
+
+
 def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             programs, h, y, out, block_m, gate_up, down, listed):
+             programs, h, y, out, block_m, gate_up, down, listed, quant=None):
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
     t, k = topk_ids.shape
     row = dev_rows.shape[1]
-    dot, precision, emulate = _dot_type(dev_rows.dtype)
+    q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
+    dot, precision, emulate = _dot_type(x.dtype if q["FP8"] else dev_rows.dtype)
     bn, bk, nw = gate_up
     _gate_up[(programs, triton.cdiv(inter, bn))](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
-        row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw)
+        row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw, **q)
     bn, bk, nw = down
     _down[(programs, triton.cdiv(hidden, bn))](
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
         2 * inter * hidden, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
-        num_warps=nw)
+        num_warps=nw, **q)
     _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden,
                                                        BLOCK_N=COMBINE_BLOCK, num_warps=4)
 
@@ -285,75 +334,4 @@ def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     hidden = y.shape[1]
     _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden, BLOCK_N=COMBINE_BLOCK,
                                                        num_warps=4)
-    return out
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _plan_sorted(keys_ptr, order_ptr, counts_ptr, chunk_end_ptr, starts_ptr, n, shift,
-                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    # One program walks the sorted positions BLOCK at a time, carrying the open row's first position
-    # and the chunks so far: per position its row's run [begin, begin + count), a chunk start every
-    # BLOCK_M of the run, chunk_end as the decode plan writes it, and the starts listed in order.
-    carry_begin = tl.full([], 0, tl.int32)
-    carry_chunks = tl.full([], 0, tl.int32)
-    b0 = tl.full([], 0, tl.int32)
-    while b0 < n:  # NOTE: a loop on a device value: Triton's interpreter takes no argument as a range bound
-        pos = b0 + tl.arange(0, BLOCK)
-        m = pos < n
-        k = tl.load(keys_ptr + tl.load(order_ptr + pos, mask=m, other=0), mask=m, other=0)
-        prev = tl.load(keys_ptr + tl.load(order_ptr + tl.maximum(pos - 1, 0), mask=m, other=0), mask=m, other=0)
-        first = ((k != prev) | (pos == 0)) & m
-        begin = tl.maximum(tl.associative_scan(tl.where(first, pos, -1), 0, _max_combine), carry_begin)
-        end = begin + tl.load(counts_ptr + (k + shift), mask=m, other=0).to(tl.int32)
-        start = ((pos - begin) % BLOCK_M == 0) & m
-        chunk = tl.cumsum(start.to(tl.int32), 0) + carry_chunks - 1
-        tl.store(chunk_end_ptr + pos, tl.where(start, tl.minimum(pos + BLOCK_M, end), 0), mask=m)
-        tl.store(starts_ptr + chunk, pos, mask=start)
-        carry_begin = tl.max(tl.where(m, begin, 0), 0)
-        carry_chunks += tl.sum(start.to(tl.int32), 0)
-        b0 += BLOCK
-
-
-def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max_rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan of a large step: a device sort (the O(P^2) plan kernel is for decode sizes), then one
-    single-program kernel over the sorted positions. -> order [P] int32 (pair ids by (row key, pair
-    id)), chunk_end [P] int32 (as the decode plan: per sorted position, the end of the chunk of up to
-    block_m pairs starting there, else 0), starts [C] int32 (the chunk starts in sorted order, then
-    -1), C = P // block_m + min(P, max_rows): each row's run adds at most one partial chunk. Keys are
-    slot ids (>= 0) or -1 - expert; max_rows bounds the experts too. No host sync; about ten launches."""
-    keys = torch.where(slot_ids >= 0, slot_ids.long(), -1 - topk_ids.long()).reshape(-1)
-    p = keys.numel()
-    order = torch.argsort(keys, stable=True)
-    shift = max_rows  # keys + shift >= 0: host keys reach -max_rows at most
-    # NOTE: not torch.bincount, which reads the largest key back to the host (a sync)
-    counts = torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=keys.device)
-    counts.scatter_add_(0, keys + shift, torch.ones_like(keys, dtype=torch.int32))
-    chunk_end = torch.empty(p, dtype=torch.int32, device=keys.device)
-    cap = p // block_m + min(p, max_rows)
-    starts = torch.full((cap,), -1, dtype=torch.int32, device=keys.device)
-    _plan_sorted[(1,)](keys, order, counts, chunk_end, starts, p, shift, BLOCK_M=block_m, BLOCK=1024, num_warps=8)
-    return order.int(), chunk_end, starts
-
-
-def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
-                             topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
-                             max_rows: int, config: GemmConfig = GemmConfig()) -> torch.Tensor:
-    """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
-    config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
-    bounded by the chunk count. Arguments as grouped_expert_mlp; max_rows: distinct rows possible
-    (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype."""
-    t, k = topk_ids.shape
-    bm = config.large_block_m
-    order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
-    h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True)
     return out

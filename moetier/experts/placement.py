@@ -2,7 +2,8 @@
 backend each MoE layer gets afterwards. Knows a MoE shape and a list of MoE layers, never a model.
 
     placement = ExpertPlacement(shape, dtype, moe_layers, options, device, decode_tokens)
-    rows = placement.rows(layer)          # [E, R]: device memory (resident) or the pinned host store
+    rows = placement.rows(layer)          # [E, R]: device memory (resident) or the pinned host store;
+                                          # R in the model dtype, or bytes (uint8) for FP8 rows
     ... the loader fills rows from the checkpoint ...
     backend = placement.build(layer, rows)  # rows: these, or any [E, R] rows (benchmarks reuse one store)
 """
@@ -91,7 +92,8 @@ class ExpertPlacement:
     def rows(self, layer: int) -> torch.Tensor:
         """[E, R] rows the loader fills for `layer`: device memory (resident) or the host store."""
         if self.options.backend == "resident":
-            return torch.empty(self.shape.num_experts, self.layout.numel, dtype=self.dtype, device=self.device)
+            return torch.empty(self.shape.num_experts, self.layout.numel, dtype=self.layout.row_dtype(self.dtype),
+                               device=self.device)
         if self.store is None:
             self.store = HostStore(self.moe_layers, self.shape.num_experts, self.layout, self.dtype,
                                    pin=self.device.type == "cuda")

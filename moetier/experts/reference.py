@@ -46,9 +46,11 @@ def combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return (pair_out * topk_weights[..., None].to(pair_out.dtype)).sum(dim=1)
 
 
-def row_fetch(rows: torch.Tensor, layout: RowLayout) -> Fetch:
-    """Fetch from a rows tensor [N, R], where it lives (CUDA large steps read host rows in the kernel)."""
+def row_fetch(rows: torch.Tensor, layout: RowLayout, dtype: torch.dtype | None = None) -> Fetch:
+    """Fetch from a rows tensor [N, R], where it lives. Weights come in `dtype` (the hidden states'):
+    views of unquantized rows, FP8 rows dequantized (RowLayout.weights), so every backend that reads
+    the same row bytes computes with the same weights."""
     def fetch(key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row = rows[key:key + 1]
-        return layout.w13(row)[0], layout.w2(row)[0]
+        w13, w2 = layout.weights(rows[key:key + 1], dtype or rows.dtype)
+        return w13[0], w2[0]
     return fetch

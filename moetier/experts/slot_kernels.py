@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moetier.experts.store import DevicePointer
+
 BIG32 = 2**31 - 1
 REGS_LIMIT = 16384  # largest [BLOCK_N, BLOCK_S] the register bookkeeping takes
 # Measured by `moetier bench layer` on the H200 (Qwen3-30B shape, hit / miss step): 1 warp 1.8 / 3.6 us,
@@ -269,7 +271,12 @@ def copy_rows(src, dst: torch.Tensor, scratch: BookkeepingScratch, programs: int
     """Copy host rows into slots for the first miss_count entries of the miss list.
 
     src: [E, R] host rows (a DevicePointer to pinned memory); dst: [S, R] slots on the device.
+    FP8 rows (uint8, a multiple of 16 bytes) move as 2-byte words: the element width the copy was
+    tuned on (bf16 rows), not one byte per element.
     """
+    if dst.dtype == torch.uint8 and dst.shape[1] % 2 == 0:
+        dst = dst.view(torch.int16)
+        src = DevicePointer(src.tensor.view(torch.int16)) if isinstance(src, DevicePointer) else src.view(torch.int16)
     row = dst.shape[1]
     _copy_rows[(programs,)](src, dst, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, row,
                             triton.cdiv(row, block), BLOCK=block, num_warps=8)

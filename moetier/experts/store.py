@@ -51,11 +51,13 @@ class _Registration:
 
 
 class HostStore:
-    """Per MoE layer a block [E, row] in host memory, pinned at exact size when `pin` is set."""
+    """Per MoE layer a block [E, row] in host memory, pinned at exact size when `pin` is set.
+    `dtype` is the model's; the rows take layout.row_dtype(dtype) (uint8 bytes for FP8 rows)."""
 
     def __init__(self, layers: list[int], num_experts: int, layout: RowLayout, dtype: torch.dtype, pin: bool):
+        dtype = layout.row_dtype(dtype)
         self.layout, self.dtype, self.num_experts = layout, dtype, num_experts
-        self.row_bytes = layout.numel * dtype.itemsize
+        self.row_bytes = layout.row_bytes(dtype)
         self.requested_bytes = 0
         self.allocated_bytes = 0  # what the process really holds, page alignment included
         self.pinned_bytes = 0

@@ -29,14 +29,14 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
     if backend != "slots":
         raise MoetierError("--expert-budget needs --expert-backend slots (or auto)")
     layers, e = cfg.moe_layers, cfg.num_experts
-    row = cfg.moe_shape.layout.numel  # elements; bytes come from the dtype below
+    row = cfg.moe_shape.layout.row_bytes(cfg_dtype(cfg))  # exact bytes of one expert row (FP8: with scales)
     text = budget.strip()
     if text.endswith("%") or text.replace(".", "", 1).isdigit():
         from moetier.bench.cli import parse_budget
 
         total = round(parse_budget(text) * e * len(layers))
     else:
-        total = parse_size(text, "--expert-budget") // (row * cfg_itemsize(cfg))
+        total = parse_size(text, "--expert-budget") // row
     if total < len(layers):
         raise MoetierError(f"--expert-budget {budget}: {total} slots is less than one per MoE layer "
                            f"({len(layers)} layers)")
@@ -46,10 +46,10 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
                          policy=policy)
 
 
-def cfg_itemsize(cfg) -> int:
+def cfg_dtype(cfg):
     from moetier.checkpoint.loader import resolve_dtype
 
-    return resolve_dtype("auto", cfg).itemsize
+    return resolve_dtype("auto", cfg)
 
 
 def predict(plan, cfg, trace, policy: str) -> dict:

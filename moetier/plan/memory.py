@@ -255,7 +255,8 @@ def count(req: PlanRequest) -> Plan:
     biggest = max(dense.tensors + ((row * e // 3 * 2,) if layers else ()), default=0)
     host.append(Item("loader buffer", biggest, "host", "largest tensor read at once"))
     request = {"model_type": cfg.model_type, "layers": cfg.num_layers, "moe_layers": len(layers),
-               "dtype": str(dt).replace("torch.", ""), "device": req.device, "max_model_len": req.model_len,
+               "dtype": str(dt).replace("torch.", ""), "experts_quant": cfg.quant,  # "fp8": FP8 rows with scales
+               "device": req.device, "max_model_len": req.model_len,
                "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
                "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,
                "gpu_budget_source": req.gpu_source, "host_source": req.host_source}

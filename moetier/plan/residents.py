@@ -101,9 +101,10 @@ def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
-    """One routed expert's row (experts/shape.RowLayout): weights now, block scales appended to the
-    same row when quantized formats land, so the slots and the store carry them with the weights."""
-    return shape.layout.numel * dtype.itemsize
+    """One routed expert's row (experts/shape.RowLayout), exact: the weights in the model dtype, or
+    for FP8 experts (shape.quant) the float8 weights and their block scales in one byte row, so the
+    slots and the store carry the scales with the weights."""
+    return shape.layout.row_bytes(dtype)
 
 
 def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:

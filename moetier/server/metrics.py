@@ -8,6 +8,7 @@ scrapes. Each app has its own registry: several servers in one process (tests) n
 
 from __future__ import annotations
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -92,11 +93,11 @@ class ServerMetrics:
 def engine_snapshot(llm) -> dict:
     """What the scrape-time collector reads: LLM.metrics() plus per-layer expert counters and bytes."""
     m = llm.metrics()
-    itemsize = llm.model.dtype.itemsize if hasattr(llm.model, "dtype") else 2
+    dtype = getattr(llm.model, "dtype", torch.bfloat16)
     layers = {}
     for block in llm.model.moe_blocks():
         s = block.experts.stats()
-        row_bytes = block.experts.layout.numel * itemsize
+        row_bytes = block.experts.layout.row_bytes(dtype)  # exact: FP8 rows count their scales
         layers[block.layer] = {"hits": s["hits"], "misses": s["misses"], "overflow": s["overflow"],
                                "link_bytes": (s["misses"] + s["overflow"]) * row_bytes}
     return {**m, "expert_layers": layers}
