@@ -1,4 +1,4 @@
-"""Where the GPU time of one decode step goes: the Qwen3-30B shape cut to a few layers, resident
+"""Where the GPU time of one decode step goes: a preset (Qwen3-30B by default) cut to a few layers, resident
 experts, replayed routing, the engine's decode step run eagerly under torch.profiler. Prints the
 kernels by total time and the sum of kernel time against the graph replay time of the same step."""
 
@@ -16,12 +16,12 @@ from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
 
 
-def main(layers: int = 8, batch: int = 1) -> None:
-    cfg = preset("qwen3-30b-a3b", layers, "bfloat16")
+def main(layers: int = 8, batch: int = 1, name: str = "qwen3-30b-a3b",
+         trace: str = "data/traces/qwen3-30b-like.mtrace") -> None:
+    cfg = preset(name, layers, "bfloat16")
     bed = random_bed(cfg)
     use_backend(bed, "resident")
-    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace",
-                                                                max_num_seqs=8, kv_tokens=4096))
+    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace=trace, max_num_seqs=8, kv_tokens=4096))
     for p in torch.randint(0, 400, (batch, 32)).tolist():
         llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(10):
@@ -41,4 +41,6 @@ def main(layers: int = 8, batch: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    # python scripts/profile_decode.py [LAYERS [BATCH [PRESET [TRACE]]]]
+    a = sys.argv[1:]
+    main(*(int(x) for x in a[:2]), *a[2:4])

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from moetier.experts import fp8  # noqa: E402
 from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts import grouped_gemm_large as large  # noqa: E402
+from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.backends import ResidentExperts  # noqa: E402
 from moetier.experts.gemm_config import GemmConfig  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
@@ -83,7 +83,7 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: b
 
     def run(slot_ids, dev_rows, max_rows):
         if large:
-            return large.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows,
+            return grouped_large.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows,
                                                     WIDE if wide else LARGE, "fp8")
         scratch = grouped.GemmScratch.make(64, h, i, torch.device("cpu"))
         out = torch.full((t, h), float("nan"), dtype=dtype)

@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts import grouped_gemm_large as large  # noqa: E402
+from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 
@@ -141,10 +141,10 @@ def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str
     mixed = slot_of[ids]
 
     def large(slot_ids, dev_rows, max_rows):
-        return large.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows, cfg)
+        return grouped_large.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows, cfg)
 
     # the plan: a stable sort by row key, chunks of block_m within each row's run, their starts listed
-    order, chunk_end, starts = large.plan_large(mixed, ids, block_m, e + e // 2)
+    order, chunk_end, starts = grouped_large.plan_large(mixed, ids, block_m, e + e // 2)
     keys = torch.where(mixed.reshape(-1) >= 0, mixed.reshape(-1).long(), -1 - ids.reshape(-1))
     assert torch.equal(order.long(), torch.argsort(keys, stable=True))
     sk, want, pos = keys[order.long()], torch.zeros(t * k, dtype=torch.int32), 0

@@ -55,7 +55,7 @@ def test_engine_on_gpu_backends_and_batch_equal_alone(tmp_path, preset, graphs):
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (llm.runner.graph_steps > 10) == graphs
         if name == "slots":
-            assert llm.metrics()["expert_stats"]["misses"] > 50
+            assert llm.metrics()["expert_stats"]["misses"] > 20  # 4 slots of 16 experts: the cache works hard
             alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
             assert outs[name] == alone
         llm.scheduler.check()
