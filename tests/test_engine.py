@@ -4,6 +4,7 @@ preemption and every expert backend; aborts; the async streaming interface; metr
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -142,6 +143,14 @@ def test_async_cancel_frees_pages(tiny_ckpt):
 
     try:
         asyncio.run(take_two())
-        assert llm.scheduler.pages.num_used == 0 and not llm.has_unfinished()
+        # the abort is applied by the engine thread before its next step
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            with engine._lock:
+                if llm.scheduler.pages.num_used == 0 and not llm.has_unfinished():
+                    break
+            time.sleep(0.01)
+        with engine._lock:
+            assert llm.scheduler.pages.num_used == 0 and not llm.has_unfinished()
     finally:
         engine.shutdown()

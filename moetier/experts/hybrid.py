@@ -132,6 +132,9 @@ class HybridExperts(SlotExperts):
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
                  gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
+        if layout.quant is not None:
+            raise ValueError(f"the hybrid backend computes {layout.quant} rows on the GPU only so far: its host "
+                             "kernels take rows in the model dtype; use --expert-backend slots")
         super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, "kernel", policy, gemm)
         self.hostpath = host or HostPath(layout)
         rates = self.hostpath.calibrate(host_rows, self.slots)
@@ -174,7 +177,7 @@ class HybridExperts(SlotExperts):
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
-            y[g] = expert_pairs(hidden[g // k], keys, self._fetch)[:, 0]
+            y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype))[:, 0]
         y[torch.tensor(host_pos)] = job.result()
         return combine(y.view(t, k, -1), topk_weights)
 
