@@ -31,28 +31,18 @@ other context lengths up to the one it was captured for (engine/graphs.py captur
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from moetier.layers.paged_attention_triton import LOG2E, _dot, _sm_count
+
 MAX_SPLITS = 64
 # H200 (bench/results/h200-latent-attention-*.json): at batch 1, 64 splits of 32 keys beat 16 of 128
 # by 2x (topk 2048) and 32 of 128 by 1.5x (4k context): the partials mostly stay in L2
 MIN_KEYS_PER_SPLIT = 32
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # UPCAST only under TRITON_INTERPRET with bfloat16: the interpreter multiplies bfloat16 bit
-    # patterns in tl.dot (triton-lang/triton#11584); bf16 products are exact in float32 either way.
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -187,11 +177,6 @@ def _combine(o_part_ptr, lse_ptr, out_ptr, stride_ps, stride_lses, stride_on, st
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + c, res.to(out_ptr.dtype.element_ty),
              mask=c_ok)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def default_num_splits(programs: int, keys: int, device: torch.device) -> int:
