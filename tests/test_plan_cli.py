@@ -206,3 +206,20 @@ def test_loader_progress_reports_bytes(tiny_ckpt):
     total = Checkpoint(tiny_ckpt).nbytes()
     assert seen[-1][0] == seen[-1][1] and abs(seen[-1][1] - total) <= total * 0.01
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_bench_preflight_names_the_row_that_does_not_fit():
+    from moetier import presets
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import PlanRefused, bench_preflight
+
+    cfg = presets.preset("qwen3-30b-a3b", layers=8)
+    config = EngineConfig(max_num_seqs=8)
+    bench_preflight(cfg, [("slots", 0.25)], config, gpu_memory="8GiB", host_memory="64GiB")  # fits
+    with pytest.raises(PlanRefused, match="the resident row does not fit") as e:
+        bench_preflight(cfg, [("slots", 0.25), ("resident", 1.0)], config, gpu_memory="8GiB", host_memory="64GiB")
+    assert "the device needs" in str(e.value) and "what would fit instead" in str(e.value)
+    with pytest.raises(PlanRefused, match="the random weights' host store does not fit"):
+        bench_preflight(cfg, [("slots", 0.25)], config, gpu_memory="8GiB", host_memory="8GiB")
+    with pytest.raises(PlanRefused, match="the hybrid row at 50% does not fit"):
+        bench_preflight(cfg, [("hybrid", 0.5)], config, gpu_memory="6GiB", host_memory="64GiB")

@@ -183,6 +183,16 @@ def bench_decode(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("decode")
+    if model is None:
+        from moetier.engine.config import EngineConfig
+        from moetier.plan.preflight import bench_preflight
+
+        rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
+        rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
+        try:
+            bench_preflight(cfg, rows, EngineConfig(max_num_seqs=max(batch), decode_tokens=decode_tokens))
+        except MoetierError as e:
+            opt.fail(e)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")

@@ -13,6 +13,17 @@ from moetier.cli import options as opt
 from moetier.errors import MoetierError
 
 
+def preflight_rows(cfg, rows: list[tuple[str, float]], **engine) -> None:
+    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import bench_preflight
+
+    try:
+        bench_preflight(cfg, rows, EngineConfig(**engine))
+    except MoetierError as e:
+        opt.fail(e)
+
+
 @app.command("prefill")
 def bench_prefill(
     preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
@@ -58,6 +69,9 @@ def bench_prefill(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("prefill")
+    preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
+                   max_num_seqs=max(batch), max_num_tokens=chunk, kv_tokens=max(batch) * (max(length) + 16),
+                   decode_tokens=decode_tokens)
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.checkpoint.random_bed import random_bed
@@ -115,6 +129,8 @@ def bench_chunk(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("chunk")
+    preflight_rows(cfg, rows, max_num_seqs=streams + 1, max_num_tokens=max(sizes),
+                   kv_tokens=(streams + 1) * (prompt_len + 2048), decode_tokens=decode_tokens)
     from moetier.bench import chunk
     from moetier.bench.common import record, write_json
     from moetier.checkpoint.random_bed import random_bed

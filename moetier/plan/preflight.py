@@ -109,3 +109,24 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
     if not plan.fits():
         raise refusal(req, plan)
     return plan, options_for(plan, experts)
+
+
+def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
+                    host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The memory plan of each (backend, expert budget) row of a random-weight benchmark, checked before
+    its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
+    table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
+    the host is checked with the whole store (the uva plan: store on the host, none on the device)."""
+    from moetier.experts.placement import ExpertOptions
+
+    req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
+    checks = [("the random weights' host store", "uva", None)]
+    for backend, budget in rows:
+        slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend in ("slots", "hybrid") else None
+        checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
+                       "slots" if backend == "hybrid" else backend, slots))
+    for what, backend, slots in checks:
+        plan = plan_for(req, ExpertOptions(backend, slots=slots))
+        if not plan.fits():
+            r = refusal(req, plan)
+            raise PlanRefused(f"{what} does not fit: {r}")
