@@ -141,19 +141,31 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
                 decode_tokens: int, par: Parallel = Parallel()
                 ) -> tuple[CausalLM, ExpertPlacement, dict[int, torch.Tensor]]:
     """The model without its routed experts, their placement, and each MoE layer's rows to fill."""
+    model, placement = _model_and_placement(cfg, dtype, device, experts, decode_tokens, par)
+    return model, placement, {layer: placement.rows(layer) for layer in cfg.moe_layers}
+
+
+def _model_and_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, experts: ExpertOptions,
+                         decode_tokens: int, par: Parallel) -> tuple[CausalLM, ExpertPlacement]:
     placement = ExpertPlacement(cfg.moe_shape, dtype, cfg.moe_layers, experts, device, decode_tokens, par)
     cls = model_class(cfg)
     if par.tp > 1 and not cls.tensor_parallel:
         raise MoetierError(f"tensor parallelism is not implemented for {cls.__name__} yet (only Qwen3-MoE); "
                            "use expert parallelism (--ep) alone, or one process")
-    model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
-    return model, placement, {layer: placement.rows(layer) for layer in cfg.moe_layers}
+    return (cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)), placement
 
 
 def attach_experts(model: CausalLM, placement: ExpertPlacement, rows: dict[int, torch.Tensor]) -> None:
     """After loading: each MoE block gets its backend over its filled rows."""
     for block in model.moe_blocks():
         block.experts = placement.build(block.layer, rows[block.layer])
+
+
+def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int, par: Parallel) -> None:
+    """Refuse a layout this model cannot split, before any process is spawned or byte is read: the
+    model is built on the meta device (no memory) with rank 0's layout, so the same checks run as at
+    load (heads, kv heads and dense columns divisible by tp, experts by ep, backend and slots)."""
+    _model_and_placement(cfg, torch.float32, "meta", experts, decode_tokens, par)  # no rows: no memory
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,

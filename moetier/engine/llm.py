@@ -96,8 +96,12 @@ class LLM:
             if config.replay_trace is not None:
                 raise MoetierError("--replay-trace with several ranks is not supported yet: the workers would "
                                    "route by their own routers; replay in one process")
+            from moetier.checkpoint.loader import check_parallel
             from moetier.dist.executor import spec_for, start
+            from moetier.layers.parallel import Parallel
 
+            check_parallel(config_from_dir(model_dir), experts or ExpertOptions(), config.decode_tokens,
+                           Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
             par, self._workers = start(spec_for(model_dir, dtype, device, experts or ExpertOptions(), config))
         try:
             kw = {} if par is None else {"parallel": par}

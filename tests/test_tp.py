@@ -1,0 +1,132 @@
+"""Tensor and expert parallelism (moetier/dist, docs/parallel.md) with 2 ranks over gloo on the CPU:
+the same logits as one process (fp32 tolerance: the row-split GEMMs and the all-reduce change the
+summation order, so never bit-exactness), batch == alone, bad layouts refused before any spawn, and a
+dead worker failing the engine loudly within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from moetier.checkpoint.writer import make_checkpoint
+from moetier.engine.llm import LLM
+from moetier.engine.step import SeqStep, StepInput
+from moetier.errors import MoetierError
+from moetier.experts.ep import local_ids, owned_experts
+from moetier.experts.placement import ExpertOptions
+from moetier.layers.parallel import Parallel
+from moetier.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [77, 2, 401], [9, 9, 130, 64, 211, 8]]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-gqa")}
+
+
+def steps() -> list[StepInput]:
+    """A prefill of two sequences, then a decode step of both (the second reads the KV the first wrote)."""
+    g = SamplingParams(temperature=0.0)
+    a, b = PROMPTS[0], PROMPTS[2]
+    pre = StepInput([SeqStep("a", 0, a, [0], True, g, 0, 0), SeqStep("b", 0, b, [1], True, g, 0, 0)])
+    dec = StepInput([SeqStep("a", len(a), [33], [0], True, g, 0, 1), SeqStep("b", len(b), [44], [1], True, g, 0, 1)])
+    return [pre, dec]
+
+
+def logits_of(llm: LLM) -> list[torch.Tensor]:
+    """Every token's logits [N, V] of each step, run through the engine's runner (all ranks)."""
+    return [llm.model.logits(llm.runner.forward_only(s)) for s in steps()]
+
+
+def close_enough(got: torch.Tensor, ref: torch.Tensor) -> None:
+    scale = ref.abs().max()
+    assert scale > 0.1  # a real signal, not zeros on both sides
+    err = (got - ref).abs().max()
+    assert err <= 1e-5 * scale, f"max |diff| {err:.3g} against max |logit| {scale:.3g}"
+
+
+ENGINE = dict(device="cpu", kv_tokens=256, page_size=16, max_num_seqs=8, dist_timeout_s=60.0)
+
+
+@pytest.mark.parametrize("preset,tp,ep,backend", [
+    ("tiny", 2, 1, "resident"), ("tiny", 2, 1, "slots"), ("tiny", 1, 2, "resident"), ("tiny", 1, 2, "slots"),
+    ("tiny", 2, 2, "resident"), ("tiny", 2, 2, "slots"), ("tiny-gqa", 1, 2, "slots"),
+])
+def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
+    # 4 slots per layer (of 16 local experts under EP): decode steps miss and overflow, prefill bypasses
+    experts = ExpertOptions(backend=backend, slots=4 if backend == "slots" else None)
+    one = LLM(ckpts[preset], experts=experts, **ENGINE)
+    ref = logits_of(one)
+    llm = LLM(ckpts[preset], experts=experts, tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE)
+    try:
+        if ep > 1:  # rank 0 really holds half the experts, and its KV half the heads under TP
+            assert llm.model.moe_blocks()[0].experts.inner.nbytes()["device" if backend == "resident" else "host"] \
+                == one.model.moe_blocks()[0].experts.nbytes()["device" if backend == "resident" else "host"] // 2
+        assert llm.kv.nbytes() * tp == one.kv.nbytes()
+        for got, want in zip(logits_of(llm), ref):
+            close_enough(got, want)
+    finally:
+        llm.close()
+
+
+def test_greedy_batch_equals_each_alone_and_one_process(ckpts):
+    experts = ExpertOptions(backend="slots", slots=4)
+    one = LLM(ckpts["tiny"], experts=experts, **ENGINE)
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
+    llm = LLM(ckpts["tiny"], experts=experts, tensor_parallel_size=2, expert_parallel_size=2, **ENGINE)
+    try:
+        batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    finally:
+        llm.close()
+    assert batch == alone == want
+
+
+def test_bad_layouts_are_refused_before_any_spawn(ckpts):
+    cases = [
+        (dict(tensor_parallel_size=2), "tiny-gqa", "num_key_value_heads (1)"),  # 6 heads but one kv head
+        (dict(expert_parallel_size=3), "tiny", "num_experts (32)"),
+        (dict(tensor_parallel_size=2, expert_parallel_size=4), "tiny", "tensor-parallel size 2 must be 1 or"),
+        (dict(tensor_parallel_size=0), "tiny", "positive integers"),
+    ]
+    for options, preset, needle in cases:
+        t0 = time.monotonic()
+        with pytest.raises(MoetierError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            LLM(ckpts[preset], **ENGINE, **options)
+        assert time.monotonic() - t0 < 1.0  # refused before spawning (a spawn costs seconds)
+    with pytest.raises(MoetierError, match="slots"):  # slots are per rank: at most 16 of 32 under EP 2
+        LLM(ckpts["tiny"], experts=ExpertOptions(backend="slots", slots=20), expert_parallel_size=2, **ENGINE)
+    with pytest.raises(MoetierError, match="hybrid"):
+        LLM(ckpts["tiny"], experts=ExpertOptions(backend="hybrid"), expert_parallel_size=2, **ENGINE)
+    with pytest.raises(MoetierError, match="rank 2 is outside"):
+        Parallel(2, 2, 2, 1)
+
+
+def test_a_dead_worker_fails_the_engine_loudly(ckpts):
+    llm = LLM(ckpts["tiny"], tensor_parallel_size=2, **ENGINE)
+    try:
+        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.step()
+        pid = llm._workers.processes[0].pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(MoetierError, match=rf"rank 1 \(pid {pid}, exit code -9\) died"):
+            for _ in range(3):  # the first step after the kill sees it (or its collective fails)
+                llm.step()
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        llm.close()  # idempotent after the failure: the group is already gone
+
+
+def test_strided_ownership_and_local_ids():
+    assert owned_experts(8, 1, 2) == [1, 3, 5, 7]
+    ids = torch.tensor([[0, 3, 6], [7, 2, 5]])
+    assert local_ids(ids, 1, 2).tolist() == [[-1, 1, -1], [3, -1, 2]]
+    assert local_ids(ids, 0, 2).tolist() == [[0, -1, 3], [-1, 1, -1]]
