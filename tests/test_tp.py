@@ -130,3 +130,24 @@ def test_strided_ownership_and_local_ids():
     ids = torch.tensor([[0, 3, 6], [7, 2, 5]])
     assert local_ids(ids, 1, 2).tolist() == [[-1, 1, -1], [3, -1, 2]]
     assert local_ids(ids, 0, 2).tolist() == [[0, -1, 3], [-1, 1, -1]]
+
+
+def test_generate_cli_with_tp_and_ep():
+    """`moetier generate --tp 2 --ep 2` (the embedded model, a subprocess as a user runs it) prints the
+    tokens one process makes; a layout the model cannot split is one line and exit code 2."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "moetier.cli", "generate", "Tell me a story", "--max-tokens",
+                               "8", "--ignore-eos", "--device", "cpu", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    p = run("--json", "--tp", "2", "--ep", "2", "--expert-backend", "slots", "--expert-slots", "4")
+    assert p.returncode == 0, p.stderr
+    one = LLM(device="cpu")
+    want = one.generate(["Tell me a story"], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+    assert json.loads(p.stdout)["token_ids"] == want[0].outputs[0].token_ids
+    bad = run("--tp", "3")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "tensor parallelism 3" in bad.stderr

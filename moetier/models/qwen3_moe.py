@@ -172,6 +172,7 @@ class DecoderLayer(nn.Module):
 
 class Qwen3MoeForCausalLM(CausalLM):
     tensor_parallel = True
+    par = Parallel()  # the default for instances made without __init__ (plan/memory.py sizes the KV so)
 
     def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  par: Parallel = Parallel()):
