@@ -28,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-gqa")}
+    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-gqa", "tiny-dsv3")}
 
 
 def steps() -> list[StepInput]:
@@ -58,6 +58,7 @@ ENGINE = dict(device="cpu", kv_tokens=256, page_size=16, max_num_seqs=8, dist_ti
 @pytest.mark.parametrize("preset,tp,ep,backend", [
     ("tiny", 2, 1, "resident"), ("tiny", 2, 1, "slots"), ("tiny", 1, 2, "resident"), ("tiny", 1, 2, "slots"),
     ("tiny", 2, 2, "resident"), ("tiny", 2, 2, "slots"), ("tiny-gqa", 1, 2, "slots"),
+    ("tiny-dsv3", 1, 2, "slots"),  # expert parallelism needs nothing from the family: MLA + shared experts
 ])
 def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
     # 4 slots per layer (of 16 local experts under EP): decode steps miss and overflow, prefill bypasses
@@ -69,7 +70,7 @@ def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
         if ep > 1:  # rank 0 really holds half the experts, and its KV half the heads under TP
             assert llm.model.moe_blocks()[0].experts.inner.nbytes()["device" if backend == "resident" else "host"] \
                 == one.model.moe_blocks()[0].experts.nbytes()["device" if backend == "resident" else "host"] // 2
-        assert llm.kv.nbytes() * tp == one.kv.nbytes()
+        assert llm.kv.nbytes() * tp == one.kv.nbytes()  # KV: this rank's kv heads only
         for got, want in zip(logits_of(llm), ref):
             close_enough(got, want)
     finally:
@@ -95,6 +96,7 @@ def test_bad_layouts_are_refused_before_any_spawn(ckpts):
         (dict(expert_parallel_size=3), "tiny", "num_experts (32)"),
         (dict(tensor_parallel_size=2, expert_parallel_size=4), "tiny", "tensor-parallel size 2 must be 1 or"),
         (dict(tensor_parallel_size=0), "tiny", "positive integers"),
+        (dict(tensor_parallel_size=2), "tiny-dsv3", "not implemented for DeepseekV3ForCausalLM"),
     ]
     for options, preset, needle in cases:
         t0 = time.monotonic()
