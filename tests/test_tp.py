@@ -85,9 +85,18 @@ def test_greedy_batch_equals_each_alone_and_one_process(ckpts):
     try:
         batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+        assert batch == alone == want
+
+        def broken(step):
+            raise ValueError("rank 0 broke mid-step")
+        # rank 0 failing alone leaves the workers inside a collective: they are stopped, not left hanging
+        llm.runner.inner.execute = broken
+        llm.add_request(PROMPTS[0], GREEDY)
+        with pytest.raises(ValueError, match="rank 0 broke"):
+            llm.step()
+        assert not any(p.is_alive() for p in llm._workers.processes)
     finally:
         llm.close()
-    assert batch == alone == want
 
 
 def test_bad_layouts_are_refused_before_any_spawn(ckpts):
@@ -153,3 +162,16 @@ def test_generate_cli_with_tp_and_ep():
     assert json.loads(p.stdout)["token_ids"] == want[0].outputs[0].token_ids
     bad = run("--tp", "3")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "tensor parallelism 3" in bad.stderr
+
+
+def test_rendezvous_from_torchrun_variables(monkeypatch):
+    from moetier.dist.group import from_env
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(MoetierError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        from_env("cpu")
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1"), monkeypatch.setenv("MASTER_PORT", "29500")
+    rank, rdv = from_env("cpu", timeout_s=5)
+    assert (rank, rdv.world, rdv.backend, rdv.init_method) == (1, 2, "gloo", "env://")
