@@ -175,3 +175,19 @@ def test_rendezvous_from_torchrun_variables(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1"), monkeypatch.setenv("MASTER_PORT", "29500")
     rank, rdv = from_env("cpu", timeout_s=5)
     assert (rank, rdv.world, rdv.backend, rdv.init_method) == (1, 2, "gloo", "env://")
+
+
+def test_other_ranks_pairs_take_no_slot_and_contribute_zero():
+    from moetier.experts.reference import expert_pairs
+    from moetier.experts.slots import SlotCache
+
+    cache = SlotCache(4, 2)
+    slots, miss = cache.step_reference(torch.tensor([[-1, 3], [2, -1], [3, -1]]))
+    assert slots[:, 0].tolist()[0] == -1 and slots[1, 1] == -1 and slots[2, 1] == -1
+    assert sorted(miss.expert[: int(miss.count)].tolist()) == [2, 3]  # -1 is no expert: never filled
+    assert cache.read_stats()["misses"] == 2
+    cache.check()
+    h = torch.randn(2, 8)
+    w = (torch.randn(6, 8), torch.randn(8, 3))
+    out = expert_pairs(h, torch.tensor([[-1, 0], [0, -1]]), lambda key: w)
+    assert out[0, 0].abs().sum() == 0 and out[1, 1].abs().sum() == 0 and out[0, 1].abs().sum() > 0
