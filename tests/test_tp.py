@@ -58,7 +58,7 @@ ENGINE = dict(device="cpu", kv_tokens=256, page_size=16, max_num_seqs=8, dist_ti
 @pytest.mark.parametrize("preset,tp,ep,backend", [
     ("tiny", 2, 1, "resident"), ("tiny", 2, 1, "slots"), ("tiny", 1, 2, "resident"), ("tiny", 1, 2, "slots"),
     ("tiny", 2, 2, "resident"), ("tiny", 2, 2, "slots"), ("tiny-gqa", 1, 2, "slots"),
-    ("tiny-dsv3", 1, 2, "slots"),  # expert parallelism needs nothing from the family: MLA + shared experts
+    ("tiny", 2, 2, "uva"), ("tiny-dsv3", 1, 2, "slots"),  # expert parallelism needs nothing from the family: MLA + shared experts
 ])
 def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
     # 4 slots per layer (of 16 local experts under EP): decode steps miss and overflow, prefill bypasses
@@ -68,8 +68,9 @@ def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
     llm = LLM(ckpts[preset], experts=experts, tensor_parallel_size=tp, expert_parallel_size=ep, **ENGINE)
     try:
         if ep > 1:  # rank 0 really holds half the experts, and its KV half the heads under TP
-            assert llm.model.moe_blocks()[0].experts.inner.nbytes()["device" if backend == "resident" else "host"] \
-                == one.model.moe_blocks()[0].experts.nbytes()["device" if backend == "resident" else "host"] // 2
+            tier = "device" if backend == "resident" else "host"
+            assert llm.model.moe_blocks()[0].experts.inner.nbytes()[tier] == \
+                one.model.moe_blocks()[0].experts.nbytes()[tier] // 2
         assert llm.kv.nbytes() * tp == one.kv.nbytes()  # KV: this rank's kv heads only
         for got, want in zip(logits_of(llm), ref):
             close_enough(got, want)

@@ -62,8 +62,8 @@ class ExpertOptions:
         if self.backend not in BACKENDS:
             out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.slots is not None and not 1 <= self.slots <= e:
-            out.append(f"--expert-slots {self.slots}: it must be between 1 and the number of experts a rank "
-                       f"holds ({e})")
+            held = "experts" if ep == 1 else f"experts a rank holds under expert parallelism {ep}"
+            out.append(f"--expert-slots {self.slots}: it must be between 1 and the number of {held} ({e})")
         bad = {layer: s for layer, s in self.slots_per_layer.items() if not 1 <= s <= e}
         if bad:
             out.append(f"the slots file gives {len(bad)} layer(s) a count outside 1..{e} (e.g. layer "
