@@ -25,10 +25,36 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [77, 2, 401], [9, 9, 130, 64, 21
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
+def dense_bias_checkpoint(out):
+    """`tiny` through transformers' save_pretrained with dense SwiGLU layers (every other layer) and
+    q/k/v/o biases: the dense MLP's split, the split biases and o_proj's bias added once."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetier import presets
+    from moetier.tokenizer.synthetic import write_tokenizer
+
+    d = presets.preset_dict("tiny", dtype="float32")
+    d.pop("architectures"), d.pop("model_type")
+    d.update(decoder_sparse_step=2, attention_bias=True)
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    torch.manual_seed(3)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**d)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)  # transformers starts them at zero
+    model.save_pretrained(out)
+    write_tokenizer(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-gqa", "tiny-dsv3")}
+    out = {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-gqa", "tiny-dsv3")}
+    out["tiny-fused"] = make_checkpoint(root / "fused", "tiny", seed=2, dtype="float32", fused_experts=True)
+    out["dense-bias"] = dense_bias_checkpoint(root / "dense-bias")
+    return out
 
 
 def steps() -> list[StepInput]:
@@ -58,7 +84,9 @@ ENGINE = dict(device="cpu", kv_tokens=256, page_size=16, max_num_seqs=8, dist_ti
 @pytest.mark.parametrize("preset,tp,ep,backend", [
     ("tiny", 2, 1, "resident"), ("tiny", 2, 1, "slots"), ("tiny", 1, 2, "resident"), ("tiny", 1, 2, "slots"),
     ("tiny", 2, 2, "resident"), ("tiny", 2, 2, "slots"), ("tiny-gqa", 1, 2, "slots"),
-    ("tiny", 2, 2, "uva"), ("tiny-dsv3", 1, 2, "slots"),  # expert parallelism needs nothing from the family: MLA + shared experts
+    ("tiny", 2, 2, "uva"), ("tiny-dsv3", 1, 2, "slots"),
+    ("tiny-fused", 2, 2, "slots"),  # fused [E, ...] expert tensors: each rank loads rows r::2
+    ("dense-bias", 2, 2, "resident"),  # expert parallelism needs nothing from the family: MLA + shared experts
 ])
 def test_logits_equal_one_process(ckpts, preset, tp, ep, backend):
     # 4 slots per layer (of 16 local experts under EP): decode steps miss and overflow, prefill bypasses
