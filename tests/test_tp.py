@@ -161,6 +161,8 @@ def test_a_dead_worker_fails_the_engine_loudly(ckpts):
             for _ in range(3):  # the first step after the kill sees it (or its collective fails)
                 llm.step()
         assert time.monotonic() - t0 < 5.0
+        with pytest.raises(MoetierError, match="workers are gone"):
+            llm.step()
     finally:
         llm.close()  # idempotent after the failure: the group is already gone
 

@@ -136,6 +136,9 @@ class DistributedRunner:
         return self._run(self.inner.forward_only, step)
 
     def _run(self, fn, step: StepInput):
+        if self.workers.stopped:
+            raise MoetierError("this parallel engine was closed (or failed before): its workers are gone; "
+                               "start a new LLM")
         self.workers.check()
         try:
             self.workers.broadcast(step)
