@@ -15,6 +15,9 @@ FORBIDDEN = {
     "models": ("moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint"),
     "checkpoint": ("moetier.engine", "moetier.cli", "moetier.server"),
     "engine": ("moetier.cli", "moetier.server"),
+    # dist/ sits beside engine/: it builds ranks from checkpoint/, experts/, layers/ and the engine's
+    # runner and records, and the engine reaches it only lazily for a parallel run
+    "dist": ("moetier.cli", "moetier.server", "moetier.bench"),
 }
 
 

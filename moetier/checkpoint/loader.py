@@ -12,6 +12,11 @@ stream tensor by tensor.
     each MoE block gets its expert backend
 
 No second full copy of the model is ever held.
+
+Under a parallel layout (layers/parallel.Parallel; docs/parallel.md) each rank loads its share only:
+a dense tensor whose Weight.split names a dim gives this rank its contiguous 1/tp part of that dim
+(generic: any family declares its splits in checkpoint_weights()), the others whole; routed experts
+other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.layers.parallel import Parallel
 from moetier.models.base import CausalLM, Weight
 from moetier.models.registry import model_class
 
@@ -91,12 +97,11 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                 if is_dense_scale(w):
                     pass  # read with its weight
                 elif w.expert is not None:
-                    x = w.expert
-                    with torch.no_grad():
-                        placement.layout.part(rows[x.layer], x.part, x.expert).copy_(tensor(w.name))
+                    if not copy_expert(placement, rows, w, tensor):
+                        done -= 1  # another rank's expert: not read, not counted as copied
                 elif (dest := model.param(w.name)) is not None:
                     with torch.no_grad():
-                        dest.copy_(read_dense(tensor, ckpt, w.name, dest.dtype))
+                        dest.copy_(shard(read_dense(tensor, ckpt, w.name, dest.dtype), w, placement.par))
                 done += 1
                 read += tensor_bytes(ckpt, w.name)
                 if progress:
@@ -104,12 +109,50 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
     return done
 
 
+def shard(t: torch.Tensor, w: Weight, par: Parallel) -> torch.Tensor:
+    """This rank's part of a dense checkpoint tensor: part tp_rank of w.split, or all of it."""
+    if w.split is None or par.tp == 1:
+        return t
+    n = t.shape[w.split]
+    if n % par.tp:
+        raise MoetierError(f"{w.name}: dim {w.split} ({n}) does not split into {par.tp} equal tensor-parallel "
+                           "parts; choose a tensor-parallel size that divides it")
+    part = n // par.tp
+    return t.narrow(w.split, par.tp_rank * part, part)
+
+
+def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: Weight, tensor) -> bool:
+    """Copy a routed-expert tensor into this rank's rows; False when another rank owns the expert."""
+    x, lay = w.expert, placement.layout
+    with torch.no_grad():
+        if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
+            full = tensor(w.name)
+            src = full if placement.par.ep == 1 else full[placement.par.ep_rank::placement.par.ep]
+            lay.part(rows[x.layer], x.part, None).copy_(src)
+            return True
+        local = placement.local_id(x.expert)
+        if local is None:
+            return False
+        lay.part(rows[x.layer], x.part, local).copy_(tensor(w.name))
+        return True
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, experts: ExpertOptions,
-                decode_tokens: int) -> tuple[CausalLM, ExpertPlacement, dict[int, torch.Tensor]]:
+                decode_tokens: int, par: Parallel = Parallel()
+                ) -> tuple[CausalLM, ExpertPlacement, dict[int, torch.Tensor]]:
     """The model without its routed experts, their placement, and each MoE layer's rows to fill."""
-    placement = ExpertPlacement(cfg.moe_shape, dtype, cfg.moe_layers, experts, device, decode_tokens)
-    model = model_class(cfg)(cfg, dtype, device)
+    model, placement = _model_and_placement(cfg, dtype, device, experts, decode_tokens, par)
     return model, placement, {layer: placement.rows(layer) for layer in cfg.moe_layers}
+
+
+def _model_and_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, experts: ExpertOptions,
+                         decode_tokens: int, par: Parallel) -> tuple[CausalLM, ExpertPlacement]:
+    placement = ExpertPlacement(cfg.moe_shape, dtype, cfg.moe_layers, experts, device, decode_tokens, par)
+    cls = model_class(cfg)
+    if par.tp > 1 and not cls.tensor_parallel:
+        raise MoetierError(f"tensor parallelism is not implemented for {cls.__name__} yet (only Qwen3-MoE); "
+                           "use expert parallelism (--ep) alone, or one process")
+    return (cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)), placement
 
 
 def attach_experts(model: CausalLM, placement: ExpertPlacement, rows: dict[int, torch.Tensor]) -> None:
@@ -118,15 +161,24 @@ def attach_experts(model: CausalLM, placement: ExpertPlacement, rows: dict[int, 
         block.experts = placement.build(block.layer, rows[block.layer])
 
 
+def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int, par: Parallel) -> None:
+    """Refuse a layout this model cannot split, before any process is spawned or byte is read: the
+    model is built on the meta device (no memory) with rank 0's layout, so the same checks run as at
+    load (heads, kv heads and dense columns divisible by tp, experts by ep, backend and slots)."""
+    _model_and_placement(cfg, torch.float32, "meta", experts, decode_tokens, par)  # no rows: no memory
+
+
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
-               decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None
-               ) -> tuple[ModelConfig, CausalLM, LoadReport]:
+               decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None,
+               parallel: Parallel = Parallel()) -> tuple[ModelConfig, CausalLM, LoadReport]:
+    """parallel: this rank's layout (the default: one process holds everything)."""
     t0 = time.perf_counter()
     cfg = config_from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
     weights = validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))  # before allocating
-    model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens)
+    model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens,
+                                         parallel)
     n = load_weights(model, placement, ckpt, weights, rows, progress)
     attach_experts(model, placement, rows)
     nbytes = {"device": 0, "host": 0}

@@ -44,6 +44,8 @@ def generate(
     expert_slots_file: opt.ExpertSlotsFile = None,
     cache_policy: opt.CachePolicy = "lfru",
     device: opt.Device = "auto",
+    tp: opt.TensorParallel = 1,
+    ep: opt.ExpertParallel = 1,
     record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="FILE",
                                                 help="Write the routing of this run."),
     replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
@@ -70,8 +72,10 @@ def generate(
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
         dev = pick_device(device)
+        # NOTE: with --tp/--ep the memory plan below is still one process's (conservative per rank)
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
-                                   record_trace=record_trace, replay_trace=replay_trace)
+                                   record_trace=record_trace, replay_trace=replay_trace,
+                                   tensor_parallel_size=tp, expert_parallel_size=ep)
         plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
         with ByteBar("loading") as bar:
             llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,

@@ -51,6 +51,14 @@ DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
 
+# -- several processes (moetier/dist, docs/parallel.md) -------------------------------------------------
+TensorParallel = Annotated[int, typer.Option(
+    "--tp", help="Tensor-parallel ranks: attention heads and dense MLP columns split over N processes (one per "
+    "GPU; --device cpu runs them over gloo). Qwen3-MoE only for now.")]
+ExpertParallel = Annotated[int, typer.Option(
+    "--ep", help="Expert-parallel ranks: each of N processes holds 1/N of the routed experts (expert e on rank "
+    "e % N). With --tp, equal to it or 1.")]
+
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
                    policy: str = "lfru"):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import MoetierError
+from moetier.layers.parallel import layout_problems
 
 
 @dataclass
@@ -33,6 +34,13 @@ class EngineConfig:
     record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
     replay_trace: str | Path | None = None  # route by this trace instead of the router
     trace_meta: dict[str, Any] = field(default_factory=dict)
+    # Several processes (docs/parallel.md): attention and dense layers split over tensor_parallel_size
+    # ranks, routed experts over expert_parallel_size ranks; world = the larger (step 1: each is 1 or
+    # the world). A collective that waits longer than dist_timeout_s fails the engine (it also bounds
+    # how long rank 0 waits for the workers to load).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    dist_timeout_s: float = 600.0
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -57,7 +65,18 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             out.append(f"max_model_len must be an integer of at least 2 (a prompt token and an output token), "
                        f"got {self.max_model_len!r}")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, ep)):
+            out += layout_problems(max(tp, ep), tp, ep)
+        else:
+            out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
+        if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
+            out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     def validate(self) -> EngineConfig:
         problems = self.problems()

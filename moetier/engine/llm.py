@@ -90,8 +90,29 @@ class LLM:
         device = pick_device(device)
         self.plan, self.audits, self._on_audit = plan, [], on_audit
         baseline = self._measure() if plan is not None and device == "cuda" else None
-        cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
-                                                decode_tokens=config.decode_tokens, progress=progress)
+        self._workers, par = None, None
+        if config.world_size > 1:
+            # ranks 1..N-1 in spawned processes, this process is rank 0 (moetier/dist, docs/parallel.md)
+            if config.replay_trace is not None:
+                raise MoetierError("--replay-trace with several ranks is not supported yet: the workers would "
+                                   "route by their own routers; replay in one process")
+            from moetier.checkpoint.loader import check_parallel
+            from moetier.dist.executor import spec_for, start
+            from moetier.layers.parallel import Parallel
+
+            check_parallel(config_from_dir(model_dir), experts or ExpertOptions(), config.decode_tokens,
+                           Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
+            par, self._workers = start(spec_for(model_dir, dtype, device, experts or ExpertOptions(), config))
+        try:
+            kw = {} if par is None else {"parallel": par}
+            cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
+                                                    decode_tokens=config.decode_tokens, progress=progress, **kw)
+            if self._workers is not None:
+                self._workers.ready()
+        except BaseException:
+            if self._workers is not None:
+                self._workers.stop(graceful=False)
+            raise
         self._audit("after load", baseline)
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
         self._audit("after graph capture", baseline)
@@ -120,10 +141,15 @@ class LLM:
         """An engine over a model built in memory, expert backends attached (benchmarks: random
         weights too large for a file). Its backends must have been built for config.decode_tokens."""
         self = cls.__new__(cls)
+        config = EngineConfig.of(config, **options)
+        if config.world_size > 1:
+            raise MoetierError("LLM.from_model runs one process; tensor or expert parallelism needs a checkpoint "
+                               "directory (LLM(model_dir, tensor_parallel_size=N)): every rank loads its share")
+        self._workers = None
         self.load_report: LoadReport | None = None
         self.plan, self.audits, self._on_audit = None, [], None
         eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
-        self._setup(model, tokenizer, eos, None, EngineConfig.of(config, **options))
+        self._setup(model, tokenizer, eos, None, config)
         return self
 
     def _setup(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
@@ -156,6 +182,8 @@ class LLM:
         if piecewise and not config.piecewise_graphs:
             cuda_graphs = False
         graphs = None
+        if self._workers is not None:
+            cuda_graphs = False  # NOTE: collectives inside captured graphs are not done yet (docs/parallel.md)
         if cuda_graphs and model.device.type == "cuda":
             # Steps above the decode limit take the eager path.
             cap = min(config.max_num_seqs, config.decode_tokens)
@@ -165,6 +193,10 @@ class LLM:
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(model, self.kv, graphs)
+        if self._workers is not None:
+            from moetier.dist.executor import DistributedRunner
+
+            self.runner = DistributedRunner(self.runner, self._workers)
         self._ids = itertools.count()
         self.steps = 0
 
@@ -230,7 +262,10 @@ class LLM:
         return [final[i] for i in ids]
 
     def close(self) -> None:
-        """Finish a recorded trace (the file is complete only after this); unhook a replayed one."""
+        """Finish a recorded trace (the file is complete only after this); unhook a replayed one; stop
+        the worker ranks of a parallel engine."""
+        if self._workers is not None:
+            self._workers.stop()
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None

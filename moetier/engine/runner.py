@@ -30,9 +30,7 @@ class ModelRunner:
             logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) else None
             return self._output(seqs, tokens, logits, len(seqs))
         dev = self.model.device
-        ids = [t for s in seqs for t in s.token_ids]
-        batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev)
-        hidden = self.model.forward(torch.tensor(ids, device=dev), batch, self.kv)
+        hidden, batch, ids = self._forward(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
             return StepOutput({}, len(ids))
@@ -42,6 +40,18 @@ class ModelRunner:
         tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
                         [s.sample_index for s in picked])
         return self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+
+    @torch.inference_mode()
+    def forward_only(self, step: StepInput) -> torch.Tensor:
+        """The step's forward without sampling -> last hidden states [N, H]: what a worker rank runs
+        (dist/worker.py; rank 0 samples). Writes the step's KV like execute()."""
+        return self._forward(step.seqs)[0]
+
+    def _forward(self, seqs: list[SeqStep]):
+        dev = self.model.device
+        ids = [t for s in seqs for t in s.token_ids]
+        batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev)
+        return self.model.forward(torch.tensor(ids, device=dev), batch, self.kv), batch, ids
 
     @staticmethod
     def _output(seqs: list[SeqStep], tokens: torch.Tensor, logits: torch.Tensor | None, num_tokens: int

@@ -187,6 +187,7 @@ class SlotExperts(ExpertBackend):
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
+            keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/ep.py)
             return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype)), topk_weights)
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 

@@ -6,6 +6,10 @@ backend each MoE layer gets afterwards. Knows a MoE shape and a list of MoE laye
                                           # R in the model dtype, or bytes (uint8) for FP8 rows
     ... the loader fills rows from the checkpoint ...
     backend = placement.build(layer, rows)  # rows: these, or any [E, R] rows (benchmarks reuse one store)
+
+Under expert parallelism (par.ep > 1, experts/ep.py) E is this rank's share, num_experts / ep: rows,
+host store and slots hold only the experts it owns (placement.owned), and build() wraps the backend
+in ShardedExperts, which maps router ids to local ids and sums the ranks' outputs.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from moetier.errors import MoetierError
 from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import KERNELS as HOST_KERNELS
+from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
+from moetier.layers.parallel import Parallel
 
 POLICIES = ("lru", "lfru")
 FILLS = ("kernel", "copy")
@@ -46,14 +52,18 @@ class ExpertOptions:
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
 
-    def problems(self, shape: MoeShape, moe_layers: list[int]) -> list[str]:
-        """Everything wrong with these options for this shape, one line each."""
+    def problems(self, shape: MoeShape, moe_layers: list[int], ep: int = 1) -> list[str]:
+        """Everything wrong with these options for this shape (and ep ranks), one line each."""
         out = []
-        e = shape.num_experts
+        e = shape.num_experts // ep  # the experts one rank holds
+        if ep > 1 and self.backend == "hybrid":
+            out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
+                       "slots or uva")
         if self.backend not in BACKENDS:
             out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.slots is not None and not 1 <= self.slots <= e:
-            out.append(f"--expert-slots {self.slots}: it must be between 1 and the number of experts ({e})")
+            held = "experts" if ep == 1 else f"experts a rank holds under expert parallelism {ep}"
+            out.append(f"--expert-slots {self.slots}: it must be between 1 and the number of {held} ({e})")
         bad = {layer: s for layer, s in self.slots_per_layer.items() if not 1 <= s <= e}
         if bad:
             out.append(f"the slots file gives {len(bad)} layer(s) a count outside 1..{e} (e.g. layer "
@@ -76,11 +86,14 @@ class ExpertOptions:
 
 class ExpertPlacement:
     def __init__(self, shape: MoeShape, dtype: torch.dtype, moe_layers: list[int], options: ExpertOptions,
-                 device: torch.device | str, decode_tokens: int):
-        self.shape, self.dtype, self.options = shape, dtype, options
+                 device: torch.device | str, decode_tokens: int, par: Parallel = Parallel()):
+        self.shape, self.dtype, self.options, self.par = shape, dtype, options, par
         self.device, self.decode_tokens = torch.device(device), decode_tokens
         self.layout = shape.layout
-        problems = options.problems(shape, moe_layers)
+        # the experts this rank holds, in local-id order (all of them without expert parallelism)
+        self.num_local = local_experts(shape.num_experts, par.ep)
+        self.owned = owned_experts(shape.num_experts, par.ep_rank, par.ep)
+        problems = options.problems(shape, moe_layers, par.ep)
         if decode_tokens < 1:
             problems.append(f"the decode token limit must be >= 1, got {decode_tokens}")
         if problems:
@@ -89,17 +102,26 @@ class ExpertPlacement:
         self.store: HostStore | None = None  # made by the first rows() of a host-backed placement
         self._hostpath = None  # hybrid: one host worker and one calibration for every layer
 
+    def local_id(self, expert: int) -> int | None:
+        """The row of global expert `expert` in this rank's rows; None: another rank owns it."""
+        return expert // self.par.ep if expert % self.par.ep == self.par.ep_rank else None
+
     def rows(self, layer: int) -> torch.Tensor:
-        """[E, R] rows the loader fills for `layer`: device memory (resident) or the host store."""
+        """[E, R] rows the loader fills for `layer` (E: this rank's experts): device memory (resident)
+        or the host store."""
         if self.options.backend == "resident":
-            return torch.empty(self.shape.num_experts, self.layout.numel, dtype=self.layout.row_dtype(self.dtype),
+            return torch.empty(self.num_local, self.layout.numel, dtype=self.layout.row_dtype(self.dtype),
                                device=self.device)
         if self.store is None:
-            self.store = HostStore(self.moe_layers, self.shape.num_experts, self.layout, self.dtype,
+            self.store = HostStore(self.moe_layers, self.num_local, self.layout, self.dtype,
                                    pin=self.device.type == "cuda")
         return self.store.rows(layer)
 
     def build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
+        backend = self._build(layer, rows)
+        return ShardedExperts(backend, self.par) if self.par.ep > 1 else backend
+
+    def _build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
         o, k, n = self.options, self.shape.top_k, self.decode_tokens
         if o.backend == "resident":
             return ResidentExperts(rows, self.layout, k, n, o.gemm)
@@ -110,9 +132,9 @@ class ExpertPlacement:
 
             if self._hostpath is None:
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
-            return HybridExperts(rows, self.layout, k, o.slots_for(layer, self.shape.num_experts), n, self.device,
+            return HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
                                  o.policy, o.gemm, self._hostpath)
-        return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.shape.num_experts), n, self.device, o.fill,
+        return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.fill,
                            o.policy, o.gemm)
 
 

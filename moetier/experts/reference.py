@@ -25,6 +25,7 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torc
     one at a time over the pairs that use them, pairs in flat order; a pair's result depends only on
     its token and its row's bytes, so which rows hold which expert never changes a bit.
     NOTE: host-side loop over used rows (syncs); the CUDA decode path is grouped_gemm.grouped_expert_mlp.
+    A negative key (experts/ep.NOT_MINE: another rank's expert) reads no row; its output is zero.
     """
     t, k = keys.shape
     flat = keys.reshape(-1)
@@ -36,6 +37,9 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torc
     for key, n in zip(uniq.tolist(), counts.tolist()):
         pairs = order[begin:begin + n]
         begin += n
+        if key < 0:
+            out[pairs] = 0
+            continue
         w13, w2 = fetch(key)
         out[pairs] = F.linear(silu_mul(F.linear(hidden[tok[pairs]], w13)), w2)
     return out.view(t, k, -1)

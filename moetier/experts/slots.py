@@ -129,7 +129,11 @@ class SlotCache:
     @torch.no_grad()
     def step_reference(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, MissList]:
         """The torch reference of one step (CPU or GPU; syncs freely). -> slot ids [T, k], misses."""
-        flat = topk_ids.reshape(-1).long()
+        ids = topk_ids.reshape(-1).long()
+        # Negative ids (experts/ep.NOT_MINE: another rank's expert) are no expert of this cache: they
+        # take no slot, count nowhere, and get slot id -1.
+        valid = ids >= 0
+        flat = ids[valid]
         # 1. distinct experts in order of first appearance
         uniq, inverse = torch.unique(flat, return_inverse=True)
         first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.long, device=flat.device)
@@ -166,11 +170,12 @@ class SlotCache:
         self.expert_slot[fill_expert] = fill_slot.int()
         self.slot_expert[fill_slot] = fill_expert.int()
         # 5. stamps, clock, stats
-        slots = self.expert_slot[flat].long()
+        slots = torch.full_like(ids, -1)
+        slots[valid] = self.expert_slot[flat].long()
         self.stamp[slots[slots >= 0]] = self.clock
         self.clock += 1
         self.stats += torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1], device=flat.device)
-        cap = flat.numel()
+        cap = ids.numel()
         miss = MissList(
             expert=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),
             slot=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),

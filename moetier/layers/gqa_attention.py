@@ -6,6 +6,12 @@ GQA cache (layers/kv_cache.GqaKVCache).
 
 On CUDA the norms, rotary and the KV write are one Triton launch (layers/fused.qk_norm_rope_kv);
 the CPU path and its oracle is qk_norm_rope_kv_reference.
+
+Tensor parallelism (layers/parallel.Parallel, tp ranks): rank r holds q heads
+[r Hq/tp, (r+1) Hq/tp) and kv heads [r Hkv/tp, (r+1) Hkv/tp) (contiguous, so each q head's GQA
+group stays on its rank), qkv column-split by those heads, o_proj row-split by the q heads; the
+partial o_proj outputs are summed by one all-reduce, and the o_proj bias is added once, after it.
+The KV cache of a rank holds its Hkv/tp heads only.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 from moetier.layers.attention import AttnBatch, paged_attention, write_kv
 from moetier.layers.kv_cache import GqaKVCache
 from moetier.layers.norm import rms_norm
+from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope
 
@@ -37,9 +44,12 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: t
 
 class GqaAttention(nn.Module):
     def __init__(self, layer: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 eps: float, dtype: torch.dtype, device: torch.device | str):
+                 eps: float, dtype: torch.dtype, device: torch.device | str, par: Parallel = Parallel()):
         super().__init__()
-        self.layer = layer
+        self.layer, self.par = layer, par
+        # this rank's heads (all of them without tensor parallelism)
+        num_heads = par.tp_split(num_heads, "num_attention_heads")
+        num_kv_heads = par.tp_split(num_kv_heads, "num_key_value_heads")
         self.hq, self.hkv, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
         rows = (num_heads + 2 * num_kv_heads) * head_dim
         self.qkv = param(rows, hidden, dtype=dtype, device=device)  # [q; k; v] rows
@@ -69,4 +79,8 @@ class GqaAttention(nn.Module):
         else:
             q = qk_norm_rope_kv_reference(*args)
         out = paged_attention(q, k_cache, v_cache, batch)  # [N, Hq, D]
-        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+        if self.par.tp == 1:
+            return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+        # a partial sum over this rank's heads [N, H]; the bias joins once, after the sum
+        part = self.par.all_reduce(F.linear(out.reshape(t, self.hq * self.d), self.o), "tp")
+        return part if self.o_bias is None else part + self.o_bias

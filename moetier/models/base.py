@@ -45,6 +45,9 @@ class Weight:
     optional: bool = False  # may be absent (e.g. the tied lm_head copy some exporters write)
     expert: ExpertTensor | None = None
     float32: bool = False  # kept in float32 whatever the model dtype (routers' gates and biases)
+    # Under tensor parallelism: the dim split into tp equal contiguous parts, rank r loading part r
+    # (model.param(name) then has the part's shape); None: replicated, every rank loads it whole.
+    split: int | None = None
 
 
 def routed_expert_weights(prefix: str, layer: int, num_experts: int, hidden: int, inter: int,
@@ -69,6 +72,10 @@ class CausalLM(nn.Module, ABC):
     cfg: ModelConfig
     dtype: torch.dtype
     device: torch.device
+    # True: the constructor takes par (layers/parallel.Parallel) and its checkpoint_weights() give the
+    # tensor-parallel splits; other families refuse tensor parallelism (expert parallelism lives in
+    # the expert placement and needs nothing from the model).
+    tensor_parallel: bool = False
 
     @classmethod
     @abstractmethod

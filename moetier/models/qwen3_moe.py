@@ -8,6 +8,11 @@ Attention is GQA with RMSNorm on each head's q and k before rotary (layers/gqa_a
 Weights are fused where that saves launches (qkv, gate_up); param() maps checkpoint names onto them.
 Routed experts are stored per expert (published checkpoints) or fused (transformers 5); either way
 they go to the expert tiers, not to this module.
+
+Tensor parallelism (par.tp > 1, docs/parallel.md): attention split by heads and the dense MLP by
+columns (layers/gqa_attention.py, layers/mlp.py; Weight.split says which checkpoint dim each rank
+slices); the embedding, norms, router and LM head are replicated; the KV cache holds this rank's
+kv heads only.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from moetier.layers.kv_cache import GqaKVCache, GqaKVSpec
 from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
 from moetier.layers.norm import add_rms_norm
+from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
 from moetier.layers.router import SoftmaxTopK
@@ -141,17 +147,18 @@ class Qwen3MoeConfig(ModelConfig):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: Qwen3MoeConfig, layer: int, dtype: torch.dtype, device: torch.device | str,
+                 par: Parallel):
         super().__init__()
         self.layer, self.eps = layer, cfg.rms_norm_eps
         h = cfg.hidden_size
         self.input_norm = param(h, dtype=dtype, device=device)
         self.post_norm = param(h, dtype=dtype, device=device)
         self.attn = GqaAttention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
-                                 cfg.rms_norm_eps, dtype, device)
+                                 cfg.rms_norm_eps, dtype, device, par)
         self.mlp: MoEBlock | SwigluMLP = (
             MoEBlock(layer, SoftmaxTopK(cfg.num_experts, h, cfg.top_k, cfg.norm_topk_prob, dtype, device))
-            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device)
+            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device, par)
         )
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -164,11 +171,15 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    tensor_parallel = True
+    par = Parallel()  # the default for instances made without __init__ (plan/memory.py sizes the KV so)
+
+    def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 par: Parallel = Parallel()):
         super().__init__()
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.cfg, self.dtype, self.device, self.par = cfg, dtype, torch.device(device), par
         self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, par) for i in range(cfg.num_layers))
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -183,18 +194,18 @@ class Qwen3MoeForCausalLM(CausalLM):
             out += [Weight(p + "input_layernorm.weight", (h,)), Weight(p + "post_attention_layernorm.weight", (h,))]
             a = p + "self_attn."
             for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)):
-                out.append(Weight(a + proj + ".weight", (heads * d, h)))
+                out.append(Weight(a + proj + ".weight", (heads * d, h), split=0))  # by heads
                 if cfg.attention_bias:
-                    out.append(Weight(a + proj + ".bias", (heads * d,)))
-            out.append(Weight(a + "o_proj.weight", (h, cfg.num_heads * d)))
+                    out.append(Weight(a + proj + ".bias", (heads * d,), split=0))
+            out.append(Weight(a + "o_proj.weight", (h, cfg.num_heads * d), split=1))  # its input: the heads
             if cfg.attention_bias:
                 out.append(Weight(a + "o_proj.bias", (h,)))
             out += [Weight(a + "q_norm.weight", (d,)), Weight(a + "k_norm.weight", (d,))]
             m = p + "mlp."
             if not cfg.is_moe_layer(layer):
-                out += [Weight(m + "gate_proj.weight", (cfg.intermediate_size, h)),
-                        Weight(m + "up_proj.weight", (cfg.intermediate_size, h)),
-                        Weight(m + "down_proj.weight", (h, cfg.intermediate_size))]
+                out += [Weight(m + "gate_proj.weight", (cfg.intermediate_size, h), split=0),
+                        Weight(m + "up_proj.weight", (cfg.intermediate_size, h), split=0),
+                        Weight(m + "down_proj.weight", (h, cfg.intermediate_size), split=1)]
                 continue
             out.append(Weight(m + "gate.weight", (e, h)))
             out += routed_expert_weights(m, layer, e, h, i_moe, present)
@@ -223,14 +234,17 @@ class Qwen3MoeForCausalLM(CausalLM):
             return {"o_proj": a.o if kind == "weight" else a.o_bias, "q_norm": a.q_norm, "k_norm": a.k_norm}.get(proj)
         if rest == "mlp.gate.weight":
             return layer.mlp.router.weight
-        mlp, i = layer.mlp, self.cfg.intermediate_size
+        mlp = layer.mlp
         if isinstance(mlp, SwigluMLP):
+            i = mlp.inter  # this rank's columns
             return {"mlp.gate_proj.weight": mlp.w13[:i], "mlp.up_proj.weight": mlp.w13[i:],
                     "mlp.down_proj.weight": mlp.w2}.get(rest)
         return None
 
     def kv_spec(self) -> GqaKVSpec:
-        return GqaKVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # this rank's kv heads only (all of them without tensor parallelism)
+        return GqaKVSpec(self.cfg.num_layers, self.par.tp_split(self.cfg.num_kv_heads, "num_key_value_heads"),
+                         self.cfg.head_dim)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
