@@ -63,32 +63,6 @@ def test_seeded_sampling_in_a_batch_equals_alone(tiny_ckpt):
     assert batch == alone
 
 
-def test_logprobs_are_the_models_distribution_in_a_batch_or_alone(tiny_ckpt):
-    llm = LLM(tiny_ckpt, device="cpu")
-    prompts = [[5, 6, 7], [100, 200], [42] * 30]
-    params = [SamplingParams(max_tokens=6, temperature=t, seed=1, ignore_eos=True, logprobs=n)
-              for t, n in ((0.0, 5), (0.8, 0), (0.0, None))]
-    batch = [o.outputs[0] for o in llm.generate(prompts, params)]
-    assert batch[2].logprobs is None and len(batch[1].logprobs) == 6 and batch[1].logprobs[0][1] == []
-    for p, sp, got in zip(prompts[:2], params[:2], batch[:2]):
-        alone = llm.generate([p], sp)[0].outputs[0]
-        assert alone.token_ids == got.token_ids
-        assert [lp for lp, _ in alone.logprobs] == pytest.approx([lp for lp, _ in got.logprobs], abs=1e-5)
-    greedy = batch[0]
-    for tok, (lp, alts) in zip(greedy.token_ids, greedy.logprobs):
-        assert alts[0][0] == tok and alts[0][1] == lp  # greedy picks the most likely token
-        assert [a for _, a in alts] == sorted((a for _, a in alts), reverse=True) and len(alts) == 5
-        assert sum(torch.tensor([a for _, a in alts]).exp()) <= 1 + 1e-5
-    # the first token's distribution, from the model's logits directly
-    model = llm.runner.model
-    from moetier.layers.attention import make_batch
-
-    kv = model.kv_spec().allocate(4, 16, model.dtype, "cpu")
-    hidden = model.forward(torch.tensor(prompts[0]), make_batch([(0, 3, [1])], 16, "cpu"), kv)
-    ref = torch.log_softmax(model.logits(hidden[-1:]).float(), -1)[0]
-    assert greedy.logprobs[0][0] == pytest.approx(ref.max().item(), abs=1e-5)
-
-
 def test_abort_and_metrics(tiny_ckpt):
     llm = LLM(tiny_ckpt, device="cpu", max_num_tokens=32)
     a = llm.add_request("a long prompt " * 10, SamplingParams(max_tokens=50, ignore_eos=True))

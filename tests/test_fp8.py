@@ -255,3 +255,12 @@ def test_bench_layer_table_shows_fp8_rows():
     text = table({"shapes": {"qwen3-30b-a3b fp8": {"links": links, "shape": shape, "rows": [row], "fills": fills,
                                                     "prefill_crossover": []}}})
     assert "qwen3-30b-a3b fp8: fp8" in text and "8475" in text and "10000 experts/s" in text
+
+
+def test_hybrid_refuses_fp8_rows_before_loading():
+    from moetier.experts.placement import ExpertOptions
+    from moetier.experts.shape import MoeShape
+
+    shape = MoeShape(8, 2, 64, 32, quant="fp8")
+    assert any("hybrid backend" in p and "fp8 rows" in p for p in ExpertOptions("hybrid").problems(shape, [0]))
+    assert ExpertOptions("slots", slots=4).problems(shape, [0]) == []

@@ -290,42 +290,6 @@ def test_malformed_json_unknown_route_and_the_server_keeps_serving(live, client)
     assert completion_text(client, PROMPT, max_tokens=4)
 
 
-# -- logprobs ------------------------------------------------------------------------------------------
-def test_completion_logprobs_match_the_engine_streaming_or_not(live, client):
-    with live.engine._lock:
-        direct = live.llm.generate([PROMPT], SamplingParams(max_tokens=8, logprobs=3))[0].outputs[0]
-    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
-    lp = whole.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([e[0] for e in direct.logprobs], abs=1e-6)
-    assert len(lp.tokens) == len(lp.text_offset) == len(lp.top_logprobs) == 8
-    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the sampled token is the top one
-        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stream=True) if c.choices]
-    assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
-    assert [x for c in streamed for x in c.tokens] == lp.tokens
-    zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
-    assert zero.choices[0].logprobs.top_logprobs is None and len(zero.choices[0].logprobs.token_logprobs) == 4
-    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).choices[0].logprobs is None
-
-
-def test_chat_logprobs_streaming_or_not(client):
-    msgs = [{"role": "user", "content": "def f(x):"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=2)
-    content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens == 6
-    for e in content:
-        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
-        assert e.bytes == list(e.token.encode())
-    streamed = [e for c in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
-                                                          logprobs=True, stream=True)
-                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
-    assert all(e.top_logprobs == [] for e in streamed)
-
-
 # -- disconnects --------------------------------------------------------------------------------------
 def test_disconnected_stream_aborts_and_frees_pages(live):
     wait_idle(live.llm)

@@ -45,6 +45,17 @@ def parse_dtypes(text: str) -> list[str]:
     return names
 
 
+def preflight_rows(cfg, rows: list[tuple[str, float]], **engine) -> None:
+    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import bench_preflight
+
+    try:
+        bench_preflight(cfg, rows, EngineConfig(**engine))
+    except MoetierError as e:
+        opt.fail(e)
+
+
 def parse_budget(text: str) -> float:
     """'50%' or '0.5' -> 0.5, in (0, 1]."""
     try:
@@ -184,15 +195,9 @@ def bench_decode(
         opt.fail(e)
     need_cuda("decode")
     if model is None:
-        from moetier.engine.config import EngineConfig
-        from moetier.plan.preflight import bench_preflight
-
         rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
         rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
-        try:
-            bench_preflight(cfg, rows, EngineConfig(max_num_seqs=max(batch), decode_tokens=decode_tokens))
-        except MoetierError as e:
-            opt.fail(e)
+        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")

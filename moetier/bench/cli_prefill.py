@@ -8,20 +8,9 @@ from typing import Optional
 
 import typer
 
-from moetier.bench.cli import REPO_TRACE, app, need_cuda, need_modules, parse_budget
+from moetier.bench.cli import REPO_TRACE, app, need_cuda, need_modules, parse_budget, preflight_rows
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
-
-
-def preflight_rows(cfg, rows: list[tuple[str, float]], **engine) -> None:
-    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
-    from moetier.engine.config import EngineConfig
-    from moetier.plan.preflight import bench_preflight
-
-    try:
-        bench_preflight(cfg, rows, EngineConfig(**engine))
-    except MoetierError as e:
-        opt.fail(e)
 
 
 @app.command("prefill")

@@ -132,9 +132,8 @@ class HybridExperts(SlotExperts):
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
                  gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
-        if layout.quant is not None:
-            raise ValueError(f"the hybrid backend computes {layout.quant} rows on the GPU only so far: its host "
-                             "kernels take rows in the model dtype; use --expert-backend slots")
+        # NOTE: quantized rows are refused before loading (placement.ExpertOptions.problems)
+        assert layout.quant is None, "the hybrid backend's host kernels take rows in the model dtype"
         super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, "kernel", policy, gemm)
         self.hostpath = host or HostPath(layout)
         rates = self.hostpath.calibrate(host_rows, self.slots)

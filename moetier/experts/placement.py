@@ -59,6 +59,9 @@ class ExpertOptions:
         if ep > 1 and self.backend == "hybrid":
             out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
                        "slots or uva")
+        if shape.quant is not None and self.backend == "hybrid":
+            out.append(f"the hybrid backend's host kernels take rows in the model dtype, not {shape.quant} rows; "
+                       "choose resident, slots or uva for this checkpoint")
         if self.backend not in BACKENDS:
             out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.slots is not None and not 1 <= self.slots <= e:
