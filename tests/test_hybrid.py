@@ -87,10 +87,13 @@ def test_hybrid_equals_resident_within_bf16(kernel, link, host):
     lay, rows, g = setup()
     res = ResidentExperts(rows, lay, K, 16)
     hyb = hybrid(lay, rows, link, host, kernel)
+    # compiled: fp32 between its roundings (as the GPU kernel), where torch rounds every op to bf16; the
+    # two differ by up to 2 bf16 steps of an output (1.2% of the largest here; it is nearer the fp32 oracle)
+    tol = 2e-2 if kernel == "compiled" else 1e-2
     for x, ids, w in steps(g):
         want = res.forward(x, ids, w)
         got = hyb.forward(x, ids, w)
-        assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
         hyb.cache.check()
     st = hyb.stats()
     assert st["host"] > 0 and st["host_pairs"] >= st["host"]

@@ -109,13 +109,26 @@ class CostModel:
         return queued_link_s + m * self.link_row_s
 
 
+BENCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8"}  # the bench's names -> keys
+
+
+def rate_key(quant: str | None, dtype: object) -> str:
+    """The key of PathRates.host_GBps for rows of this quantization and dtype: "fp8" for FP8 rows (their
+    bytes are uint8), else the dtype's name without "torch." ("bfloat16")."""
+    return "fp8" if quant == "fp8" else str(dtype).removeprefix("torch.")
+
+
 def rates_from_bench(data: dict, link_GBps: float) -> PathRates:
-    """PathRates from scripts/bench_cpu_experts.py's JSON (its winner's fit) and a measured link."""
+    """PathRates from scripts/bench_cpu_experts.py's JSON (its winner's fit; with `winners`, one
+    GB/s per row dtype it measured, e.g. bf16 and fp8) and a measured link."""
     w = data["winner"]
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(data["shape"]["dtype"], data["shape"]["dtype"])
+    dtype = BENCH_DTYPES.get(data["shape"]["dtype"], data["shape"]["dtype"])
+    host = {dtype: w["GBps"]}
+    for name, win in data.get("winners", {}).items():  # the other dtypes' winners: their rates only
+        host.setdefault(BENCH_DTYPES.get(name, name), win["GBps"])
     token_s = 0.0
     by = {(r["tokens"], r["experts"]): r for r in data["results"]
           if r["kernel"] == w["kernel"] and r["threads"] == w["threads"]}
     if (1, 8) in by and (8, 8) in by:  # 7 more tokens on each of 8 experts
         token_s = max(0.0, (by[8, 8]["ms"] - by[1, 8]["ms"]) / 1e3 / (8 * 7))
-    return PathRates(link_GBps, {dtype: w["GBps"]}, w["overhead_s"], token_s)
+    return PathRates(link_GBps, host, w["overhead_s"], token_s)

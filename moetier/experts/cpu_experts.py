@@ -22,24 +22,39 @@ in the rows' dtype. They differ in how the work meets the cores:
               every worker runs torch single-threaded): for M = 1 GEMVs that one torch call does
               not spread well over 16 cores
 
-FP8 rows (another change in flight) will arrive as a different RowLayout whose w13/w2 are fp8 plus
-block scales; a kernel then dequantizes one slice of a row into bf16 scratch before its F.linear, and
-the cost model (cost_model.py) keeps a throughput per dtype. Until then a dtype the kernels do not
-know is refused here, not silently computed wrong.
+    compiled  csrc/host_experts.cpp (host_ext.py builds it at first use): one OpenMP region per call,
+              every distinct expert's gate_up rows, then its down rows, cut into one contiguous block
+              per thread; bf16 -> fp32 by a shift, FP8 decoded in registers, fp32 FMA with all of an
+              expert's tokens per weight chunk. Each weight byte read once per call by one core. Its
+              pair outputs are fp32 (the torch kernels' are rounded to the compute dtype).
+    auto      (host_kernel() only) compiled where it builds, else grouped, with a one-line warning
+
+FP8 rows (layout.quant "fp8", uint8 rows of e4m3 bytes and block scales) compute in the hidden
+state's dtype: the torch kernels dequantize an expert's row into scratch (RowLayout.weights, the CPU
+backends' own dequantization) before the same F.linear ops; the compiled kernel decodes the bytes in
+registers. A dtype no kernel knows is refused, not silently computed wrong.
+
+Every kernel's result for a set of pairs is independent of its thread count: the torch kernels by
+the combine's fixed order (and torch's GEMMs), the compiled kernel by construction (each output
+element is one dot product of one thread in a fixed order; tested 1 against 2 threads bitwise).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from moetier.experts import host_ext
 from moetier.experts.shape import RowLayout
 from moetier.layers.activation import silu_mul
 
-KERNELS = ("grouped", "split", "pair")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNELS = ("compiled", "grouped", "split", "pair")  # the implementations
+CHOICES = ("auto", *KERNELS)  # what an option may name (auto: compiled where it builds, else grouped)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # rows of the model dtype; FP8 rows are uint8
 
 
 class HostKernel:
@@ -59,7 +74,7 @@ class HostKernel:
         t = x.shape[0]
         y = torch.zeros(t * top_k, self.layout.hidden, dtype=torch.float32)  # [T*k, H]; absent pairs stay 0
         if pairs.numel():
-            xs = x.to(rows.dtype)
+            xs = x.to(compute_dtype(rows, x.dtype))
             out = self.pair_outputs(xs, pairs // top_k, experts, rows)  # [P, H] in rows.dtype
             y[pairs] = out.float() * weights.float()[:, None]
         return y.view(t, top_k, -1).sum(dim=1)  # fixed order over j
@@ -71,7 +86,9 @@ class HostKernel:
     def _check(self, x, pairs, experts, weights, rows) -> None:
         if x.device.type != "cpu" or rows.device.type != "cpu":
             raise ValueError("host expert kernels take CPU tensors (copy the hidden state down first)")
-        if rows.dtype not in DTYPES:
+        if self.layout.quant == "fp8" and rows.dtype != torch.uint8:
+            raise ValueError(f"FP8 rows are bytes (torch.uint8), got {rows.dtype}")
+        if self.layout.quant is None and rows.dtype not in DTYPES:
             raise ValueError(f"no host expert kernel for {rows.dtype} rows yet (have {DTYPES})")
         if rows.dim() != 2 or rows.shape[1] != self.layout.numel:
             raise ValueError(f"rows must be [E, {self.layout.numel}], got {list(rows.shape)}")
@@ -81,6 +98,11 @@ class HostKernel:
             raise ValueError("pairs, experts and weights must be 1-d and of one length")
         if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < rows.shape[0]:
             raise ValueError(f"expert ids must be in 0..{rows.shape[0] - 1}")
+
+    def weights(self, rows: torch.Tensor, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]): views of unquantized rows, FP8 rows dequantized to dtype."""
+        w13, w2 = self.layout.weights(rows[e:e + 1], dtype)
+        return w13[0], w2[0]
 
     @staticmethod
     def groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -99,8 +121,8 @@ class PairKernel(HostKernel):
         lay = self.layout
         out = x.new_empty(tokens.numel(), lay.hidden)
         for i, (t, e) in enumerate(zip(tokens.tolist(), experts.tolist())):
-            row = rows[e:e + 1]
-            out[i] = F.linear(silu_mul(F.linear(x[t:t + 1], lay.w13(row)[0])), lay.w2(row)[0])[0]
+            w13, w2 = self.weights(rows, e, x.dtype)
+            out[i] = F.linear(silu_mul(F.linear(x[t:t + 1], w13)), w2)[0]
         return out
 
 
@@ -118,8 +140,8 @@ class GroupedKernel(HostKernel):
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         for e, idx in self.groups(experts):
-            row = rows[e:e + 1]
-            out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], lay.w13(row)[0])), lay.w2(row)[0])
+            w13, w2 = self.weights(rows, e, x.dtype)
+            out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], w13)), w2)
         return out
 
 
@@ -146,8 +168,9 @@ class SplitKernel(HostKernel):
         i = lay.inter
         groups = self.groups(experts)
         xs = [x[tokens[idx]] for _, idx in groups]  # per expert its tokens' rows [n_e, H]
-        w13 = [lay.w13(rows[e:e + 1])[0] for e, _ in groups]  # views [2I, H]: gate rows, then up rows
-        w2 = [lay.w2(rows[e:e + 1])[0] for e, _ in groups]  # views [H, I]
+        # views [2I, H] (gate rows, then up rows) and [H, I]; FP8 rows dequantized here, on the caller
+        ws = [self.weights(rows, e, x.dtype) for e, _ in groups]
+        w13, w2 = [w[0] for w in ws], [w[1] for w in ws]
         hs = [x.new_empty(xe.shape[0], i) for xe in xs]  # SwiGLU [n_e, I]
         ys = [x.new_empty(xe.shape[0], lay.hidden) for xe in xs]
 
@@ -181,24 +204,60 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def host_kernel(name: str, layout: RowLayout, threads: int | None = None) -> HostKernel:
-    if name == "grouped":
-        return GroupedKernel(layout, threads)
-    if name == "split":
-        return SplitKernel(layout, threads)
-    if name == "pair":
-        return PairKernel(layout, threads)
-    raise ValueError(f"unknown host expert kernel {name!r}; choose one of: {', '.join(KERNELS)}")
+class CompiledKernel(HostKernel):
+    """The compiled kernel (csrc/host_experts.cpp via host_ext.py); built at construction, so a build
+    failure surfaces here (HostExtUnavailable), never in a step. Rows it has no code for (fp16) take the
+    grouped torch kernel."""
+
+    name = "compiled"
+
+    def __init__(self, layout: RowLayout, threads: int | None = None):
+        super().__init__(layout, threads)
+        self.lib = host_ext.load()
+        self._torch = GroupedKernel(layout, threads)
+
+    def pair_outputs(self, x, tokens, experts, rows):
+        if host_ext.kind_of(rows, self.layout) is None or not rows.is_contiguous():
+            return self._torch.pair_outputs(x, tokens, experts, rows)
+        return host_ext.pair_outputs(self.lib, x, tokens, experts, rows, self.layout, self.threads)  # [P, H] fp32
+
+
+def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallback: bool = False) -> HostKernel:
+    """The kernel `name` (one of CHOICES). "auto", or any name with fallback=True (the hybrid backend:
+    never a crash at serve time): where the compiled kernel cannot be built, grouped, with a one-line
+    warning; the kernel's `fallback_reason` keeps the reason."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown host expert kernel {name!r}; choose one of: {', '.join(CHOICES)}")
+    if name in ("auto", "compiled"):
+        try:
+            return CompiledKernel(layout, threads)
+        except host_ext.HostExtUnavailable as e:
+            if name == "compiled" and not fallback:
+                raise
+            warnings.warn(f"moetier: host expert kernel 'grouped' instead of 'compiled': {e}", stacklevel=2)
+            kernel = GroupedKernel(layout, threads)
+            kernel.fallback_reason = str(e)
+            return kernel
+    return {"grouped": GroupedKernel, "split": SplitKernel, "pair": PairKernel}[name](layout, threads)
+
+
+def compute_dtype(rows: torch.Tensor, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a pair is computed in: the rows' (the model dtype), or for FP8 (byte) rows the hidden
+    state's."""
+    return rows.dtype if rows.is_floating_point() else x_dtype
 
 
 def reference(x: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
               rows: torch.Tensor, layout: RowLayout, top_k: int) -> torch.Tensor:
-    """The oracle: every pair on its own in fp32 math, combined as the kernels do. -> [T, H] fp32."""
+    """The oracle: every pair on its own in fp32 math, combined as the kernels do. -> [T, H] fp32.
+    Weights and outputs are rounded to the compute dtype as the torch kernels' are (FP8 rows: weights
+    dequantized to the hidden dtype, as RowLayout.weights does for every CPU path)."""
     t = x.shape[0]
+    cdt = compute_dtype(rows, x.dtype)
     y = torch.zeros(t * top_k, layout.hidden, dtype=torch.float32)
-    xs = x.to(rows.dtype).float()
+    xs = x.to(cdt).float()
     for p, e, w in zip(pairs.tolist(), experts.tolist(), weights.tolist()):
-        row = rows[e:e + 1].float()
-        h = silu_mul(xs[p // top_k] @ layout.w13(row)[0].T).to(rows.dtype).float()
-        y[p] = (h @ layout.w2(row)[0].T).to(rows.dtype).float() * w
+        w13, w2 = (v[0].float() for v in layout.weights(rows[e:e + 1], cdt))
+        h = silu_mul(xs[p // top_k] @ w13.T).to(cdt).float()
+        y[p] = (h @ w2.T).to(cdt).float() * w
     return y.view(t, top_k, -1).sum(dim=1)

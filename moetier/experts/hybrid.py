@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from moetier.experts.backends import SlotExperts
-from moetier.experts.cost_model import CostModel, PathRates
-from moetier.experts.cpu_experts import HostKernel, host_kernel
+from moetier.experts.cost_model import CostModel, PathRates, rate_key
+from moetier.experts.cpu_experts import HostKernel, compute_dtype, host_kernel
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.reference import combine, expert_pairs
 from moetier.experts.shape import RowLayout
@@ -44,11 +44,13 @@ from moetier.experts.shape import RowLayout
 
 class HostPath:
     """What the layers of one model share: the host kernel, the one worker thread that runs it (layers
-    run one after another), pinned staging buffers, and the measured rates."""
+    run one after another), pinned staging buffers, and the measured rates. The kernel is built here,
+    at model build: "auto" (the default) and "compiled" take the compiled kernel where it builds and
+    else grouped with a one-line warning (cpu_experts.host_kernel), never an error at serve time."""
 
-    def __init__(self, layout: RowLayout, kernel: str = "grouped", threads: int | None = None,
+    def __init__(self, layout: RowLayout, kernel: str = "auto", threads: int | None = None,
                  rates: PathRates | None = None):
-        self.kernel: HostKernel = host_kernel(kernel, layout, threads)
+        self.kernel: HostKernel = host_kernel(kernel, layout, threads, fallback=True)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
         self.rates = rates
         self._bufs: dict[tuple, torch.Tensor] = {}
@@ -84,6 +86,7 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
     n = min(4, host_rows.shape[0], slots.shape[0])
     row_bytes = host_rows.shape[1] * host_rows.element_size()
     cuda = slots.device.type == "cuda"
+    dtype = compute_dtype(host_rows, torch.bfloat16)  # FP8 rows: timed with bf16 hidden states
 
     def seconds(fn) -> float:
         fn()
@@ -99,7 +102,7 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
         return sorted(times)[reps // 2]
 
     link = seconds(lambda: slots[:n].copy_(host_rows[:n], non_blocking=True))
-    x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(host_rows.dtype)
+    x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
 
     e, turn = host_rows.shape[0], [0]
 
@@ -116,7 +119,7 @@ def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tens
     # seconds per more expert; noise can make tn - t1 tiny: never more than twice the average rate
     per = max((tn - t1) / max(n - 1, 1), tn / n / 2)
     return PathRates(link_GBps=n * row_bytes / 1e9 / link,
-                     host_GBps={str(host_rows.dtype).removeprefix("torch."): row_bytes / 1e9 / per},
+                     host_GBps={rate_key(lay.quant, host_rows.dtype): row_bytes / 1e9 / per},
                      host_overhead_s=max(t1 - per, 0.0), host_token_s=max((tm - tn) / (7 * n), 0.0))
 
 
@@ -132,13 +135,11 @@ class HybridExperts(SlotExperts):
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
                  gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
-        # NOTE: quantized rows are refused before loading (placement.ExpertOptions.problems)
-        assert layout.quant is None, "the hybrid backend's host kernels take rows in the model dtype"
         super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, "kernel", policy, gemm)
         self.hostpath = host or HostPath(layout)
         rates = self.hostpath.calibrate(host_rows, self.slots)
         self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
-                               str(host_rows.dtype).removeprefix("torch."))
+                               rate_key(layout.quant, host_rows.dtype))
         self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
         # steps served all on the host (no cache step); the cache counts the others, graph replays included
         self.host_only_steps = 0
@@ -177,7 +178,7 @@ class HybridExperts(SlotExperts):
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
             y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype))[:, 0]
-        y[torch.tensor(host_pos)] = job.result()
+        y[torch.tensor(host_pos)] = job.result().to(y.dtype)
         return combine(y.view(t, k, -1), topk_weights)
 
     def choose(self, ids: list[int], slot_now: list[int], t: int) -> set[int]:
@@ -210,7 +211,7 @@ class HybridExperts(SlotExperts):
     @torch.inference_mode()
     def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = self.hostpath.kernel.pair_outputs(x.to(self.host.dtype), torch.tensor(pos) // k,
+        out = self.hostpath.kernel.pair_outputs(x.to(compute_dtype(self.host, x.dtype)), torch.tensor(pos) // k,
                                                 torch.tensor(experts), self.host)
         self.host_us += (time.perf_counter() - t0) * 1e6
         return out
@@ -233,10 +234,12 @@ class HybridExperts(SlotExperts):
             copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
             scratch_out = torch.empty(ng, self.layout.hidden, dtype=torch.float32, device=self.device)
             grouped_expert_mlp(hidden[gpos // k].contiguous(), slot_ids, g_ids, g_w, self.slots, self._host_dev,
-                               self.layout.hidden, self.layout.inter, self._work, scratch_out, self.gemm)
+                               self.layout.hidden, self.layout.inter, self._work, scratch_out, self.gemm,
+                               self.layout.quant)
             y[gpos] = self._work.y[:ng]  # each device pair's output before weighting, fp32
-        out_host = self.hostpath.buffer("y", (nh, self.layout.hidden), self.host.dtype, True)
-        out_host.copy_(job.result())
+        got = job.result()  # [nh, H]: fp32 from the compiled kernel, the compute dtype from torch's
+        out_host = self.hostpath.buffer("y", (nh, self.layout.hidden), got.dtype, True)
+        out_host.copy_(got)
         y[hpos] = out_host.to(self.device, non_blocking=True).float()
         return combine_pairs(y, topk_weights, self._decode_out(hidden))
 
@@ -257,6 +260,7 @@ class HybridExperts(SlotExperts):
         from moetier.experts.slots import SlotCache
 
         c, k, p, dev = self.cache, self.top_k, self.decode_tokens * self.top_k, self.device
+        xdt = compute_dtype(self.slots, torch.bfloat16)  # the hidden dtype: FP8 checkpoints run bf16
         key = (self.layout, k, c.num_experts, c.num_slots, p, self.slots.dtype, str(self.cache.policy))
         if key in _COMPILED:
             return
@@ -265,20 +269,21 @@ class HybridExperts(SlotExperts):
             sizes |= {PLAN_BLOCK * b - 15, PLAN_BLOCK * b}
         cache = SlotCache(c.num_experts, c.num_slots, dev, c.policy)
         scratch = BookkeepingScratch(c.num_experts, c.num_slots, p, dev)
-        x = torch.zeros(p, self.layout.hidden, dtype=self.slots.dtype, device=dev)
+        x = torch.zeros(p, self.layout.hidden, dtype=xdt, device=dev)
         w = torch.ones(p, 1, device=dev)
         out = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=dev)
         for n in sorted(m for m in sizes if m <= p):
             ids = (torch.arange(n, device=dev) % c.num_experts).view(n, 1)
             slot_ids = bookkeeping(cache, scratch, ids)
             grouped_expert_mlp(x[:n], slot_ids, ids, w[:n], self.slots, self._host_dev, self.layout.hidden,
-                               self.layout.inter, self._work, out[:n], self.gemm)
-        for wdt in (torch.float32, self.slots.dtype):  # routing weights come in the hidden dtype (router.py)
+                               self.layout.inter, self._work, out[:n], self.gemm, self.layout.quant)
+        for wdt in (torch.float32, xdt):  # routing weights come in the hidden dtype (router.py)
             combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev),
-                          torch.empty(1, self.layout.hidden, dtype=self.slots.dtype, device=dev))
+                          torch.empty(1, self.layout.hidden, dtype=xdt, device=dev))
             ids = torch.zeros(2, 1, dtype=torch.int64, device=dev)
             grouped_expert_mlp(x[:2], bookkeeping(cache, scratch, ids), ids, w[:2].to(wdt), self.slots,
-                               self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm)
+                               self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm,
+                               self.layout.quant)
         torch.cuda.synchronize(dev)
         _COMPILED.add(key)
 

@@ -23,7 +23,7 @@ import torch
 from moetier.errors import MoetierError
 from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import KERNELS as HOST_KERNELS
+from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
 from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.shape import MoeShape
@@ -43,9 +43,10 @@ class ExpertOptions:
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"
     gemm: GemmConfig = field(default_factory=GemmConfig)  # block sizes of the grouped expert GEMM
-    # hybrid backend: the host expert kernel (cpu_experts.py), its threads (None: torch's count), and
-    # the path rates (None: measured when the first layer is built)
-    host_kernel: str = "grouped"
+    # hybrid backend: the host expert kernel (cpu_experts.py; auto: the compiled one where it builds,
+    # else grouped), its threads (None: torch's count), and the path rates (None: measured when the
+    # first layer is built)
+    host_kernel: str = "auto"
     host_threads: int | None = None
     rates: PathRates | None = None
 
@@ -59,9 +60,6 @@ class ExpertOptions:
         if ep > 1 and self.backend == "hybrid":
             out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
                        "slots or uva")
-        if shape.quant is not None and self.backend == "hybrid":
-            out.append(f"the hybrid backend's host kernels take rows in the model dtype, not {shape.quant} rows; "
-                       "choose resident, slots or uva for this checkpoint")
         if self.backend not in BACKENDS:
             out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.slots is not None and not 1 <= self.slots <= e:

@@ -1,0 +1,276 @@
+// The compiled host expert kernel (moetier/experts/host_ext.py builds and loads it; cpu_experts.py's
+// "compiled" HostKernel calls it). Plain C ABI, no torch or Python headers: it compiles in a few
+// seconds and is called through ctypes (which releases the GIL for the call).
+//
+// For P (token, expert) pairs it computes each pair's SwiGLU expert output, unweighted, in fp32:
+//     h[p, j] = silu(gate_j . x[tok[p]]) * (up_j . x[tok[p]])     j < I    (gate_up rows j and I + j)
+//     y[p, r] = down_r . h[p]                                      r < H
+// straight from the host store's rows (shape.RowLayout): bf16 / fp32 rows [gate_up 2I x H | down H x I],
+// or FP8 rows (e4m3 bytes, then float32 128 x 128 block scales at byte offsets s13 / s2 of the row).
+//
+// Memory-bandwidth design (decode: 1..8 tokens per expert): the pairs are grouped by expert; the
+// gate_up row pairs of all experts of the call (G x I items) are cut into one contiguous block per
+// thread, then (after one barrier, in the same OpenMP region) the down rows (G x H items). So every
+// weight byte is read once per call, by one core, streaming; all tokens of an expert are applied to a
+// chunk of the weight row while it is in registers (M accumulators per row).
+//
+// Invariant (HostKernel's contract): each output element is one dot product computed by ONE thread in
+// a fixed order: VW-lane accumulators over k = 0, VW, 2VW, ... (explicit FMA intrinsics, no compiler
+// reassociation: built with -ffp-contract=off), the lanes summed in lane order, then the K % VW tail
+// in k order. Nothing depends on the thread count, on which other pairs share the call, or on how
+// rows / tokens are tiled, so 1 thread and 16 give the same bits.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MT 8  // tokens per tile: 2 rows x 8 tokens = 16 zmm accumulators of 32
+#elif defined(__AVX__)
+#define VW 8
+#define MT 4  // 16 ymm registers: 2 x 4 accumulators + weights + x
+#else
+#define VW 4
+#define MT 4
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+
+static inline vf fmadd(vf a, vf b, vf c) {  // a * b + c, one rounding where the hardware has FMA
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;  // -ffp-contract=off: two roundings, but always the same two
+#endif
+}
+
+template <class T> static inline T loadu(const void* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+
+enum Kind { BF16 = 0, F32 = 1, FP8 = 2, FP8R = 3 };  // FP8R: FP8 weights rounded to bf16 (see load_w)
+
+// fp32 -> the nearest bf16 (ties to even), kept as fp32; finite inputs (weights, activations)
+static inline vf round_bf16(vf v) {
+  vu32 b = (vu32)v;
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  return (vf)b;
+}
+static inline float round_bf16_1(float v) {
+  uint32_t b; std::memcpy(&b, &v, 4);
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+
+// e4m3 byte -> fp32, exact: sign to bit 31, exponent+mantissa (7 bits) to bits 20..26 is the fp32 number
+// 2^(e-127) (1 + m/8) (denormal when e = 0), and 2^120 moves the bias from 127 to e4m3's 7 (denormals
+// included, which is why the region clears DAZ/FTZ). 0x7f / 0xff (NaN in e4m3fn) decode to +-480: weights
+// are never NaN.
+static inline vf fp8_decode(vu8 b) {
+  vu32 t = __builtin_convertvector(b, vu32) << 24;
+  vu32 bits = (t & 0x80000000u) | ((t & 0x7f000000u) >> 4);
+  return (vf)bits * 0x1p120f;
+}
+static inline float fp8_decode1(uint8_t b) {
+  uint32_t t = (uint32_t)b << 24, bits = (t & 0x80000000u) | ((t & 0x7f000000u) >> 4);
+  float f; std::memcpy(&f, &bits, 4);
+  return f * 0x1p120f;
+}
+
+// VW weights of a row from element k (k a multiple of VW, so an FP8 chunk never straddles a 128-block);
+// `scale` is that chunk's block scale (FP8 only): fp32(q) * scale as fp8.dequantize computes it, and for
+// FP8R rounded once to bf16, as the GPU kernels and the torch path (RowLayout.weights) do in a bf16 model.
+template <int KIND> static inline vf load_w(const uint8_t* w, int64_t k, float scale) {
+  if (KIND == BF16) return (vf)(__builtin_convertvector(loadu<vu16>(w + 2 * k), vu32) << 16);
+  if (KIND == F32) return loadu<vf>(w + 4 * k);
+  vf f = fp8_decode(loadu<vu8>(w + k)) * scale;
+  return KIND == FP8R ? round_bf16(f) : f;
+}
+template <int KIND> static inline float load_w1(const uint8_t* w, int64_t k, float scale) {
+  if (KIND == BF16) { uint32_t b = (uint32_t)loadu<uint16_t>(w + 2 * k) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+  if (KIND == F32) return loadu<float>(w + 4 * k);
+  float f = fp8_decode1(w[k]) * scale;
+  return KIND == FP8R ? round_bf16_1(f) : f;
+}
+
+// out[r][m] = row r . xs[m] over K, for R rows (gate and up, or two down rows) and M tokens at once.
+// w[r]: the row's first weight; s[r]: its block scales along K (FP8; one per 128 columns), else null.
+template <int KIND, int R, int M>
+static void dots(const uint8_t* const* w, const float* const* s, const float* const* xs, int64_t K, float (*out)[MT]) {
+  vf acc[R][M];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < M; m++) acc[r][m] = (vf){};
+  const int64_t kv = K / VW * VW;
+  for (int64_t k = 0; k < kv; k += VW) {
+    vf wv[R];
+    for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, KIND >= FP8 ? s[r][k >> 7] : 1.0f);
+    for (int m = 0; m < M; m++) {
+      vf xv = loadu<vf>(xs[m] + k);
+      for (int r = 0; r < R; r++) acc[r][m] = fmadd(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < M; m++) {
+      float sum = 0.0f;
+      for (int l = 0; l < VW; l++) sum += acc[r][m][l];  // lane order
+      for (int64_t k = kv; k < K; k++)
+        sum = std::fma(load_w1<KIND>(w[r], k, KIND >= FP8 ? s[r][k >> 7] : 1.0f), xs[m][k], sum);
+      out[r][m] = sum;
+    }
+}
+
+template <int KIND, int R>
+static void dots_m(int m, const uint8_t* const* w, const float* const* s, const float* const* xs, int64_t K,
+                   float (*out)[MT]) {
+  switch (m) {  // compile-time M: the accumulators stay in registers
+    case 1: return dots<KIND, R, 1>(w, s, xs, K, out);
+    case 2: return dots<KIND, R, 2>(w, s, xs, K, out);
+    case 3: return dots<KIND, R, 3>(w, s, xs, K, out);
+#if MT > 4
+    case 4: return dots<KIND, R, 4>(w, s, xs, K, out);
+    case 5: return dots<KIND, R, 5>(w, s, xs, K, out);
+    case 6: return dots<KIND, R, 6>(w, s, xs, K, out);
+    case 7: return dots<KIND, R, 7>(w, s, xs, K, out);
+#endif
+    default: return dots<KIND, R, MT>(w, s, xs, K, out);
+  }
+}
+
+struct Call {
+  const uint8_t* rows; int64_t row_bytes, H, I, s13, s2, esize;
+  bool round_h;  // h rounded to bf16 (a bf16 model: the GPU kernel's down dot reads h as bf16)
+  const float* x; const int64_t* tok;
+  float *h, *y;
+  std::vector<int64_t> expert, begin, order;  // per group: its expert and first index into `order` (pairs by expert)
+};
+
+// This thread's contiguous share [lo, hi) of n items.
+static inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
+  *lo = n * tid / nt; *hi = n * (tid + 1) / nt;
+}
+
+template <int KIND> static void gate_up(const Call& c, int64_t lo, int64_t hi) {
+  const int64_t H = c.H, I = c.I, nH = (H + 127) / 128, nI = (I + 127) / 128;
+  for (int64_t it = lo; it < hi; it++) {
+    const int64_t g = it / I, j = it % I;
+    const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
+    const uint8_t* w[2] = {row + j * H * c.esize, row + (I + j) * H * c.esize};
+    const float* s[2] = {nullptr, nullptr};
+    if (KIND >= FP8) {  // s13 [2, nI, nH]: gate's grid, then up's
+      const float* s13 = (const float*)(row + c.s13);
+      s[0] = s13 + (j >> 7) * nH; s[1] = s13 + (nI + (j >> 7)) * nH;
+    }
+    for (int64_t b = c.begin[g]; b < c.begin[g + 1]; b += MT) {
+      const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
+      const float* xs[MT]; float out[2][MT];
+      for (int i = 0; i < m; i++) xs[i] = c.x + c.tok[c.order[b + i]] * H;
+      dots_m<KIND, 2>(m, w, s, xs, H, out);
+      for (int i = 0; i < m; i++) {
+        const float gv = out[0][i];
+        const float hv = gv / (1.0f + std::exp(-gv)) * out[1][i];
+        c.h[c.order[b + i] * I + j] = c.round_h ? round_bf16_1(hv) : hv;
+      }
+    }
+  }
+}
+
+template <int KIND> static void down(const Call& c, int64_t lo, int64_t hi) {
+  const int64_t H = c.H, I = c.I, nI = (I + 127) / 128;
+  for (int64_t it = lo; it < hi;) {
+    const int64_t g = it / H, r = it % H;
+    const int R = (it + 1 < hi && r + 1 < H) ? 2 : 1;  // two rows of one expert at once where both are ours
+    const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
+    const uint8_t* w[2];
+    const float* s[2] = {nullptr, nullptr};
+    for (int q = 0; q < R; q++) {
+      w[q] = row + (2 * I * H + (r + q) * I) * c.esize;
+      if (KIND >= FP8) s[q] = (const float*)(row + c.s2) + ((r + q) >> 7) * nI;  // s2 [nH, nI]
+    }
+    for (int64_t b = c.begin[g]; b < c.begin[g + 1]; b += MT) {
+      const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
+      const float* hs[MT]; float out[2][MT];
+      for (int i = 0; i < m; i++) hs[i] = c.h + c.order[b + i] * I;
+      if (R == 2) dots_m<KIND, 2>(m, w, s, hs, I, out); else dots_m<KIND, 1>(m, w, s, hs, I, out);
+      for (int q = 0; q < R; q++)
+        for (int i = 0; i < m; i++) c.y[c.order[b + i] * H + r + q] = out[q][i];
+    }
+    it += R;
+  }
+}
+
+template <int KIND> static void run(const Call& c, int threads) {
+  const int64_t G = (int64_t)c.expert.size();
+#pragma omp parallel num_threads(threads)
+  {
+#if defined(__SSE__)
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);  // clear FTZ (bit 15) and DAZ (bit 6): fp8 decode needs fp32 denormals
+#endif
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t lo, hi;
+    share(G * c.I, tid, nt, &lo, &hi);
+    gate_up<KIND>(c, lo, hi);
+#pragma omp barrier
+    share(G * c.H, tid, nt, &lo, &hi);
+    down<KIND>(c, lo, hi);
+#if defined(__SSE__)
+    _mm_setcsr(csr);
+#endif
+  }
+}
+
+extern "C" {
+
+// Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
+// rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
+// x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
+int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
+                         int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
+                         const int64_t* experts, int64_t P, float* h, float* y, int threads, char* err, int errlen) {
+  if (kind < 0 || kind > 3 || H < 1 || I < 1 || threads < 1) {
+    std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
+                  (long long)I, threads);
+    return 1;
+  }
+  for (int64_t p = 0; p < P; p++) {
+    if (experts[p] < 0 || experts[p] >= num_rows || tokens[p] < 0 || tokens[p] >= T) {
+      std::snprintf(err, errlen, "pair %lld: expert %lld of 0..%lld, token %lld of 0..%lld", (long long)p,
+                    (long long)experts[p], (long long)num_rows - 1, (long long)tokens[p], (long long)T - 1);
+      return 1;
+    }
+  }
+  Call c{(const uint8_t*)rows, row_bytes, H, I, s13, s2, kind == BF16 ? 2 : kind == F32 ? 4 : 1, round_h != 0,
+         x, tokens, h, y, {}, {}, {}};
+  // group the pairs by expert, experts ascending, pairs in call order within a group (a stable sort)
+  c.order.resize(P);
+  for (int64_t p = 0; p < P; p++) c.order[p] = p;
+  std::stable_sort(c.order.begin(), c.order.end(), [&](int64_t a, int64_t b) { return experts[a] < experts[b]; });
+  for (int64_t i = 0; i < P; i++) {
+    if (i == 0 || experts[c.order[i]] != experts[c.order[i - 1]]) {
+      c.expert.push_back(experts[c.order[i]]);
+      c.begin.push_back(i);
+    }
+  }
+  c.begin.push_back(P);
+  if (P == 0) return 0;
+  if (kind == BF16) run<BF16>(c, threads);
+  else if (kind == F32) run<F32>(c, threads);
+  else if (kind == FP8) run<FP8>(c, threads);
+  else run<FP8R>(c, threads);
+  return 0;
+}
+
+int moetier_host_experts_simd_width(void) { return VW; }
+
+}  // extern "C"

@@ -1,0 +1,190 @@
+"""Builds, caches and calls the compiled host expert kernel (csrc/host_experts.cpp), the `compiled`
+HostKernel of cpu_experts.py.
+
+    lib = load()                      # builds at first use, or raises HostExtUnavailable(one line)
+    ok, reason = available()          # never raises
+    pair_outputs(lib, x, tokens, experts, rows, layout, threads) -> [P, H] fp32
+
+The source is plain C++ with OpenMP and a C ABI (no torch or Python headers), compiled with
+`-O3 -march=native -fopenmp` into a shared library and called through ctypes, which releases the GIL
+for the call (the hybrid backend's main thread keeps launching device work meanwhile). A build takes a
+few seconds on 2 cores; the library is cached, never in the source tree:
+
+    $MOETIER_CACHE_DIR, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier  ->  host_ext/host_experts-<key>.so
+
+<key> hashes the source, the flags, the compiler's identity and the CPU's feature flags: -march=native
+code from one machine must never be loaded on another that shares the home directory. Writes are
+atomic (a temporary file renamed into place), so concurrent first builds are safe.
+
+Environment: MOETIER_CXX (the compiler; else $CXX, else c++ / g++ on the PATH), MOETIER_HOST_EXT=0
+(never build or load it: the torch kernels serve). A failed build is remembered for the process (per
+compiler and cache dir) and reported as one line, and the hybrid backend falls back to a torch kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moetier.experts.shape import RowLayout
+
+SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared"]
+KINDS = {torch.bfloat16: 0, torch.float32: 1}  # plus FP8 rows (uint8, layout.quant "fp8"): 2
+FP8_KIND = 2
+_LOADED: dict[tuple, ctypes.CDLL | Exception] = {}
+
+
+class HostExtUnavailable(RuntimeError):
+    """The compiled kernel cannot be used here; str() is one line saying why."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MOETIER_CACHE_DIR")
+    if base:
+        return Path(base) / "host_ext"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moetier" / "host_ext"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use, or None when none is configured or found."""
+    cxx = os.environ.get("MOETIER_CXX") or os.environ.get("CXX")
+    if cxx:
+        return cxx
+    return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_flags() -> str:
+    try:  # Linux: the first processor's feature flags; -march=native depends on exactly these
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no output")
+    return first[:limit]
+
+
+def build(cxx: str, out_dir: Path) -> Path:
+    """Compile the source with `cxx` into out_dir (cached by key); -> the library's path."""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set MOETIER_CXX") from None
+    if version.returncode != 0:
+        raise HostExtUnavailable(f"C++ compiler {cxx!r} failed on --version: {_one_line(version.stderr)}")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.stdout.encode(), cxx.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    lib = out_dir / f"host_experts-{key}.so"
+    if lib.exists():
+        return lib
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise HostExtUnavailable(f"cannot write the kernel cache {out_dir} ({e}); set MOETIER_CACHE_DIR") from None
+    try:
+        r = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise HostExtUnavailable(f"building {SOURCE.name} with {cxx} failed: {_one_line(r.stderr)}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    except subprocess.TimeoutExpired:
+        raise HostExtUnavailable(f"building {SOURCE.name} with {cxx} took over 600 s") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (built at first use); raises HostExtUnavailable, the same one each time."""
+    if os.environ.get("MOETIER_HOST_EXT", "1") in ("0", "off", "false", "no"):
+        raise HostExtUnavailable("the compiled host kernel is turned off (MOETIER_HOST_EXT=0)")
+    cxx = compiler()
+    key = (cxx, str(cache_dir()))
+    got = _LOADED.get(key)
+    if got is None:
+        try:
+            if cxx is None:
+                raise HostExtUnavailable("no C++ compiler found (c++, g++ or clang++ on the PATH; or set "
+                                         "MOETIER_CXX)")
+            lib = ctypes.CDLL(str(build(cxx, cache_dir())))
+            f = lib.moetier_host_experts
+            f.restype = ctypes.c_int
+            f.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int, ctypes.c_char_p, ctypes.c_int])
+            lib.moetier_host_experts_simd_width.restype = ctypes.c_int
+            got = lib
+        except HostExtUnavailable as e:
+            got = e
+        except OSError as e:  # the library exists but does not load (another machine's, a broken file)
+            got = HostExtUnavailable(f"the compiled host kernel does not load: {_one_line(str(e))}")
+        _LOADED[key] = got
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") or (False, the one-line reason). Builds at the first call."""
+    try:
+        load()
+        return True, ""
+    except HostExtUnavailable as e:
+        return False, str(e)
+
+
+def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
+    """The kernel's code for these rows, or None when it has none (the caller falls back to torch)."""
+    if layout.quant == "fp8":
+        return FP8_KIND if rows.dtype == torch.uint8 else None
+    return KINDS.get(rows.dtype)
+
+
+def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                 rows: torch.Tensor, layout: RowLayout, threads: int) -> torch.Tensor:
+    """Unweighted outputs of pairs (tokens[i], experts[i]) -> [P, H] fp32. x [T, H] in the compute dtype
+    (the kernel reads it as fp32); rows [E, R] contiguous CPU rows. With x in bf16 the kernel rounds
+    what the other paths hold in bf16: FP8 weights after scaling, and the SwiGLU before the down
+    projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32."""
+    kind = kind_of(rows, layout)
+    bf16 = x.dtype == torch.bfloat16
+    if kind == FP8_KIND and bf16:
+        kind = FP8_KIND + 1
+    if kind is None:
+        raise ValueError(f"the compiled host kernel has no code for {rows.dtype} rows of quantization {layout.quant}")
+    if not rows.is_contiguous() or rows.dim() != 2:
+        raise ValueError("the compiled host kernel needs contiguous [E, R] rows")
+    xs = x.float().contiguous()
+    tok = tokens.to(torch.int64).contiguous()
+    exp = experts.to(torch.int64).contiguous()
+    p, hdim, inter = tok.numel(), layout.hidden, layout.inter
+    h = torch.empty(p, inter, dtype=torch.float32)  # the SwiGLU of every pair: scratch
+    y = torch.empty(p, hdim, dtype=torch.float32)
+    err = ctypes.create_string_buffer(256)
+    fp8_rows = kind >= FP8_KIND
+    rc = lib.moetier_host_experts(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
+                                  inter, layout.s13_offset if fp8_rows else 0, layout.s2_offset if fp8_rows else 0,
+                                  int(bf16), xs.data_ptr(), xs.shape[0],
+                                  tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, err, 256)
+    if rc != 0:
+        raise ValueError(f"compiled host kernel: {err.value.decode()}")
+    return y
