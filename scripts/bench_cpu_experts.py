@@ -1,20 +1,27 @@
 """Measures the host expert kernels (moetier/experts/cpu_experts.py) at the Qwen3-30B-A3B expert
-shape (hidden 2048, inter 768, bf16; one row is 9.44 MB), for the hybrid backend's cost model.
+shape (hidden 2048, inter 768; one row is 9.44 MB in bf16, 4.72 MB in FP8), for the hybrid backend's
+cost model.
 
-Cases (tokens x distinct experts; every token uses every expert of the case):
-    1 x 1, 1 x 8 (batch 1, one token's top-8), 8 x 8, 32 x 8
-Each call reads experts rotated over a pool of 64 (604 MB, far above any L3), so every weight
-comes from DRAM, as a cold miss does. For each kernel (grouped, split, pair) and thread count it
-prints the median ms per call and GB/s of weights (distinct experts x row bytes / time; GB = 1e9 B),
-then per kernel the best thread count (least time for 1 x 8 plus 8 x 8), the winner among them, and
-the cost-model fit from 1 x 1 and 1 x 8:
-    t(n experts) = overhead + n * row_bytes / GBps
-Ceilings in the same run: a multi-threaded copy of the same rows (read + write; torch copy_). With
-CUDA, also the best config while the copy engine streams pinned memory to the GPU at the same time
-(the hybrid backend runs both at once; they share the host memory bus).
+Cases (tokens x distinct experts, each token using k of them):
+    1 x 1, 1 x 8 (batch 1, one token's top-8), 8 x 8 (every token every expert), 8 x 29 (batch 8 of
+    top-8 over 29 distinct experts, 2 to 3 tokens each: the misses of a uniform step), 32 x 8
+Each call reads experts rotated over a pool of 64 (604 MB in bf16), so every weight comes from DRAM,
+as a cold miss does. Rows:
+    bf16  every kernel (compiled, grouped, split, pair) at every thread count
+    fp8   compiled at every thread count; grouped (which dequantizes each expert into bf16 scratch)
+          at grouped's best bf16 thread count
+It prints, per row, the median us per call and GB/s of weights (distinct experts x row bytes / time;
+GB = 1e9 B); then per dtype and kernel the best thread count (least time for 1 x 8 plus 8 x 8) with
+the cost-model fit from 1 x 1 and 1 x 8,
+    t(n experts) = overhead + n * row_bytes / GBps,
+the winner per dtype, a read ceiling (torch sum of 8 contiguous rows), and with CUDA the bf16 and fp8
+winners while the copy engine streams pinned memory to the GPU (they share the host memory bus).
+Last, a short table of the 1 x 8 and 8 x 29 rows of the compiled and grouped kernels.
 
-    python scripts/bench_cpu_experts.py [--out FILE] [--small] [--threads 1,4,8,16]
---small: a tiny shape for a CPU smoke run (not a measurement).
+    python scripts/bench_cpu_experts.py [--out FILE] [--small] [--threads 1,4,8,16] [--dtypes bf16,fp8]
+                                        [--kernels compiled,grouped] [--reps 7]
+--small: a tiny shape for a CPU smoke run (not a measurement). The JSON's `winner` is the bf16 winner
+(--host-profile reads it), `winners` has one per dtype (cost_model.rates_from_bench takes each GB/s).
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ import time
 import torch
 
 from moetier.bench.common import GB, record
+from moetier.experts import fp8, host_ext
 from moetier.experts.cpu_experts import KERNELS, host_kernel
 from moetier.experts.shape import RowLayout
 
-CASES = ((1, 1), (1, 8), (8, 8), (32, 8))
+CASES = ((1, 1, 1), (1, 8, 8), (8, 8, 8), (8, 29, 8), (32, 8, 8))  # tokens, distinct experts, k per token
 POOL = 64
 
 
@@ -59,56 +67,60 @@ class Rotation:
         return ids
 
 
-def case_inputs(tokens: int, n: int, hidden: int):
-    # pairs t * k + j for k = n: every token uses every expert of the case
+def case_inputs(tokens: int, n: int, k: int, hidden: int):
+    """x [T, H] bf16, pairs t * k + j, weights, and which of the n experts pair (t, j) uses: token t
+    takes experts (t * k + j) % n, so all n are used (n <= T * k) and each token's k are distinct."""
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    pairs = torch.arange(tokens * n)
-    weights = torch.full((tokens * n,), 1.0 / n)
-    return x, pairs, weights
+    pairs = torch.arange(tokens * k)
+    which = torch.tensor([(t * k + j) % n for t in range(tokens) for j in range(k)])
+    return x, pairs, torch.full((tokens * k,), 1.0 / k), which
 
 
-def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, reps: int) -> list[dict]:
+def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, reps: int, dtype: str) -> list[dict]:
     kernel = host_kernel(name, layout, threads)
     row_bytes = rows.shape[1] * rows.element_size()
     out = []
-    for tokens, n in CASES:
+    for tokens, n, k in CASES:
         if name == "pair" and tokens > 8:
             continue  # 256 GEMVs of 9.4 MB: the reference's point is made at 8 tokens
-        x, pairs, weights = case_inputs(tokens, n, layout.hidden)
+        x, pairs, weights, which = case_inputs(tokens, n, k, layout.hidden)
         rot = Rotation(n, rows.shape[0])
 
         def call() -> None:
-            ids = rot()
-            kernel(x, pairs, ids.repeat(tokens), weights, rows, n)
+            kernel(x, pairs, rot()[which], weights, rows, k)
         s = timed(call, reps)
-        out.append({"kernel": name, "threads": threads, "tokens": tokens, "experts": n, "ms": s * 1e3,
-                    "GBps": n * row_bytes / GB / s})
+        out.append({"kernel": name, "dtype": dtype, "threads": threads, "tokens": tokens, "experts": n, "k": k,
+                    "ms": s * 1e3, "us": s * 1e6, "GBps": n * row_bytes / GB / s})
     if hasattr(kernel, "close"):
         kernel.close()
     return out
 
 
-def copy_ceiling(rows: torch.Tensor, threads: int, reps: int) -> dict:
-    """GB/s of rows read by a torch copy of 8 rows at a time (each byte read once and written once)."""
+def read_ceiling(rows: torch.Tensor, threads: int, reps: int) -> dict:
+    """GB/s of a torch sum over 8 contiguous rows (read once, nothing written), torch at `threads`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    dst = torch.empty(8, rows.shape[1], dtype=rows.dtype)
-    rot = Rotation(8, rows.shape[0])
-    s = timed(lambda: dst.copy_(rows[rot()]), reps)
+    start = [0]
+
+    def call() -> None:
+        a = start[0]
+        start[0] = (a + 8) % (rows.shape[0] - 8)
+        rows[a:a + 8].sum(dtype=torch.float32)
+    s = timed(call, reps)
     torch.set_num_threads(before)
-    return {"threads": threads, "read_GBps": dst.numel() * dst.element_size() / GB / s}
+    return {"threads": threads, "read_GBps": 8 * rows.shape[1] * rows.element_size() / GB / s}
 
 
-def fit(rows_by_case: dict, row_bytes: int) -> dict:
+def fit(by_case: dict, row_bytes: int) -> dict:
     """overhead (s) and GB/s from t(1 expert) and t(8 experts) at one token."""
-    t1, t8 = rows_by_case[(1, 1)]["ms"] / 1e3, rows_by_case[(1, 8)]["ms"] / 1e3
+    t1, t8 = by_case[(1, 1)]["ms"] / 1e3, by_case[(1, 8)]["ms"] / 1e3
     # noise can make t8 - t1 tiny: never claim more than twice the average rate of the 8-expert call
     per = max((t8 - t1) / 7, t8 / 8 / 2)
     return {"overhead_s": max(t1 - per, 0.0), "GBps": row_bytes / GB / per}
 
 
 def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> dict | None:
-    """The best 1 x 8 config while another thread keeps the copy engine streaming 256 MiB host->GPU."""
+    """A config's 1 x 8 row while another thread keeps the copy engine streaming 256 MiB host->GPU."""
     if not torch.cuda.is_available():
         return None
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
@@ -127,11 +139,25 @@ def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> d
     th = threading.Thread(target=stream)
     th.start()
     time.sleep(0.05)
-    r = run_kernel(best["kernel"], best["threads"], layout, rows, reps)
+    r = run_kernel(best["kernel"], best["threads"], layout, rows, reps, best["dtype"])
     stop.set()
     th.join()
     one = next(x for x in r if (x["tokens"], x["experts"]) == (1, 8))
     return {**one, "h2d_GBps_meanwhile": moved[0] / GB / moved[1]}
+
+
+def make_rows(dtype: str, hidden: int, inter: int) -> tuple[RowLayout, torch.Tensor]:
+    """A pool of POOL expert rows: random bf16 weights, or FP8 bytes with plausible block scales."""
+    if dtype == "bf16":
+        lay = RowLayout(hidden, inter)
+        return lay, (torch.randn(POOL, lay.numel) * 0.02).to(torch.bfloat16)
+    lay = RowLayout(hidden, inter, "fp8")
+    rows = torch.zeros(POOL, lay.numel, dtype=torch.uint8)
+    w = (torch.randn(POOL, lay.w13_numel + lay.w2_numel) * 64).clamp(-fp8.FP8_MAX, fp8.FP8_MAX)
+    rows[:, :w.shape[1]] = w.to(fp8.FP8).view(torch.uint8)
+    lay.s13(rows).fill_(0.02 / 64)
+    lay.s2(rows).fill_(0.02 / 64)
+    return lay, rows
 
 
 def main() -> None:
@@ -141,50 +167,81 @@ def main() -> None:
     ap.add_argument("--threads", default=None,
                     help="comma-separated thread counts (default 1,2,4,8,12 and all cores, less 2, less 1: the "
                          "hybrid backend's main thread also needs a core)")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="row dtypes to measure: bf16, fp8 or both")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="kernels to measure (default: all)")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     hidden, inter = (256, 96) if a.small else (2048, 768)
-    layout = RowLayout(hidden, inter)
-    rows = (torch.randn(POOL, layout.numel) * 0.02).to(torch.bfloat16)
-    row_bytes = layout.numel * 2
+    dtypes = [d for d in a.dtypes.split(",") if d]
+    if set(dtypes) - {"bf16", "fp8"} or not dtypes:
+        raise SystemExit(f"--dtypes {a.dtypes!r}: choose bf16, fp8 or bf16,fp8")
     counts = sorted({int(c) for c in a.threads.split(",")} if a.threads else
                     {c for c in (1, 2, 4, 8, 12, cores - 2, cores - 1, cores) if 1 <= c <= cores})
-    results, ceilings = [], []
-    for threads in counts:
-        ceilings.append(copy_ceiling(rows, threads, a.reps))
-        for name in KERNELS:
-            for r in run_kernel(name, threads, layout, rows, a.reps):
-                results.append(r)
-                print(f"{r['kernel']:>8} threads {r['threads']:>3}  {r['tokens']:>2} tok x {r['experts']} exp  "
-                      f"{r['ms']:8.3f} ms  {r['GBps']:6.1f} GB/s", flush=True)
-    # The best thread count of a kernel, and the winner: least time for 1 x 8 and 8 x 8 together (batch
-    # 1 and 8 of top-8), so a kernel that is fine at one token but reads a row per pair cannot win.
-    def score(name: str, threads: int) -> float:
-        return sum(r["ms"] for r in results if r["kernel"] == name and r["threads"] == threads
-                   and (r["tokens"], r["experts"]) in ((1, 8), (8, 8)))
-    best, fits, scores = {}, {}, {}
-    for name in KERNELS:
-        threads = min(counts, key=lambda c: score(name, c))
-        by_case = {(r["tokens"], r["experts"]): r for r in results if r["kernel"] == name and r["threads"] == threads}
-        best[name], fits[name], scores[name] = by_case[1, 8], fit(by_case, row_bytes), score(name, threads)
-    winner = best[min(KERNELS, key=scores.get)]
-    busy = contended(winner, layout, rows, a.reps)
-    print("\nceiling (torch copy of rows, read GB/s):",
-          ", ".join(f"{c['threads']}t {c['read_GBps']:.1f}" for c in ceilings))
-    for name in KERNELS:
-        f = fits[name]
-        print(f"best {name:>8}: {best[name]['threads']} threads, 1 x 8 at {best[name]['GBps']:.1f} GB/s; "
-              f"fit overhead {f['overhead_s'] * 1e6:.0f} us + {f['GBps']:.1f} GB/s")
-    print(f"winner: {winner['kernel']} at {winner['threads']} threads")
-    if busy:
-        print(f"winner while the copy engine streams: {busy['GBps']:.1f} GB/s host kernel, "
-              f"{busy['h2d_GBps_meanwhile']:.1f} GB/s host-to-GPU")
-    data = record("cpu-experts", {"shape": {"hidden": hidden, "inter": inter, "dtype": "bf16",
-                                            "row_bytes": row_bytes}, "cores": cores, "results": results,
-                                  "ceilings": ceilings, "best": best, "fit": fits,
-                                  "winner": {"kernel": winner["kernel"], "threads": winner["threads"],
-                                             **fits[winner["kernel"]]}, "contended": busy})
+    t0 = time.perf_counter()
+    ok, why = host_ext.available()  # the first call builds (or loads the cached build)
+    build_s = time.perf_counter() - t0
+    print(f"compiled kernel: {'built/loaded in %.1f s' % build_s if ok else 'unavailable: ' + why}", flush=True)
+    kernels = [k for k in a.kernels.split(",") if k in KERNELS and (ok or k != "compiled")]
+    if not kernels:
+        raise SystemExit(f"--kernels {a.kernels!r}: none of {', '.join(KERNELS)} (that can run here)")
+    results, ceilings, best, fits, winners, busy = [], [], {}, {}, {}, {}
+    for dtype in dtypes:
+        layout, rows = make_rows(dtype, hidden, inter)
+        row_bytes = rows.shape[1] * rows.element_size()
+        names = kernels if dtype == "bf16" else [k for k in kernels if k in ("compiled", "grouped")]
+        for name in names:
+            tc = counts if dtype == "bf16" or name == "compiled" else [best.get(("bf16", name), {}).get("threads",
+                                                                                                      counts[-1])]
+            for threads in tc:
+                for r in run_kernel(name, threads, layout, rows, a.reps, dtype):
+                    results.append(r)
+                    print(f"{dtype:>4} {r['kernel']:>8} threads {threads:>3}  {r['tokens']:>2} tok x {r['experts']:>2} exp"
+                          f"  {r['us']:9.0f} us  {r['GBps']:6.1f} GB/s", flush=True)
+
+            # best thread count: least time for 1 x 8 and 8 x 8 together (batch 1 and 8 of top-8), so a
+            # kernel that is fine at one token but reads a row per pair cannot win
+            def score(c: int) -> float:
+                return sum(r["ms"] for r in results if (r["dtype"], r["kernel"], r["threads"]) == (dtype, name, c)
+                           and (r["tokens"], r["experts"]) in ((1, 8), (8, 8)))
+            threads = min(tc, key=score)
+            by_case = {(r["tokens"], r["experts"]): r for r in results
+                       if (r["dtype"], r["kernel"], r["threads"]) == (dtype, name, threads)}
+            best[dtype, name] = {**by_case[1, 8], "score_ms": score(threads)}
+            fits[dtype, name] = fit(by_case, row_bytes)
+        win = min(names, key=lambda n: best[dtype, n]["score_ms"])
+        winners[dtype] = {"kernel": win, "threads": best[dtype, win]["threads"], **fits[dtype, win]}
+        if dtype == "bf16":
+            ceilings = [read_ceiling(rows, c, a.reps) for c in counts]
+        busy[dtype] = contended(best[dtype, win], layout, rows, a.reps)
+        del rows
+    print()
+    if ceilings:
+        print("read ceiling (torch sum of 8 contiguous bf16 rows, GB/s):",
+              ", ".join(f"{c['threads']}t {c['read_GBps']:.1f}" for c in ceilings))
+    for (dtype, name), f in fits.items():
+        print(f"best {dtype:>4} {name:>8}: {best[dtype, name]['threads']} threads, 1 x 8 at "
+              f"{best[dtype, name]['GBps']:.1f} GB/s; fit overhead {f['overhead_s'] * 1e6:.0f} us + {f['GBps']:.1f} GB/s")
+    for dtype, w in winners.items():
+        print(f"winner {dtype}: {w['kernel']} at {w['threads']} threads")
+        if busy.get(dtype):
+            print(f"  while the copy engine streams: {busy[dtype]['GBps']:.1f} GB/s host kernel, "
+                  f"{busy[dtype]['h2d_GBps_meanwhile']:.1f} GB/s host-to-GPU")
+    table = [r for r in results if r["kernel"] in ("compiled", "grouped") and (r["tokens"], r["experts"]) in
+             ((1, 8), (8, 29)) and (r["threads"] in (8, 12, 16) or r["threads"] == best[r["dtype"], r["kernel"]]["threads"])]
+    print("\ndtype  kernel    threads  case      us/call    GB/s")
+    for r in table:
+        print(f"{r['dtype']:<6} {r['kernel']:<9} {r['threads']:>7}  {r['tokens']}x{r['experts']:<5} {r['us']:>9.0f}"
+              f"  {r['GBps']:>6.1f}")
+    main_dtype = "bf16" if "bf16" in winners else dtypes[0]
+    data = record("cpu-experts", {
+        "shape": {"hidden": hidden, "inter": inter, "dtype": main_dtype,
+                  "row_bytes": {d: RowLayout(hidden, inter, None if d == "bf16" else "fp8").row_bytes(torch.bfloat16)
+                                for d in dtypes}},
+        "cores": cores, "compiled": {"available": ok, "reason": why, "build_s": build_s}, "results": results,
+        "ceilings": ceilings, "best": {f"{d}/{n}": b for (d, n), b in best.items()},
+        "fit": {f"{d}/{n}": f for (d, n), f in fits.items()}, "winner": winners[main_dtype], "winners": winners,
+        "contended": busy.get(main_dtype), "contended_by_dtype": busy, "table": table})
     if a.out:
         with open(a.out, "w") as f:
             json.dump(data, f, indent=2)

@@ -130,7 +130,7 @@ def load() -> ctypes.CDLL:
             f.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int, ctypes.c_char_p, ctypes.c_int])
+                           ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int])
             lib.moetier_host_experts_simd_width.restype = ctypes.c_int
             got = lib
         except HostExtUnavailable as e:
@@ -160,11 +160,12 @@ def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
 
 
 def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-                 rows: torch.Tensor, layout: RowLayout, threads: int) -> torch.Tensor:
+                 rows: torch.Tensor, layout: RowLayout, threads: int, block_bytes: int = 0) -> torch.Tensor:
     """Unweighted outputs of pairs (tokens[i], experts[i]) -> [P, H] fp32. x [T, H] in the compute dtype
     (the kernel reads it as fp32); rows [E, R] contiguous CPU rows. With x in bf16 the kernel rounds
     what the other paths hold in bf16: FP8 weights after scaling, and the SwiGLU before the down
-    projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32."""
+    projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32.
+    block_bytes: weight bytes per work item the threads take in turn (0: the kernel's 64 KB)."""
     kind = kind_of(rows, layout)
     bf16 = x.dtype == torch.bfloat16
     if kind == FP8_KIND and bf16:
@@ -184,7 +185,8 @@ def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, expert
     rc = lib.moetier_host_experts(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
                                   inter, layout.s13_offset if fp8_rows else 0, layout.s2_offset if fp8_rows else 0,
                                   int(bf16), xs.data_ptr(), xs.shape[0],
-                                  tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, err, 256)
+                                  tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, block_bytes,
+                                  err, 256)
     if rc != 0:
         raise ValueError(f"compiled host kernel: {err.value.decode()}")
     return y

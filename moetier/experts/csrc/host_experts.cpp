@@ -8,11 +8,14 @@
 // straight from the host store's rows (shape.RowLayout): bf16 / fp32 rows [gate_up 2I x H | down H x I],
 // or FP8 rows (e4m3 bytes, then float32 128 x 128 block scales at byte offsets s13 / s2 of the row).
 //
-// Memory-bandwidth design (decode: 1..8 tokens per expert): the pairs are grouped by expert; the
-// gate_up row pairs of all experts of the call (G x I items) are cut into one contiguous block per
-// thread, then (after one barrier, in the same OpenMP region) the down rows (G x H items). So every
-// weight byte is read once per call, by one core, streaming; all tokens of an expert are applied to a
-// chunk of the weight row while it is in registers (M accumulators per row).
+// Memory-bandwidth design (decode: 1..8 tokens per expert): the pairs are grouped by expert; each
+// expert's gate_up row pairs are cut into blocks of about 64 KB of weights, every block of every
+// expert of the call is one work item, and the threads of ONE OpenMP region take items in turn
+// (dynamic schedule); after the loop's barrier the same for the down rows. So every weight byte is
+// read once per call, by one core, streaming 64 KB at a time; all tokens of an expert are applied to
+// a chunk of the weight row while it is in registers (M accumulators per row). Dynamic, not static:
+// a thread that loses its core (the hybrid backend's main thread, the copy engine's driver thread, a
+// busy machine) delays only its current block, not a whole 1/n of the call.
 //
 // Invariant (HostKernel's contract): each output element is one dot product computed by ONE thread in
 // a fixed order: VW-lane accumulators over k = 0, VW, 2VW, ... (explicit FMA intrinsics, no compiler
@@ -155,15 +158,13 @@ struct Call {
   std::vector<int64_t> expert, begin, order;  // per group: its expert and first index into `order` (pairs by expert)
 };
 
-// This thread's contiguous share [lo, hi) of n items.
-static inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
-  *lo = n * tid / nt; *hi = n * (tid + 1) / nt;
-}
+// Rows per work item: about `block` bytes of weights (rows of `row_bytes`), an even count (down pairs rows).
+static inline int64_t block_rows(int64_t block, int64_t row_bytes) { return std::max<int64_t>(2, (block / row_bytes) & ~1); }
 
-template <int KIND> static void gate_up(const Call& c, int64_t lo, int64_t hi) {
+// gate_up row pairs [lo, hi) of group g (gate rows j and up rows I + j of its expert)
+template <int KIND> static void gate_up(const Call& c, int64_t g, int64_t lo, int64_t hi) {
   const int64_t H = c.H, I = c.I, nH = (H + 127) / 128, nI = (I + 127) / 128;
-  for (int64_t it = lo; it < hi; it++) {
-    const int64_t g = it / I, j = it % I;
+  for (int64_t j = lo; j < hi; j++) {
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
     const uint8_t* w[2] = {row + j * H * c.esize, row + (I + j) * H * c.esize};
     const float* s[2] = {nullptr, nullptr};
@@ -185,11 +186,11 @@ template <int KIND> static void gate_up(const Call& c, int64_t lo, int64_t hi) {
   }
 }
 
-template <int KIND> static void down(const Call& c, int64_t lo, int64_t hi) {
+// down rows [lo, hi) of group g
+template <int KIND> static void down(const Call& c, int64_t g, int64_t lo, int64_t hi) {
   const int64_t H = c.H, I = c.I, nI = (I + 127) / 128;
-  for (int64_t it = lo; it < hi;) {
-    const int64_t g = it / H, r = it % H;
-    const int R = (it + 1 < hi && r + 1 < H) ? 2 : 1;  // two rows of one expert at once where both are ours
+  for (int64_t r = lo; r < hi;) {
+    const int R = r + 1 < hi ? 2 : 1;  // two rows at once (their results do not depend on it)
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
     const uint8_t* w[2];
     const float* s[2] = {nullptr, nullptr};
@@ -205,11 +206,11 @@ template <int KIND> static void down(const Call& c, int64_t lo, int64_t hi) {
       for (int q = 0; q < R; q++)
         for (int i = 0; i < m; i++) c.y[c.order[b + i] * H + r + q] = out[q][i];
     }
-    it += R;
+    r += R;
   }
 }
 
-template <int KIND> static void run(const Call& c, int threads) {
+template <int KIND> static void run(const Call& c, int threads, int64_t block) {
   const int64_t G = (int64_t)c.expert.size();
 #pragma omp parallel num_threads(threads)
   {
@@ -217,13 +218,18 @@ template <int KIND> static void run(const Call& c, int threads) {
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  // clear FTZ (bit 15) and DAZ (bit 6): fp8 decode needs fp32 denormals
 #endif
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t lo, hi;
-    share(G * c.I, tid, nt, &lo, &hi);
-    gate_up<KIND>(c, lo, hi);
-#pragma omp barrier
-    share(G * c.H, tid, nt, &lo, &hi);
-    down<KIND>(c, lo, hi);
+    const int64_t b1 = block_rows(block, 2 * c.H * c.esize), n1 = (c.I + b1 - 1) / b1;  // blocks per expert
+    const int64_t b2 = block_rows(block, c.I * c.esize), n2 = (c.H + b2 - 1) / b2;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < G * n1; it++) {
+      const int64_t g = it / n1, lo = it % n1 * b1;
+      gate_up<KIND>(c, g, lo, std::min(c.I, lo + b1));
+    }  // the loop's implicit barrier: every h is written before any down row reads it
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < G * n2; it++) {
+      const int64_t g = it / n2, lo = it % n2 * b2;
+      down<KIND>(c, g, lo, std::min(c.H, lo + b2));
+    }
 #if defined(__SSE__)
     _mm_setcsr(csr);
 #endif
@@ -235,9 +241,11 @@ extern "C" {
 // Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
 // rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
 // x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
+// block: weight bytes per work item (0: 64 KB; tests cut experts finer to exercise the hand-out).
 int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                          int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
-                         const int64_t* experts, int64_t P, float* h, float* y, int threads, char* err, int errlen) {
+                         const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
+                         char* err, int errlen) {
   if (kind < 0 || kind > 3 || H < 1 || I < 1 || threads < 1) {
     std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
                   (long long)I, threads);
@@ -264,10 +272,11 @@ int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, 
   }
   c.begin.push_back(P);
   if (P == 0) return 0;
-  if (kind == BF16) run<BF16>(c, threads);
-  else if (kind == F32) run<F32>(c, threads);
-  else if (kind == FP8) run<FP8>(c, threads);
-  else run<FP8R>(c, threads);
+  if (block <= 0) block = 65536;
+  if (kind == BF16) run<BF16>(c, threads, block);
+  else if (kind == F32) run<F32>(c, threads, block);
+  else if (kind == FP8) run<FP8>(c, threads, block);
+  else run<FP8R>(c, threads, block);
   return 0;
 }
 
