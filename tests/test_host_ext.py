@@ -244,3 +244,29 @@ def test_engine_fp8_checkpoint_hybrid_matches_resident(tmp_path):
     got, model = logits(ExpertOptions("hybrid", slots=2, rates=PathRates(50.0, {"fp8": 50.0}), host_threads=1))
     assert sum(b.experts.stats()["host"] for b in model.moe_blocks()) > 0
     assert rel(got, want) <= 3e-2  # bf16 logits after 4 layers of differently rounded experts (1.5% seen)
+
+
+# -- the benchmark script's JSON feeds the cost model, one rate per row dtype -------------------------------
+def test_bench_script_small_run_gives_rates_per_dtype(lib, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moetier.experts.cost_model import rates_from_bench
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cpu.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(root / "scripts" / "bench_cpu_experts.py"), "--small", "--threads", "1",
+                        "--reps", "1", "--kernels", "compiled,grouped", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dtype  kernel" in r.stdout  # the last table
+    data = json.loads(out.read_text())
+    assert data["compiled"]["available"] and set(data["winners"]) == {"bf16", "fp8"}
+    assert {(x["dtype"], x["kernel"]) for x in data["results"]} == {(d, k) for d in ("bf16", "fp8")
+                                                                    for k in ("compiled", "grouped")}
+    rates = rates_from_bench(data, link_GBps=50.0)
+    assert set(rates.host_GBps) == {"bfloat16", "fp8"} and min(rates.host_GBps.values()) > 0

@@ -127,8 +127,9 @@ def rates_from_bench(data: dict, link_GBps: float) -> PathRates:
     for name, win in data.get("winners", {}).items():  # the other dtypes' winners: their rates only
         host.setdefault(BENCH_DTYPES.get(name, name), win["GBps"])
     token_s = 0.0
+    main = data["shape"]["dtype"]  # rows without a dtype come from older JSON: one dtype
     by = {(r["tokens"], r["experts"]): r for r in data["results"]
-          if r["kernel"] == w["kernel"] and r["threads"] == w["threads"]}
+          if r["kernel"] == w["kernel"] and r["threads"] == w["threads"] and r.get("dtype", main) == main}
     if (1, 8) in by and (8, 8) in by:  # 7 more tokens on each of 8 experts
         token_s = max(0.0, (by[8, 8]["ms"] - by[1, 8]["ms"]) / 1e3 / (8 * 7))
     return PathRates(link_GBps, host, w["overhead_s"], token_s)
