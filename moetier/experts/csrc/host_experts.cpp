@@ -80,8 +80,17 @@ static inline float round_bf16_1(float v) {
 // 2^(e-127) (1 + m/8) (denormal when e = 0), and 2^120 moves the bias from 127 to e4m3's 7 (denormals
 // included, which is why the region clears DAZ/FTZ). 0x7f / 0xff (NaN in e4m3fn) decode to +-480: weights
 // are never NaN.
-static inline vf fp8_decode(vu8 b) {
-  vu32 t = __builtin_convertvector(b, vu32) << 24;
+static inline vu32 widen_u8(const uint8_t* p) {  // VW bytes -> VW uint32 (GCC's convertvector goes through GPRs)
+#if defined(__AVX512F__)
+  return (vu32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  return (vu32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+  return __builtin_convertvector(loadu<vu8>(p), vu32);
+#endif
+}
+static inline vf fp8_decode(const uint8_t* p) {
+  vu32 t = widen_u8(p) << 24;
   vu32 bits = (t & 0x80000000u) | ((t & 0x7f000000u) >> 4);
   return (vf)bits * 0x1p120f;
 }
@@ -97,7 +106,7 @@ static inline float fp8_decode1(uint8_t b) {
 template <int KIND> static inline vf load_w(const uint8_t* w, int64_t k, float scale) {
   if (KIND == BF16) return (vf)(__builtin_convertvector(loadu<vu16>(w + 2 * k), vu32) << 16);
   if (KIND == F32) return loadu<vf>(w + 4 * k);
-  vf f = fp8_decode(loadu<vu8>(w + k)) * scale;
+  vf f = fp8_decode(w + k) * scale;
   return KIND == FP8R ? round_bf16(f) : f;
 }
 template <int KIND> static inline float load_w1(const uint8_t* w, int64_t k, float scale) {
