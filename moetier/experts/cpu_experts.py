@@ -10,8 +10,9 @@ sum over those pairs only, per token, in fp32, summed in pair order j = 0..k-1 w
 contributing exact zeros: for a given set of pairs the sum order is fixed whichever kernel computed
 the pair outputs (the backend adds it to the device's partial sum of the other pairs).
 
-Every kernel computes a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)), w2)
-in the rows' dtype. They differ in how the work meets the cores:
+The torch kernels compute a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)),
+w2) in the compute dtype (the rows' dtype; the hidden state's for FP8 rows). They differ in how the
+work meets the cores:
 
     pair      one F.linear per (token, expert) pair: the plain reference; an expert's weights are
               read once per pair that uses it
@@ -21,12 +22,12 @@ in the rows' dtype. They differ in how the work meets the cores:
               a pool of Python threads computes at once (torch releases the GIL inside F.linear;
               every worker runs torch single-threaded): for M = 1 GEMVs that one torch call does
               not spread well over 16 cores
-
     compiled  csrc/host_experts.cpp (host_ext.py builds it at first use): one OpenMP region per call,
-              every distinct expert's gate_up rows, then its down rows, cut into one contiguous block
-              per thread; bf16 -> fp32 by a shift, FP8 decoded in registers, fp32 FMA with all of an
-              expert's tokens per weight chunk. Each weight byte read once per call by one core. Its
-              pair outputs are fp32 (the torch kernels' are rounded to the compute dtype).
+              every distinct expert's gate_up rows, then its down rows, cut into ~64 KB items the
+              threads take in turn; bf16 -> fp32 by a shift, FP8 decoded in registers, fp32 FMA with
+              all of an expert's tokens per weight chunk. Each weight byte read once per call by one
+              core. Its pair outputs are fp32 (the torch kernels' are rounded to the compute dtype);
+              docs/hybrid.md has its numerics.
     auto      (host_kernel() only) compiled where it builds, else grouped, with a one-line warning
 
 FP8 rows (layout.quant "fp8", uint8 rows of e4m3 bytes and block scales) compute in the hidden
@@ -34,9 +35,9 @@ state's dtype: the torch kernels dequantize an expert's row into scratch (RowLay
 backends' own dequantization) before the same F.linear ops; the compiled kernel decodes the bytes in
 registers. A dtype no kernel knows is refused, not silently computed wrong.
 
-Every kernel's result for a set of pairs is independent of its thread count: the torch kernels by
-the combine's fixed order (and torch's GEMMs), the compiled kernel by construction (each output
-element is one dot product of one thread in a fixed order; tested 1 against 2 threads bitwise).
+The combine's order is fixed whichever kernel computed the pairs. The compiled kernel's pair outputs
+are in addition independent of its thread count and of the other pairs of the call, by construction
+(each output element is one dot product of one thread in a fixed order; tested bitwise).
 """
 
 from __future__ import annotations
