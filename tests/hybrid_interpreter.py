@@ -7,6 +7,7 @@ a subprocess. Stand-ins: pinned buffers are plain CPU tensors and the event a no
 runs every launch at once, so there is nothing to wait for). Checks, over steps of 1, 3 and 5 tokens:
 the output against the fp32 oracle (cpu_experts.reference) within bf16 tolerance, the cache's integrity, and the
 counters (host experts only when the rates split; link misses never when the host takes everything).
+With HYBRID_INTERPRETER_FP8=1: FP8 rows, the FP8 grouped GEMM and the compiled host kernel instead.
 What it cannot check: streams, pinned-memory copies, CUDA graph capture (tests/test_hybrid.py, gpu).
 """
 
@@ -58,9 +59,14 @@ def main() -> None:
     lay = RowLayout(H, I)
     g = torch.Generator().manual_seed(0)
     rows = (torch.randn(E, lay.numel, generator=g) * 0.1).to(torch.bfloat16)
-    cases = {"link": PathRates(1e6, {"bfloat16": 1e-3}), "split": PathRates(50.0, {"bfloat16": 50.0}),
-             "host": PathRates(1e-3, {"bfloat16": 1e6})}
-    hyb = {n: as_cuda(HybridExperts(rows, lay, K, S, N, host=CpuHostPath(lay, "grouped", 1, r)))
+    key, kernel = "bfloat16", "grouped"
+    if os.environ.get("HYBRID_INTERPRETER_FP8") == "1":  # FP8 rows, the compiled host kernel (test_host_ext.py)
+        from tests.test_host_ext import fp8_rows
+
+        rows, lay, key, kernel = fp8_rows(rows, lay), RowLayout(H, I, "fp8"), "fp8", "auto"
+    cases = {"link": PathRates(1e6, {key: 1e-3}), "split": PathRates(50.0, {key: 50.0}),
+             "host": PathRates(1e-3, {key: 1e6})}
+    hyb = {n: as_cuda(HybridExperts(rows, lay, K, S, N, host=CpuHostPath(lay, kernel, 1, r)))
            for n, r in cases.items()}
     torch.cuda.synchronize = lambda *a: None  # the interpreter has nothing to wait for
     hyb["split"]._precompile()  # every compacted size it warms runs through the kernels once

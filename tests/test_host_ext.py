@@ -210,6 +210,15 @@ def test_hybrid_with_fp8_rows_equals_slots_and_resident(kernel, link, host):
     assert st["host"] > 0 and (st["misses"] == 0 if link < 1 else st["misses"] > 0)
 
 
+def test_cuda_path_with_fp8_rows_in_the_triton_interpreter(lib, monkeypatch):
+    """hybrid's CUDA path (bookkeeping, fills, the FP8 grouped GEMM, the compiled host kernel, the
+    Triton combine) in Triton's interpreter with FP8 rows, against the oracle."""
+    from tests.interpreter import run_script
+
+    monkeypatch.setenv("HYBRID_INTERPRETER_FP8", "1")
+    assert "ok" in run_script("hybrid_interpreter.py")
+
+
 def test_fp8_hybrid_is_no_longer_refused_and_rates_key_fp8():
     from moetier.experts.placement import ExpertOptions
     from moetier.experts.shape import MoeShape
