@@ -16,10 +16,11 @@ the cost-model fit from 1 x 1 and 1 x 8,
     t(n experts) = overhead + n * row_bytes / GBps,
 the winner per dtype, a read ceiling (torch sum of 8 contiguous rows), and with CUDA the bf16 and fp8
 winners while the copy engine streams pinned memory to the GPU (they share the host memory bus).
-Last, a short table of the 1 x 8 and 8 x 29 rows of the compiled and grouped kernels.
+The compiled kernel is also run with other work-item sizes (--blocks) at its best thread count. Last,
+a short table of the 1 x 8 and 8 x 29 rows of the compiled and grouped kernels and of those sizes.
 
     python scripts/bench_cpu_experts.py [--out FILE] [--small] [--threads 1,4,8,16] [--dtypes bf16,fp8]
-                                        [--kernels compiled,grouped] [--reps 7]
+                                        [--kernels compiled,grouped] [--blocks 16,256] [--reps 7]
 --small: a tiny shape for a CPU smoke run (not a measurement). The JSON's `winner` is the bf16 winner
 (--host-profile reads it), `winners` has one per dtype (cost_model.rates_from_bench takes each GB/s).
 """
@@ -76,11 +77,14 @@ def case_inputs(tokens: int, n: int, k: int, hidden: int):
     return x, pairs, torch.full((tokens * k,), 1.0 / k), which
 
 
-def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, reps: int, dtype: str) -> list[dict]:
+def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, reps: int, dtype: str,
+               block_kb: int = 0, cases=CASES) -> list[dict]:
     kernel = host_kernel(name, layout, threads)
+    if block_kb:
+        kernel.block_bytes = block_kb * 1024  # compiled only
     row_bytes = rows.shape[1] * rows.element_size()
     out = []
-    for tokens, n, k in CASES:
+    for tokens, n, k in cases:
         if name == "pair" and tokens > 8:
             continue  # 256 GEMVs of 9.4 MB: the reference's point is made at 8 tokens
         x, pairs, weights, which = case_inputs(tokens, n, k, layout.hidden)
@@ -90,7 +94,8 @@ def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, r
             kernel(x, pairs, rot()[which], weights, rows, k)
         s = timed(call, reps)
         out.append({"kernel": name, "dtype": dtype, "threads": threads, "tokens": tokens, "experts": n, "k": k,
-                    "ms": s * 1e3, "us": s * 1e6, "GBps": n * row_bytes / GB / s})
+                    "ms": s * 1e3, "us": s * 1e6, "GBps": n * row_bytes / GB / s,
+                    **({"block_kb": block_kb} if block_kb else {})})
     if hasattr(kernel, "close"):
         kernel.close()
     return out
@@ -169,6 +174,9 @@ def main() -> None:
                          "hybrid backend's main thread also needs a core)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="row dtypes to measure: bf16, fp8 or both")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="kernels to measure (default: all)")
+    ap.add_argument("--blocks", default="16,256",
+                    help="compiled kernel: also these work-item sizes (KB of weights; its default is 64) at its "
+                         "best thread count, 1 x 8 and 8 x 29 (empty: none)")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -185,7 +193,7 @@ def main() -> None:
     kernels = [k for k in a.kernels.split(",") if k in KERNELS and (ok or k != "compiled")]
     if not kernels:
         raise SystemExit(f"--kernels {a.kernels!r}: none of {', '.join(KERNELS)} (that can run here)")
-    results, ceilings, best, fits, winners, busy = [], [], {}, {}, {}, {}
+    results, ceilings, best, fits, winners, busy, blocks = [], [], {}, {}, {}, {}, []
     for dtype in dtypes:
         layout, rows = make_rows(dtype, hidden, inter)
         row_bytes = rows.shape[1] * rows.element_size()
@@ -209,6 +217,13 @@ def main() -> None:
                        if (r["dtype"], r["kernel"], r["threads"]) == (dtype, name, threads)}
             best[dtype, name] = {**by_case[1, 8], "score_ms": score(threads)}
             fits[dtype, name] = fit(by_case, row_bytes)
+        if "compiled" in names:
+            for kb in [int(b) for b in a.blocks.split(",") if b]:
+                for r in run_kernel("compiled", best[dtype, "compiled"]["threads"], layout, rows, a.reps, dtype, kb,
+                                    ((1, 8, 8), (8, 29, 8))):
+                    blocks.append(r)
+                    print(f"{dtype:>4} compiled threads {r['threads']:>3}  {r['tokens']:>2} tok x {r['experts']:>2} exp"
+                          f"  {r['us']:9.0f} us  {r['GBps']:6.1f} GB/s  ({kb} KB items)", flush=True)
         win = min(names, key=lambda n: best[dtype, n]["score_ms"])
         winners[dtype] = {"kernel": win, "threads": best[dtype, win]["threads"], **fits[dtype, win]}
         if dtype == "bf16":
@@ -229,9 +244,10 @@ def main() -> None:
                   f"{busy[dtype]['h2d_GBps_meanwhile']:.1f} GB/s host-to-GPU")
     table = [r for r in results if r["kernel"] in ("compiled", "grouped") and (r["tokens"], r["experts"]) in
              ((1, 8), (8, 29)) and (r["threads"] in (8, 12, 16) or r["threads"] == best[r["dtype"], r["kernel"]]["threads"])]
-    print("\ndtype  kernel    threads  case      us/call    GB/s")
-    for r in table:
-        print(f"{r['dtype']:<6} {r['kernel']:<9} {r['threads']:>7}  {r['tokens']}x{r['experts']:<5} {r['us']:>9.0f}"
+    print(f"\n{'dtype':<6} {'kernel':<14} {'thr':>3}  {'case':<6} {'us/call':>9}  {'GB/s':>6}")
+    for r in table + blocks:
+        kernel = r["kernel"] + (f" {r['block_kb']}KB" if "block_kb" in r else "")
+        print(f"{r['dtype']:<6} {kernel:<14} {r['threads']:>3}  {r['tokens']}x{r['experts']:<5} {r['us']:>9.0f}"
               f"  {r['GBps']:>6.1f}")
     main_dtype = "bf16" if "bf16" in winners else dtypes[0]
     data = record("cpu-experts", {
@@ -241,7 +257,7 @@ def main() -> None:
         "cores": cores, "compiled": {"available": ok, "reason": why, "build_s": build_s}, "results": results,
         "ceilings": ceilings, "best": {f"{d}/{n}": b for (d, n), b in best.items()},
         "fit": {f"{d}/{n}": f for (d, n), f in fits.items()}, "winner": winners[main_dtype], "winners": winners,
-        "contended": busy.get(main_dtype), "contended_by_dtype": busy, "table": table})
+        "contended": busy.get(main_dtype), "contended_by_dtype": busy, "blocks": blocks, "table": table})
     if a.out:
         with open(a.out, "w") as f:
             json.dump(data, f, indent=2)

@@ -216,11 +216,13 @@ class CompiledKernel(HostKernel):
         super().__init__(layout, threads)
         self.lib = host_ext.load()
         self._torch = GroupedKernel(layout, threads)
+        self.block_bytes = 0  # weight bytes per work item the threads take in turn (0: the kernel's 64 KB)
 
     def pair_outputs(self, x, tokens, experts, rows):
         if host_ext.kind_of(rows, self.layout) is None or not rows.is_contiguous():
             return self._torch.pair_outputs(x, tokens, experts, rows)
-        return host_ext.pair_outputs(self.lib, x, tokens, experts, rows, self.layout, self.threads)  # [P, H] fp32
+        return host_ext.pair_outputs(self.lib, x, tokens, experts, rows, self.layout, self.threads,
+                                     self.block_bytes)  # [P, H] fp32
 
 
 def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallback: bool = False) -> HostKernel:
