@@ -44,6 +44,9 @@
 #define MT 4
 #endif
 
+#ifndef PF_FP8
+#define PF_FP8 4096  // bytes; -DPF_FP8=0 turns the FP8 prefetch off
+#endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
@@ -124,7 +127,13 @@ static void dots(const uint8_t* const* w, const float* const* s, const float* co
   for (int r = 0; r < R; r++)
     for (int m = 0; m < M; m++) acc[r][m] = (vf){};
   const int64_t kv = K / VW * VW;
+  constexpr int64_t ES = KIND == BF16 ? 2 : KIND == F32 ? 4 : 1;  // bytes per weight
   for (int64_t k = 0; k < kv; k += VW) {
+    // FP8: a software prefetch PF_FP8 bytes ahead in each row's stream, once per cache line. Decoding
+    // costs more instructions per byte than bf16's shift, which left fewer loads in flight: from DRAM,
+    // one core streamed 2.4 GB/s of FP8 rows without it and 5.2 with it (bf16: no gain, not used).
+    if (KIND >= FP8 && PF_FP8 > 0 && (k * ES) % 64 == 0)
+      for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k * ES + PF_FP8, 0, 0);
     vf wv[R];
     for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, KIND >= FP8 ? s[r][k >> 7] : 1.0f);
     for (int m = 0; m < M; m++) {
