@@ -87,6 +87,8 @@ def build(cxx: str, out_dir: Path) -> Path:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set MOETIER_CXX") from None
     if version.returncode != 0:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} failed on --version: {_one_line(version.stderr)}")
+    if not SOURCE.is_file():  # an install without its package data (pyproject's package-data)
+        raise HostExtUnavailable(f"the kernel source {SOURCE} is missing from this install")
     src = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.stdout.encode(), cxx.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
