@@ -287,8 +287,9 @@ def test_switch_replays_pieces_only_while_misses_pay_for_them():
 # -- CUDA ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["grouped", "compiled"])
 @pytest.mark.parametrize("t", [1, 8, 32])
-def test_gpu_hybrid_against_resident(t):
+def test_gpu_hybrid_against_resident(t, kernel):
     from moetier.experts.store import HostStore
 
     lay = RowLayout(256, 128)
@@ -297,7 +298,7 @@ def test_gpu_hybrid_against_resident(t):
     host.copy_((torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16))
     res = ResidentExperts(host.cuda(), lay, 8, 32)
     runs = {"link": (1e6, 1e-3), "split": (50.0, 50.0), "host": (1e-3, 1e6)}
-    hyb = {n: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, "grouped", None,
+    hyb = {n: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, kernel, None,
                                                                           PathRates(a, {BF16: b})))
            for n, (a, b) in runs.items()}
     g = torch.Generator().manual_seed(t)
