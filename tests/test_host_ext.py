@@ -219,41 +219,6 @@ def test_cuda_path_with_fp8_rows_in_the_triton_interpreter(lib, monkeypatch):
     assert "ok" in run_script("hybrid_interpreter.py")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t", [1, 8])
-def test_gpu_hybrid_with_fp8_rows_against_resident(lib, t):
-    """FP8 rows in the exact-pinned host store; the CUDA path with the compiled host kernel: all over
-    the link bit-exact against resident, split and all-host within bf16 tolerance."""
-    from moetier.experts.store import HostStore
-
-    src = RowLayout(256, 128)
-    lay = RowLayout(256, 128, "fp8")
-    store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
-    host = store.rows(0)
-    host.copy_(fp8_rows((torch.randn(32, src.numel) * 0.05).to(torch.bfloat16), src))
-    res = ResidentExperts(host.cuda(), lay, 8, 32)
-    runs = {"link": (1e6, 1e-3), "split": (50.0, 50.0), "host": (1e-3, 1e6)}
-    hyb = {n: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None,
-                                                                          PathRates(a, {"fp8": b})))
-           for n, (a, b) in runs.items()}
-    g = torch.Generator().manual_seed(t)
-    for _ in range(6):
-        ids = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(t)]).cuda()
-        x = torch.randn(t, 256, generator=g).to(torch.bfloat16).cuda()
-        w = torch.rand(t, 8, generator=g).cuda()
-        want = res.forward(x, ids, w).clone()
-        for n, b in hyb.items():
-            got = b.forward(x, ids, w)
-            if n == "link":
-                assert torch.equal(got, want)
-            else:
-                assert rel(got, want) <= 2e-2, n
-    assert hyb["host"].stats()["misses"] == 0 and hyb["split"].stats()["host"] > 0
-    for b in hyb.values():
-        b.cache.check()
-
-
 def test_fp8_hybrid_is_no_longer_refused_and_rates_key_fp8():
     from moetier.experts.placement import ExpertOptions
     from moetier.experts.shape import MoeShape

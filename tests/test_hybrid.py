@@ -287,19 +287,24 @@ def test_switch_replays_pieces_only_while_misses_pay_for_them():
 # -- CUDA ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", ["bf16", "fp8"])
 @pytest.mark.parametrize("kernel", ["grouped", "compiled"])
 @pytest.mark.parametrize("t", [1, 8, 32])
-def test_gpu_hybrid_against_resident(t, kernel):
+def test_gpu_hybrid_against_resident(t, kernel, rows):
     from moetier.experts.store import HostStore
+    from tests.test_host_ext import fp8_rows
 
     lay = RowLayout(256, 128)
+    src = (torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16)
+    if rows == "fp8":  # the same weights quantized: FP8 rows in the exact-pinned store
+        src, lay = fp8_rows(src, lay), RowLayout(256, 128, "fp8")
     store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
     host = store.rows(0)
-    host.copy_((torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16))
+    host.copy_(src)
     res = ResidentExperts(host.cuda(), lay, 8, 32)
     runs = {"link": (1e6, 1e-3), "split": (50.0, 50.0), "host": (1e-3, 1e6)}
     hyb = {n: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, kernel, None,
-                                                                          PathRates(a, {BF16: b})))
+                                                                          PathRates(a, {BF16: b, "fp8": b})))
            for n, (a, b) in runs.items()}
     g = torch.Generator().manual_seed(t)
     for _ in range(6):
@@ -312,7 +317,8 @@ def test_gpu_hybrid_against_resident(t, kernel):
             if n == "link":
                 assert torch.equal(got, want)
             else:
-                # host pairs round their outputs to bf16 where the device kernel keeps fp32: 1e-2 of the
+                # grouped's host pairs round their outputs to bf16 where the device kernel keeps fp32 (the
+                # compiled kernel's FP8 weights and SwiGLU round as the device's do): 1e-2 of the
                 # norm, and 2e-2 of the largest value elementwise (cancellation in the k-sum)
                 d = got.float() - want.float()
                 assert d.norm() <= 1e-2 * want.float().norm(), n
