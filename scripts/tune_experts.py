@@ -23,10 +23,10 @@ from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 
 CALLS = 20
-# FP8 tiles hold half the bytes of bf16 ones: the sweep adds wider K tiles and narrower N tiles (more
-# programs) so as many bytes are in flight per program as for bf16.
-FP8_SWEEP = sorted(set(SWEEP) | {(16, 128, 4), (32, 512, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4),
-                                 (128, 128, 8), (16, 256, 2), (32, 128, 2)})
+FP8_SWEEP = [(16, 128, 4), (32, 128, 2), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+             (128, 64, 4), (128, 128, 4), (128, 128, 8)]  # K tiles past 128 gather a scale per element: slow
+GEMV_SWEEP = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
+              (16, 512, 8), (16, 128, 4), (64, 128, 4)]
 
 
 def rows_for(quant: str | None, layout: RowLayout, e: int) -> torch.Tensor:
@@ -88,12 +88,20 @@ def main() -> None:
                         pair_gemv.expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.h, out_t)
                 timed("gemv", gemv)
             default = GemmConfig()
-            base = timed("default", grouped(default), (default.gate_up, default.down))
-            gu = {c: timed("gate_up", grouped(GemmConfig(c, default.down)), c) for c in sweep}
-            bgu = min(gu, key=gu.get)
-            dn = {c: timed("down", grouped(GemmConfig(bgu, c)), c) for c in sweep}
-            bdn = min(dn, key=dn.get)
-            best[f"{dt} T={t}"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+            base = timed("default", grouped(default), default.decode_blocks(quant))
+            if not (quant and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks
+                gu = {c: timed("gate_up", grouped(default.with_decode(quant, gate_up=c)), c) for c in sweep}
+                bgu = min(gu, key=gu.get)
+                dn = {c: timed("down", grouped(default.with_decode(quant, bgu, c)), c) for c in sweep}
+                bdn = min(dn, key=dn.get)
+                best[f"{dt} T={t}"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+            if quant and t == 1:  # one token on FP8 rows runs the GEMV (fp8_gemv.py): its own blocks
+                gu = {c: timed("gemv_gu", grouped(GemmConfig(fp8_gemv_gate_up=c)), c) for c in GEMV_SWEEP}
+                bgu = min(gu, key=gu.get)
+                dn = {c: timed("gemv_dn", grouped(GemmConfig(fp8_gemv_gate_up=bgu, fp8_gemv_down=c)), c)
+                      for c in GEMV_SWEEP}
+                bdn = min(dn, key=dn.get)
+                best[f"{dt} T={t} gemv"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
     print("\nbest per dtype and tokens (us per call, default -> tuned):")
     for key, b in best.items():
         print(f"  {key:10s} gate_up {str(b['gate_up']):16s} down {str(b['down']):16s} "
