@@ -33,7 +33,7 @@ import triton.language as tl
 
 SCALE_BLOCK = 128
 # (BLOCK_N, BLOCK_K, num_warps) of gate_up and down; BLOCK_K a multiple of 128 (whole scale blocks)
-GATE_UP = (16, 512, 4)
+GATE_UP = (8, 1024, 4)
 DOWN = (16, 256, 4)
 
 
