@@ -4,8 +4,7 @@ The step protocol (rank 0's side: dist/executor.py), per step with at least one 
     rank 0:  broadcast_object_list([StepInput])  -> every rank runs model.forward on the same tokens,
              positions and page tables (the collectives inside the forward pair up in the same order
              on every rank) -> rank 0 alone computes logits and samples
-    workers: broadcast_object_list([None]) receives it, ModelRunner.run_worker_step(step) (graph
-             replays where rank 0 replays: both captured the same sizes at start, in lockstep)
+    workers: broadcast_object_list([None]) receives it, ModelRunner.forward_only(step)
     shutdown: rank 0 broadcasts None; workers leave the group and exit.
 The scheduler and the page pool live on rank 0 only; a worker's KV cache has the same pages (the
 page tables arrive in the StepInput) holding its own kv heads.
@@ -75,21 +74,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
     kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step
-    graphs = None
-    if uses_graphs(config, model, device):
-        from moetier.engine.graphs import decode_graphs
-
-        graphs = decode_graphs(model, kv, config, config.model_len(model.cfg.max_position_embeddings))
-    return ModelRunner(model, kv, graphs)
-
-
-def uses_graphs(config: EngineConfig, model, device: str) -> bool:
-    """Whether this worker captures decode graphs: exactly when rank 0 does (engine/llm.py: CUDA, graphs
-    on, no trace recorder, no piecewise backend), so the captures' warm-up collectives pair up."""
-    from moetier.engine.piecewise import needs_pieces
-
-    return (device.startswith("cuda") and config.cuda_graphs and config.record_trace is None
-            and not needs_pieces(model))
+    return ModelRunner(model, kv, None)
 
 
 def serve(runner) -> None:
@@ -99,4 +84,4 @@ def serve(runner) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return
-        runner.run_worker_step(box[0])
+        runner.forward_only(box[0])

@@ -47,19 +47,6 @@ class ModelRunner:
         (dist/worker.py; rank 0 samples). Writes the step's KV like execute()."""
         return self._forward(step.seqs)[0]
 
-    @torch.inference_mode()
-    def run_worker_step(self, step: StepInput) -> None:
-        """A worker rank's step (dist/worker.py): the forward rank 0 runs, graph-replayed when rank 0's
-        is (the same fits() on the same seqs), without sampling. Waits for the GPU before returning."""
-        if self.graphs is not None and self.graphs.fits(step.seqs):
-            self.graphs.run(step.seqs, sample=False)
-            # NOTE: the next step rewrites the graphs' pinned input blocks; rank 0 is protected by
-            # reading its tokens back, a worker by this wait
-            torch.cuda.current_stream().synchronize()
-            self.graph_steps += 1
-            return
-        self._forward(step.seqs)
-
     def _forward(self, seqs: list[SeqStep]):
         dev = self.model.device
         ids = [t for s in seqs for t in s.token_ids]
