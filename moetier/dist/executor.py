@@ -164,6 +164,10 @@ class DistributedRunner:
     def graph_steps(self) -> int:
         return self.inner.graph_steps
 
+    @property
+    def graphs(self):
+        return self.inner.graphs  # None: a parallel engine decodes eagerly (for now)
+
     def execute(self, step: StepInput) -> StepOutput:
         if not step.seqs:
             return self.inner.execute(step)  # nothing runs: nothing to broadcast

@@ -66,7 +66,9 @@ def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
     if dist.is_initialized():
         raise MoetierError("this process already belongs to a torch.distributed group (another parallel "
                            "engine that was not closed?); call close() on it first")
-    par = Parallel(rank, rdv.world, tp, ep)  # validates the layout before anything connects
+    from moetier.dist.timing import CollectiveTimer
+
+    par = Parallel(rank, rdv.world, tp, ep, timer=CollectiveTimer())  # validates before anything connects
     try:
         dist.init_process_group(rdv.backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world,
                                 timeout=timedelta(seconds=rdv.timeout_s))
