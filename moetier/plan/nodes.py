@@ -78,10 +78,15 @@ def node_problems(shares: Sequence[RankShare], seen: Sequence[RankMemory]) -> li
 
 
 def this_node() -> str:
+    """'hostname (ip)': inside a Ray actor or driver the node address Ray uses (the one the other
+    nodes reach), else what the hostname resolves to."""
+    import sys
+
     name = socket.gethostname()
+    ray = sys.modules.get("ray")
     try:
-        ip = socket.gethostbyname(name)
-    except OSError:
+        ip = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else socket.gethostbyname(name)
+    except Exception:  # noqa: BLE001 -- a name that does not resolve: the hostname still names the node
         ip = "?"
     return f"{name} ({ip})"
 
