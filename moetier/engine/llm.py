@@ -95,8 +95,8 @@ class LLM:
         self._workers, self.parallel = None, None
         if config.world_size > 1:
             # ranks 1..N-1 in other processes, this process is rank 0 (moetier/dist, docs/parallel.md)
-            self._start_workers(model_dir, dtype, device, experts or ExpertOptions(), config,
-                                config_from_dir(model_dir), rank_plans)
+            device = self._start_workers(model_dir, dtype, device, experts or ExpertOptions(), config,
+                                         config_from_dir(model_dir), rank_plans)
         try:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
@@ -112,9 +112,11 @@ class LLM:
         self._audit("after graph capture", baseline)
 
     def _start_workers(self, source: Any, dtype: str, device: str, experts: ExpertOptions, config: EngineConfig,
-                       cfg: Any, rank_plans: Any) -> None:
+                       cfg: Any, rank_plans: Any) -> str:
         """Refuse a layout the model cannot split (before anything starts), start ranks 1..N-1 with
-        the configured executor, join as rank 0: sets self.parallel and self._workers."""
+        the configured executor, join as rank 0: sets self.parallel and self._workers. -> rank 0's
+        device, with its index on CUDA (the executor chose it: Ray may reserve another GPU than 0),
+        so that threads other than this one (AsyncLLM's) allocate on the same GPU."""
         from moetier.checkpoint.loader import check_parallel
         from moetier.dist.executor import spec_for, start
         from moetier.layers.parallel import Parallel
@@ -122,6 +124,7 @@ class LLM:
         check_parallel(cfg, experts, config.decode_tokens,
                        Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
         self.parallel, self._workers = start(spec_for(source, dtype, device, experts, config), rank_plans)
+        return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
 
     @classmethod
     def from_random(cls, random: Any, dtype: str = "auto", device: str = "auto", config: EngineConfig | None = None,
@@ -145,8 +148,8 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        self._start_workers(random, dtype, device, random.options(cfg, config.expert_parallel_size), config, cfg,
-                            rank_plans)
+        device = self._start_workers(random, dtype, device, random.options(cfg, config.expert_parallel_size), config,
+                                     cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
             self._workers.ready()

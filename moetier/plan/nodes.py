@@ -155,9 +155,11 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
         out = []
         for i in items:
             if i.name.startswith("dense: decoder layers"):
-                i = replace(i, bytes=i.bytes - cut, allocated=max(0, i.allocated - cut), note=i.note + f"; 1/{tp} of the split weights")
+                i = replace(i, bytes=i.bytes - cut, allocated=max(0, i.allocated - cut),
+                            note=f"{i.note}; 1/{tp} of the split weights")
             elif i.name.startswith("KV pages"):
-                i = replace(i, bytes=i.bytes // tp, allocated=i.allocated // tp, note=i.note + f"; 1/{tp} of the kv heads")
+                i = replace(i, bytes=i.bytes // tp, allocated=i.allocated // tp,
+                            note=f"{i.note}; 1/{tp} of the kv heads")
             out.append(i)
         return out
 
