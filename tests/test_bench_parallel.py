@@ -85,3 +85,14 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
     assert same["slots@0.25/b4/ep2"] and same["slots@0.25/b1"] and not any("tp2" in k for k in same)
     text = decode.table(rows)
     assert "ep2:slots" in text and "all-reduce" in text
+
+
+def test_cli_refuses_bad_rows_in_one_line():
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    for args, needle in ((["--parallel", "gpu2"], "like 1,tp2,ep2"),
+                         (["--parallel", "1,tp2", "--model", "."], "--parallel rows run random weights")):
+        r = CliRunner().invoke(app, ["bench", "decode", *args])
+        assert r.exit_code == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
