@@ -57,8 +57,10 @@ def roofline(bed: Bed, batch: int, step_experts: float, link_experts: float, hbm
             "roofline_tok_s": batch / seconds}
 
 
-def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int) -> dict:
-    """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens."""
+def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int,
+                on_timed=None) -> dict:
+    """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens
+    (on_timed() is called as the timed window opens: the collective timer of parallel rows starts)."""
     g = torch.Generator().manual_seed(seed)
     vocab = llm.tokenizer.vocab_size
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
@@ -72,6 +74,8 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
     step_times = []
     if llm.model.device.type == "cuda":
         torch.cuda.synchronize()
+    if on_timed is not None:
+        on_timed()
     t0 = last = time.perf_counter()
     while llm.has_unfinished():
         llm.step()  # its sampled tokens were read back: the step is complete
@@ -117,7 +121,7 @@ def warm_all(model: CausalLM) -> None:
     """Slots for every expert: place them all before timing, the cache's steady state (otherwise the
     timed window would still be paying each expert's first fill)."""
     for block in model.moe_blocks():
-        b = block.experts
+        b = getattr(block.experts, "inner", block.experts)  # under EP: the rank's own backend
         if isinstance(b, SlotExperts) and b.cache.num_slots == b.cache.num_experts:
             miss = b.cache.warm(list(range(b.cache.num_experts)))
             n = int(miss.count)
@@ -235,10 +239,14 @@ def bed_dtype(bed: Bed) -> str:
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
         args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None,
-        dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None) -> dict:
+        dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None,
+        layouts: tuple[tuple[int, int], ...] = ((1, 1),)) -> dict:
     """Every backend row for each expert format in `dtypes` ("bf16", "fp8": random weights with the
     experts in FP8 rows), one bed at a time, side by side in one record. bed / beds and bw: models
-    already built and bandwidths already measured (tests on the CPU)."""
+    already built and bandwidths already measured (tests on the CPU). layouts: (tp, ep) of the rows; (1, 1)
+    is one GPU, the others run over several ranks after the one-GPU bed is freed (decode_parallel.py)."""
+    from moetier.bench.decode_parallel import parallel_rows
+
     from moetier.traces.format import read_trace
 
     if bed is not None and len(dtypes) > 1:
@@ -261,13 +269,17 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         label = bed_dtype(b)
         configs[label] = {"row_bytes": b.row_bytes, "dense_bytes": b.dense_bytes,
                           "expert_bytes": b.row_bytes * cfg.num_experts * len(b.host)}
-        rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends, args, bw,
-                                                         errors)]
+        if (1, 1) in layouts:
+            rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends,
+                                                             args, bw, errors)]
         for block in b.model.moe_blocks():
             block.experts = None  # let this bed's device rows go before the next is built
         del b
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        for tp, ep in (lay for lay in layouts if lay != (1, 1)):
+            rows += [{**r, "dtype": label} for r in parallel_rows(cfg, trace, trace_path, tp, ep, budgets, batches,
+                                                                  backends, args, bw, dtype)]
     same = check_tokens(rows)
     first = next(iter(configs.values()))
     return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
@@ -308,14 +320,18 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
     """Greedy tokens of every engine row against resident's at the same batch and expert format (same
     trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8."""
-    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"}
+    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"
+           and r.get("parallel", "1") == "1"}
     out = {}
     for r in rows:
+        par = r.get("parallel", "1")  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
+        if "tp" in par:
+            continue
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
-            key += "/fp8" if r.get("dtype") == "fp8" else ""
+            key += ("/fp8" if r.get("dtype") == "fp8" else "") + ("" if par == "1" else "/" + par)
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
@@ -331,6 +347,9 @@ def table(rows: list[dict]) -> str:
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
+        if r.get("parallel", "1") != "1":  # rank 0's experts and rooflines; the all-reduce time per step
+            name = f"{r['parallel']}:{name}"
+            host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
         lines.append(f"{name:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
@@ -351,7 +370,7 @@ def ratios(rows: list[dict]) -> list[str]:
 
 
 def plot(result: dict, path: str) -> None:
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r.get("parallel", "1") == "1"]  # the budget curve of one GPU
     batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
     budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
     fig, axes = batch_axes(batches)

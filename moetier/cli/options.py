@@ -58,6 +58,21 @@ TensorParallel = Annotated[int, typer.Option(
 ExpertParallel = Annotated[int, typer.Option(
     "--ep", help="Expert-parallel ranks: each of N processes holds 1/N of the routed experts (expert e on rank "
     "e % N). With --tp, equal to it or 1.")]
+DistributedExecutor = Annotated[str, typer.Option(
+    "--distributed-executor", help="Who starts the other ranks of --tp/--ep: mp (processes on this machine, one "
+    "per GPU) or ray (Ray actors, one per GPU on the nodes of a Ray cluster; pip install 'moetier[ray]').")]
+
+
+def executor(name: str) -> str:
+    """--distributed-executor, checked at once: an unknown name, or ray without ray installed, is one
+    line before anything loads."""
+    if name not in ("mp", "ray"):
+        raise MoetierError(f"--distributed-executor {name!r}: choose mp or ray")
+    if name == "ray":
+        from moetier.dist.ray_executor import import_ray
+
+        import_ray()
+    return name
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,

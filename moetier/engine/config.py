@@ -41,6 +41,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     dist_timeout_s: float = 600.0
+    # Who starts ranks 1..N-1: "mp" spawns them on this machine (rank r on cuda:r), "ray" places one
+    # Ray actor per GPU (or CPU rank) on a Ray cluster, any node (dist/ray_executor.py; pip install
+    # 'moetier[ray]'). Rank 0 is this process either way.
+    distributed_executor: str = "mp"
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -70,6 +74,8 @@ class EngineConfig:
             out += layout_problems(max(tp, ep), tp, ep)
         else:
             out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
+        if self.distributed_executor not in ("mp", "ray"):
+            out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

@@ -77,12 +77,14 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
                  experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
                  progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
-                 **options: Any):
+                 rank_plans: Any = None, **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
         EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
         decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`.
         plan: the memory plan preflight made (moetier/plan); on CUDA it is audited after loading and
-        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading."""
+        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading.
+        rank_plans: with several ranks, each rank's memory share (plan/nodes.RankPlans), checked against
+        every node's free memory before any rank loads."""
         config = EngineConfig.of(config, **options)
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
@@ -90,21 +92,13 @@ class LLM:
         device = pick_device(device)
         self.plan, self.audits, self._on_audit = plan, [], on_audit
         baseline = self._measure() if plan is not None and device == "cuda" else None
-        self._workers, par = None, None
+        self._workers, self.parallel = None, None
         if config.world_size > 1:
-            # ranks 1..N-1 in spawned processes, this process is rank 0 (moetier/dist, docs/parallel.md)
-            if config.replay_trace is not None:
-                raise MoetierError("--replay-trace with several ranks is not supported yet: the workers would "
-                                   "route by their own routers; replay in one process")
-            from moetier.checkpoint.loader import check_parallel
-            from moetier.dist.executor import spec_for, start
-            from moetier.layers.parallel import Parallel
-
-            check_parallel(config_from_dir(model_dir), experts or ExpertOptions(), config.decode_tokens,
-                           Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
-            par, self._workers = start(spec_for(model_dir, dtype, device, experts or ExpertOptions(), config))
+            # ranks 1..N-1 in other processes, this process is rank 0 (moetier/dist, docs/parallel.md)
+            device = self._start_workers(model_dir, dtype, device, experts or ExpertOptions(), config,
+                                         config_from_dir(model_dir), rank_plans)
         try:
-            kw = {} if par is None else {"parallel": par}
+            kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
                                                     decode_tokens=config.decode_tokens, progress=progress, **kw)
             if self._workers is not None:
@@ -116,6 +110,55 @@ class LLM:
         self._audit("after load", baseline)
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
         self._audit("after graph capture", baseline)
+
+    def _start_workers(self, source: Any, dtype: str, device: str, experts: ExpertOptions, config: EngineConfig,
+                       cfg: Any, rank_plans: Any) -> str:
+        """Refuse a layout the model cannot split (before anything starts), start ranks 1..N-1 with
+        the configured executor, join as rank 0: sets self.parallel and self._workers. -> rank 0's
+        device, with its index on CUDA (the executor chose it: Ray may reserve another GPU than 0),
+        so that threads other than this one (AsyncLLM's) allocate on the same GPU."""
+        from moetier.checkpoint.loader import check_parallel
+        from moetier.dist.executor import spec_for, start
+        from moetier.layers.parallel import Parallel
+
+        check_parallel(cfg, experts, config.decode_tokens,
+                       Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
+        self.parallel, self._workers = start(spec_for(source, dtype, device, experts, config), rank_plans)
+        return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+
+    @classmethod
+    def from_random(cls, random: Any, dtype: str = "auto", device: str = "auto", config: EngineConfig | None = None,
+                    rank_plans: Any = None, **options: Any) -> LLM:
+        """Random weights of a preset shape (checkpoint/random_bed.RandomModel), made in memory: in one
+        process, or over tensor/expert-parallel ranks that each make their own share (the server's
+        --preset, bench decode's parallel rows). self.bed: rank 0's share (row sizes for rooflines)."""
+        from moetier.checkpoint.loader import resolve_dtype
+        from moetier.checkpoint.random_bed import build_random
+        from moetier.presets import preset
+
+        config = EngineConfig.of(config, **options)
+        device = pick_device(device)
+        cfg = preset(random.preset, random.layers)
+        torch_dtype = resolve_dtype("bfloat16" if dtype == "auto" else dtype, cfg)
+        if config.world_size == 1:
+            bed = build_random(random, torch_dtype, device, config.decode_tokens)
+            self = cls.from_model(bed.model, bed.tokenizer, config)
+            self.bed = bed
+            return self
+        self = cls.__new__(cls)
+        self._workers, self.load_report = None, None
+        self.plan, self.audits, self._on_audit = None, [], None
+        device = self._start_workers(random, dtype, device, random.options(cfg, config.expert_parallel_size), config,
+                                     cfg, rank_plans)
+        try:
+            self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
+            self._workers.ready()
+        except BaseException:
+            self._workers.stop(graceful=False)
+            raise
+        eos = set(self.bed.cfg.eos_token_ids) | set(self.bed.tokenizer.eos_token_ids)
+        self._setup(self.bed.model, self.bed.tokenizer, eos, None, config)
+        return self
 
     @staticmethod
     def _measure() -> dict:
@@ -145,7 +188,7 @@ class LLM:
         if config.world_size > 1:
             raise MoetierError("LLM.from_model runs one process; tensor or expert parallelism needs a checkpoint "
                                "directory (LLM(model_dir, tensor_parallel_size=N)): every rank loads its share")
-        self._workers = None
+        self._workers, self.parallel = None, None
         self.load_report: LoadReport | None = None
         self.plan, self.audits, self._on_audit = None, [], None
         eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
