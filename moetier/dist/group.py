@@ -70,8 +70,11 @@ def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
 
     par = Parallel(rank, rdv.world, tp, ep, timer=CollectiveTimer())  # validates before anything connects
     try:
+        # NCCL: bind the group to this rank's GPU (set by the caller before joining), so barriers and
+        # object collectives never guess the device
+        device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if rdv.backend == "nccl" else {}
         dist.init_process_group(rdv.backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world,
-                                timeout=timedelta(seconds=rdv.timeout_s))
+                                timeout=timedelta(seconds=rdv.timeout_s), **device)
     except (RuntimeError, ValueError) as e:
         raise MoetierError(f"rank {rank} could not join the process group at {rdv.init_method} "
                            f"({rdv.backend}): {e}") from None
