@@ -37,6 +37,7 @@ def generate(
     expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
+    fp8_dense: opt.Fp8Dense = "dequantize",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -75,7 +76,7 @@ def generate(
         # NOTE: with --tp/--ep the memory plan below is still one process's (conservative per rank)
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
                                    record_trace=record_trace, replay_trace=replay_trace,
-                                   tensor_parallel_size=tp, expert_parallel_size=ep)
+                                   tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense)
         plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
         with ByteBar("loading") as bar:
             llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,

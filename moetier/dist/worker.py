@@ -70,7 +70,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
     config = spec.config
     _, model, _ = load_model(spec.model_dir, dtype=spec.dtype, device=device, experts=spec.experts,
-                             decode_tokens=config.decode_tokens, parallel=par)
+                             decode_tokens=config.decode_tokens, parallel=par, fp8_dense=config.fp8_dense)
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
     kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step

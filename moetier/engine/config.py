@@ -41,6 +41,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     dist_timeout_s: float = 600.0
+    # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
+    # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
+    # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
+    fp8_dense: str = "dequantize"
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -70,6 +74,8 @@ class EngineConfig:
             out += layout_problems(max(tp, ep), tp, ep)
         else:
             out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
+        if self.fp8_dense not in ("dequantize", "fp8"):
+            out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

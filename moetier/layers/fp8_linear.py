@@ -6,8 +6,8 @@ FP8 (EngineConfig.fp8_dense = "fp8") instead of dequantized at load (docs/fp8.md
     linear(x, w, bias)   y [M, N] = x [M, K] @ dequant(w)^T (+ bias), in x.dtype; the layers call it
                    instead of F.linear, whatever w is (a plain tensor goes to F.linear)
     dense_weight() a layer's weight: a parameter in the model dtype, or an Fp8Weight when FP8 dense
-                   is on and the fused parts' row boundaries fall on scale blocks (else the weight
-                   is dequantized at load as before: the fallback is per weight)
+                   is on and the fused parts' row boundaries fall on scale blocks (fusable; else the
+                   weight is dequantized at load as before: the fallback is per weight)
 
 Every path computes with fp8.dequantize's weights exactly: fp32(q) * scale rounded once to x.dtype.
 
@@ -101,15 +101,11 @@ def fusable(parts: tuple[int, ...], whole: bool = False) -> bool:
     return all(p % fp8.BLOCK == 0 for p in cut)
 
 
-def dense_weight(n: int, k: int, dtype: torch.dtype, device: torch.device | str, fp8_dense: bool = False,
-                 parts: tuple[int, ...] = (), whole: bool = False) -> nn.Parameter | Fp8Weight:
-    """A layer's [N, K] weight: an Fp8Weight when fp8_dense and fusable(parts, whole) (parts: the
-    row sizes of the checkpoint tensors fused into it; () for one tensor), else a parameter in dtype.
-    NOTE: whole=True where tensor parallelism splits the weight's rows or columns across ranks: each
-    rank's part must then start on a scale block too (pass the split sizes in parts)."""
-    if fp8_dense and fusable(parts or (n,), whole):
-        return Fp8Weight(n, k, device)
-    return param(n, k, dtype=dtype, device=device)
+def dense_weight(n: int, k: int, dtype: torch.dtype, device: torch.device | str, fp8_dense: bool = False
+                 ) -> nn.Parameter | Fp8Weight:
+    """A layer's [N, K] weight: an Fp8Weight when fp8_dense, else a parameter in dtype. Callers pass
+    fp8_dense only where the block rule holds for their fused parts and splits (fusable)."""
+    return Fp8Weight(n, k, device) if fp8_dense else param(n, k, dtype=dtype, device=device)
 
 
 def rows_of(w: torch.Tensor | Fp8Weight, start: int, stop: int) -> torch.Tensor | Fp8Rows:
