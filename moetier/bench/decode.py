@@ -229,15 +229,25 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
 
 
 def bed_dtype(bed: Bed) -> str:
-    """The row label of a bed's expert format: fp8, or the model dtype (bf16, float32)."""
-    return "fp8" if bed.cfg.quant == "fp8" else {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
+    """The row label of a bed's weight format: fp8-dense (FP8 experts and dense projections), fp8
+    (FP8 experts, dense in the model dtype), or the model dtype (bf16, float32)."""
+    if bed.cfg.quant == "fp8":
+        return "fp8-dense" if bed.cfg.dense_quant == "fp8" else "fp8"
+    return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
+
+
+def make_bed(cfg: ModelConfig, dtype: str, seed: int) -> Bed:
+    """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
+    dense projections, layers/fp8_linear.py)."""
+    return random_bed(cfg, seed, quant=None if dtype == "bf16" else "fp8", fp8_dense=dtype == "fp8-dense")
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
         args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None,
         dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None) -> dict:
-    """Every backend row for each expert format in `dtypes` ("bf16", "fp8": random weights with the
-    experts in FP8 rows), one bed at a time, side by side in one record. bed / beds and bw: models
+    """Every backend row for each weight format in `dtypes` ("bf16"; "fp8": random weights with the
+    experts in FP8 rows; "fp8-dense": the dense projections in FP8 too), one bed at a time, side by
+    side in one record. bed / beds and bw: models
     already built and bandwidths already measured (tests on the CPU)."""
     from moetier.traces.format import read_trace
 
@@ -252,8 +262,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         elif bed is not None:
             b = bed
         else:
-            b = loaded_bed(model_path) if model_path else random_bed(cfg, args["seed"],
-                                                                      quant="fp8" if dtype == "fp8" else None)
+            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"])
         build_s += time.perf_counter() - t0
         if bw is None:  # measured once, with the first bed's rows
             link = links(row_bytes=b.row_bytes)
@@ -298,7 +307,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
             print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
         print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
-    if "hf" in backends and bed_dtype(bed) != "fp8":  # the transformers peer runs bf16 experts only
+    if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
         for budget in budgets:
             rows += bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
             print(table(rows[-1:]), flush=True)
@@ -307,7 +316,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
     """Greedy tokens of every engine row against resident's at the same batch and expert format (same
-    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8."""
+    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8 (or /fp8-dense)."""
     ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"}
     out = {}
     for r in rows:
@@ -315,7 +324,7 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
-            key += "/fp8" if r.get("dtype") == "fp8" else ""
+            key += f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else ""
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
@@ -331,7 +340,7 @@ def table(rows: list[dict]) -> str:
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
-        lines.append(f"{name:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
@@ -339,14 +348,16 @@ def table(rows: list[dict]) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
-    """FP8 tok/s over bf16 tok/s for each (backend, budget, batch) measured in both formats."""
+    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, and
+    FP8 dense over dequantized dense (fp8-dense over fp8)."""
     by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
     out = []
     for (backend, budget, batch, dtype), tok_s in by.items():
-        base = by.get((backend, budget, batch, "bf16"))
-        if dtype == "fp8" and base:
+        over = {"fp8": "bf16", "fp8-dense": "fp8"}.get(dtype)
+        base = by.get((backend, budget, batch, over))
+        if base:
             where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
-            out.append(f"fp8/bf16 {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
+            out.append(f"{dtype}/{over} {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
     return out
 
 

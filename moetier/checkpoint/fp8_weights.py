@@ -36,9 +36,9 @@ def with_dense(cfg: ModelConfig, fp8_dense: str) -> ModelConfig:
     if fp8_dense not in FP8_DENSE:
         raise MoetierError(f"fp8_dense {fp8_dense!r}: choose dequantize or fp8")
     if fp8_dense == "fp8" and cfg.quant != "fp8":
-        raise MoetierError("fp8_dense \"fp8\" (--fp8-dense fp8) keeps an FP8 checkpoint's dense weights in FP8, but this model is "
-                           "not FP8 (no quantization_config); use fp8_dense \"dequantize\" or an FP8 checkpoint "
-                           "(moetier make-checkpoint --dtype fp8)")
+        raise MoetierError("fp8_dense \"fp8\" (--fp8-dense fp8) keeps an FP8 checkpoint's dense weights in FP8, "
+                           "but this model is not FP8 (no quantization_config); use fp8_dense \"dequantize\" or an "
+                           "FP8 checkpoint (moetier make-checkpoint --dtype fp8)")
     return dataclasses.replace(cfg, dense_quant="fp8" if fp8_dense == "fp8" else None)
 
 

@@ -61,8 +61,8 @@ class LoadReport:
     checkpoint_bytes: int
     tensors: int
     expert_bytes: dict[str, int] = field(default_factory=dict)  # by tier: device, host
-    dense_bytes: int = 0  # every weight besides the routed experts, as held (FP8 weights: q + scales)
     notes: list[str] = field(default_factory=list)
+    dense_bytes: int = 0  # every weight besides the routed experts, as held (FP8 weights: q + scales)
 
 
 # safetensors dtype codes -> bytes per element (for the progress total, from the headers alone)
