@@ -13,15 +13,12 @@ import torch.nn.functional as F
 from moetier.experts import fp8
 from moetier.layers.fp8_linear import Fp8Weight, fusable, linear, linear_reference
 
-# qkv rows q 256 | k 128 | v 128 and a dense layer of I 256: every fused part on scale blocks, so
-# qkv, o, w13 and w2 are all held in FP8; MoE experts small.
-ALIGNED = {
-    "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "moe_intermediate_size": 64,
-    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "rope_theta": 10000.0,
-    "max_position_embeddings": 512, "tie_word_embeddings": False, "mlp_only_layers": [1],
-    "torch_dtype": "float32",
-}
+from tests.test_fp8_checkpoint import RAGGED, logits_of
+
+# test_fp8_checkpoint's ragged shape made block-aligned: qkv rows q 256 | k 128 | v 128 and a dense
+# layer of I 256 put every fused part on scale blocks, so qkv, o, w13 and w2 are all held in FP8.
+ALIGNED = {**RAGGED, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": 128, "moe_intermediate_size": 64}
 
 
 @pytest.fixture
@@ -120,7 +117,6 @@ def fp8_ckpt(tmp_path, preset):
 def test_fp8_dense_loads_to_the_same_logits_in_fewer_bytes(tmp_path, aligned, preset):
     from moetier.checkpoint.loader import load_model
     from moetier.plan.residents import dense_weights
-    from tests.test_fp8_checkpoint import logits_of
 
     path = fp8_ckpt(tmp_path, preset)
     out = {}
