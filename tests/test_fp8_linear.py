@@ -15,10 +15,11 @@ from moetier.layers.fp8_linear import Fp8Weight, fusable, linear, linear_referen
 
 from tests.test_fp8_checkpoint import RAGGED, logits_of
 
-# test_fp8_checkpoint's ragged shape made block-aligned: qkv rows q 256 | k 128 | v 128 and a dense
-# layer of I 256 put every fused part on scale blocks, so qkv, o, w13 and w2 are all held in FP8.
+# test_fp8_checkpoint's ragged shape made block-aligned: qkv rows q 256 | k 256 | v 256 and a dense
+# layer of I 256 put every fused part on scale blocks, so qkv, o, w13 and w2 are all held in FP8
+# (and under tensor parallelism 2 each rank's parts are 128 rows: still on the blocks).
 ALIGNED = {**RAGGED, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-           "num_key_value_heads": 1, "head_dim": 128, "moe_intermediate_size": 64}
+           "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 64}
 
 
 @pytest.fixture
@@ -152,6 +153,26 @@ def test_engine_generates_the_same_tokens(tmp_path, aligned):
         toks[mode] = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
         llm.close()
     assert toks["fp8"] == toks["dequantize"] and len(toks["fp8"]) == 6
+
+
+def test_tensor_parallel_fp8_dense_matches_one_process(tmp_path, aligned):
+    """Two ranks over gloo, each loading its rows and columns of the FP8 weights and of their scale
+    grids: the logits of one process (fp32 tolerance: the split GEMMs sum in another order)."""
+    from moetier import LLM
+    from tests.test_tp import ENGINE, close_enough, logits_of as tp_logits
+
+    path = fp8_ckpt(tmp_path, aligned)
+    one = LLM(path, dtype="float32", fp8_dense="fp8", **ENGINE)
+    ref = tp_logits(one)
+    llm = LLM(path, dtype="float32", fp8_dense="fp8", tensor_parallel_size=2, **ENGINE)
+    try:
+        assert {n.rsplit(".", 1)[-1] for n, m in llm.model.named_modules() if isinstance(m, Fp8Weight)} == {
+            "qkv", "o", "w13", "w2"}
+        assert llm.model.layers[1].mlp.w13.scale.shape == (2, 2)  # [gate_r; up_r] of 128 rows each
+        for got, want in zip(tp_logits(llm), ref):
+            close_enough(got, want)
+    finally:
+        llm.close()
 
 
 def test_plan_counts_fp8_dense_bytes(aligned):

@@ -128,6 +128,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
 
     n, k = w.shape
     x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
     if x2.shape[0] > DECODE_MAX_M:
         y = F.linear(x2, kernels.dequantize(w.q, w.scale, x.dtype), bias)
     else:
