@@ -40,15 +40,17 @@ def need_modules(*names: str, why: str) -> None:
 
 
 EXPERT_DTYPES = ("bf16", "fp8")
+WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
 
 
-def parse_dtypes(text: str) -> list[str]:
-    """'bf16,fp8' -> ['bf16', 'fp8']: the expert formats whose rows run side by side."""
+def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8']: the weight formats whose rows run side by side."""
     names = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in names if d not in EXPERT_DTYPES]
+    bad = [d for d in names if d not in allowed]
     if bad or not names or len(set(names)) != len(names):
-        raise MoetierError(f"--dtype {text!r}: give bf16, fp8 or bf16,fp8 (FP8: block-scaled e4m3 experts, "
-                           "dense weights bf16)")
+        dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
+        raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
+                           f"block-scaled e4m3 experts, dense weights bf16{dense})")
     return names
 
 
@@ -150,8 +152,9 @@ def bench_decode(
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Expert formats of the random weights, comma-separated: "
-                                                      "bf16, fp8 or bf16,fp8 (every row for each, side by side)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight formats of the random weights, comma-separated: "
+                                                      "bf16, fp8 (FP8 experts), fp8-dense (FP8 experts and dense "
+                                                      "projections); every row for each, side by side."),
     parallel: str = typer.Option("1", "--parallel", metavar="ROWS",
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "
@@ -167,7 +170,7 @@ def bench_decode(
 
     try:
         budgets = [parse_budget(b) for b in budget]
-        dtypes = parse_dtypes(dtype)
+        dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
         from moetier.bench.decode_parallel import parse_layouts
 
         layouts = parse_layouts(parallel)

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from moetier.bench.cli import REPO_TRACE, app, need_cuda, need_modules, parse_budget, preflight_rows
+from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget, parse_dtypes,
+                               preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
 
@@ -32,6 +33,8 @@ def bench_prefill(
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
+                                                      "fp8-dense (FP8 experts and dense projections)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
 ) -> None:
@@ -41,6 +44,7 @@ def bench_prefill(
 
     try:
         budgets = [parse_budget(b) for b in budget]
+        dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
         names = [b.strip() for b in backends.split(",") if b.strip()]
         if not names or set(names) - {"resident", "uva", "slots"}:
             raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
@@ -63,13 +67,21 @@ def bench_prefill(
                    decode_tokens=decode_tokens)
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
-    from moetier.checkpoint.random_bed import random_bed
+    from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
-            "preset": preset}
-    bed = random_bed(cfg, seed)
-    data = record("prefill", prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args,
-                                         links(row_bytes=bed.row_bytes)))
+            "preset": preset, "dtype": dtype}
+    data, link = None, None
+    for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
+        bed = make_bed(cfg, d, seed)
+        link = link or links(row_bytes=bed.row_bytes)
+        part = prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args, link)
+        data = part if data is None else {**data, "rows": data["rows"] + part["rows"]}
+        for block in bed.model.moe_blocks():
+            block.experts = None  # this bed's device rows go before the next is built
+        del bed, part
+    data["config"]["dtype"] = ",".join(dtypes)
+    data = record("prefill", data)
     if out:
         write_json(out, data)
     if plot:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moetier.bench.common import GB, batch_axes, time_eager
+from moetier.bench.decode import bed_dtype
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
@@ -135,10 +136,11 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 link_bytes = link_rows * bed.row_bytes
                 hbm_bytes = hbm_rows * bed.row_bytes + len(log.ids) * bed.dense_bytes
                 flops = 2 * tokens * (cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size * layers
-                                      + bed.dense_bytes // 2)
+                                      + bed.dense_params)
                 link_s = link_bytes / (bw["link_GBps"] * GB)
                 work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
                 rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                             "dtype": bed_dtype(bed),
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
                              "runs_s": times,
                              "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
@@ -162,7 +164,7 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
         rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw)
     c = bed.cfg
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
-                       "moe_inter": c.moe_intermediate_size, "dtype": "bf16", "row_bytes": bed.row_bytes,
+                       "moe_inter": c.moe_intermediate_size, "dtype": bed_dtype(bed), "row_bytes": bed.row_bytes,
                        "dense_bytes": bed.dense_bytes, "large_block_m": GemmConfig().large_block_m},
             "trace": trace_path, "links": link, "bandwidth": bw, "args": args, "rows": rows}
 
@@ -173,7 +175,7 @@ def table(rows: list[dict]) -> str:
         budget = "" if r["budget"] is None else f"{r['budget']:.0%}"
         lb = "-" if r["link_bound_tok_s"] is None else f"{r['link_bound_tok_s']:9.0f}"
         of = "" if r["of_link_bound"] is None else f"{r['of_link_bound']:6.1%} of it"
-        out.append(f"{r['backend']:>9} {budget:>4} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} tok/s "
+        out.append(f"{r['backend']:>9} {r.get('dtype', ''):>9} {budget:>4} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} tok/s "
                    f"{r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
                    f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s")
     return "\n".join(out)
@@ -184,11 +186,11 @@ def plot(result: dict, path: str) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = batch_axes(batches)
     for ax, b in zip(axes, batches):
-        keys = sorted({(r["backend"], r["budget"]) for r in rows if r["batch"] == b}, key=str)
-        for backend, budget in keys:
-            pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows
-                         if r["batch"] == b and r["backend"] == backend and r["budget"] == budget)
-            label = backend if budget is None else f"{backend} {budget:.0%}"
+        keys = sorted({(r["backend"], r["budget"], r.get("dtype")) for r in rows if r["batch"] == b}, key=str)
+        for backend, budget, dt in keys:
+            pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows if r["batch"] == b and r["backend"] == backend
+                         and r["budget"] == budget and r.get("dtype") == dt)
+            label = (backend if budget is None else f"{backend} {budget:.0%}") + (f" {dt}" if dt else "")
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -199,6 +201,6 @@ def plot(result: dict, path: str) -> None:
         ax.legend()
     c = result["config"]
     fig.suptitle(f"moetier bench prefill: {c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts "
-                 f"top-{c['top_k']}, bf16")
+                 f"top-{c['top_k']}, {c.get('dtype', 'bf16')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

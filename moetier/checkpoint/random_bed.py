@@ -14,6 +14,8 @@ rows it owns (e % ep == rank), so EP ranks together hold exactly the one-process
 tensor-parallel rank draws its dense shards with the same seed, which are valid shards of *a*
 random model but not slices of the one-process one (benchmarks time them; tests of equality use
 checkpoints). RandomModel is the plain record a worker process rebuilds its share from.
+With fp8_dense too, the dense projections the model holds in FP8 (layers/fp8_linear.Fp8Weight; the
+same ones as an FP8 checkpoint loaded with fp8_dense "fp8") are random bf16 quantized the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from moetier.experts.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import HostStore
 from moetier.layers.parallel import Parallel
+from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
 from moetier.tokenizer import Tokenizer
@@ -44,7 +47,8 @@ class Bed:
     host: dict[int, torch.Tensor]  # layer -> [E, R] pinned
     tokenizer: Tokenizer
     row_bytes: int
-    dense_bytes: int  # weights every step reads besides the routed experts
+    dense_bytes: int  # weights every step reads besides the routed experts (FP8 ones: weights + scales)
+    dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
     par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
 
     @property
@@ -83,13 +87,17 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-               quant: str | None = None, par: Parallel = Parallel()) -> Bed:
+               quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
-    rows when quant is "fp8". par: this rank's share only (module docstring)."""
+    rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
+    rank's share only (module docstring)."""
+    from moetier.checkpoint.fp8_weights import with_dense
+
     if quant is not None:
         if quant != "fp8":
             raise ValueError(f"unknown expert quantization {quant!r}; only fp8")
         cfg = dataclasses.replace(cfg, quant=quant, quant_config=dict(fp8.QUANT_CONFIG))
+    cfg = with_dense(cfg, "fp8" if fp8_dense else "dequantize")
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
@@ -98,12 +106,19 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                       pin=torch.device(device).type == "cuda")
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
+    fp8_weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
+    in_fp8 = {id(p) for m in fp8_weights for p in (m.q, m.scale)}
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if id(p) in in_fp8:
+                continue
             if name.endswith("norm") or "_norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
+        for m in fp8_weights:
+            w = torch.empty(m.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
+            m.rows().copy_(*fp8.quantize(w), "random")
         for rows in host.values():
             # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
             for a in range(0, cfg.num_experts, 16):  # 16 Qwen3-30B experts are 151 MB of scratch
@@ -151,9 +166,12 @@ def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | 
     first = next(iter(host.values()))
     # A step reads every dense weight once, but only its tokens' rows of the embedding.
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    params -= sum(m.scale.numel() for m in model.modules() if isinstance(m, Fp8Weight))
     if not model.cfg.tie_word_embeddings:
         dense -= model.embed.numel() * model.embed.element_size()
-    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense, par)
+        params -= model.embed.numel()
+    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense, params, par)
 
 
 def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1) -> int:

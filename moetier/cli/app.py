@@ -37,6 +37,7 @@ def generate(
     expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
+    fp8_dense: opt.Fp8Dense = "dequantize",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -75,7 +76,7 @@ def generate(
         dev = pick_device(device)
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
                                    record_trace=record_trace, replay_trace=replay_trace,
-                                   tensor_parallel_size=tp, expert_parallel_size=ep,
+                                   tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor))
         rank_plans = None
         if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started

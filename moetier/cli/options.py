@@ -50,6 +50,9 @@ HostMemory = Annotated[Optional[str], typer.Option(
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
+Fp8Dense = Annotated[str, typer.Option(
+    "--fp8-dense", help="An FP8 checkpoint's dense projections: dequantize (to the model dtype, at load) or fp8 "
+    "(kept in FP8, half the bytes; docs/fp8.md).")]
 
 # -- several processes (moetier/dist, docs/parallel.md) -------------------------------------------------
 TensorParallel = Annotated[int, typer.Option(

@@ -79,7 +79,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
 
 
 def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, decode_tokens: int, par,
-               progress=None):
+               progress=None, fp8_dense: str = "dequantize"):
     """-> (config, model with its experts attached) of this rank's share: read from a checkpoint, or
     made (random weights). Rank 0 (engine/llm.py) and the workers load through here alike."""
     if isinstance(spec_model, RandomModel):
@@ -93,7 +93,8 @@ def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, deco
     from moetier.checkpoint.loader import load_model
 
     cfg, model, report = load_model(spec_model, dtype=dtype, device=device, experts=experts,
-                                    decode_tokens=decode_tokens, progress=progress, parallel=par)
+                                    decode_tokens=decode_tokens, progress=progress, parallel=par,
+                                    fp8_dense=fp8_dense)
     return cfg, model, report
 
 
@@ -101,7 +102,8 @@ def build_runner(spec: WorkerSpec, device: str, par):
     from moetier.engine.runner import ModelRunner
 
     config = spec.config
-    _, model, _ = load_share(spec.model, spec.dtype, device, spec.experts, config.decode_tokens, par)
+    _, model, _ = load_share(spec.model, spec.dtype, device, spec.experts, config.decode_tokens, par,
+                             fp8_dense=config.fp8_dense)
     if config.replay_trace is not None:
         from moetier.traces.format import read_trace
         from moetier.traces.hooks import Replayer

@@ -45,6 +45,10 @@ class EngineConfig:
     # Ray actor per GPU (or CPU rank) on a Ray cluster, any node (dist/ray_executor.py; pip install
     # 'moetier[ray]'). Rank 0 is this process either way.
     distributed_executor: str = "mp"
+    # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
+    # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
+    # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
+    fp8_dense: str = "dequantize"
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -76,6 +80,8 @@ class EngineConfig:
             out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
         if self.distributed_executor not in ("mp", "ray"):
             out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
+        if self.fp8_dense not in ("dequantize", "fp8"):
+            out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

@@ -80,7 +80,7 @@ class LLM:
                  rank_plans: Any = None, **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
         EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
-        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`.
+        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta, fp8_dense) over `config`.
         plan: the memory plan preflight made (moetier/plan); on CUDA it is audited after loading and
         after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading.
         rank_plans: with several ranks, each rank's memory share (plan/nodes.RankPlans), checked against
@@ -100,7 +100,8 @@ class LLM:
         try:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
-                                                    decode_tokens=config.decode_tokens, progress=progress, **kw)
+                                                    decode_tokens=config.decode_tokens, progress=progress,
+                                                    fp8_dense=config.fp8_dense, **kw)
             if self._workers is not None:
                 self._workers.ready()
         except BaseException:

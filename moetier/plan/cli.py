@@ -99,6 +99,7 @@ def plan_cmd(
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
+    fp8_dense: opt.Fp8Dense = "dequantize",
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -145,7 +146,7 @@ def plan_cmd(
         length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # the pool: max_num_seqs requests of full length, as the engine is then configured
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
-                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length)
+                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
         req.kv_tokens = None
         plan = plan_for(req, experts, loaded)

@@ -76,28 +76,57 @@ class Dense:
     embedding_and_head: int  # the embedding and, when untied, the LM head
     layers: int  # attention, norms, routers, dense MLP layers, shared experts
     tensors: tuple[int, ...]  # each tensor's bytes (allocator rounding)
+    # FP8 dense (cfg.dense_quant): the largest FP8 weight dequantized to the model dtype, the
+    # transient a prefill step's projection makes (layers/fp8_linear.py); 0 without FP8 dense
+    fp8_transient: int = 0
 
 
 @lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
     in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
-    kept) is not counted."""
+    kept) is not counted. With cfg.dense_quant "fp8" the weights the model holds in FP8 count their
+    float8 bytes plus their float32 block scales, exactly (which ones: fp8_held)."""
+    from moetier.experts import fp8
     from moetier.models.registry import model_class
 
+    held, largest = fp8_held(cfg)
     head, rest, sizes = 0, 0, []
     for w in model_class(cfg).checkpoint_weights(cfg, set()):
         if w.expert is not None or w.optional:
             continue
-        n = 4 if w.float32 else dtype.itemsize
-        for d in w.shape:
-            n *= d
+        if w.name in held:
+            n = _numel(w.shape) + 4 * _numel(fp8.scale_shape(w.shape))
+        else:
+            n = (4 if w.float32 else dtype.itemsize) * _numel(w.shape)
         sizes.append(n)
         if w.shape and w.shape[0] == cfg.vocab_size:
             head += n
         else:
             rest += n
-    return Dense(head, rest, tuple(sizes))
+    return Dense(head, rest, tuple(sizes), largest * dtype.itemsize)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def fp8_held(cfg: ModelConfig) -> tuple[frozenset[str], int]:
+    """(checkpoint names the model holds in FP8 under cfg.dense_quant "fp8", the element count of the
+    largest FP8 weight). The model is built on the meta device (no memory) and asked, so the plan
+    follows the layers' own fallback rules (layers/fp8_linear.fusable)."""
+    if cfg.dense_quant != "fp8":
+        return frozenset(), 0
+    from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
+    from moetier.models.registry import model_class
+
+    model = model_class(cfg)(cfg, torch.bfloat16, "meta")
+    names = frozenset(w.name for w in model_class(cfg).checkpoint_weights(cfg, set())
+                      if w.expert is None and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)))
+    return names, max((m.q.numel() for m in model.modules() if isinstance(m, Fp8Weight)), default=0)
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
