@@ -221,6 +221,8 @@ def count(req: PlanRequest) -> Plan:
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
     if backend != "resident":
         act.append(r.prefill_stream(shape, dt))
+    if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
+        act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
     dev.append(Item("activations at the largest step", r.segments(act), "runtime",
                     f"eager {req.max_num_tokens}-token step, {rows_eager} logit rows"))
     if cuda:
