@@ -44,7 +44,7 @@ class PlanRequest:
     max_num_seqs: int = 1
     kv_tokens: int | None = None  # default: max_num_seqs full-length requests
     page_size: int = 16
-    max_num_tokens: int = 512
+    max_num_tokens: int | None = 512  # None: chosen from the plan (chunk.py, through preflight.plan_for)
     decode_tokens: int = 64
     cuda_graphs: bool = True
     gpu_budget: int | None = None  # bytes this run may use on the device (None: unknown)
@@ -100,6 +100,7 @@ class Plan:
     expert_bytes: int  # all routed experts of all MoE layers
     notes: list[str] = field(default_factory=list)
     prediction: dict | None = None  # with a trace: hit rate and tok/s (sizing.py)
+    chunk: dict | None = None  # an automatic prefill chunk: tokens, reason (chunk.py); None: as given
 
     @property
     def device_total(self) -> int:

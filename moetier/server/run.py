@@ -79,6 +79,8 @@ def build_llm(spec: EngineSpec):
     if not plan.fits():
         raise refusal(req, plan)
     _log(table(plan))
+    if config.max_num_tokens is None:  # the chunk the plan chose and counted
+        config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
     bed = random_bed(cfg, seed=r.seed, device=device, dtype=getattr(torch, dtype))
     use_backend(bed, r.backend, r.budget, r.policy, config.decode_tokens)
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
