@@ -146,3 +146,27 @@ def test_policy_checks_and_setter():
 def test_refresh_kernel_path_matches_the_reference_in_the_interpreter():
     out = run_script("prefill_cache_interpreter.py")
     assert "refresh steps ok" in out
+
+
+def test_engine_greedy_tokens_identical_bypass_and_refresh():
+    """The embedded tiny model with 4 slots a layer: a 100+-token prompt takes the large-step path;
+    refresh changes what is in the slots for the decode, never a token."""
+    from moetier.engine.llm import LLM
+    from moetier.experts.placement import ExpertOptions
+    from moetier.sampling_params import SamplingParams
+
+    text = "The slot cache keeps the experts a prompt used most, so the decode that follows hits. " * 4
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got, stats = {}, {}
+    for policy in ("bypass", "refresh"):
+        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4), prefill_cache_policy=policy,
+                  decode_tokens=16)
+        assert len(llm.encode(text)) > 16 and llm.config.max_num_tokens == 2048  # automatic, on the CPU
+        got[policy] = llm.generate([text], params)[0].outputs[0].token_ids
+        stats[policy] = llm.metrics()["expert_stats"]
+        for block in llm.model.moe_blocks():
+            block.experts.cache.check()
+            assert rows_consistent(block.experts.cache, block.experts.slots, block.experts.host)
+    assert got["bypass"] == got["refresh"] and len(got["bypass"]) == 24
+    assert stats["refresh"]["refreshed"] > 0 and stats["bypass"]["refreshed"] == 0
+    assert stats["refresh"]["bypassed"] == stats["bypass"]["bypassed"] > 0

@@ -91,11 +91,15 @@ def plan_with_chunk(req: PlanRequest, place: Callable[[PlanRequest], Plan]) -> P
     fixed = replace(req, backend=probe.backend, slots_per_layer=dict(probe.slots_per_layer))
 
     def plan_at(tokens: int) -> Plan:
-        placed = place(replace(req, max_num_tokens=tokens))
-        if not hbm or (placed.backend == probe.backend and in_hbm(placed)):
-            return placed
-        # automatic sizing would offload at this chunk: keep the probe's placement (all in HBM)
-        return count(replace(fixed, max_num_tokens=tokens))
+        return place(replace(req, max_num_tokens=tokens))
+
+    def why_not(plan: Plan) -> str | None:
+        """Why a chunk's plan is refused ('' or None: it is fine)."""
+        if over(plan) > 0:  # the device (the host's room does not depend on the chunk)
+            return f"the plan was {gib(over(plan))} over the device budget"
+        if hbm and not in_hbm(plan):  # a resident model is not offloaded for its chunk
+            return "automatic sizing would no longer hold every expert in device memory"
+        return None
 
     def bytes_at(tokens: int) -> int:
         return activations(count(replace(fixed, max_num_tokens=tokens)))
@@ -103,16 +107,18 @@ def plan_with_chunk(req: PlanRequest, place: Callable[[PlanRequest], Plan]) -> P
     room = None if probe.gpu_budget is None else int(ACTIVATION_SHARE * probe.gpu_budget)
     tokens, reason = choose_chunk(hbm, bytes_at, room, req.device)
     plan = plan_at(tokens)
-    if over(plan) > 0:  # the device does not hold it (the host's room does not depend on the chunk)
-        wanted, short = tokens, over(plan)
-        found = largest(MIN_CHUNK, wanted - ALIGN, lambda t: over(plan_at(t)) <= 0)
-        if found is None:  # preflight refuses the plan at the floor, with its table
-            tokens = MIN_CHUNK
+    refused = why_not(plan)
+    if refused:
+        wanted = tokens
+        found = largest(MIN_CHUNK, wanted - ALIGN, lambda t: not why_not(plan_at(t)))
+        tokens = found or MIN_CHUNK
+        plan = plan_at(tokens) if found else probe
+        if found:
+            reason += f"; reduced from {wanted} to {tokens} tokens: at {wanted} {refused}"
+        elif over(plan) > 0:  # preflight refuses the plan at the floor, with its table
             reason += f"; the device does not hold the plan even at {MIN_CHUNK} tokens"
         else:
-            tokens = found
-            reason += f"; reduced from {wanted} to {tokens} tokens: at {wanted} the plan was {gib(short)} over the device budget"
-        plan = plan_at(tokens)
+            reason += f"; {MIN_CHUNK} tokens, the floor: above it {refused}"
     plan.chunk = {"tokens": tokens, "reason": reason, "automatic": True}
     plan.notes.append(f"prefill chunk: {reason} (automatic; set --max-num-tokens to choose)")
     return plan
