@@ -30,6 +30,11 @@ def bench_prefill(
     backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
     chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
     reps: int = typer.Option(5, "--reps", help="Timed runs per row (the median); fewer past 2 s a row."),
+    prefill_cache: str = typer.Option("bypass,refresh", "--prefill-cache",
+                                      help="Comma-separated prefill cache policies for the slots rows: bypass, "
+                                           "refresh (a row each)."),
+    decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
+                                     "(tok/s and hit rate: the policy's trade-off); 0: none."),
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
@@ -52,6 +57,10 @@ def bench_prefill(
             opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
         opt.at_least(chunk, decode_tokens + 1, "--chunk")
         opt.at_least(reps, 1, "--reps")
+        opt.at_least(decode_steps, 0, "--decode-steps")
+        policies = [opt.prefill_cache(p.strip()) for p in prefill_cache.split(",") if p.strip()]
+        if not policies:
+            raise MoetierError("--prefill-cache: give bypass, refresh or both (comma-separated)")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -63,14 +72,15 @@ def bench_prefill(
         opt.fail(e)
     need_cuda("prefill")
     preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
-                   max_num_seqs=max(batch), max_num_tokens=chunk, kv_tokens=max(batch) * (max(length) + 16),
-                   decode_tokens=decode_tokens)
+                   max_num_seqs=max(batch), max_num_tokens=chunk,
+                   kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens)
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
-            "preset": preset, "dtype": dtype}
+            "preset": preset, "dtype": dtype, "prefill_cache": policies,
+            "decode_steps": decode_steps}
     data, link = None, None
     for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
         bed = make_bed(cfg, d, seed)
@@ -103,6 +113,7 @@ def bench_chunk(
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
     policy: opt.CachePolicy = "lfru",
+    prefill_cache: opt.PrefillCache = "bypass",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
@@ -121,6 +132,7 @@ def bench_chunk(
         opt.at_least(prompt_len, 1, "--prompt-len")
         opt.at_least(streams, 1, "--decode-streams")
         opt.at_least(before, 1, "--before")
+        opt.prefill_cache(prefill_cache)
         rows = [("resident", 1.0)] * ("resident" in names)
         rows += [("slots", parse_budget(b)) for b in budget] if "slots" in names else []
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
@@ -136,7 +148,8 @@ def bench_chunk(
     from moetier.bench.common import record, write_json
     from moetier.checkpoint.random_bed import random_bed
 
-    args = {"policy": policy, "decode_tokens": decode_tokens, "seed": seed, "before": before, "preset": preset}
+    args = {"policy": policy, "decode_tokens": decode_tokens, "seed": seed, "before": before, "preset": preset,
+            "prefill_cache": prefill_cache}
     bed = random_bed(cfg, seed)
     data = record("chunk", chunk.run(bed, str(trace), rows, sizes, prompt_len, streams, args))
     if out:

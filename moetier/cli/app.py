@@ -38,6 +38,8 @@ def generate(
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
     fp8_dense: opt.Fp8Dense = "dequantize",
+    max_num_tokens: opt.MaxNumTokens = None,
+    prefill_cache: opt.PrefillCache = "bypass",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -74,7 +76,10 @@ def generate(
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
         dev = pick_device(device)
+        if max_num_tokens is not None:
+            opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
+                                   max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor))
@@ -89,6 +94,8 @@ def generate(
         with ByteBar("loading") as bar:
             llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
                       on_audit=None if as_json else lambda text: typer.echo(text, err=True), rank_plans=rank_plans)
+        if not as_json and llm.chunk_reason:
+            typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)
         gen = Generator(llm)
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
 
@@ -138,6 +145,8 @@ def serve(
     expert_slots_file: opt.ExpertSlotsFile = None,
     cache_policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
+    max_num_tokens: opt.MaxNumTokens = None,
+    prefill_cache: opt.PrefillCache = "bypass",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -170,9 +179,12 @@ def serve(
         opt.positive(drain_seconds, "--drain-seconds")
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
+        if max_num_tokens is not None:
+            opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         engine = {"max_num_seqs": max_num_seqs, "kv_tokens": kv_tokens, "max_model_len": max_model_len,
                   "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
-                  "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor)}
+                  "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
+                  "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache)}
         if preset is not None:
             from moetier.bench.cli import parse_budget
 

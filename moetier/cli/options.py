@@ -54,6 +54,20 @@ Fp8Dense = Annotated[str, typer.Option(
     "--fp8-dense", help="An FP8 checkpoint's dense projections: dequantize (to the model dtype, at load) or fp8 "
     "(kept in FP8, half the bytes; docs/fp8.md).")]
 
+PrefillCache = Annotated[str, typer.Option(
+    "--prefill-cache", help="What a prefill step does to the slot cache (slots, hybrid): bypass (leave it alone) or "
+    "refresh (move the prompt's most used experts into slots for the decode that follows).")]
+MaxNumTokens = Annotated[Optional[int], typer.Option(
+    "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
+    "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
+
+
+def prefill_cache(value: str) -> str:
+    if value not in ("bypass", "refresh"):
+        raise MoetierError(f"--prefill-cache {value!r}: choose bypass or refresh")
+    return value
+
+
 # -- several processes (moetier/dist, docs/parallel.md) -------------------------------------------------
 TensorParallel = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel ranks: attention heads and dense MLP columns split over N processes (one per "

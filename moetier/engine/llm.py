@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.scheduler import Scheduler
 from moetier.errors import MoetierError
+from moetier.experts.backends import UvaExperts, set_prefill_policy
 from moetier.experts.placement import ExpertOptions
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
@@ -73,6 +75,21 @@ def model_dir_of(model: str | Path | None) -> Path:
     return path
 
 
+def auto_chunk(model: CausalLM) -> tuple[int, str]:
+    """The prefill chunk for an engine without a memory plan: experts off the GPU (uva, or a slot
+    cache short of every expert) or not, the budget being the device's memory. -> (tokens, reason)."""
+    from moetier.plan.chunk import engine_chunk
+
+    offloaded = False
+    for block in model.moe_blocks():
+        ex = getattr(block.experts, "inner", block.experts)  # experts/ep.ShardedExperts
+        cache = getattr(ex, "cache", None)
+        offloaded |= isinstance(ex, UvaExperts) or (cache is not None and cache.num_slots < cache.num_experts)
+    dev = model.device
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    return engine_chunk(model.cfg, model.dtype, dev.type, offloaded, total)
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
                  experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
@@ -86,6 +103,12 @@ class LLM:
         rank_plans: with several ranks, each rank's memory share (plan/nodes.RankPlans), checked against
         every node's free memory before any rank loads."""
         config = EngineConfig.of(config, **options)
+        self.chunk_reason = None
+        if config.max_num_tokens is None and plan is not None:  # the chunk the memory plan counted
+            config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
+            self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
+        # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
+        experts = replace(experts or ExpertOptions(), prefill=config.prefill_cache_policy)
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -192,12 +215,18 @@ class LLM:
         self._workers, self.parallel = None, None
         self.load_report: LoadReport | None = None
         self.plan, self.audits, self._on_audit = None, [], None
+        self.chunk_reason = None
         eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._setup(model, tokenizer, eos, None, config)
         return self
 
     def _setup(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
                config: EngineConfig) -> None:
+        if config.max_num_tokens is None:  # no memory plan made it: the same rule (plan/chunk.py)
+            tokens, self.chunk_reason = auto_chunk(model)
+            config = EngineConfig.of(config, max_num_tokens=tokens)
+        for block in model.moe_blocks():
+            set_prefill_policy(block.experts, config.prefill_cache_policy)
         self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
         if tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -87,7 +87,7 @@ def plan_cmd(
     host_memory: opt.HostMemory = None,
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request (default: the model's)."),
     max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
-    max_num_tokens: int = typer.Option(512, "--max-num-tokens", help="Tokens computed in one step (prefill chunk)."),
+    max_num_tokens: opt.MaxNumTokens = None,
     decode_tokens: opt.DecodeTokens = 64,
     expert_backend: str = typer.Option("auto", "--expert-backend",
                                        help="auto (fit the budget: resident, else slots), resident, slots or uva."),
@@ -116,7 +116,8 @@ def plan_cmd(
             raise MoetierError("--layers cuts a --preset; a --model is planned as it is")
         for value, name in ((max_num_seqs, "--max-num-seqs"), (max_num_tokens, "--max-num-tokens"),
                             (decode_tokens, "--decode-tokens")):
-            opt.at_least(value, 1, name)
+            if value is not None:  # --max-num-tokens unset: chosen by the plan (plan/chunk.py)
+                opt.at_least(value, 1, name)
         if max_model_len is not None:
             opt.at_least(max_model_len, 2, "--max-model-len")
         if device not in ("auto", "cuda", "cpu"):

@@ -44,7 +44,7 @@ class PlanRequest:
     max_num_seqs: int = 1
     kv_tokens: int | None = None  # default: max_num_seqs full-length requests
     page_size: int = 16
-    max_num_tokens: int = 512
+    max_num_tokens: int | None = 512  # None: chosen from the plan (chunk.py, through preflight.plan_for)
     decode_tokens: int = 64
     cuda_graphs: bool = True
     gpu_budget: int | None = None  # bytes this run may use on the device (None: unknown)
@@ -100,6 +100,7 @@ class Plan:
     expert_bytes: int  # all routed experts of all MoE layers
     notes: list[str] = field(default_factory=list)
     prediction: dict | None = None  # with a trace: hit rate and tok/s (sizing.py)
+    chunk: dict | None = None  # an automatic prefill chunk: tokens, reason (chunk.py); None: as given
 
     @property
     def device_total(self) -> int:
@@ -225,6 +226,8 @@ def count(req: PlanRequest) -> Plan:
         act.append(r.prefill_stream(shape, dt))
     if dense.fp8_transient:  # FP8 dense: a prefill projection dequantizes its weight first
         act.append(dense.fp8_transient)
+    if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
+        act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
     dev.append(Item("activations at the largest step", r.segments(act), "runtime",
                     f"eager {req.max_num_tokens}-token step, {rows_eager} logit rows"))
     if cuda:

@@ -138,11 +138,12 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
 
 def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
     """Device tensors of one slots layer besides its rows: SlotCache (experts/slots.py: expert_slot,
-    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64) and
-    BookkeepingScratch (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)],
-    slots_out / miss_expert / miss_slot [P], miss_count [1], all int32)."""
-    e, s, p = num_experts, num_slots, max_pairs
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32,
+    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
+    refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
+    (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
+    miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
+    e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
+    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
             4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
 
 
@@ -192,6 +193,17 @@ def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_ro
     out = [t * h * isz] * 5 + cfg.attention_activations(t, dtype) + [
         t * cfg.num_experts * 4, t * cfg.top_k * 8, t * cfg.top_k * isz]
     return out + [logit_rows * cfg.vocab_size * isz, logit_rows * cfg.vocab_size * 4]
+
+
+def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_rows: int) -> list[int]:
+    """What one layer's large-step expert GEMM allocates per call (experts/grouped_gemm_large.py),
+    P = tokens x top_k pairs: h [P, I] and y [P, H] float32, out [T, H]; its plan: keys and the sort's
+    order [P] int64, order as int32 and chunk_end [P] int32, counts [2 max_rows + 1] int32, starts
+    [P / 64 + min(P, max_rows)] int32; the slot ids [P] int32; and the refresh's ranking (counts [E]
+    int32, the sort [E] int64 twice: prefill_cache.ranking). Live together in one layer, then freed."""
+    p, e = tokens * shape.top_k, shape.num_experts
+    return [4 * p * shape.inter, 4 * p * shape.hidden, tokens * shape.hidden * dtype.itemsize, 8 * p, 8 * p,
+            4 * p, 4 * p, 4 * (2 * max_rows + 1), 4 * (p // 64 + min(p, max_rows)), 4 * p, 4 * e, 16 * e]
 
 
 def sampler_transient(rows: int, vocab: int) -> int:

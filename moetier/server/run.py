@@ -80,6 +80,8 @@ def build_llm(spec: EngineSpec):
     if not plan.fits():
         raise refusal(req, plan)
     _log(table(plan))
+    if config.max_num_tokens is None:  # the chunk the plan chose and counted
+        config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
     return LLM.from_random(r, dtype, device, config), name
 
 
