@@ -84,6 +84,10 @@ class ModelConfig:
     # routed experts stay FP8 in their rows, other FP8 weights are dequantized at load)
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written
+    # How the model holds the dense projections of an FP8 checkpoint: None, dequantized to the model
+    # dtype at load; "fp8", kept in FP8 (layers/fp8_linear.py). Not in config.json: set from
+    # EngineConfig.fp8_dense by checkpoint/fp8_weights.with_dense.
+    dense_quant: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     architecture: ClassVar[str] = ""  # the `architectures` entry Hugging Face writes for the family

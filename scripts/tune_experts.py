@@ -1,16 +1,21 @@
-"""Times the expert kernels at decode on the GPU: the per-pair GEMV (pair_gemv.py) against the grouped GEMM
-(grouped_gemm.py) over a sweep of block sizes, T = 1, 8, 32, 64 tokens of a Qwen3-30B-shaped layer,
+"""Times the expert kernels at decode on the GPU: the per-pair GEMV (pair_gemv.py, bf16 only) against the
+grouped GEMM (grouped_gemm.py) over a sweep of block sizes, tuned kernel by kernel (gate_up with the
+default down, then down with the best gate_up), for bf16 and FP8 rows of a Qwen3-30B-shaped layer,
 resident rows, random routing, CUDA-graph replayed (20 calls on different ids per replay, so the
-50 MB L2 holds little). Prints ms per call and GB/s of distinct rows read; writes JSON to argv[1]."""
+50 MB L2 holds little). Prints us per call and GB/s of distinct rows read; writes JSON.
+
+    python scripts/tune_experts.py OUT.json [--dtypes bf16,fp8] [--tokens 1,8,32,64]
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 
 from moetier.bench.common import GB, record, time_graph
+from moetier.checkpoint.random_bed import fill_fp8_rows
 from moetier.experts import pair_gemv
 from moetier.experts.gemm_config import SWEEP, GemmConfig
 from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
@@ -18,48 +23,93 @@ from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 
 CALLS = 20
+FP8_SWEEP = [(16, 128, 4), (32, 128, 2), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+             (128, 64, 4), (128, 128, 4), (128, 128, 8)]  # K tiles past 128 gather a scale per element: slow
+GEMV_SWEEP = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
+              (16, 512, 8), (16, 128, 4), (64, 128, 4)]
 
 
-def main(out: str) -> None:
+def rows_for(quant: str | None, layout: RowLayout, e: int) -> torch.Tensor:
+    if quant is None:
+        return (torch.randn(e, layout.numel, device="cuda") * 0.02).to(torch.bfloat16)
+    rows = torch.zeros(e, layout.numel, dtype=torch.uint8, device="cuda")
+    g = torch.Generator("cuda").manual_seed(0)
+    for a in range(0, e, 16):
+        fill_fp8_rows(rows[a:a + 16], layout, g)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--tokens", default="1,8,32,64")
+    args = ap.parse_args()
     s = moe_shape("qwen3-30b-a3b")
     h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
-    layout = RowLayout(h, i)
-    rows = (torch.randn(e, layout.numel, device="cuda") * 0.02).to(torch.bfloat16)
-    row_bytes = layout.numel * 2
     g = torch.Generator(device="cuda").manual_seed(0)
-    results = []
-    for t in (1, 8, 32, 64):
-        ids = torch.stack([torch.rand(t, e, device="cuda", generator=g).argsort(-1)[:, :k] for _ in range(CALLS)])
-        distinct = sum(int(c.unique().numel()) for c in ids) / CALLS
-        x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-        w = torch.rand(t, k, device="cuda").to(torch.bfloat16)
-        out_t = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
-        scratch = GemmScratch.make(t * k, h, i, torch.device("cuda"))
-        ids32 = ids.int()
-        variants = [("gemv", None)] + [("grouped", c) for c in SWEEP]
-        for name, cfg in variants:
-            if name == "gemv":
-                def call(c=None):
+    results, best = [], {}
+    for dt in args.dtypes.split(","):
+        quant = "fp8" if dt == "fp8" else None
+        layout = RowLayout(h, i, quant)
+        rows = rows_for(quant, layout, e)
+        row_bytes = layout.row_bytes(torch.bfloat16)
+        sweep = FP8_SWEEP if quant else SWEEP
+        for t in (int(x) for x in args.tokens.split(",")):
+            ids = torch.stack([torch.rand(t, e, device="cuda", generator=g).argsort(-1)[:, :k] for _ in range(CALLS)])
+            distinct = sum(int(c.unique().numel()) for c in ids) / CALLS
+            x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+            w = torch.rand(t, k, device="cuda").to(torch.bfloat16)
+            out_t = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
+            scratch = GemmScratch.make(t * k, h, i, torch.device("cuda"))
+            ids32 = ids.int()
+
+            def timed(name, call, cfg=None):
+                try:
+                    ms = time_graph(call) / CALLS
+                except Exception as exc:  # a config Triton cannot compile
+                    print(f"{dt} T={t} {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                    return float("inf")
+                gbs = distinct * row_bytes / GB / (ms / 1e3)
+                results.append({"dtype": dt, "tokens": t, "kernel": name, "config": cfg, "ms": ms,
+                                "distinct_rows": distinct, "GBps_distinct": gbs})
+                print(f"{dt:4s} T={t:3d} {name:8s} {str(cfg):28s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s", flush=True)
+                return ms
+
+            def grouped(cfg: GemmConfig):
+                def call():
+                    for n in range(CALLS):
+                        grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t, cfg, quant)
+                return call
+
+            if quant is None:
+                def gemv():
                     for n in range(CALLS):
                         pair_gemv.expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.h, out_t)
-            else:
-                def call(c=cfg):
-                    for n in range(CALLS):
-                        grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t,
-                                           GemmConfig(c, c))
-            try:
-                ms = time_graph(call) / CALLS
-            except Exception as exc:  # a config Triton cannot compile
-                print(f"T={t} {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            gbs = distinct * row_bytes / GB / (ms / 1e3)
-            results.append({"tokens": t, "kernel": name, "config": cfg, "ms": ms, "distinct_rows": distinct,
-                            "GBps_distinct": gbs})
-            print(f"T={t:3d} {name:8s} {str(cfg):16s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s of distinct rows",
-                  flush=True)
-    with open(out, "w") as f:
-        json.dump(record("tune-experts", {"shape": s, "results": results}), f, indent=2)
+                timed("gemv", gemv)
+            default = GemmConfig()
+            base = timed("default", grouped(default), default.decode_blocks(quant))
+            if not (quant and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks
+                gu = {c: timed("gate_up", grouped(default.with_decode(quant, gate_up=c)), c) for c in sweep}
+                bgu = min(gu, key=gu.get)
+                dn = {c: timed("down", grouped(default.with_decode(quant, bgu, c)), c) for c in sweep}
+                bdn = min(dn, key=dn.get)
+                best[f"{dt} T={t}"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+            if quant and t == 1:  # one token on FP8 rows runs the GEMV (fp8_gemv.py): its own blocks
+                gu = {c: timed("gemv_gu", grouped(GemmConfig(fp8_gemv_gate_up=c)), c) for c in GEMV_SWEEP}
+                bgu = min(gu, key=gu.get)
+                dn = {c: timed("gemv_dn", grouped(GemmConfig(fp8_gemv_gate_up=bgu, fp8_gemv_down=c)), c)
+                      for c in GEMV_SWEEP}
+                bdn = min(dn, key=dn.get)
+                best[f"{dt} T={t} gemv"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+    print("\nbest per dtype and tokens (us per call, default -> tuned):")
+    for key, b in best.items():
+        print(f"  {key:10s} gate_up {str(b['gate_up']):16s} down {str(b['down']):16s} "
+              f"{b['default_ms'] * 1e3:7.1f} -> {b['ms'] * 1e3:7.1f} us")
+    with open(args.out, "w") as f:
+        json.dump(record("tune-experts", {"shape": s, "results": results, "best": best}), f, indent=2,
+                  default=str)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tune-experts.json")
+    main()

@@ -85,11 +85,12 @@ def test_qwen3_30b_slots_host_store_exact():
     assert plan.pinned == 54 * GiB  # cudaHostRegister on the exact bytes
     # torch's pinned allocator would have charged the next power of two of each 1.125 GiB block: 2 GiB
     assert residents.torch_pinned_would_charge(48, 128, 9 * MiB) == 48 * 2 * GiB
-    # slot state per layer: SlotCache (3 x [128] int32, [32] int32, [32] int64, clock, stats) and the
-    # bookkeeping scratch ([128], [32], [32] victims, [1] int32 and 3 x [512] int32 lists); every tensor
-    # under 512 B takes one 512-byte block: 11 of them, and the three lists 2048 B each
+    # slot state per layer: SlotCache (3 x [128] int32, [32] int32, [32] int64, clock, stats), the prefill
+    # refresh counter ([1] int64) and the bookkeeping scratch ([128], [32], [32] victims, [1] int32 and
+    # 3 x [512] int32 lists); every tensor under 512 B takes one 512-byte block: 12 of them, and the
+    # three lists 2048 B each
     gemm = 4 * 2048 + 512 * 768 * 4 + 512 * 2048 * 4
-    per_layer_state = 11 * 512 + 3 * 2048
+    per_layer_state = 12 * 512 + 3 * 2048
     assert item(plan, "expert workspaces") == gemm + 48 * per_layer_state
 
 

@@ -12,7 +12,8 @@ Per row: the decodes (`streams` requests, 32-token prompts) run alone for `warm`
 then `before` timed steps); the prompt is added and the engine steps until it has its token; each
 step's wall time is an inter-token latency of every decode in it (the step reads its sampled tokens
 back, so it has finished). The prompt and the decodes are then aborted and the next row starts from
-an empty pool with the same routing.
+an empty pool with the same routing. --prefill-cache sets what the prompt's chunks do to the slot
+cache (experts/prefill_cache.py): the decodes beside them see its effect in their latency.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
         for chunk in chunks:
             config = EngineConfig(replay_trace=trace_path, max_num_seqs=streams + 1, max_num_tokens=chunk,
                                   decode_tokens=args["decode_tokens"],
+                                  prefill_cache_policy=args.get("prefill_cache", "bypass"),
                                   kv_tokens=(streams + 1) * (prompt_len + 2048))
             llm = LLM.from_model(bed.model, bed.tokenizer, config)
             try:
@@ -90,6 +92,7 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
             finally:
                 llm.close()
             row.update(backend=backend, budget=budget if backend == "slots" else None, slots=slots, chunk=chunk,
+                       prefill_cache=args.get("prefill_cache", "bypass") if backend == "slots" else None,
                        prompt_len=prompt_len, streams=streams)
             rows.append(row)
             print(table([row]), flush=True)
@@ -103,7 +106,7 @@ def table(rows: list[dict]) -> str:
     out = []
     for r in rows:
         budget = "" if r["budget"] is None else f"{r['budget']:.0%}"
-        out.append(f"{r['backend']:>9} {budget:>4} chunk {r['chunk']:>5}  pp{r['prompt_len']}: TTFT "
+        out.append(f"{r['backend']:>9} {budget:>4} {r.get('prefill_cache') or '':>7} chunk {r['chunk']:>5}  pp{r['prompt_len']}: TTFT "
                    f"{r['ttft_ms']:8.1f} ms ({r['prefill_tok_s']:8.0f} tok/s, {r['steps']:3d} steps)  "
                    f"{r['streams']} decodes: ITL {r['itl_alone_ms']:6.2f} ms alone, "
                    f"{r['itl_during_median_ms']:7.2f} ms median / {r['itl_during_max_ms']:7.2f} ms max during")

@@ -26,6 +26,13 @@ def need_cuda(what: str) -> None:
         opt.fail(f"bench {what} needs a CUDA GPU")
 
 
+def need_gpus(n: int, what: str) -> None:
+    import torch
+
+    if torch.cuda.device_count() < n:
+        opt.fail(f"{what} needs {n} GPUs (one per rank) but {torch.cuda.device_count()} are visible")
+
+
 def need_modules(*names: str, why: str) -> None:
     missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
@@ -33,15 +40,17 @@ def need_modules(*names: str, why: str) -> None:
 
 
 EXPERT_DTYPES = ("bf16", "fp8")
+WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
 
 
-def parse_dtypes(text: str) -> list[str]:
-    """'bf16,fp8' -> ['bf16', 'fp8']: the expert formats whose rows run side by side."""
+def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8']: the weight formats whose rows run side by side."""
     names = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in names if d not in EXPERT_DTYPES]
+    bad = [d for d in names if d not in allowed]
     if bad or not names or len(set(names)) != len(names):
-        raise MoetierError(f"--dtype {text!r}: give bf16, fp8 or bf16,fp8 (FP8: block-scaled e4m3 experts, "
-                           "dense weights bf16)")
+        dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
+        raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
+                           f"block-scaled e4m3 experts, dense weights bf16{dense})")
     return names
 
 
@@ -143,8 +152,13 @@ def bench_decode(
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Expert formats of the random weights, comma-separated: "
-                                                      "bf16, fp8 or bf16,fp8 (every row for each, side by side)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight formats of the random weights, comma-separated: "
+                                                      "bf16, fp8 (FP8 experts), fp8-dense (FP8 experts and dense "
+                                                      "projections); every row for each, side by side."),
+    parallel: str = typer.Option("1", "--parallel", metavar="ROWS",
+                                 help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
+                                      "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "
+                                      "is per GPU; parallel rows run resident, uva and slots."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -156,7 +170,13 @@ def bench_decode(
 
     try:
         budgets = [parse_budget(b) for b in budget]
-        dtypes = parse_dtypes(dtype)
+        dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
+        from moetier.bench.decode_parallel import parse_layouts
+
+        layouts = parse_layouts(parallel)
+        if model is not None and layouts != [(1, 1)]:
+            raise MoetierError("--parallel rows run random weights (--preset); a checkpoint runs over several GPUs "
+                               "with `moetier generate/serve --tp/--ep`")
         if model is not None and dtype != "bf16":
             raise MoetierError("--dtype picks the format of random weights (--preset); a --model checkpoint runs in "
                                "its own format (make one with `moetier make-checkpoint --dtype fp8`)")
@@ -194,7 +214,8 @@ def bench_decode(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("decode")
-    if model is None:
+    need_gpus(max(max(lay) for lay in layouts), f"--parallel {parallel}")
+    if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
         rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
         rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
         preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
@@ -209,9 +230,10 @@ def bench_decode(
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
-            "host_profile": str(host_profile) if host_profile else None, "dtype": dtype}
+            "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
+            "parallel": parallel}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
-                                       str(model) if model else None, dtypes=tuple(dtypes)))
+                                       str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:
         write_json(out, data)
     if plot:

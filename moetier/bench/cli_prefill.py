@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from moetier.bench.cli import REPO_TRACE, app, need_cuda, need_modules, parse_budget, preflight_rows
+from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget, parse_dtypes,
+                               preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
 
@@ -29,9 +30,16 @@ def bench_prefill(
     backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
     chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
     reps: int = typer.Option(5, "--reps", help="Timed runs per row (the median); fewer past 2 s a row."),
+    prefill_cache: str = typer.Option("bypass,refresh", "--prefill-cache",
+                                      help="Comma-separated prefill cache policies for the slots rows: bypass, "
+                                           "refresh (a row each)."),
+    decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
+                                     "(tok/s and hit rate: the policy's trade-off); 0: none."),
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
+                                                      "fp8-dense (FP8 experts and dense projections)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
 ) -> None:
@@ -41,6 +49,7 @@ def bench_prefill(
 
     try:
         budgets = [parse_budget(b) for b in budget]
+        dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
         names = [b.strip() for b in backends.split(",") if b.strip()]
         if not names or set(names) - {"resident", "uva", "slots"}:
             raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
@@ -48,6 +57,10 @@ def bench_prefill(
             opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
         opt.at_least(chunk, decode_tokens + 1, "--chunk")
         opt.at_least(reps, 1, "--reps")
+        opt.at_least(decode_steps, 0, "--decode-steps")
+        policies = [opt.prefill_cache(p.strip()) for p in prefill_cache.split(",") if p.strip()]
+        if not policies:
+            raise MoetierError("--prefill-cache: give bypass, refresh or both (comma-separated)")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -59,17 +72,26 @@ def bench_prefill(
         opt.fail(e)
     need_cuda("prefill")
     preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
-                   max_num_seqs=max(batch), max_num_tokens=chunk, kv_tokens=max(batch) * (max(length) + 16),
-                   decode_tokens=decode_tokens)
+                   max_num_seqs=max(batch), max_num_tokens=chunk,
+                   kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens)
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
-    from moetier.checkpoint.random_bed import random_bed
+    from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
-            "preset": preset}
-    bed = random_bed(cfg, seed)
-    data = record("prefill", prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args,
-                                         links(row_bytes=bed.row_bytes)))
+            "preset": preset, "dtype": dtype, "prefill_cache": policies,
+            "decode_steps": decode_steps}
+    data, link = None, None
+    for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
+        bed = make_bed(cfg, d, seed)
+        link = link or links(row_bytes=bed.row_bytes)
+        part = prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args, link)
+        data = part if data is None else {**data, "rows": data["rows"] + part["rows"]}
+        for block in bed.model.moe_blocks():
+            block.experts = None  # this bed's device rows go before the next is built
+        del bed, part
+    data["config"]["dtype"] = ",".join(dtypes)
+    data = record("prefill", data)
     if out:
         write_json(out, data)
     if plot:
@@ -91,6 +113,7 @@ def bench_chunk(
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
     policy: opt.CachePolicy = "lfru",
+    prefill_cache: opt.PrefillCache = "bypass",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
@@ -109,6 +132,7 @@ def bench_chunk(
         opt.at_least(prompt_len, 1, "--prompt-len")
         opt.at_least(streams, 1, "--decode-streams")
         opt.at_least(before, 1, "--before")
+        opt.prefill_cache(prefill_cache)
         rows = [("resident", 1.0)] * ("resident" in names)
         rows += [("slots", parse_budget(b)) for b in budget] if "slots" in names else []
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
@@ -124,7 +148,8 @@ def bench_chunk(
     from moetier.bench.common import record, write_json
     from moetier.checkpoint.random_bed import random_bed
 
-    args = {"policy": policy, "decode_tokens": decode_tokens, "seed": seed, "before": before, "preset": preset}
+    args = {"policy": policy, "decode_tokens": decode_tokens, "seed": seed, "before": before, "preset": preset,
+            "prefill_cache": prefill_cache}
     bed = random_bed(cfg, seed)
     data = record("chunk", chunk.run(bed, str(trace), rows, sizes, prompt_len, streams, args))
     if out:

@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, batch_axes, links
+from moetier.bench.common import GB, links
+from moetier.bench.decode_report import check_tokens, plot, ratios, table  # noqa: F401 -- bench/cli.py's names
 from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
@@ -57,8 +58,10 @@ def roofline(bed: Bed, batch: int, step_experts: float, link_experts: float, hbm
             "roofline_tok_s": batch / seconds}
 
 
-def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int) -> dict:
-    """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens."""
+def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int,
+                on_timed=None) -> dict:
+    """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens
+    (on_timed() is called as the timed window opens: the collective timer of parallel rows starts)."""
     g = torch.Generator().manual_seed(seed)
     vocab = llm.tokenizer.vocab_size
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
@@ -72,6 +75,8 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
     step_times = []
     if llm.model.device.type == "cuda":
         torch.cuda.synchronize()
+    if on_timed is not None:
+        on_timed()
     t0 = last = time.perf_counter()
     while llm.has_unfinished():
         llm.step()  # its sampled tokens were read back: the step is complete
@@ -117,7 +122,7 @@ def warm_all(model: CausalLM) -> None:
     """Slots for every expert: place them all before timing, the cache's steady state (otherwise the
     timed window would still be paying each expert's first fill)."""
     for block in model.moe_blocks():
-        b = block.experts
+        b = getattr(block.experts, "inner", block.experts)  # under EP: the rank's own backend
         if isinstance(b, SlotExperts) and b.cache.num_slots == b.cache.num_experts:
             miss = b.cache.warm(list(range(b.cache.num_experts)))
             n = int(miss.count)
@@ -229,16 +234,29 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
 
 
 def bed_dtype(bed: Bed) -> str:
-    """The row label of a bed's expert format: fp8, or the model dtype (bf16, float32)."""
-    return "fp8" if bed.cfg.quant == "fp8" else {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
+    """The row label of a bed's weight format: fp8-dense (FP8 experts and dense projections), fp8
+    (FP8 experts, dense in the model dtype), or the model dtype (bf16, float32)."""
+    if bed.cfg.quant == "fp8":
+        return "fp8-dense" if bed.cfg.dense_quant == "fp8" else "fp8"
+    return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
+
+
+def make_bed(cfg: ModelConfig, dtype: str, seed: int) -> Bed:
+    """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
+    dense projections, layers/fp8_linear.py)."""
+    return random_bed(cfg, seed, quant=None if dtype == "bf16" else "fp8", fp8_dense=dtype == "fp8-dense")
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
         args: dict, model_path: str | None = None, bed: Bed | None = None, bw: dict | None = None,
-        dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None) -> dict:
-    """Every backend row for each expert format in `dtypes` ("bf16", "fp8": random weights with the
-    experts in FP8 rows), one bed at a time, side by side in one record. bed / beds and bw: models
-    already built and bandwidths already measured (tests on the CPU)."""
+        dtypes: tuple[str, ...] = ("bf16",), beds: dict[str, Bed] | None = None,
+        layouts: tuple[tuple[int, int], ...] = ((1, 1),)) -> dict:
+    """Every backend row for each weight format in `dtypes` ("bf16"; "fp8": random weights with the
+    experts in FP8 rows; "fp8-dense": the dense projections in FP8 too), one bed at a time, side by side in one record. bed / beds and bw: models
+    already built and bandwidths already measured (tests on the CPU). layouts: (tp, ep) of the rows; (1, 1)
+    is one GPU, the others run over several ranks after the one-GPU bed is freed (decode_parallel.py)."""
+    from moetier.bench.decode_parallel import parallel_rows
+
     from moetier.traces.format import read_trace
 
     if bed is not None and len(dtypes) > 1:
@@ -252,8 +270,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         elif bed is not None:
             b = bed
         else:
-            b = loaded_bed(model_path) if model_path else random_bed(cfg, args["seed"],
-                                                                      quant="fp8" if dtype == "fp8" else None)
+            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"])
         build_s += time.perf_counter() - t0
         if bw is None:  # measured once, with the first bed's rows
             link = links(row_bytes=b.row_bytes)
@@ -261,13 +278,17 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         label = bed_dtype(b)
         configs[label] = {"row_bytes": b.row_bytes, "dense_bytes": b.dense_bytes,
                           "expert_bytes": b.row_bytes * cfg.num_experts * len(b.host)}
-        rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends, args, bw,
-                                                         errors)]
+        if (1, 1) in layouts:
+            rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends,
+                                                             args, bw, errors)]
         for block in b.model.moe_blocks():
             block.experts = None  # let this bed's device rows go before the next is built
         del b
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        for tp, ep in (lay for lay in layouts if lay != (1, 1)):
+            rows += [{**r, "dtype": label} for r in parallel_rows(cfg, trace, trace_path, tp, ep, budgets, batches,
+                                                                  backends, args, bw, dtype)]
     same = check_tokens(rows)
     first = next(iter(configs.values()))
     return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
@@ -298,84 +319,8 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
             print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
         print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
-    if "hf" in backends and bed_dtype(bed) != "fp8":  # the transformers peer runs bf16 experts only
+    if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
         for budget in budgets:
             rows += bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
             print(table(rows[-1:]), flush=True)
     return rows
-
-
-def check_tokens(rows: list[dict]) -> dict[str, bool]:
-    """Greedy tokens of every engine row against resident's at the same batch and expert format (same
-    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8."""
-    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"}
-    out = {}
-    for r in rows:
-        # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
-        if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
-            name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
-            key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
-            key += "/fp8" if r.get("dtype") == "fp8" else ""
-            out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
-    return out
-
-
-def table(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
-        hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
-        hyb = r.get("hybrid")
-        host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
-        if r.get("switch"):
-            st = r["switch"]["steps"]
-            host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
-        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
-        lines.append(f"{name:>13} {r.get('dtype', ''):>5} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
-                     f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
-                     f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
-                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
-    return "\n".join(lines)
-
-
-def ratios(rows: list[dict]) -> list[str]:
-    """FP8 tok/s over bf16 tok/s for each (backend, budget, batch) measured in both formats."""
-    by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
-    out = []
-    for (backend, budget, batch, dtype), tok_s in by.items():
-        base = by.get((backend, budget, batch, "bf16"))
-        if dtype == "fp8" and base:
-            where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
-            out.append(f"fp8/bf16 {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
-    return out
-
-
-def plot(result: dict, path: str) -> None:
-    rows = result["rows"]
-    batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
-    budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
-    fig, axes = batch_axes(batches)
-    dtypes = list(dict.fromkeys(r.get("dtype") for r in rows))
-    for ax, b in zip(axes, batches):
-        for dt in dtypes:  # one series per backend and expert format (bf16, fp8)
-            tag = f" {dt}" if len(dtypes) > 1 else ""
-            mine = [r for r in rows if r.get("dtype") == dt and r["batch"] == b]
-            for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
-                pts = sorted((r["budget"], r["tok_s"]) for r in mine if r["backend"] == name)
-                if pts:
-                    ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name + tag)
-            for name, style in (("resident", "--"), ("uva", ":")):
-                flat = [r["tok_s"] for r in mine if r["backend"] == name]
-                if flat and budgets:
-                    ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name + tag)
-        ax.set_yscale("log")
-        ax.set_xlabel("expert budget (% of routed-expert bytes in HBM)")
-        ax.set_ylabel("decode tok/s")
-        ax.set_title(f"batch {b}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    c = result["config"]
-    fig.suptitle(f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
-                 f"{c['experts']} experts top-{c['top_k']}, {c.get('dtype', 'bf16')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)

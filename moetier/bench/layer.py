@@ -113,7 +113,8 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
         for which in ("gate_up", "down"):
             timings = {}
             for cfg in SWEEP:
-                trial = GemmConfig(gate_up=cfg) if which == "gate_up" else GemmConfig(best["gate_up"], cfg)
+                trial = (GemmConfig().with_decode(quant, gate_up=cfg) if which == "gate_up"
+                         else GemmConfig().with_decode(quant, best["gate_up"], cfg))
                 try:
                     timings[cfg] = time_graph(resident_graph(trial)) / steps
                 except Exception as err:  # a config that does not compile for this shape
@@ -121,7 +122,7 @@ def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune
                     print(f"  {name} {which} {cfg}: {type(err).__name__}")
             best[which] = min(timings, key=timings.get)
             res[f"tune_{which}"] = {str(c): t for c, t in timings.items()}
-        gemm = GemmConfig(best["gate_up"], best["down"])
+        gemm = GemmConfig().with_decode(quant, best["gate_up"], best["down"])
         res["kernel_config"] = {"gate_up": best["gate_up"], "down": best["down"]}
 
     rows = []

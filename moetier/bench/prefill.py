@@ -11,6 +11,12 @@ with the same routing (the replay cursor is set back): the large-step kernel rea
 per chunk of up to large_block_m of its pairs, so per step and layer link rows = sum over the experts
 not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured host-to-device
 bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 matmul rate).
+
+Slots rows run once per prefill cache policy (--prefill-cache: bypass leaves the cache alone, refresh
+moves the prompt's most used experts in; experts/prefill_cache.py), each run from the same warm
+cache (warm_slots before every prefill). Every row then measures the trade-off in the same run: the
+same prompts again with --decode-steps more tokens each, and the first decode steps after their
+prefill are timed (CUDA graphs, as served) with the hit rate the cache had over them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from moetier.bench.common import GB, batch_axes, time_eager
+from moetier.bench.decode import bed_dtype
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
@@ -87,11 +94,39 @@ def warm_slots(bed: Bed, trace_path: str) -> None:
         b.experts.slots.copy_(b.experts.host[idx].to(b.experts.slots.device))
 
 
+def sync(llm: LLM) -> None:
+    if llm.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_after(llm: LLM, prompts: list[list[int]], steps: int) -> dict:
+    """The prompts prefilled (untimed), then `steps` decode steps of all of them timed: tok/s, ms per
+    step and the experts' hit rate over those steps (None without a cache)."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    ids = {llm.add_request(p, params) for p in prompts}
+    first: set[str] = set()
+    while first != ids:  # each prompt's first token comes with the step that ends its prefill
+        first |= {out.request_id for out in llm.step()}
+    before = llm.model.expert_stats()
+    sync(llm)
+    t0 = time.perf_counter()
+    n = 0
+    while llm.has_unfinished():
+        llm.step()
+        n += 1
+    seconds = time.perf_counter() - t0
+    after = llm.model.expert_stats()
+    d = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "overflow")}
+    looked = sum(d.values())
+    return {"decode_steps": n, "decode_tok_s": steps * len(prompts) / seconds, "decode_ms_per_step": 1e3 * seconds / n,
+            "decode_hit_rate": d["hits"] / looked if looked else None, "decode_misses": d["misses"]}
+
+
 def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for p in prompts:
         llm.add_request(p, params)
-    torch.cuda.synchronize()
+    sync(llm)
     t0 = time.perf_counter()
     while llm.has_unfinished():
         llm.step()  # reads the sampled tokens back: the step is done
@@ -99,16 +134,22 @@ def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
 
 
 def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, lengths: list[int], batches: list[int],
-                  args: dict, bw: dict) -> list[dict]:
+                  args: dict, bw: dict, prefill: str = "bypass") -> list[dict]:
     cfg, gemm = bed.cfg, GemmConfig()
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
+    steps = args.get("decode_steps", 0)
+    # graphs only for the decode after the prefill (prefill steps run eagerly either way)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
-                          decode_tokens=args["decode_tokens"], cuda_graphs=False,
-                          kv_tokens=max(batches) * (max(lengths) + 16))
+                          decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0, prefill_cache_policy=prefill,
+                          kv_tokens=max(batches) * (max(lengths) + steps + 16))
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     blocks = bed.model.moe_blocks()
-    if backend == "slots":
-        warm_slots(bed, trace_path)
+
+    def warm() -> None:  # every prefill starts from decode's steady state, whatever the last one did
+        if backend == "slots":
+            warm_slots(bed, trace_path)
+
+    warm()
     in_hbm = {b.layer: (np.ones(cfg.num_experts, bool) if backend == "resident" else
                         b.experts.cache.expert_slot.cpu().numpy() >= 0 if isinstance(b.experts, SlotExperts)
                         else np.zeros(cfg.num_experts, bool)) for b in blocks}
@@ -119,26 +160,44 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
         for n in lengths:
             for b in batches:
                 prompts = torch.randint(0, bed.tokenizer.vocab_size, (b, n), generator=g).tolist()
+                warm()
                 prefill_once(llm, prompts)  # untimed: compile, grow the allocator
                 cursor = int(llm.replayer.cursor)
+                warm()
                 times = [prefill_once(llm, prompts)]
                 while len(times) < args["reps"] and sum(times) < 2.0:  # the median of up to `reps` runs
                     llm.replayer.cursor.fill_(cursor)
+                    warm()
                     times.append(prefill_once(llm, prompts))
                 seconds = statistics.median(times)
+                after = {}
+                if steps:  # the same prompts and routing, then the first decode steps after them
+                    llm.replayer.cursor.fill_(cursor)
+                    warm()
+                    after = decode_after(llm, prompts, steps)
                 llm.replayer.cursor.fill_(cursor)  # the same routing again, logged
+                warm()
                 log = RouteLog(bed.model)
                 prefill_once(llm, prompts)
                 log.close()
-                link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
+                if prefill == "refresh" and backend == "slots":
+                    # the rows filled, once each, then the experts not in slots after the refresh (exact
+                    # when the prompt is one step; a chunked prompt's earlier steps saw earlier slots)
+                    now = {b.layer: b.experts.cache.expert_slot.cpu().numpy() >= 0 for b in blocks}
+                    link_rows, hbm_rows = step_rows(log, now, gemm.large_block_m)
+                    link_rows += bed.model.expert_stats()["refreshed"]
+                else:
+                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
                 tokens = b * n
                 link_bytes = link_rows * bed.row_bytes
                 hbm_bytes = hbm_rows * bed.row_bytes + len(log.ids) * bed.dense_bytes
                 flops = 2 * tokens * (cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size * layers
-                                      + bed.dense_bytes // 2)
+                                      + bed.dense_params)
                 link_s = link_bytes / (bw["link_GBps"] * GB)
                 work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
                 rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                             "dtype": bed_dtype(bed),
+                             "prefill_cache": prefill if backend == "slots" else None, **after,
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
                              "runs_s": times,
                              "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
@@ -155,14 +214,16 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
 def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], batches: list[int], backends: list[str],
         args: dict, link: dict) -> dict:
     bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
-    plan = [("resident", 1.0)] * ("resident" in backends) + [("slots", b) for b in budgets if "slots" in backends]
-    plan += [("uva", 0.0)] * ("uva" in backends)
+    policies = args.get("prefill_cache", ["bypass"])
+    plan = [("resident", 1.0, "bypass")] * ("resident" in backends)
+    plan += [("slots", b, p) for b in budgets for p in policies if "slots" in backends]
+    plan += [("uva", 0.0, "bypass")] * ("uva" in backends)
     rows: list[dict] = []
-    for backend, budget in plan:
-        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw)
+    for backend, budget, policy in plan:
+        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw, policy)
     c = bed.cfg
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
-                       "moe_inter": c.moe_intermediate_size, "dtype": "bf16", "row_bytes": bed.row_bytes,
+                       "moe_inter": c.moe_intermediate_size, "dtype": bed_dtype(bed), "row_bytes": bed.row_bytes,
                        "dense_bytes": bed.dense_bytes, "large_block_m": GemmConfig().large_block_m},
             "trace": trace_path, "links": link, "bandwidth": bw, "args": args, "rows": rows}
 
@@ -173,9 +234,14 @@ def table(rows: list[dict]) -> str:
         budget = "" if r["budget"] is None else f"{r['budget']:.0%}"
         lb = "-" if r["link_bound_tok_s"] is None else f"{r['link_bound_tok_s']:9.0f}"
         of = "" if r["of_link_bound"] is None else f"{r['of_link_bound']:6.1%} of it"
-        out.append(f"{r['backend']:>9} {budget:>4} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} tok/s "
-                   f"{r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
-                   f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s")
+        policy = r.get("prefill_cache") or ""
+        dec = ""
+        if r.get("decode_tok_s") is not None:
+            hit = "-" if r.get("decode_hit_rate") is None else f"{r['decode_hit_rate']:.1%}"
+            dec = f"  then decode {r['decode_tok_s']:8.1f} tok/s, hits {hit:>6}"
+        out.append(f"{r['backend']:>9} {r.get('dtype', ''):>9} {budget:>4} {policy:>7} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} "
+                   f"tok/s {r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
+                   f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s{dec}")
     return "\n".join(out)
 
 
@@ -184,11 +250,13 @@ def plot(result: dict, path: str) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = batch_axes(batches)
     for ax, b in zip(axes, batches):
-        keys = sorted({(r["backend"], r["budget"]) for r in rows if r["batch"] == b}, key=str)
-        for backend, budget in keys:
-            pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows
-                         if r["batch"] == b and r["backend"] == backend and r["budget"] == budget)
-            label = backend if budget is None else f"{backend} {budget:.0%}"
+        keys = sorted({(r["backend"], r["budget"], r.get("prefill_cache"), r.get("dtype")) for r in rows if r["batch"] == b}, key=str)
+        for backend, budget, policy, dt in keys:
+            pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows if r["batch"] == b and r["backend"] == backend
+                         and r["budget"] == budget and r.get("prefill_cache") == policy
+                         and r.get("dtype") == dt)
+            label = backend if budget is None else f"{backend} {budget:.0%} {policy or ''}".rstrip()
+            label += f" {dt}" if dt else ""
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -199,6 +267,6 @@ def plot(result: dict, path: str) -> None:
         ax.legend()
     c = result["config"]
     fig.suptitle(f"moetier bench prefill: {c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts "
-                 f"top-{c['top_k']}, bf16")
+                 f"top-{c['top_k']}, {c.get('dtype', 'bf16')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

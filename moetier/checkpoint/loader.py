@@ -8,7 +8,8 @@ stream tensor by tensor.
         routed-expert tensors -> their expert's row (experts/shape.RowLayout.part); FP8 experts and
             their block scales unchanged into FP8 rows
         everything else -> model.param(name); FP8 weights dequantized with their scales first
-            (checkpoint/fp8_weights.py)
+            (checkpoint/fp8_weights.py), or with fp8_dense "fp8" copied with their scales into the
+            model's Fp8Weights (layers/fp8_linear.py) where the model holds one
     each MoE block gets its expert backend
 
 No second full copy of the model is ever held.
@@ -30,12 +31,14 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense
+from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8, require_fp8, with_dense
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
 from moetier.errors import MoetierError
+from moetier.experts import fp8
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
 from moetier.layers.parallel import Parallel
 from moetier.models.base import CausalLM, Weight
 from moetier.models.registry import model_class
@@ -59,6 +62,7 @@ class LoadReport:
     tensors: int
     expert_bytes: dict[str, int] = field(default_factory=dict)  # by tier: device, host
     notes: list[str] = field(default_factory=list)
+    dense_bytes: int = 0  # every weight besides the routed experts, as held (FP8 weights: q + scales)
 
 
 # safetensors dtype codes -> bytes per element (for the progress total, from the headers alone)
@@ -99,7 +103,11 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                 elif w.expert is not None:
                     if not copy_expert(placement, rows, w, tensor):
                         done -= 1  # another rank's expert: not read, not counted as copied
-                elif (dest := model.param(w.name)) is not None:
+                elif isinstance(dest := model.param(w.name), (Fp8Weight, Fp8Rows)):
+                    q, scale = read_fp8(tensor, ckpt, w.name)
+                    (dest.rows() if isinstance(dest, Fp8Weight) else dest).copy_(
+                        shard(q, w, placement.par), shard(scale, w, placement.par, fp8.BLOCK), w.name)
+                elif dest is not None:
                     with torch.no_grad():
                         dest.copy_(shard(read_dense(tensor, ckpt, w.name, dest.dtype), w, placement.par))
                 done += 1
@@ -109,16 +117,20 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
     return done
 
 
-def shard(t: torch.Tensor, w: Weight, par: Parallel) -> torch.Tensor:
-    """This rank's part of a dense checkpoint tensor: part tp_rank of w.split, or all of it."""
+def shard(t: torch.Tensor, w: Weight, par: Parallel, block: int = 1) -> torch.Tensor:
+    """This rank's part of a dense checkpoint tensor: part tp_rank of w.split, or all of it.
+    block: t is the block-scale grid of w (one entry per `block` of w's elements along each dim)."""
     if w.split is None or par.tp == 1:
         return t
-    n = t.shape[w.split]
+    n = w.shape[w.split] if block > 1 else t.shape[w.split]
     if n % par.tp:
         raise MoetierError(f"{w.name}: dim {w.split} ({n}) does not split into {par.tp} equal tensor-parallel "
                            "parts; choose a tensor-parallel size that divides it")
     part = n // par.tp
-    return t.narrow(w.split, par.tp_rank * part, part)
+    if part % block:  # the models hold such weights dequantized (layers/fp8_linear.fusable): a bug if here
+        raise MoetierError(f"{w.name}: a tensor-parallel part of {part} along dim {w.split} cuts its "
+                           f"{block}-wide FP8 scale blocks; load with fp8_dense \"dequantize\"")
+    return t.narrow(w.split, par.tp_rank * part // block, part // block)
 
 
 def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: Weight, tensor) -> bool:
@@ -170,15 +182,18 @@ def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int,
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
                decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None,
-               parallel: Parallel = Parallel()) -> tuple[ModelConfig, CausalLM, LoadReport]:
-    """parallel: this rank's layout (the default: one process holds everything)."""
+               parallel: Parallel = Parallel(), fp8_dense: str = "dequantize"
+               ) -> tuple[ModelConfig, CausalLM, LoadReport]:
+    """parallel: this rank's layout (the default: one process holds everything). fp8_dense: what an
+    FP8 checkpoint's dense float8 weights become, "dequantize" or "fp8" (EngineConfig.fp8_dense)."""
     t0 = time.perf_counter()
-    cfg = config_from_dir(path)
+    cfg = with_dense(config_from_dir(path), fp8_dense)
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
     weights = validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))  # before allocating
     model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens,
                                          parallel)
+    check_fp8_dense(model, ckpt, weights)  # before a byte is read
     n = load_weights(model, placement, ckpt, weights, rows, progress)
     attach_experts(model, placement, rows)
     nbytes = {"device": 0, "host": 0}
@@ -186,9 +201,20 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
         for tier, b in block.experts.nbytes().items():
             nbytes[tier] += b
     notes = []
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if cfg.quant == "fp8":
         lay = placement.layout
+        held = sum(isinstance(m, Fp8Weight) for m in model.modules())
+        kept = f"{held} dense projections kept in FP8 (layers/fp8_linear.py), the " if held else ""
         notes.append(f"routed experts stay FP8: {lay.row_bytes(torch_dtype)} bytes per expert row (weights and "
-                     f"block scales; {lay.w13_numel + lay.w2_numel} weight bytes), other float8 weights "
+                     f"block scales; {lay.w13_numel + lay.w2_numel} weight bytes); {kept}other float8 weights "
                      f"dequantized to {str(torch_dtype).removeprefix('torch.')} at load")
-    return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes, notes)
+    return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes, notes, dense)
+
+
+def check_fp8_dense(model: CausalLM, ckpt: Checkpoint, weights: list[Weight]) -> None:
+    """Every weight the model holds in FP8 must be float8 in the checkpoint (published FP8 checkpoints
+    store all dense projections so); one clear error otherwise, before loading."""
+    for w in weights:
+        if w.expert is None and not is_dense_scale(w) and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)):
+            require_fp8(ckpt, w.name)

@@ -7,6 +7,15 @@ so one model serves every row of a benchmark. loaded_bed() does the same for a c
 quant="fp8": the routed experts are made as random bf16 and quantized by the block rule
 (experts/fp8.py) into FP8 rows, as make-checkpoint --dtype fp8 does; the dense weights stay random
 bf16 (what an FP8 checkpoint's dense weights become at load: dequantized to the model dtype).
+
+Under a parallel layout (par: layers/parallel.Parallel; docs/parallel.md) each rank makes its own
+share: an expert-parallel rank draws every expert in the same order as one process and keeps the
+rows it owns (e % ep == rank), so EP ranks together hold exactly the one-process experts; a
+tensor-parallel rank draws its dense shards with the same seed, which are valid shards of *a*
+random model but not slices of the one-process one (benchmarks time them; tests of equality use
+checkpoints). RandomModel is the plain record a worker process rebuilds its share from.
+With fp8_dense too, the dense projections the model holds in FP8 (layers/fp8_linear.Fp8Weight; the
+same ones as an FP8 checkpoint loaded with fp8_dense "fp8") are random bf16 quantized the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +28,11 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.experts import fp8
+from moetier.experts.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import HostStore
+from moetier.layers.parallel import Parallel
+from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
 from moetier.tokenizer import Tokenizer
@@ -35,41 +47,93 @@ class Bed:
     host: dict[int, torch.Tensor]  # layer -> [E, R] pinned
     tokenizer: Tokenizer
     row_bytes: int
-    dense_bytes: int  # weights every step reads besides the routed experts
+    dense_bytes: int  # weights every step reads besides the routed experts (FP8 ones: weights + scales)
+    dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
+    par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
 
+@dataclass(frozen=True)
+class RandomModel:
+    """Random weights of a preset shape (the server's --preset, bench decode's parallel rows): plain
+    data, pickled into worker processes, each of which makes its own share (build_random)."""
+
+    preset: str
+    layers: int | None = None
+    backend: str = "slots"
+    budget: float = 0.5  # slots backends: the share of the model's routed experts each rank's slots hold
+    policy: str = "lfru"
+    seed: int = 0
+    quant: str | None = None  # "fp8": FP8 expert rows
+
+    def options(self, cfg: ModelConfig, ep: int = 1) -> ExpertOptions:
+        """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
+        return ExpertOptions(self.backend, slots=slots_for(cfg, self.backend, self.budget, ep) or None,
+                             policy=self.policy)
+
+
+def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens: int,
+                 par: Parallel = Parallel()) -> Bed:
+    """This rank's share of r, its expert backends built (the worker's and rank 0's model)."""
+    from moetier.presets import preset
+
+    cfg = preset(r.preset, r.layers, str(dtype).removeprefix("torch."))
+    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par)
+    use_backend(bed, r.backend, r.budget, r.policy, decode_tokens)
+    return bed
+
+
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-               quant: str | None = None) -> Bed:
+               quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
-    rows when quant is "fp8"."""
+    rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
+    rank's share only (module docstring)."""
+    from moetier.checkpoint.fp8_weights import with_dense
+
     if quant is not None:
         if quant != "fp8":
             raise ValueError(f"unknown expert quantization {quant!r}; only fp8")
         cfg = dataclasses.replace(cfg, quant=quant, quant_config=dict(fp8.QUANT_CONFIG))
-    model = model_class(cfg)(cfg, dtype, device)
+    cfg = with_dense(cfg, "fp8" if fp8_dense else "dequantize")
+    cls = model_class(cfg)
+    model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
-    store = HostStore(cfg.moe_layers, cfg.num_experts, layout, dtype, pin=device == "cuda")
+    ep, mine = par.ep, par.ep_rank
+    store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), layout, dtype,
+                      pin=torch.device(device).type == "cuda")
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
+    fp8_weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
+    in_fp8 = {id(p) for m in fp8_weights for p in (m.q, m.scale)}
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if id(p) in in_fp8:
+                continue
             if name.endswith("norm") or "_norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
+        for m in fp8_weights:
+            w = torch.empty(m.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
+            m.rows().copy_(*fp8.quantize(w), "random")
         for rows in host.values():
-            for a in range(0, rows.shape[0], 16):  # 16 Qwen3-30B experts are 151 MB of scratch
-                b = min(a + 16, rows.shape[0])
+            # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
+            for a in range(0, cfg.num_experts, 16):  # 16 Qwen3-30B experts are 151 MB of scratch
+                b = min(a + 16, cfg.num_experts)
+                tmp = torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
                 if layout.quant == "fp8":
-                    fill_fp8_rows(rows[a:b], layout, g, dtype)
+                    fill_fp8_rows(tmp, layout, g, dtype)
+                else:
+                    tmp.normal_(0.0, 0.02, generator=g)
+                if ep == 1:
+                    rows[a:b].copy_(tmp)
                     continue
-                rows[a:b].copy_(torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
-                                .normal_(0.0, 0.02, generator=g))
-    return _bed(model, host)
+                own = [e for e in range(a, b) if e % ep == mine]
+                rows[[e // ep for e in own]] = tmp[[e - a for e in own]].to(rows.device)
+    return _bed(model, host, par=par)
 
 
 def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -91,7 +155,8 @@ def loaded_bed(path: str) -> Bed:
     return _bed(model, host, Tokenizer.from_dir(path))
 
 
-def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | None = None) -> Bed:
+def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | None = None,
+         par: Parallel = Parallel()) -> Bed:
     for block in model.moe_blocks():
         block.experts = None
     if tokenizer is None:
@@ -101,24 +166,37 @@ def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | 
     first = next(iter(host.values()))
     # A step reads every dense weight once, but only its tokens' rows of the embedding.
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    params -= sum(m.scale.numel() for m in model.modules() if isinstance(m, Fp8Weight))
     if not model.cfg.tie_word_embeddings:
         dense -= model.embed.numel() * model.embed.element_size()
-    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense)
+        params -= model.embed.numel()
+    return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense, params, par)
+
+
+def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1) -> int:
+    """Slots per MoE layer of a budget (0: a backend without slots): the share of the model's routed
+    experts, at least top_k, at most the experts a rank holds."""
+    if backend not in ("slots", "hybrid"):
+        return 0
+    return min(local_experts(cfg.num_experts, ep), max(cfg.top_k, round(cfg.num_experts * budget)))
 
 
 def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64,
                 **options) -> int:
     """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none).
-    options: further ExpertOptions fields (hybrid: host_kernel, host_threads, rates)."""
+    options: further ExpertOptions fields (hybrid: host_kernel, host_threads, rates).
+    budget: the share of the model's routed experts in each rank's slots (per-GPU bytes), capped at
+    the experts the rank holds (under expert parallelism 2, 50% is every expert a rank owns)."""
     cfg, dev = bed.cfg, bed.model.device
     for block in bed.model.moe_blocks():
         block.experts = None  # free the previous backend's device memory first
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend in ("slots", "hybrid") else 0
+    slots = slots_for(cfg, backend, budget, bed.par.ep)
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
                                 ExpertOptions(backend, slots=slots or None, policy=policy, **options), dev,
-                                decode_tokens)
+                                decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
         rows = bed.host[block.layer]
         block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)

@@ -37,6 +37,9 @@ def generate(
     expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
+    fp8_dense: opt.Fp8Dense = "dequantize",
+    max_num_tokens: opt.MaxNumTokens = None,
+    prefill_cache: opt.PrefillCache = "bypass",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -46,6 +49,7 @@ def generate(
     device: opt.Device = "auto",
     tp: opt.TensorParallel = 1,
     ep: opt.ExpertParallel = 1,
+    distributed_executor: opt.DistributedExecutor = "mp",
     record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="FILE",
                                                 help="Write the routing of this run."),
     replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
@@ -72,14 +76,26 @@ def generate(
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
         dev = pick_device(device)
-        # NOTE: with --tp/--ep the memory plan below is still one process's (conservative per rank)
+        if max_num_tokens is not None:
+            opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
+                                   max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
                                    record_trace=record_trace, replay_trace=replay_trace,
-                                   tensor_parallel_size=tp, expert_parallel_size=ep)
-        plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
+                                   tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
+                                   distributed_executor=opt.executor(distributed_executor))
+        rank_plans = None
+        if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
+            from moetier.plan.nodes import parallel_preflight
+
+            plan, experts, rank_plans = parallel_preflight(model_dir, dtype, dev, experts, config, gpu_memory,
+                                                           host_memory)
+        else:
+            plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
         with ByteBar("loading") as bar:
             llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
-                      on_audit=None if as_json else lambda text: typer.echo(text, err=True))
+                      on_audit=None if as_json else lambda text: typer.echo(text, err=True), rank_plans=rank_plans)
+        if not as_json and llm.chunk_reason:
+            typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)
         gen = Generator(llm)
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
 
@@ -129,6 +145,8 @@ def serve(
     expert_slots_file: opt.ExpertSlotsFile = None,
     cache_policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
+    max_num_tokens: opt.MaxNumTokens = None,
+    prefill_cache: opt.PrefillCache = "bypass",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -142,6 +160,11 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output per request."),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting beyond --max-num-seqs before "
                                   "new ones get 503 with Retry-After."),
+    tp: opt.TensorParallel = 1,
+    ep: opt.ExpertParallel = 1,
+    distributed_executor: opt.DistributedExecutor = "mp",
+    gpu_memory: opt.GpuMemory = None,
+    host_memory: opt.HostMemory = None,
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="On Ctrl-C, how long running requests "
                                         "may take to finish."),
 ) -> None:
@@ -156,8 +179,12 @@ def serve(
         opt.positive(drain_seconds, "--drain-seconds")
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
+        if max_num_tokens is not None:
+            opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         engine = {"max_num_seqs": max_num_seqs, "kv_tokens": kv_tokens, "max_model_len": max_model_len,
-                  "decode_tokens": decode_tokens, "replay_trace": replay_trace}
+                  "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
+                  "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
+                  "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache)}
         if preset is not None:
             from moetier.bench.cli import parse_budget
 
@@ -169,7 +196,8 @@ def serve(
                 raise MoetierError("--expert-budget needs --expert-backend slots")
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             spec = EngineSpec(random=RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"),
-                                                 cache_policy), dtype=dtype, device=device, engine=engine)
+                                                 cache_policy), dtype=dtype, device=device, engine=engine,
+                              gpu_memory=gpu_memory, host_memory=host_memory)
         else:
             if layers is not None or expert_budget is not None:
                 raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
@@ -177,7 +205,7 @@ def serve(
 
             spec = EngineSpec(model=model_dir_of(model), dtype=dtype, device=device, engine=engine,
                               experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
-                                                         cache_policy))
+                                                         cache_policy), gpu_memory=gpu_memory, host_memory=host_memory)
         run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name)
     except (MoetierError, TokenizerError) as e:
         opt.fail(e)

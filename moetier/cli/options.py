@@ -50,6 +50,23 @@ HostMemory = Annotated[Optional[str], typer.Option(
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
+Fp8Dense = Annotated[str, typer.Option(
+    "--fp8-dense", help="An FP8 checkpoint's dense projections: dequantize (to the model dtype, at load) or fp8 "
+    "(kept in FP8, half the bytes; docs/fp8.md).")]
+
+PrefillCache = Annotated[str, typer.Option(
+    "--prefill-cache", help="What a prefill step does to the slot cache (slots, hybrid): bypass (leave it alone) or "
+    "refresh (move the prompt's most used experts into slots for the decode that follows).")]
+MaxNumTokens = Annotated[Optional[int], typer.Option(
+    "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
+    "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
+
+
+def prefill_cache(value: str) -> str:
+    if value not in ("bypass", "refresh"):
+        raise MoetierError(f"--prefill-cache {value!r}: choose bypass or refresh")
+    return value
+
 
 # -- several processes (moetier/dist, docs/parallel.md) -------------------------------------------------
 TensorParallel = Annotated[int, typer.Option(
@@ -58,6 +75,21 @@ TensorParallel = Annotated[int, typer.Option(
 ExpertParallel = Annotated[int, typer.Option(
     "--ep", help="Expert-parallel ranks: each of N processes holds 1/N of the routed experts (expert e on rank "
     "e % N). With --tp, equal to it or 1.")]
+DistributedExecutor = Annotated[str, typer.Option(
+    "--distributed-executor", help="Who starts the other ranks of --tp/--ep: mp (processes on this machine, one "
+    "per GPU) or ray (Ray actors, one per GPU on the nodes of a Ray cluster; pip install 'moetier[ray]').")]
+
+
+def executor(name: str) -> str:
+    """--distributed-executor, checked at once: an unknown name, or ray without ray installed, is one
+    line before anything loads."""
+    if name not in ("mp", "ray"):
+        raise MoetierError(f"--distributed-executor {name!r}: choose mp or ray")
+    if name == "ray":
+        from moetier.dist.ray_executor import import_ray
+
+        import_ray()
+    return name
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,

@@ -1,7 +1,7 @@
 """Rank 0's side of a parallel engine: spawn the worker ranks, join the group, broadcast each step,
 and turn a dead worker into one loud error naming its rank (never a hang).
 
-    par, workers = start(spec)                 # spawns ranks 1..N-1, joins as rank 0
+    par, workers = start(spec)                 # starts ranks 1..N-1 (mp or Ray), joins as rank 0
     ... rank 0 loads its share with par ...
     workers.ready()                            # every rank has loaded (a barrier)
     runner = DistributedRunner(ModelRunner(model, kv), workers)
@@ -17,13 +17,14 @@ timeout (EngineConfig.dist_timeout_s).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moetier.dist.group import init_rank, leave, local_rendezvous
+from moetier.dist.group import Rendezvous, init_rank, leave, local_rendezvous
 from moetier.dist.worker import WorkerSpec, main
 from moetier.engine.runner import ModelRunner
 from moetier.engine.step import StepInput, StepOutput
@@ -31,23 +32,21 @@ from moetier.errors import MoetierError
 from moetier.layers.parallel import Parallel
 
 
-class Workers:
-    """The spawned worker processes (rank r is process r - 1) and the group rank 0 shares with them."""
+class WorkerGroup:
+    """Ranks 1..N-1 of one engine, however they were started (the multiprocessing Workers here, Ray
+    actors in ray_executor.py), and the group rank 0 shares with them. An executor says which ranks
+    are dead (dead()) and how to end them (_end()); the liveness rules, the barrier, the broadcast
+    and the shutdown order are the same for both."""
 
-    def __init__(self, spec: WorkerSpec):
-        self.world = spec.rendezvous.world
-        self._ctx = mp.start_processes(main, args=(spec,), nprocs=self.world - 1, join=False, daemon=True,
-                                       start_method="spawn")
+    def __init__(self, rendezvous: Rendezvous):
+        self.rendezvous, self.world = rendezvous, rendezvous.world  # where rank 0 meets them
         self.stopped = False
 
-    @property
-    def processes(self) -> list:
-        return self._ctx.processes
+    def dead(self) -> list[str]:  # 'rank r (...)' for every worker that is no longer running
+        raise NotImplementedError
 
-    def dead(self) -> list[str]:
-        """'rank r (pid p, exit code c)' for every worker that is no longer running."""
-        return [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})" for i, p in enumerate(self.processes)
-                if not p.is_alive()]
+    def _end(self, graceful: bool) -> None:  # workers exit (waited for when graceful) or are killed
+        raise NotImplementedError
 
     def check(self) -> None:
         if dead := self.dead():
@@ -89,30 +88,69 @@ class Workers:
                 self.broadcast(None)
             except RuntimeError:
                 pass
+        self._end(graceful)
+        leave()
+
+
+class Workers(WorkerGroup):
+    """The spawned worker processes of one machine (rank r is process r - 1, on cuda:r)."""
+
+    def __init__(self, spec: WorkerSpec):
+        super().__init__(spec.rendezvous)
+        self._ctx = mp.start_processes(main, args=(spec,), nprocs=self.world - 1, join=False, daemon=True,
+                                       start_method="spawn")
+
+    @property
+    def processes(self) -> list:
+        return self._ctx.processes
+
+    def dead(self) -> list[str]:
+        return [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})" for i, p in enumerate(self.processes)
+                if not p.is_alive()]
+
+    def _end(self, graceful: bool) -> None:
         for p in self.processes:
             p.join(timeout=10.0 if graceful else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
-        leave()
 
 
-def start(spec: WorkerSpec) -> tuple[Parallel, Workers]:
-    """Spawn ranks 1..N-1 and join as rank 0 -> (rank 0's layout, the workers)."""
-    workers = Workers(spec)
+def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
+    """Start ranks 1..N-1 with the configured executor and join as rank 0 -> (rank 0's layout, the
+    workers). rank_plans (plan/nodes.RankPlans): each rank's memory share, checked against its node's
+    free memory before any rank loads (None: not checked)."""
+    spec = replace(spec, rank_plans=rank_plans)
+    if spec.config.distributed_executor == "ray":
+        from moetier.dist.ray_executor import RayWorkers
+
+        workers: WorkerGroup = RayWorkers(spec)
+    else:
+        workers = Workers(spec)
     try:
-        par = init_rank(0, spec.rendezvous, spec.tp, spec.ep)
+        par = init_rank(0, workers.rendezvous, spec.tp, spec.ep)
+        if rank_plans is not None:
+            from moetier.plan.nodes import node_check, refuse
+
+            # every rank measures its node and gets the same answer (worker.run_rank): on a refusal
+            # the workers return before loading, and rank 0 says why
+            problems = node_check(0, rank_plans, spec.device)
+            if problems:
+                raise refuse(problems)
     except BaseException:
         workers.stop(graceful=False)
         raise
     return par, workers
 
 
-def spec_for(model_dir, dtype: str, device: str, experts, config) -> WorkerSpec:
-    if device == "cuda" and torch.cuda.device_count() < config.world_size:
+def spec_for(model, dtype: str, device: str, experts, config) -> WorkerSpec:
+    """The workers' spec; model: a checkpoint directory or a RandomModel. The rendezvous is local for
+    the multiprocessing executor; the Ray executor moves it to the driver's node address."""
+    if (device == "cuda" and config.distributed_executor == "mp"
+            and torch.cuda.device_count() < config.world_size):
         raise MoetierError(f"{config.world_size} ranks need {config.world_size} GPUs (one each) but "
                            f"{torch.cuda.device_count()} are visible; lower --tp/--ep or check CUDA_VISIBLE_DEVICES")
-    return WorkerSpec(model_dir, dtype, device, experts, config,
+    return WorkerSpec(model, dtype, device, experts, config,
                       local_rendezvous(config.world_size, device, config.dist_timeout_s))
 
 
@@ -125,6 +163,10 @@ class DistributedRunner:
     @property
     def graph_steps(self) -> int:
         return self.inner.graph_steps
+
+    @property
+    def graphs(self):
+        return self.inner.graphs  # None: a parallel engine decodes eagerly (for now)
 
     def execute(self, step: StepInput) -> StepOutput:
         if not step.seqs:

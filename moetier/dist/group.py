@@ -36,16 +36,18 @@ def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def free_port() -> int:
-    """A TCP port free now on 127.0.0.1 (the OS picks it; a race with another process is possible
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on `host` (the OS picks it; a race with another process is possible
     but harmless here: init then fails with a clear address-in-use error)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def local_rendezvous(world: int, device: str, timeout_s: float) -> Rendezvous:
-    return Rendezvous(f"tcp://127.0.0.1:{free_port()}", world, backend_for(device), timeout_s)
+def local_rendezvous(world: int, device: str, timeout_s: float, host: str = "127.0.0.1") -> Rendezvous:
+    """Rank 0's TCP store at host:port; host is the driver's node address when the ranks sit on
+    other machines (the Ray executor), 127.0.0.1 when they are all local."""
+    return Rendezvous(f"tcp://{host}:{free_port(host)}", world, backend_for(device), timeout_s)
 
 
 def from_env(device: str, timeout_s: float = 600.0) -> tuple[int, Rendezvous]:
@@ -64,10 +66,15 @@ def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
     if dist.is_initialized():
         raise MoetierError("this process already belongs to a torch.distributed group (another parallel "
                            "engine that was not closed?); call close() on it first")
-    par = Parallel(rank, rdv.world, tp, ep)  # validates the layout before anything connects
+    from moetier.dist.timing import CollectiveTimer
+
+    par = Parallel(rank, rdv.world, tp, ep, timer=CollectiveTimer())  # validates before anything connects
     try:
+        # NCCL: bind the group to this rank's GPU (set by the caller before joining), so barriers and
+        # object collectives never guess the device
+        device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if rdv.backend == "nccl" else {}
         dist.init_process_group(rdv.backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world,
-                                timeout=timedelta(seconds=rdv.timeout_s))
+                                timeout=timedelta(seconds=rdv.timeout_s), **device)
     except (RuntimeError, ValueError) as e:
         raise MoetierError(f"rank {rank} could not join the process group at {rdv.init_method} "
                            f"({rdv.backend}): {e}") from None

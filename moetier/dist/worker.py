@@ -7,7 +7,12 @@ The step protocol (rank 0's side: dist/executor.py), per step with at least one 
     workers: broadcast_object_list([None]) receives it, ModelRunner.forward_only(step)
     shutdown: rank 0 broadcasts None; workers leave the group and exit.
 The scheduler and the page pool live on rank 0 only; a worker's KV cache has the same pages (the
-page tables arrive in the StepInput) holding its own kv heads.
+page tables arrive in the StepInput) holding its own kv heads. A replayed trace is replayed on every
+rank (each its own device-side cursor, advanced by the same steps), so all ranks route alike.
+
+Two executors start this loop: torch.multiprocessing (main(), one machine, rank r on cuda:r) and
+Ray actors (dist/ray_executor.py, any node, each actor on the one GPU Ray gave it): both call
+run_rank().
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moetier.checkpoint.random_bed import RandomModel, build_random
 from moetier.dist.group import Rendezvous, init_rank, leave
 from moetier.engine.config import EngineConfig
 from moetier.experts.placement import ExpertOptions
@@ -28,12 +35,13 @@ from moetier.experts.placement import ExpertOptions
 class WorkerSpec:
     """Everything a worker needs to build its rank: plain data, pickled into the spawned process."""
 
-    model_dir: Path
+    model: Path | RandomModel  # a checkpoint directory, or random weights each rank makes itself
     dtype: str
     device: str  # "cpu" or "cuda"
     experts: ExpertOptions
     config: EngineConfig
     rendezvous: Rendezvous
+    rank_plans: Any = None  # plan/nodes.RankPlans: each rank's memory share, checked before loading
 
     @property
     def tp(self) -> int:
@@ -44,33 +52,63 @@ class WorkerSpec:
         return self.config.expert_parallel_size
 
 
-def device_of(device: str, rank: int) -> str:
-    """One GPU per rank (rank r on cuda:r); every CPU rank on the CPU."""
-    return f"cuda:{rank}" if device == "cuda" else device
-
-
 def main(index: int, spec: WorkerSpec) -> None:
     """Entry point of a spawned worker (torch.multiprocessing passes index 0..N-2: rank index + 1)."""
-    rank = index + 1
-    device = device_of(spec.device, rank)
+    run_rank(index + 1, spec, index + 1)
+
+
+def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
+    """Join the group as `rank`, load this rank's share on GPU `gpu` (CUDA; a local index: Ray
+    actors see only their own GPU, as 0) or the CPU, and run steps until rank 0 says stop."""
     if spec.device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu)
+        device = f"cuda:{gpu}"
     else:
+        device = spec.device
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.rendezvous.world))
     par = init_rank(rank, spec.rendezvous, spec.tp, spec.ep)
     try:
+        if spec.rank_plans is not None:
+            from moetier.plan.nodes import node_check
+
+            if node_check(rank, spec.rank_plans, spec.device):
+                return  # a node cannot hold its share: rank 0 names it; nothing was loaded
         serve(build_runner(spec, device, par))
     finally:
         leave()
 
 
-def build_runner(spec: WorkerSpec, device: str, par):
+def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, decode_tokens: int, par,
+               progress=None, fp8_dense: str = "dequantize"):
+    """-> (config, model with its experts attached) of this rank's share: read from a checkpoint, or
+    made (random weights). Rank 0 (engine/llm.py) and the workers load through here alike."""
+    if isinstance(spec_model, RandomModel):
+        from moetier.checkpoint.loader import resolve_dtype
+        from moetier.presets import preset
+
+        cfg = preset(spec_model.preset, spec_model.layers)
+        bed = build_random(spec_model, resolve_dtype(dtype if dtype != "auto" else "bfloat16", cfg), device,
+                           decode_tokens, par)
+        return bed.cfg, bed.model, bed
     from moetier.checkpoint.loader import load_model
+
+    cfg, model, report = load_model(spec_model, dtype=dtype, device=device, experts=experts,
+                                    decode_tokens=decode_tokens, progress=progress, parallel=par,
+                                    fp8_dense=fp8_dense)
+    return cfg, model, report
+
+
+def build_runner(spec: WorkerSpec, device: str, par):
     from moetier.engine.runner import ModelRunner
 
     config = spec.config
-    _, model, _ = load_model(spec.model_dir, dtype=spec.dtype, device=device, experts=spec.experts,
-                             decode_tokens=config.decode_tokens, parallel=par)
+    _, model, _ = load_share(spec.model, spec.dtype, device, spec.experts, config.decode_tokens, par,
+                             fp8_dense=config.fp8_dense)
+    if config.replay_trace is not None:
+        from moetier.traces.format import read_trace
+        from moetier.traces.hooks import Replayer
+
+        Replayer(model, read_trace(config.replay_trace))  # hooks the routers; lives as long as the model
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
     kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step

@@ -13,17 +13,24 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import MoetierError
+from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.layers.parallel import layout_problems
 
 
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # requests running at once
-    max_num_tokens: int = 512  # tokens computed in one step (prefill chunks share it with decodes)
+    # Tokens computed in one step (prefill chunks share it with decodes). None: chosen from the memory
+    # plan (plan/chunk.py: 2048 with every expert in HBM, up to 8192 with experts off the GPU); the
+    # engine resolves it when it is built (LLM.config holds the number, LLM.chunk_reason why).
+    max_num_tokens: int | None = None
     kv_tokens: int = 32768  # tokens the KV pool holds, over all requests
     page_size: int = 16  # tokens per KV page (a power of two)
     max_model_len: int | None = None  # prompt + output per request; default the model's, capped by the pool
     decode_tokens: int = 64  # steps of up to this many tokens: CUDA graphs and the expert cache
+    # What a larger step (prefill) does to the slot cache (slots, hybrid): "bypass" leaves it alone,
+    # "refresh" first moves the chunk's most used experts into slots (experts/prefill_cache.py).
+    prefill_cache_policy: str = "bypass"
     cuda_graphs: bool = True
     # When an expert backend cannot be captured (hybrid): CUDA graphs split at its MoE layers, which then
     # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.
@@ -41,6 +48,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     dist_timeout_s: float = 600.0
+    # Who starts ranks 1..N-1: "mp" spawns them on this machine (rank r on cuda:r), "ray" places one
+    # Ray actor per GPU (or CPU rank) on a Ray cluster, any node (dist/ray_executor.py; pip install
+    # 'moetier[ray]'). Rank 0 is this process either way.
+    distributed_executor: str = "mp"
+    # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
+    # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
+    # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
+    fp8_dense: str = "dequantize"
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -57,8 +72,12 @@ class EngineConfig:
         out = []
         for name in ("max_num_seqs", "max_num_tokens", "kv_tokens", "decode_tokens"):
             v = getattr(self, name)
+            if v is None and name == "max_num_tokens":
+                continue  # automatic
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} must be a positive integer, got {v!r}")
+        if self.prefill_cache_policy not in PREFILL_POLICIES:
+            out.append(f"prefill_cache_policy must be bypass or refresh, got {self.prefill_cache_policy!r}")
         p = self.page_size
         if not isinstance(p, int) or p < 1 or p & (p - 1):
             out.append(f"page_size must be a power of two, got {p!r}")
@@ -70,6 +89,10 @@ class EngineConfig:
             out += layout_problems(max(tp, ep), tp, ep)
         else:
             out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
+        if self.distributed_executor not in ("mp", "ray"):
+            out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
+        if self.fp8_dense not in ("dequantize", "fp8"):
+            out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.scheduler import Scheduler
 from moetier.errors import MoetierError
+from moetier.experts.backends import UvaExperts, set_prefill_policy
 from moetier.experts.placement import ExpertOptions
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
@@ -73,40 +75,56 @@ def model_dir_of(model: str | Path | None) -> Path:
     return path
 
 
+def auto_chunk(model: CausalLM) -> tuple[int, str]:
+    """The prefill chunk for an engine without a memory plan: experts off the GPU (uva, or a slot
+    cache short of every expert) or not, the budget being the device's memory. -> (tokens, reason)."""
+    from moetier.plan.chunk import engine_chunk
+
+    offloaded = False
+    for block in model.moe_blocks():
+        ex = getattr(block.experts, "inner", block.experts)  # experts/ep.ShardedExperts
+        cache = getattr(ex, "cache", None)
+        offloaded |= isinstance(ex, UvaExperts) or (cache is not None and cache.num_slots < cache.num_experts)
+    dev = model.device
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    return engine_chunk(model.cfg, model.dtype, dev.type, offloaded, total)
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
                  experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
                  progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
-                 **options: Any):
+                 rank_plans: Any = None, **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
         EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
-        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta) over `config`.
+        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta, fp8_dense) over `config`.
         plan: the memory plan preflight made (moetier/plan); on CUDA it is audited after loading and
-        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading."""
+        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading.
+        rank_plans: with several ranks, each rank's memory share (plan/nodes.RankPlans), checked against
+        every node's free memory before any rank loads."""
         config = EngineConfig.of(config, **options)
+        self.chunk_reason = None
+        if config.max_num_tokens is None and plan is not None:  # the chunk the memory plan counted
+            config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
+            self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
+        # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
+        experts = replace(experts or ExpertOptions(), prefill=config.prefill_cache_policy)
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
         device = pick_device(device)
         self.plan, self.audits, self._on_audit = plan, [], on_audit
         baseline = self._measure() if plan is not None and device == "cuda" else None
-        self._workers, par = None, None
+        self._workers, self.parallel = None, None
         if config.world_size > 1:
-            # ranks 1..N-1 in spawned processes, this process is rank 0 (moetier/dist, docs/parallel.md)
-            if config.replay_trace is not None:
-                raise MoetierError("--replay-trace with several ranks is not supported yet: the workers would "
-                                   "route by their own routers; replay in one process")
-            from moetier.checkpoint.loader import check_parallel
-            from moetier.dist.executor import spec_for, start
-            from moetier.layers.parallel import Parallel
-
-            check_parallel(config_from_dir(model_dir), experts or ExpertOptions(), config.decode_tokens,
-                           Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
-            par, self._workers = start(spec_for(model_dir, dtype, device, experts or ExpertOptions(), config))
+            # ranks 1..N-1 in other processes, this process is rank 0 (moetier/dist, docs/parallel.md)
+            device = self._start_workers(model_dir, dtype, device, experts or ExpertOptions(), config,
+                                         config_from_dir(model_dir), rank_plans)
         try:
-            kw = {} if par is None else {"parallel": par}
+            kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
-                                                    decode_tokens=config.decode_tokens, progress=progress, **kw)
+                                                    decode_tokens=config.decode_tokens, progress=progress,
+                                                    fp8_dense=config.fp8_dense, **kw)
             if self._workers is not None:
                 self._workers.ready()
         except BaseException:
@@ -116,6 +134,55 @@ class LLM:
         self._audit("after load", baseline)
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
         self._audit("after graph capture", baseline)
+
+    def _start_workers(self, source: Any, dtype: str, device: str, experts: ExpertOptions, config: EngineConfig,
+                       cfg: Any, rank_plans: Any) -> str:
+        """Refuse a layout the model cannot split (before anything starts), start ranks 1..N-1 with
+        the configured executor, join as rank 0: sets self.parallel and self._workers. -> rank 0's
+        device, with its index on CUDA (the executor chose it: Ray may reserve another GPU than 0),
+        so that threads other than this one (AsyncLLM's) allocate on the same GPU."""
+        from moetier.checkpoint.loader import check_parallel
+        from moetier.dist.executor import spec_for, start
+        from moetier.layers.parallel import Parallel
+
+        check_parallel(cfg, experts, config.decode_tokens,
+                       Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
+        self.parallel, self._workers = start(spec_for(source, dtype, device, experts, config), rank_plans)
+        return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+
+    @classmethod
+    def from_random(cls, random: Any, dtype: str = "auto", device: str = "auto", config: EngineConfig | None = None,
+                    rank_plans: Any = None, **options: Any) -> LLM:
+        """Random weights of a preset shape (checkpoint/random_bed.RandomModel), made in memory: in one
+        process, or over tensor/expert-parallel ranks that each make their own share (the server's
+        --preset, bench decode's parallel rows). self.bed: rank 0's share (row sizes for rooflines)."""
+        from moetier.checkpoint.loader import resolve_dtype
+        from moetier.checkpoint.random_bed import build_random
+        from moetier.presets import preset
+
+        config = EngineConfig.of(config, **options)
+        device = pick_device(device)
+        cfg = preset(random.preset, random.layers)
+        torch_dtype = resolve_dtype("bfloat16" if dtype == "auto" else dtype, cfg)
+        if config.world_size == 1:
+            bed = build_random(random, torch_dtype, device, config.decode_tokens)
+            self = cls.from_model(bed.model, bed.tokenizer, config)
+            self.bed = bed
+            return self
+        self = cls.__new__(cls)
+        self._workers, self.load_report = None, None
+        self.plan, self.audits, self._on_audit = None, [], None
+        device = self._start_workers(random, dtype, device, random.options(cfg, config.expert_parallel_size), config,
+                                     cfg, rank_plans)
+        try:
+            self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
+            self._workers.ready()
+        except BaseException:
+            self._workers.stop(graceful=False)
+            raise
+        eos = set(self.bed.cfg.eos_token_ids) | set(self.bed.tokenizer.eos_token_ids)
+        self._setup(self.bed.model, self.bed.tokenizer, eos, None, config)
+        return self
 
     @staticmethod
     def _measure() -> dict:
@@ -145,15 +212,21 @@ class LLM:
         if config.world_size > 1:
             raise MoetierError("LLM.from_model runs one process; tensor or expert parallelism needs a checkpoint "
                                "directory (LLM(model_dir, tensor_parallel_size=N)): every rank loads its share")
-        self._workers = None
+        self._workers, self.parallel = None, None
         self.load_report: LoadReport | None = None
         self.plan, self.audits, self._on_audit = None, [], None
+        self.chunk_reason = None
         eos = set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._setup(model, tokenizer, eos, None, config)
         return self
 
     def _setup(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
                config: EngineConfig) -> None:
+        if config.max_num_tokens is None:  # no memory plan made it: the same rule (plan/chunk.py)
+            tokens, self.chunk_reason = auto_chunk(model)
+            config = EngineConfig.of(config, max_num_tokens=tokens)
+        for block in model.moe_blocks():
+            set_prefill_policy(block.experts, config.prefill_cache_policy)
         self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
         if tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

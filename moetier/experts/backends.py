@@ -14,9 +14,10 @@ backends differ only in where a row's bytes are read from: slots and uva are bit
 resident with the same kernels. On the CPU those are torch ops; on CUDA, decode steps (T up to
 `decode_tokens`) run the Triton kernels with no host sync and fixed buffers (CUDA-graph safe): the
 bookkeeping and fill of slots, then the grouped GEMM (grouped_gemm.py, each distinct row read once).
-Larger steps (prefill) bypass the cache: on CUDA the large-step grouped GEMM (a device sort for its
-plan, chunks of up to 64 pairs of a row, host rows read across the link in the kernel, no host
-sync); on the CPU the per-expert torch path (reference.py).
+Larger steps (prefill) take the large-step grouped GEMM on CUDA (a device sort for its plan, chunks
+of up to 64 pairs of a row, host rows read across the link in the kernel, no host sync); on the CPU
+the per-expert torch path (reference.py). The slot cache's part in them is a policy
+(prefill_cache.py): bypass leaves it alone, refresh first moves the chunk's most used experts in.
 
 Every backend counts what it did (stats(): hits, misses, overflow, steps, bypassed) and can be put
 back to its empty state (reset()), so nobody reaches into a backend's cache.
@@ -29,6 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_reference
 from moetier.experts.reference import combine, expert_pairs, row_fetch
 from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
@@ -160,20 +162,25 @@ class SlotExperts(ExpertBackend):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
-                 policy: str = "lfru", gemm: GemmConfig = GemmConfig()):
+                 policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass"):
         super().__init__(layout, top_k, decode_tokens, device, gemm)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
         self.host = host_rows
         self.fill = fill
+        self.prefill = check_policy(prefill)  # what a large step does to the cache (prefill_cache.py)
         self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k))
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
+        # rows the prefill refreshes filled (a device counter: the CUDA path adds the miss count unread)
+        self._refreshed = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.cuda:
             from moetier.experts.slot_kernels import BookkeepingScratch
 
             self._host_dev = DevicePointer(host_rows)
-            self._scratch = BookkeepingScratch(num_experts, num_slots, decode_tokens * top_k, self.device)
+            # NOTE: at least S pairs: a refresh step asks for S ids (plan/residents.slot_cache_state)
+            self._scratch = BookkeepingScratch(num_experts, num_slots, max(decode_tokens * top_k, num_slots),
+                                               self.device)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._copy_programs = 2 * sms
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -220,13 +227,26 @@ class SlotExperts(ExpertBackend):
         main.wait_stream(self._copy_stream)
 
     def _bypass(self, hidden, topk_ids, topk_weights) -> torch.Tensor:
-        """Prefill: leave the cache alone; read experts in slots from their slots, the rest from the
-        host store across the link (each row once per chunk of its tokens)."""
+        """Prefill: experts in slots are read from their slots, the rest from the host store across the
+        link (each row once per chunk of its tokens). Under the refresh policy the cache first takes
+        one step over the chunk's experts ranked by use and fills its misses (prefill_cache.py), so
+        the slot ids below are the refreshed ones; under bypass the cache is left alone."""
         if self.cuda:
+            if self.prefill == "refresh":
+                from moetier.experts.slot_kernels import copy_rows
+
+                refresh_device(self.cache, self._scratch, topk_ids)
+                copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)  # NOTE: before the GEMM
+                self._refreshed += self._scratch.miss_count  # on the device: no read back
             slot_ids = self.cache.expert_slot[topk_ids]  # a device gather: -1 where not in a slot
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
                                self.cache.num_slots + self.cache.num_experts)
         self.bypassed += 1
+        if self.prefill == "refresh":
+            miss = refresh_reference(self.cache, topk_ids)
+            n = int(miss.count)
+            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+            self._refreshed += n
         slot_of = self.cache.expert_slot.tolist()
         host = row_fetch(self.host, self.layout, hidden.dtype)
         slot = row_fetch(self.slots, self.layout, hidden.dtype)
@@ -241,11 +261,22 @@ class SlotExperts(ExpertBackend):
                 "host": self.host.numel() * self.host.element_size()}
 
     def stats(self):
-        return {**self.cache.read_stats(), "bypassed": self.bypassed}
+        # refreshed: rows prefill refreshes filled (not in misses: those count decode's fills)
+        return {**self.cache.read_stats(), "bypassed": self.bypassed, "refreshed": int(self._refreshed)}
 
     def reset(self):
         super().reset()
         self.cache.reset()
+        self._refreshed.zero_()
+
+
+def set_prefill_policy(backend: ExpertBackend, policy: str) -> None:
+    """Set the prefill cache policy of a backend with a slot cache (slots, hybrid; through an
+    expert-parallel wrapper); backends without one have nothing to refresh."""
+    check_policy(policy)
+    inner = getattr(backend, "inner", backend)  # experts/ep.ShardedExperts
+    if isinstance(inner, SlotExperts):
+        inner.prefill = policy
 
 
 BACKENDS = ("resident", "slots", "uva", "hybrid")  # hybrid: hybrid.py (the slots cache + host cores)

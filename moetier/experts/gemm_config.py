@@ -3,7 +3,7 @@ plain data, importable without Triton (CPU installs have none)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # (BLOCK_N, BLOCK_K, num_warps) of the gate_up and down kernels: what scripts/tune_experts.py and
 # `bench layer --tune` try.
@@ -29,3 +29,23 @@ class GemmConfig:
     large_block_m: int = 64
     large_gate_up: tuple[int, int, int] = (128, 64, 4)
     large_down: tuple[int, int, int] = (128, 64, 4)
+    # FP8 rows at decode: half the bytes per tile, so other blocks win. (32, 128, 4) / (128, 128, 4)
+    # were the fastest at 8 tokens of a Qwen3-30B layer on the H200 (83.4 us against 92.9 for bf16's
+    # blocks) and within 2% of the best at 32 (bench/results/h200-tune-experts-fp8-25e4573.json).
+    # BLOCK_K must divide 128 here: wider K tiles gather a scale per element (5-10x slower, same file).
+    fp8_gate_up: tuple[int, int, int] = (32, 128, 4)
+    fp8_down: tuple[int, int, int] = (128, 128, 4)
+    # One-token steps on FP8 rows (fp8_gemv.py): BLOCK_K a multiple of 128. The fastest of its sweep on
+    # the H200: 20.8 us for 8 Qwen3-30B experts against 23.6 for the grouped GEMM (same file, 94bac60).
+    fp8_gemv_gate_up: tuple[int, int, int] = (8, 1024, 4)
+    fp8_gemv_down: tuple[int, int, int] = (16, 256, 4)
+
+    def decode_blocks(self, quant: str | None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(gate_up, down) blocks of the decode kernels for rows of `quant`."""
+        return (self.fp8_gate_up, self.fp8_down) if quant == "fp8" else (self.gate_up, self.down)
+
+    def with_decode(self, quant: str | None, gate_up=None, down=None) -> GemmConfig:
+        """A copy with the decode blocks of `quant` rows replaced (the tuners' trial configs)."""
+        gu, dn = self.decode_blocks(quant)
+        names = ("fp8_gate_up", "fp8_down") if quant == "fp8" else ("gate_up", "down")
+        return replace(self, **{names[0]: gate_up or gu, names[1]: down or dn})

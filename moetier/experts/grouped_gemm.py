@@ -280,6 +280,13 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     n_pairs = t * k
     if n_pairs > scratch.max_pairs:
         raise ValueError(f"{n_pairs} (token, expert) pairs exceed the {scratch.max_pairs} the scratch holds")
+    if t == 1 and quant == "fp8":  # one token on FP8 rows: the GEMV (fp8_gemv.py), then the same combine
+        from moetier.experts.fp8_gemv import expert_gemv
+
+        dot = _dot_type(x.dtype)[0]
+        expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
+                    scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down)
+        return combine_pairs(scratch.y, topk_weights, out)
     if t == 1:
         # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids
         # read their row twice, with the same bits, since a pair's result depends only on its row.
@@ -289,7 +296,7 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
         blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
         _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, order,
-             n_pairs, scratch.h, scratch.y, out, BLOCK_M, config.gate_up, config.down, listed=False, quant=quant)
+             n_pairs, scratch.h, scratch.y, out, BLOCK_M, *config.decode_blocks(quant), listed=False, quant=quant)
     return out
 
 

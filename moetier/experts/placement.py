@@ -26,6 +26,7 @@ from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
 from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
 from moetier.layers.parallel import Parallel
@@ -42,6 +43,9 @@ class ExpertOptions:
     fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"
+    # What a prefill step does to the slot cache (slots, hybrid): bypass or refresh (prefill_cache.py).
+    # The engine sets it from EngineConfig.prefill_cache_policy.
+    prefill: str = "bypass"
     gemm: GemmConfig = field(default_factory=GemmConfig)  # block sizes of the grouped expert GEMM
     # hybrid backend: the host expert kernel (cpu_experts.py; auto: the compiled one where it builds,
     # else grouped), its threads (None: torch's count), and the path rates (None: measured when the
@@ -80,6 +84,8 @@ class ExpertOptions:
             out.append(f"host expert kernel {self.host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if self.host_threads is not None and self.host_threads < 1:
             out.append(f"host threads must be at least 1, got {self.host_threads}")
+        if self.prefill not in PREFILL_POLICIES:
+            out.append(f"prefill cache policy {self.prefill!r}: choose bypass or refresh")
         if self.fill not in FILLS:
             out.append(f"fill must be 'kernel' or 'copy', got {self.fill!r}")
         return out
@@ -133,10 +139,12 @@ class ExpertPlacement:
 
             if self._hostpath is None:
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
-            return HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
-                                 o.policy, o.gemm, self._hostpath)
+            hybrid = HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
+                                   o.policy, o.gemm, self._hostpath)
+            hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
+            return hybrid
         return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.fill,
-                           o.policy, o.gemm)
+                           o.policy, o.gemm, o.prefill)
 
 
 def read_slots_file(path: str | Path) -> dict[int, int]:

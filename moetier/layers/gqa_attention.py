@@ -12,15 +12,20 @@ Tensor parallelism (layers/parallel.Parallel, tp ranks): rank r holds q heads
 group stays on its rank), qkv column-split by those heads, o_proj row-split by the q heads; the
 partial o_proj outputs are summed by one all-reduce, and the o_proj bias is added once, after it.
 The KV cache of a rank holds its Hkv/tp heads only.
+
+FP8 dense (fp8_dense, layers/fp8_linear.py): qkv stays FP8 when the q and k rows end on scale
+blocks (Hq D and Hkv D multiples of 128, as in every published Qwen3 shape; under tensor
+parallelism v's too), o unless tensor parallelism cuts its columns off the blocks; otherwise that
+weight is dequantized at load.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch, paged_attention, write_kv
+from moetier.layers.fp8_linear import Fp8Rows, dense_weight, fusable, linear, rows_of
 from moetier.layers.kv_cache import GqaKVCache
 from moetier.layers.norm import rms_norm
 from moetier.layers.parallel import Parallel
@@ -44,16 +49,19 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: t
 
 class GqaAttention(nn.Module):
     def __init__(self, layer: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 eps: float, dtype: torch.dtype, device: torch.device | str, par: Parallel = Parallel()):
+                 eps: float, dtype: torch.dtype, device: torch.device | str, par: Parallel = Parallel(),
+                 fp8_dense: bool = False):
         super().__init__()
         self.layer, self.par = layer, par
         # this rank's heads (all of them without tensor parallelism)
         num_heads = par.tp_split(num_heads, "num_attention_heads")
         num_kv_heads = par.tp_split(num_kv_heads, "num_key_value_heads")
         self.hq, self.hkv, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
-        rows = (num_heads + 2 * num_kv_heads) * head_dim
-        self.qkv = param(rows, hidden, dtype=dtype, device=device)  # [q; k; v] rows
-        self.o = param(hidden, num_heads * head_dim, dtype=dtype, device=device)
+        q, kv, split = num_heads * head_dim, num_kv_heads * head_dim, par.tp > 1
+        self.qkv = dense_weight(q + 2 * kv, hidden, dtype, device,
+                                fp8_dense and fusable((q, kv, kv), split))  # [q; k; v] rows
+        self.o = dense_weight(hidden, q, dtype, device, fp8_dense and (not split or fusable((q,), True)))
+        rows = q + 2 * kv
         self.qkv_bias = param(rows, dtype=dtype, device=device) if bias else None
         self.o_bias = param(hidden, dtype=dtype, device=device) if bias else None
         self.q_norm = param(head_dim, dtype=dtype, device=device)
@@ -64,12 +72,17 @@ class GqaAttention(nn.Module):
         q, kv = self.hq * self.d, self.hkv * self.d
         return {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}[proj]
 
+    def qkv_part(self, proj: str) -> torch.Tensor | Fp8Rows:
+        """Where checkpoint projection q_proj, k_proj or v_proj (this rank's heads) goes."""
+        rows = self.qkv_rows(proj)
+        return rows_of(self.qkv, rows.start, rows.stop)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
                 kv: GqaKVCache) -> torch.Tensor:
         # x: [N, H], the new tokens of every sequence in the step
         t = x.shape[0]
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = linear(x, self.qkv, self.qkv_bias)
         args = (qkv, self.q_norm, self.k_norm, cos, sin, k_cache, v_cache, batch.slot_mapping,
                 self.hq, self.hkv, self.eps)
         if qkv.is_cuda:
@@ -80,7 +93,7 @@ class GqaAttention(nn.Module):
             q = qk_norm_rope_kv_reference(*args)
         out = paged_attention(q, k_cache, v_cache, batch)  # [N, Hq, D]
         if self.par.tp == 1:
-            return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+            return linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
         # a partial sum over this rank's heads [N, H]; the bias joins once, after the sum
-        part = self.par.all_reduce(F.linear(out.reshape(t, self.hq * self.d), self.o), "tp")
+        part = self.par.all_reduce(linear(out.reshape(t, self.hq * self.d), self.o), "tp")
         return part if self.o_bias is None else part + self.o_bias

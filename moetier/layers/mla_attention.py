@@ -15,15 +15,19 @@ for long prefills expanding kv_b per head can be cheaper in FLOPs, which is not 
 The arithmetic equals transformers' DeepseekV3Attention / GlmMoeDsaAttention up to float
 reassociation: (q_nope W_UK) . c_kv instead of q_nope . (W_UK c_kv), and W_UV after the weighted sum
 instead of before. qk_rope_head_dim may be 0 (no position part: the latent is c_kv alone).
+
+FP8 dense (fp8_dense, layers/fp8_linear.py): q_a, q_b (or q_proj), kv_a and o are held in FP8, each
+one checkpoint tensor (no fusion, so ragged shapes are exact too); kv_b stays in the model dtype,
+since it is used through its per-head views W_UK and W_UV, not as a linear layer.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
+from moetier.layers.fp8_linear import dense_weight, linear
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.latent_attention import latent_attention, write_latent
 from moetier.layers.norm import rms_norm
@@ -41,7 +45,7 @@ class MlaAttention(nn.Module):
 
     def __init__(self, layer: int, hidden: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
                  rope: int, v_dim: int, bias: bool, scale: float, interleave: bool, dtype: torch.dtype,
-                 device: torch.device | str, indexer: nn.Module | None = None):
+                 device: torch.device | str, indexer: nn.Module | None = None, fp8_dense: bool = False):
         super().__init__()
         self.layer, self.hq, self.r, self.nope, self.rope, self.v = layer, num_heads, kv_lora_rank, nope, rope, v_dim
         self.scale, self.interleave = scale, interleave
@@ -51,20 +55,20 @@ class MlaAttention(nn.Module):
             return param(n, dtype=dtype, device=device) if bias else None
 
         if q_lora_rank:
-            self.q_a = param(q_lora_rank, hidden, dtype=dtype, device=device)
+            self.q_a = dense_weight(q_lora_rank, hidden, dtype, device, fp8_dense)
             self.q_a_bias = opt_bias(q_lora_rank)
             self.q_a_norm = param(q_lora_rank, dtype=dtype, device=device)
-            self.q_b = param(num_heads * qk, q_lora_rank, dtype=dtype, device=device)
+            self.q_b = dense_weight(num_heads * qk, q_lora_rank, dtype, device, fp8_dense)
             self.q_proj = None
         else:
             self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = None
-            self.q_proj = param(num_heads * qk, hidden, dtype=dtype, device=device)
-        self.kv_a = param(kv_lora_rank + rope, hidden, dtype=dtype, device=device)
+            self.q_proj = dense_weight(num_heads * qk, hidden, dtype, device, fp8_dense)
+        self.kv_a = dense_weight(kv_lora_rank + rope, hidden, dtype, device, fp8_dense)
         self.kv_a_bias = opt_bias(kv_lora_rank + rope)
         self.kv_a_norm = param(kv_lora_rank, dtype=dtype, device=device)
         # rows per head: [k_nope (nope) | v (v_dim)], each a map from the latent (R)
         self.kv_b = param(num_heads * (nope + v_dim), kv_lora_rank, dtype=dtype, device=device)
-        self.o = param(hidden, num_heads * v_dim, dtype=dtype, device=device)
+        self.o = dense_weight(hidden, num_heads * v_dim, dtype, device, fp8_dense)
         self.o_bias = opt_bias(hidden)
         self.indexer = indexer
 
@@ -88,12 +92,12 @@ class MlaAttention(nn.Module):
         latent rows [N, R + P] = [normed c_kv | roped k_pe])."""
         t = x.shape[0]
         if self.q_proj is None:
-            q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
-            q = F.linear(q_resid, self.q_b)
+            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q = linear(q_resid, self.q_b)
         else:
-            q_resid, q = None, F.linear(x, self.q_proj)
+            q_resid, q = None, linear(x, self.q_proj)
         q_nope, q_pe = q.view(t, self.hq, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = F.linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
+        c_kv, k_pe = linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
         c_kv = rms_norm(c_kv, self.kv_a_norm, LATENT_NORM_EPS)
         k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
         q_abs = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
@@ -111,4 +115,4 @@ class MlaAttention(nn.Module):
             topk = self.indexer(x, q_resid, cos, sin, batch, kv)
         out = latent_attention(q, latent, batch, self.scale, self.r, topk)  # [N, Hq, R]
         out = torch.einsum("nhr,hvr->nhv", out, self.w_uv)
-        return F.linear(out.reshape(x.shape[0], self.hq * self.v), self.o, self.o_bias), topk
+        return linear(out.reshape(x.shape[0], self.hq * self.v), self.o, self.o_bias), topk

@@ -1,5 +1,9 @@
 """The dense SwiGLU MLP (dense layers, and later the shared experts of the DeepSeek family).
 
+FP8 dense (fp8_dense, layers/fp8_linear.py): w13 stays FP8 only when gate's rows end on a scale
+block (I a multiple of 128; under tensor parallelism every rank's I/tp), w2 unless tensor
+parallelism splits its columns off the blocks; otherwise that weight is dequantized at load.
+
 Tensor parallelism (layers/parallel.Parallel): rank r holds columns [r I/tp, (r+1) I/tp) of gate
 and of up (w13 = [gate_r; up_r]) and the same rows of down's input dimension; each rank's output
 is a partial sum [T, H], summed by one all-reduce.
@@ -8,22 +12,31 @@ is a partial sum [T, H], summed by one all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.activation import silu_mul
+from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight, dense_weight, fusable, linear, rows_of
 from moetier.layers.parallel import Parallel
-from moetier.layers.param import param
 
 
 class SwigluMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str,
-                 par: Parallel = Parallel()):
+                 par: Parallel = Parallel(), fp8_dense: bool = False):
         super().__init__()
         self.par = par
         self.inter = inter = par.tp_split(inter, "intermediate_size")  # this rank's columns
-        self.w13 = param(2 * inter, hidden, dtype=dtype, device=device)  # [gate; up]
-        self.w2 = param(hidden, inter, dtype=dtype, device=device)
+        split = par.tp > 1
+        # [gate; up]
+        self.w13 = dense_weight(2 * inter, hidden, dtype, device, fp8_dense and fusable((inter, inter), split))
+        self.w2 = dense_weight(hidden, inter, dtype, device, fp8_dense and (not split or fusable((inter,), True)))
+
+    def part(self, proj: str) -> torch.Tensor | Fp8Rows | Fp8Weight | None:
+        """Where checkpoint projection gate_proj, up_proj or down_proj (this rank's part) goes."""
+        i = self.inter
+        if proj == "down_proj":
+            return self.w2
+        half = {"gate_proj": 0, "up_proj": 1}.get(proj)
+        return None if half is None else rows_of(self.w13, half * i, (half + 1) * i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(F.linear(silu_mul(F.linear(x, self.w13)), self.w2), "tp")
+        return self.par.all_reduce(linear(silu_mul(linear(x, self.w13)), self.w2), "tp")

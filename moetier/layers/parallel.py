@@ -1,10 +1,11 @@
 """The parallel layout one rank runs under: a plain record handed to the model, its layers and the
 expert placement when they are built (never a global; moetier/dist sets up the process group).
 
-    Parallel(rank, world, tp, ep, group)
+    Parallel(rank, world, tp, ep, group, timer)
         tp  tensor-parallel size: attention heads and dense MLP columns split over tp ranks
         ep  expert-parallel size: the routed experts split over ep ranks (expert e on rank e % ep)
         group  the torch.distributed process group of the collectives (None: the default group)
+        timer  a CollectiveTimer (collective_timer.py) the benchmarks switch on; off, it costs one check
 
 Step 1 of issue 18: tp and ep are each 1 or the whole world (so both groups are the world group),
 and rank r is TP rank r and EP rank r. Parallel() is the single-process layout: every collective is
@@ -13,7 +14,7 @@ a no-op and every split is the whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class Parallel:
     tp: int = 1
     ep: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default (world) group
+    timer: Any = field(default=None, compare=False)  # a CollectiveTimer, or None
 
     def __post_init__(self):
         problems = layout_problems(self.world, self.tp, self.ep)
@@ -57,7 +59,11 @@ class Parallel:
         if (self.tp if over == "tp" else self.ep) > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+            if self.timer is not None and self.timer.on:
+                with self.timer.span(over, x):
+                    dist.all_reduce(x, group=self.group)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
 

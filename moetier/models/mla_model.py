@@ -32,7 +32,6 @@ from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_MLP = {"gate_proj": 0, "up_proj": 1}  # halves of SwigluMLP.w13
 
 
 class MlaDecoderLayer(nn.Module):
@@ -43,17 +42,19 @@ class MlaDecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.input_norm = param(h, dtype=dtype, device=device)
         self.post_norm = param(h, dtype=dtype, device=device)
+        fp8_dense = cfg.dense_quant == "fp8"
         self.attn = MlaAttention(layer, h, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                                  cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias, cfg.softmax_scale,
-                                 cfg.rope_interleave, dtype, device, indexer)
+                                 cfg.rope_interleave, dtype, device, indexer, fp8_dense)
         if cfg.is_moe_layer(layer):
             router = GroupedSigmoidTopK(cfg.num_experts, h, cfg.top_k, cfg.n_group, cfg.topk_group,
                                         cfg.norm_topk_prob, cfg.routed_scaling_factor, device)
-            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
+            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device,
+                                fp8_dense=fp8_dense)
                       if cfg.n_shared_experts else None)
             self.mlp: MoEBlock | SwigluMLP = MoEBlock(layer, router, shared)
         else:
-            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device)
+            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device, fp8_dense=fp8_dense)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: AttnBatch, kv: MlaKVCache, topk: torch.Tensor | None
@@ -191,11 +192,7 @@ class MlaMoeForCausalLM(CausalLM):
             return mlp.router.bias
         if rest.startswith("mlp.shared_experts."):
             mlp, rest = mlp.shared, "mlp." + rest[len("mlp.shared_experts."):]
-        proj = rest[len("mlp."):].removesuffix(".weight")
-        if proj == "down_proj":
-            return mlp.w2
-        half = _MLP.get(proj)
-        return None if half is None else mlp.w13[half * mlp.inter:(half + 1) * mlp.inter]
+        return mlp.part(rest[len("mlp."):].removesuffix(".weight"))
 
     # -- runtime --
 

@@ -6,6 +6,8 @@ router, optional renormalisation) or, for mlp_only_layers and off the sparse ste
 Attention is GQA with RMSNorm on each head's q and k before rotary (layers/gqa_attention.py).
 
 Weights are fused where that saves launches (qkv, gate_up); param() maps checkpoint names onto them.
+With cfg.dense_quant "fp8" the attention and dense MLP projections are held in FP8 where the block
+rule allows (layers/gqa_attention.py, layers/mlp.py say when).
 Routed experts are stored per expert (published checkpoints) or fused (transformers 5); either way
 they go to the expert tiers, not to this module.
 
@@ -154,11 +156,12 @@ class DecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.input_norm = param(h, dtype=dtype, device=device)
         self.post_norm = param(h, dtype=dtype, device=device)
+        fp8_dense = cfg.dense_quant == "fp8"
         self.attn = GqaAttention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
-                                 cfg.rms_norm_eps, dtype, device, par)
+                                 cfg.rms_norm_eps, dtype, device, par, fp8_dense)
         self.mlp: MoEBlock | SwigluMLP = (
             MoEBlock(layer, SoftmaxTopK(cfg.num_experts, h, cfg.top_k, cfg.norm_topk_prob, dtype, device))
-            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device, par)
+            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device, par, fp8_dense)
         )
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -230,15 +233,13 @@ class Qwen3MoeForCausalLM(CausalLM):
             a = layer.attn
             proj, kind = rest[len("self_attn."):].split(".")
             if proj in ("q_proj", "k_proj", "v_proj"):
-                return (a.qkv if kind == "weight" else a.qkv_bias)[a.qkv_rows(proj)]
+                return a.qkv_part(proj) if kind == "weight" else a.qkv_bias[a.qkv_rows(proj)]
             return {"o_proj": a.o if kind == "weight" else a.o_bias, "q_norm": a.q_norm, "k_norm": a.k_norm}.get(proj)
         if rest == "mlp.gate.weight":
             return layer.mlp.router.weight
         mlp = layer.mlp
-        if isinstance(mlp, SwigluMLP):
-            i = mlp.inter  # this rank's columns
-            return {"mlp.gate_proj.weight": mlp.w13[:i], "mlp.up_proj.weight": mlp.w13[i:],
-                    "mlp.down_proj.weight": mlp.w2}.get(rest)
+        if isinstance(mlp, SwigluMLP) and rest.startswith("mlp.") and rest.endswith(".weight"):
+            return mlp.part(rest[len("mlp."):-len(".weight")])  # this rank's columns
         return None
 
     def kv_spec(self) -> GqaKVSpec:

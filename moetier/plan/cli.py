@@ -87,7 +87,7 @@ def plan_cmd(
     host_memory: opt.HostMemory = None,
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request (default: the model's)."),
     max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
-    max_num_tokens: int = typer.Option(512, "--max-num-tokens", help="Tokens computed in one step (prefill chunk)."),
+    max_num_tokens: opt.MaxNumTokens = None,
     decode_tokens: opt.DecodeTokens = 64,
     expert_backend: str = typer.Option("auto", "--expert-backend",
                                        help="auto (fit the budget: resident, else slots), resident, slots or uva."),
@@ -99,6 +99,7 @@ def plan_cmd(
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
+    fp8_dense: opt.Fp8Dense = "dequantize",
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -115,7 +116,8 @@ def plan_cmd(
             raise MoetierError("--layers cuts a --preset; a --model is planned as it is")
         for value, name in ((max_num_seqs, "--max-num-seqs"), (max_num_tokens, "--max-num-tokens"),
                             (decode_tokens, "--decode-tokens")):
-            opt.at_least(value, 1, name)
+            if value is not None:  # --max-num-tokens unset: chosen by the plan (plan/chunk.py)
+                opt.at_least(value, 1, name)
         if max_model_len is not None:
             opt.at_least(max_model_len, 2, "--max-model-len")
         if device not in ("auto", "cuda", "cpu"):
@@ -145,7 +147,7 @@ def plan_cmd(
         length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # the pool: max_num_seqs requests of full length, as the engine is then configured
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
-                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length)
+                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
         req.kv_tokens = None
         plan = plan_for(req, experts, loaded)

@@ -44,7 +44,7 @@ class PlanRequest:
     max_num_seqs: int = 1
     kv_tokens: int | None = None  # default: max_num_seqs full-length requests
     page_size: int = 16
-    max_num_tokens: int = 512
+    max_num_tokens: int | None = 512  # None: chosen from the plan (chunk.py, through preflight.plan_for)
     decode_tokens: int = 64
     cuda_graphs: bool = True
     gpu_budget: int | None = None  # bytes this run may use on the device (None: unknown)
@@ -100,6 +100,7 @@ class Plan:
     expert_bytes: int  # all routed experts of all MoE layers
     notes: list[str] = field(default_factory=list)
     prediction: dict | None = None  # with a trace: hit rate and tok/s (sizing.py)
+    chunk: dict | None = None  # an automatic prefill chunk: tokens, reason (chunk.py); None: as given
 
     @property
     def device_total(self) -> int:
@@ -162,8 +163,10 @@ def count(req: PlanRequest) -> Plan:
     tensors: list[int] = list(dense.tensors)  # every device tensor, for the allocator's rounding
     dev.append(Item("dense: embedding + LM head", dense.embedding_and_head, "load",
                     "tied: one copy" if cfg.tie_word_embeddings else "", r.block(dense.embedding_and_head)))
+    what = "attention, norms, routers, dense MLPs, shared experts"
     dev.append(Item("dense: decoder layers", dense.layers, "load",
-                    "attention, norms, routers, dense MLPs, shared experts", sum(r.block(n) for n in dense.tensors) - r.block(dense.embedding_and_head)))
+                    what + (" (FP8 projections: weights + block scales)" if cfg.dense_quant else ""),
+                    sum(r.block(n) for n in dense.tensors) - r.block(dense.embedding_and_head)))
     if backend == "resident":
         rows = [e * row] * len(layers)
         note = f"{len(layers)} layers x {e} experts x {row:,} B rows (scales in the row)"
@@ -221,6 +224,10 @@ def count(req: PlanRequest) -> Plan:
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
     if backend != "resident":
         act.append(r.prefill_stream(shape, dt))
+    if dense.fp8_transient:  # FP8 dense: a prefill projection dequantizes its weight first
+        act.append(dense.fp8_transient)
+    if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
+        act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
     dev.append(Item("activations at the largest step", r.segments(act), "runtime",
                     f"eager {req.max_num_tokens}-token step, {rows_eager} logit rows"))
     if cuda:
@@ -256,6 +263,7 @@ def count(req: PlanRequest) -> Plan:
     host.append(Item("loader buffer", biggest, "host", "largest tensor read at once"))
     request = {"model_type": cfg.model_type, "layers": cfg.num_layers, "moe_layers": len(layers),
                "dtype": str(dt).replace("torch.", ""), "experts_quant": cfg.quant,  # "fp8": FP8 rows with scales
+               "dense_quant": cfg.dense_quant,  # "fp8": dense projections held in FP8 with their scales
                "device": req.device, "max_model_len": req.model_len,
                "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
                "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,

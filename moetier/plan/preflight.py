@@ -33,8 +33,11 @@ class PlanRefused(MoetierError):
 def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_memory: str | None = None,
                 host_memory: str | None = None) -> PlanRequest:
     """A PlanRequest for an EngineConfig (engine/config.py) on this machine (or the given sizes)."""
+    from moetier.checkpoint.fp8_weights import with_dense
+
     gpu, gpu_src, with_context = machine.gpu_budget(gpu_memory, device)
     host, host_src = machine.host_budget(host_memory)
+    cfg = with_dense(cfg, getattr(config, "fp8_dense", "dequantize"))  # the dense weights as they will be held
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
                        max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
@@ -44,7 +47,16 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
-    """The plan of these ExpertOptions: as given, or chosen (backend auto; slots without a count)."""
+    """The plan of these ExpertOptions: as given, or chosen (backend auto; slots without a count); the
+    prefill chunk too when req.max_num_tokens is None (plan/chunk.py: plan.chunk says why)."""
+    if req.max_num_tokens is None:
+        from moetier.plan.chunk import plan_with_chunk
+
+        return plan_with_chunk(req, lambda r: _placed(r, experts, trace))
+    return _placed(req, experts, trace)
+
+
+def _placed(req: PlanRequest, experts, trace=None) -> Plan:
     layers, e = req.cfg.moe_layers, req.cfg.num_experts
     if experts.backend != "auto":
         problems = experts.problems(req.cfg.moe_shape, layers)
@@ -71,6 +83,8 @@ def options_for(plan: Plan, experts):
 
 
 def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
+    if req.max_num_tokens is None:  # what would fit is searched at the chunk the plan chose
+        req = replace(req, max_num_tokens=plan.request["max_num_tokens"])
     lines = [f"the plan does not fit: {'; '.join(plan.problems())}", table(plan)]
     alt = suggestions(req, plan)
     if alt:

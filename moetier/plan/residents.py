@@ -76,28 +76,57 @@ class Dense:
     embedding_and_head: int  # the embedding and, when untied, the LM head
     layers: int  # attention, norms, routers, dense MLP layers, shared experts
     tensors: tuple[int, ...]  # each tensor's bytes (allocator rounding)
+    # FP8 dense (cfg.dense_quant): the largest FP8 weight dequantized to the model dtype, the
+    # transient a prefill step's projection makes (layers/fp8_linear.py); 0 without FP8 dense
+    fp8_transient: int = 0
 
 
 @lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
     in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
-    kept) is not counted."""
+    kept) is not counted. With cfg.dense_quant "fp8" the weights the model holds in FP8 count their
+    float8 bytes plus their float32 block scales, exactly (which ones: fp8_held)."""
+    from moetier.experts import fp8
     from moetier.models.registry import model_class
 
+    held, largest = fp8_held(cfg)
     head, rest, sizes = 0, 0, []
     for w in model_class(cfg).checkpoint_weights(cfg, set()):
         if w.expert is not None or w.optional:
             continue
-        n = 4 if w.float32 else dtype.itemsize
-        for d in w.shape:
-            n *= d
+        if w.name in held:
+            n = _numel(w.shape) + 4 * _numel(fp8.scale_shape(w.shape))
+        else:
+            n = (4 if w.float32 else dtype.itemsize) * _numel(w.shape)
         sizes.append(n)
         if w.shape and w.shape[0] == cfg.vocab_size:
             head += n
         else:
             rest += n
-    return Dense(head, rest, tuple(sizes))
+    return Dense(head, rest, tuple(sizes), largest * dtype.itemsize)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def fp8_held(cfg: ModelConfig) -> tuple[frozenset[str], int]:
+    """(checkpoint names the model holds in FP8 under cfg.dense_quant "fp8", the element count of the
+    largest FP8 weight). The model is built on the meta device (no memory) and asked, so the plan
+    follows the layers' own fallback rules (layers/fp8_linear.fusable)."""
+    if cfg.dense_quant != "fp8":
+        return frozenset(), 0
+    from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
+    from moetier.models.registry import model_class
+
+    model = model_class(cfg)(cfg, torch.bfloat16, "meta")
+    names = frozenset(w.name for w in model_class(cfg).checkpoint_weights(cfg, set())
+                      if w.expert is None and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)))
+    return names, max((m.q.numel() for m in model.modules() if isinstance(m, Fp8Weight)), default=0)
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
@@ -109,11 +138,12 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
 
 def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
     """Device tensors of one slots layer besides its rows: SlotCache (experts/slots.py: expert_slot,
-    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64) and
-    BookkeepingScratch (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)],
-    slots_out / miss_expert / miss_slot [P], miss_count [1], all int32)."""
-    e, s, p = num_experts, num_slots, max_pairs
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32,
+    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
+    refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
+    (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
+    miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
+    e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
+    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
             4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
 
 
@@ -163,6 +193,17 @@ def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_ro
     out = [t * h * isz] * 5 + cfg.attention_activations(t, dtype) + [
         t * cfg.num_experts * 4, t * cfg.top_k * 8, t * cfg.top_k * isz]
     return out + [logit_rows * cfg.vocab_size * isz, logit_rows * cfg.vocab_size * 4]
+
+
+def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_rows: int) -> list[int]:
+    """What one layer's large-step expert GEMM allocates per call (experts/grouped_gemm_large.py),
+    P = tokens x top_k pairs: h [P, I] and y [P, H] float32, out [T, H]; its plan: keys and the sort's
+    order [P] int64, order as int32 and chunk_end [P] int32, counts [2 max_rows + 1] int32, starts
+    [P / 64 + min(P, max_rows)] int32; the slot ids [P] int32; and the refresh's ranking (counts [E]
+    int32, the sort [E] int64 twice: prefill_cache.ranking). Live together in one layer, then freed."""
+    p, e = tokens * shape.top_k, shape.num_experts
+    return [4 * p * shape.inter, 4 * p * shape.hidden, tokens * shape.hidden * dtype.itemsize, 8 * p, 8 * p,
+            4 * p, 4 * p, 4 * (2 * max_rows + 1), 4 * (p // 64 + min(p, max_rows)), 4 * p, 4 * e, 16 * e]
 
 
 def sampler_transient(rows: int, vocab: int) -> int:

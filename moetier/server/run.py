@@ -13,20 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetier.checkpoint.random_bed import RandomModel  # noqa: F401 -- the --preset record (re-exported)
 from moetier.errors import MoetierError
-
-
-@dataclass
-class RandomModel:
-    """Random weights of a preset shape made in memory (moetier/checkpoint/random_bed.py): the
-    benchmark server for shapes too large for a file. Routing should come from --replay-trace."""
-
-    preset: str
-    layers: int | None = None
-    backend: str = "slots"
-    budget: float = 0.5
-    policy: str = "lfru"
-    seed: int = 0
 
 
 @dataclass
@@ -36,7 +24,9 @@ class EngineSpec:
     dtype: str = "auto"
     device: str = "auto"
     experts: object = None  # ExpertOptions for a checkpoint
-    engine: dict = field(default_factory=dict)  # EngineConfig fields
+    engine: dict = field(default_factory=dict)  # EngineConfig fields (tensor/expert_parallel_size among them)
+    gpu_memory: str | None = None  # --gpu-memory / --host-memory: the budgets preflight plans against
+    host_memory: str | None = None
 
 
 def _log(text: str) -> None:
@@ -54,35 +44,45 @@ def build_llm(spec: EngineSpec):
 
     device = pick_device(spec.device)
     config = EngineConfig.of(**spec.engine)
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if spec.random is None:
         from moetier.cli.progress import ByteBar
+        from moetier.plan.nodes import parallel_preflight
         from moetier.plan.preflight import preflight
 
-        plan, experts = preflight(spec.model, spec.dtype, device, spec.experts, config)
-        _log(table(plan))
+        rank_plans = None
+        if config.world_size > 1:  # one rank's share; every node is checked once the ranks have started
+            plan, experts, rank_plans = parallel_preflight(spec.model, spec.dtype, device, spec.experts, config,
+                                                           spec.gpu_memory, spec.host_memory)
+        else:
+            plan, experts = preflight(spec.model, spec.dtype, device, spec.experts, config, spec.gpu_memory,
+                                      spec.host_memory)
+        _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
         with ByteBar("loading") as bar:
             llm = LLM(spec.model, dtype=spec.dtype, device=device, experts=experts, config=config, plan=plan,
-                      progress=bar, on_audit=_log)
+                      progress=bar, on_audit=_log, rank_plans=rank_plans)
         return llm, llm.model_dir.name
     import torch
 
-    from moetier.checkpoint.random_bed import random_bed, use_backend
-    from moetier.experts.placement import ExpertOptions
+    from moetier.plan.nodes import rank_plans as plans_of
     from moetier.presets import preset as make_preset
 
     r = spec.random
     dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(spec.dtype, spec.dtype)
     cfg = make_preset(r.preset, r.layers, dtype)
-    req = request_for(cfg, getattr(torch, dtype), device, config)
-    slots = max(cfg.top_k, round(cfg.num_experts * r.budget)) if r.backend == "slots" else None
-    plan = plan_for(req, ExpertOptions(r.backend, slots=slots, policy=r.policy))
+    req = request_for(cfg, getattr(torch, dtype), device, config, spec.gpu_memory, spec.host_memory)
+    name = f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
+    if config.world_size > 1:
+        plan, _, rank_plans = plans_of(req, r.options(cfg, ep), tp, ep, spec.gpu_memory, spec.host_memory)
+        _log(f"one rank's share of {config.world_size}:\n{table(plan)}")
+        return LLM.from_random(r, dtype, device, config, rank_plans=rank_plans), name
+    plan = plan_for(req, r.options(cfg))
     if not plan.fits():
         raise refusal(req, plan)
     _log(table(plan))
-    bed = random_bed(cfg, seed=r.seed, device=device, dtype=getattr(torch, dtype))
-    use_backend(bed, r.backend, r.budget, r.policy, config.decode_tokens)
-    llm = LLM.from_model(bed.model, bed.tokenizer, config)
-    return llm, f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
+    if config.max_num_tokens is None:  # the chunk the plan chose and counted
+        config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
+    return LLM.from_random(r, dtype, device, config), name
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,123 @@
+"""`moetier bench decode --parallel 1,tp2,ep2`: the decode benchmark's rows over several ranks,
+beside the one-GPU rows of the same run (issue 18: is TP or EP on two GPUs worth it, and what do
+the collectives cost per step).
+
+Row syntax (each row says its world size): `1` one GPU (the ordinary rows), `tpN` tensor
+parallelism over N GPUs, `epN` expert parallelism over N GPUs, `tpNepN` both over the same N.
+Every parallel row is an engine of its own: random weights of the preset made by every rank for its
+share (checkpoint/random_bed.RandomModel; EP ranks together hold exactly the one-GPU experts, so
+their greedy tokens are compared with one GPU's; TP ranks draw their own dense shards, so theirs
+are not), the same replayed trace on every rank, the same prompts. The expert budget is per GPU: a
+rank's slots hold that share of the *model's* experts, capped at the experts it owns, so `ep2` at
+50% holds every expert it owns in HBM and `tp2` at 50% the same slots as one GPU.
+
+Per row: tok/s and step time through LLM.step() (rank 0's scheduler, the step broadcast, every
+rank's forward, sampling), rank 0's expert statistics and roofline (one rank's bytes: the ranks run
+side by side; the collectives are not in it), and the all-reduce time per step measured on rank 0
+(dist/timing.CollectiveTimer: CUDA events around each all-reduce, no host sync; a parallel engine
+decodes eagerly, so every all-reduce is seen). NOTE: rank 0's slot cache is warmed like one GPU's;
+the workers' fill in the warm-up steps.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moetier.bench.decode import decode_once, distinct_per_step, graph_mode, roofline, warm_all
+from moetier.checkpoint.random_bed import RandomModel, slots_for
+from moetier.config import ModelConfig
+from moetier.engine.config import EngineConfig
+from moetier.engine.llm import LLM
+from moetier.errors import MoetierError
+from moetier.layers.parallel import layout_problems
+from moetier.traces.format import Trace
+
+BACKENDS = ("resident", "uva", "slots")  # hybrid is refused under EP; the transformers peer is one GPU
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """'1,tp2,ep2' -> [(1, 1), (2, 1), (1, 2)]: (tp, ep) per row kind, in the order given."""
+    out: list[tuple[int, int]] = []
+    for item in (t.strip().lower() for t in text.split(",")):
+        m = re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", item)
+        if item == "1":
+            lay = (1, 1)
+        elif item and m and (m.group(1) or m.group(2)):
+            lay = (int(m.group(1) or 1), int(m.group(2) or 1))
+            problems = layout_problems(max(lay), *lay)
+            if problems or max(lay) < 2:
+                raise MoetierError(f"--parallel {item!r}: " + ("; ".join(problems) or "a parallel row needs 2 or "
+                                                               "more ranks"))
+        else:
+            raise MoetierError(f"--parallel {text!r}: give comma-separated rows like 1,tp2,ep2 (1: one GPU, tpN / "
+                               "epN / tpNepN: N GPUs)")
+        if lay not in out:
+            out.append(lay)
+    return out
+
+
+def label(tp: int, ep: int) -> str:
+    return "1" if tp == ep == 1 else (f"tp{tp}" if tp > 1 else "") + (f"ep{ep}" if ep > 1 else "")
+
+
+def parallel_rows(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: int, budgets: list[float],
+                  batches: list[int], backends: list[str], args: dict, bw: dict, dtype: str = "bf16") -> list[dict]:
+    """The (tp, ep) rows of every backend this layout runs (resident, uva, slots at each budget)."""
+    plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
+    plan += [("slots", b) for b in budgets if "slots" in backends]
+    rows: list[dict] = []
+    for backend, budget in plan:
+        rows += bench_layout(cfg, trace, trace_path, tp, ep, backend, budget, batches, args, bw, dtype)
+        print(f"{label(tp, ep)} {backend} done: "
+              + ", ".join(f"b{r['batch']} {r['tok_s']:.1f} tok/s" for r in rows[-len(batches):]), flush=True)
+    return rows
+
+
+def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: int, backend: str, budget: float,
+                 batches: list[int], args: dict, bw: dict, dtype: str = "bf16") -> list[dict]:
+    from moetier.plan.nodes import rank_plans
+    from moetier.plan.preflight import request_for
+
+    device, model_dtype = args.get("device", "cuda"), args.get("model_dtype", "bfloat16")
+    random = RandomModel(args["preset"], args.get("layers"), backend, budget, args["policy"], args["seed"],
+                         "fp8" if dtype == "fp8" else None)
+    prompt_len, most = args["prompt_len"], max(batches)
+    config = EngineConfig(replay_trace=trace_path, max_num_seqs=most, decode_tokens=args["decode_tokens"],
+                          max_num_tokens=max(512, most * prompt_len),
+                          kv_tokens=most * (prompt_len + args["warmup"] + args["tokens"] + 16),
+                          tensor_parallel_size=tp, expert_parallel_size=ep)
+    # every rank's share against its GPU and its node, before any rank makes its weights
+    req = request_for(cfg, getattr(torch, model_dtype), device, config, args.get("gpu_memory"),
+                      args.get("host_memory"))
+    _, _, plans = rank_plans(req, random.options(cfg, ep), tp, ep, args.get("gpu_memory"), args.get("host_memory"))
+    llm = LLM.from_random(random, model_dtype, device, config, rank_plans=plans)
+    bed, timer = llm.bed, llm.parallel.timer
+    slots = slots_for(cfg, backend, budget, ep)
+    warm_all(bed.model)  # rank 0's cache in its steady state, as one GPU's rows
+    rows = []
+    try:
+        for b in batches:
+            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=timer.start)
+            spent = timer.take()
+            timer.stop()
+            steps = max(1, r["timed_steps"])
+            r["collectives"] = {over: {"calls_per_step": d["calls"] / steps, "ms_per_step": d["ms"] / steps,
+                                       "bytes_per_step": d["bytes"] / steps} for over, d in spent.items()}
+            r["all_reduce_ms_per_step"] = sum(d["ms"] for d in spent.values()) / steps
+            st = r["expert_stats"]  # rank 0's experts only
+            if backend == "slots":
+                per = max(1, st["steps"])
+                hbm, link = (st["hits"] + st["misses"]) / per, (st["misses"] + st["overflow"]) / per
+            else:  # rank 0 computes the distinct experts of the step that it owns: 1/ep of them
+                distinct = distinct_per_step(trace, *r["cursor"], b) / ep
+                hbm, link = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
+            roof = roofline(bed, b, hbm, link, bw["hbm_GBps"], bw["link_GBps"])
+            rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                         "graphs": graph_mode(llm), "parallel": label(tp, ep), "world": max(tp, ep), "tp": tp,
+                         "ep": ep, **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
+                         "hbm_experts_per_layer_step": hbm, "link_experts_per_layer_step": link})
+    finally:
+        llm.close()
+    return rows

@@ -1,0 +1,91 @@
+"""What `moetier bench decode` prints and plots from its rows (bench/decode.py makes them): the
+greedy-token check against resident, the table, the format ratios and the tok/s plot."""
+
+from __future__ import annotations
+
+from moetier.bench.common import GB, batch_axes
+
+
+def check_tokens(rows: list[dict]) -> dict[str, bool]:
+    """Greedy tokens of every engine row against resident's at the same batch and expert format (same
+    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8 (or /fp8-dense)."""
+    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"
+           and r.get("parallel", "1") == "1"}
+    out = {}
+    for r in rows:
+        par = r.get("parallel", "1")  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
+        if "tp" in par:
+            continue
+        # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
+        if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
+            name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+            key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
+            key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
+            out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
+        hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
+        hyb = r.get("hybrid")
+        host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
+        if r.get("switch"):
+            st = r["switch"]["steps"]
+            host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
+        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
+        if r.get("parallel", "1") != "1":  # rank 0's experts and rooflines; the all-reduce time per step
+            name = f"{r['parallel']}:{name}"
+            host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
+        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+                     f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
+                     f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
+                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, and
+    FP8 dense over dequantized dense (fp8-dense over fp8)."""
+    by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
+    out = []
+    for (backend, budget, batch, dtype), tok_s in by.items():
+        over = {"fp8": "bf16", "fp8-dense": "fp8"}.get(dtype)
+        base = by.get((backend, budget, batch, over))
+        if base:
+            where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
+            out.append(f"{dtype}/{over} {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    rows = [r for r in result["rows"] if r.get("parallel", "1") == "1"]  # the budget curve of one GPU
+    batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
+    budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
+    fig, axes = batch_axes(batches)
+    dtypes = list(dict.fromkeys(r.get("dtype") for r in rows))
+    for ax, b in zip(axes, batches):
+        for dt in dtypes:  # one series per backend and expert format (bf16, fp8)
+            tag = f" {dt}" if len(dtypes) > 1 else ""
+            mine = [r for r in rows if r.get("dtype") == dt and r["batch"] == b]
+            for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
+                pts = sorted((r["budget"], r["tok_s"]) for r in mine if r["backend"] == name)
+                if pts:
+                    ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name + tag)
+            for name, style in (("resident", "--"), ("uva", ":")):
+                flat = [r["tok_s"] for r in mine if r["backend"] == name]
+                if flat and budgets:
+                    ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name + tag)
+        ax.set_yscale("log")
+        ax.set_xlabel("expert budget (% of routed-expert bytes in HBM)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"batch {b}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    c = result["config"]
+    fig.suptitle(f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
+                 f"{c['experts']} experts top-{c['top_k']}, {c.get('dtype', 'bf16')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
