@@ -140,8 +140,9 @@ def bench_decode(
     policy: opt.CachePolicy = "lfru",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
-    host_kernel: str = typer.Option("grouped", "--host-kernel",
-                                    help="hybrid rows: host expert kernel (grouped, split or pair)."),
+    host_kernel: str = typer.Option("auto", "--host-kernel",
+                                    help="hybrid rows: host expert kernel (auto: compiled where it builds, else "
+                                         "grouped; compiled, grouped, split or pair)."),
     host_threads: Optional[int] = typer.Option(None, "--host-threads",
                                                help="hybrid rows: host threads (default: torch's count)."),
     hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
@@ -164,7 +165,7 @@ def bench_decode(
                                         help="Write a PNG of tok/s against expert budget."),
 ) -> None:
     """Decode tok/s through the engine for resident, slots, uva, hybrid and transformers+accelerate (CUDA)."""
-    from moetier.experts.cpu_experts import KERNELS as HOST_KERNELS
+    from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
     from moetier.config import config_from_dir
     from moetier.presets import preset as make_preset
 

@@ -193,7 +193,7 @@ def host_options(args: dict, bw: dict) -> dict:
 
     from moetier.experts.cost_model import rates_from_bench
 
-    out = {"host_kernel": args.get("host_kernel", "grouped"), "host_threads": args.get("host_threads")}
+    out = {"host_kernel": args.get("host_kernel", "auto"), "host_threads": args.get("host_threads")}
     if args.get("host_profile"):
         with open(args["host_profile"]) as f:
             data = json.load(f)
