@@ -131,3 +131,19 @@ def batch_axes(batches: list[int]):
 
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
     return fig, axes[0]
+
+
+def finish_axis(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Log-scale y, labels, grid and legend of one panel of batch_axes()."""
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def save_figure(fig, title: str, path) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

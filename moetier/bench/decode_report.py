@@ -3,7 +3,7 @@ greedy-token check against resident, the table, the format ratios and the tok/s 
 
 from __future__ import annotations
 
-from moetier.bench.common import GB, batch_axes
+from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
@@ -78,14 +78,7 @@ def plot(result: dict, path: str) -> None:
                 flat = [r["tok_s"] for r in mine if r["backend"] == name]
                 if flat and budgets:
                     ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name + tag)
-        ax.set_yscale("log")
-        ax.set_xlabel("expert budget (% of routed-expert bytes in HBM)")
-        ax.set_ylabel("decode tok/s")
-        ax.set_title(f"batch {b}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        finish_axis(ax, "expert budget (% of routed-expert bytes in HBM)", "decode tok/s", f"batch {b}")
     c = result["config"]
-    fig.suptitle(f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
-                 f"{c['experts']} experts top-{c['top_k']}, {c.get('dtype', 'bf16')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, f"moetier bench decode: {c['layers']} layers, hidden {c['hidden']}, "
+                     f"{c['experts']} experts top-{c['top_k']}, {c.get('dtype', 'bf16')}", path)

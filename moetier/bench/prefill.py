@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, batch_axes, time_eager
+from moetier.bench.common import GB, batch_axes, finish_axis, save_figure, time_eager
 from moetier.bench.decode import bed_dtype
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
@@ -259,14 +259,7 @@ def plot(result: dict, path: str) -> None:
             label += f" {dt}" if dt else ""
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("prefill tok/s")
-        ax.set_title(f"{b} prompt(s) at once")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        finish_axis(ax, "prompt tokens", "prefill tok/s", f"{b} prompt(s) at once")
     c = result["config"]
-    fig.suptitle(f"moetier bench prefill: {c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts "
-                 f"top-{c['top_k']}, {c.get('dtype', 'bf16')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, f"moetier bench prefill: {c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts "
+                     f"top-{c['top_k']}, {c.get('dtype', 'bf16')}", path)
