@@ -23,7 +23,7 @@ ENGINE = dict(device="cuda", kv_tokens=512, page_size=16, max_num_seqs=8, dist_t
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("par-gpu")
-    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-dsv3")}
+    return {name: make_checkpoint(root / name, name, seed=1, dtype="float32") for name in ("tiny", "tiny-dsv3", "tiny-glm5")}
 
 
 def run(ckpt, experts, graphs: bool, **par) -> tuple[list[list[int]], list[list[int]]]:
@@ -39,6 +39,7 @@ def run(ckpt, experts, graphs: bool, **par) -> tuple[list[list[int]], list[list[
 @pytest.mark.parametrize("preset,tp,ep,backend,graphs", [
     ("tiny", 2, 1, "resident", True), ("tiny", 1, 2, "slots", True), ("tiny", 2, 2, "slots", True),
     ("tiny", 2, 2, "uva", False), ("tiny-dsv3", 1, 2, "slots", True),
+    ("tiny-dsv3", 2, 2, "slots", True), ("tiny-glm5", 2, 1, "resident", True),  # MLA heads split (test_tp_mla)
 ])
 def test_nccl_greedy_equals_one_gpu(ckpts, preset, tp, ep, backend, graphs):
     """fp32 weights: the row-split GEMMs and the all-reduce change summation orders only, far below

@@ -162,8 +162,8 @@ def _model_and_placement(cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
     placement = ExpertPlacement(cfg.moe_shape, dtype, cfg.moe_layers, experts, device, decode_tokens, par)
     cls = model_class(cfg)
     if par.tp > 1 and not cls.tensor_parallel:
-        raise MoetierError(f"tensor parallelism is not implemented for {cls.__name__} yet (only Qwen3-MoE); "
-                           "use expert parallelism (--ep) alone, or one process")
+        raise MoetierError(f"tensor parallelism is not implemented for {cls.__name__} yet (Qwen3-MoE, DeepSeek-V3 "
+                           "and GLM-5 have it); use expert parallelism (--ep) alone, or one process")
     return (cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)), placement
 
 
@@ -176,7 +176,8 @@ def attach_experts(model: CausalLM, placement: ExpertPlacement, rows: dict[int, 
 def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int, par: Parallel) -> None:
     """Refuse a layout this model cannot split, before any process is spawned or byte is read: the
     model is built on the meta device (no memory) with rank 0's layout, so the same checks run as at
-    load (heads, kv heads and dense columns divisible by tp, experts by ep, backend and slots)."""
+    load (attention heads, GQA kv heads and dense / shared-expert columns divisible by tp, experts by
+    ep, backend and slots)."""
     _model_and_placement(cfg, torch.float32, "meta", experts, decode_tokens, par)  # no rows: no memory
 
 

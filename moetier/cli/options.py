@@ -71,7 +71,8 @@ def prefill_cache(value: str) -> str:
 # -- several processes (moetier/dist, docs/parallel.md) -------------------------------------------------
 TensorParallel = Annotated[int, typer.Option(
     "--tp", help="Tensor-parallel ranks: attention heads and dense MLP columns split over N processes (one per "
-    "GPU; --device cpu runs them over gloo). Qwen3-MoE only for now.")]
+    "GPU; --device cpu runs them over gloo). MLA models (DeepSeek-V3, GLM-5) keep the whole latent KV cache on "
+    "every rank.")]
 ExpertParallel = Annotated[int, typer.Option(
     "--ep", help="Expert-parallel ranks: each of N processes holds 1/N of the routed experts (expert e on rank "
     "e % N). With --tp, equal to it or 1.")]

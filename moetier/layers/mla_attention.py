@@ -16,9 +16,19 @@ The arithmetic equals transformers' DeepseekV3Attention / GlmMoeDsaAttention up 
 reassociation: (q_nope W_UK) . c_kv instead of q_nope . (W_UK c_kv), and W_UV after the weighted sum
 instead of before. qk_rope_head_dim may be 0 (no position part: the latent is c_kv alone).
 
+Tensor parallelism (layers/parallel.Parallel, tp ranks; as DeepSeek's and vLLM's MLA): rank r holds
+query heads [r Hq/tp, (r+1) Hq/tp): q_b (or q_proj) column-split by those heads, kv_b's rows (so
+W_UK and W_UV) by the same heads, o_proj row-split by them; the partial o_proj outputs are summed by
+one all-reduce and o_proj's bias is added once, after it. q_a, kv_a and their norms are replicated:
+the latent row is per token, shared by every head, so every rank computes and writes the same
+latent into a whole (replicated) latent cache: MLA tensor parallelism does not shrink the KV cache.
+The DSA indexer is replicated too (every rank computes the same top-k from replicated inputs).
+
 FP8 dense (fp8_dense, layers/fp8_linear.py): q_a, q_b (or q_proj), kv_a and o are held in FP8, each
 one checkpoint tensor (no fusion, so ragged shapes are exact too); kv_b stays in the model dtype,
-since it is used through its per-head views W_UK and W_UV, not as a linear layer.
+since it is used through its per-head views W_UK and W_UV, not as a linear layer. Under tensor
+parallelism q_b (q_proj) stays FP8 only when a rank's rows (Hq/tp x qk) end on scale blocks and o
+when its columns (Hq/tp x v) do (as in DeepSeek-V3 and GLM-5 up to tp 8); else dequantized at load.
 """
 
 from __future__ import annotations
@@ -27,10 +37,11 @@ import torch
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
-from moetier.layers.fp8_linear import dense_weight, linear
+from moetier.layers.fp8_linear import dense_weight, fusable, linear
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.latent_attention import latent_attention, write_latent
 from moetier.layers.norm import rms_norm
+from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope, apply_rope_interleave
 
@@ -45,11 +56,17 @@ class MlaAttention(nn.Module):
 
     def __init__(self, layer: int, hidden: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
                  rope: int, v_dim: int, bias: bool, scale: float, interleave: bool, dtype: torch.dtype,
-                 device: torch.device | str, indexer: nn.Module | None = None, fp8_dense: bool = False):
+                 device: torch.device | str, indexer: nn.Module | None = None, fp8_dense: bool = False,
+                 par: Parallel = Parallel()):
         super().__init__()
+        self.par = par
+        num_heads = par.tp_split(num_heads, "num_attention_heads")  # this rank's heads (all without TP)
         self.layer, self.hq, self.r, self.nope, self.rope, self.v = layer, num_heads, kv_lora_rank, nope, rope, v_dim
         self.scale, self.interleave = scale, interleave
-        qk = nope + rope
+        qk, split = nope + rope, par.tp > 1
+        # the head-split weights stay FP8 only when each rank's part ends on scale blocks
+        q_fp8 = fp8_dense and (not split or fusable((num_heads * qk,), True))
+        o_fp8 = fp8_dense and (not split or fusable((num_heads * v_dim,), True))
 
         def opt_bias(n: int) -> nn.Parameter | None:
             return param(n, dtype=dtype, device=device) if bias else None
@@ -58,17 +75,17 @@ class MlaAttention(nn.Module):
             self.q_a = dense_weight(q_lora_rank, hidden, dtype, device, fp8_dense)
             self.q_a_bias = opt_bias(q_lora_rank)
             self.q_a_norm = param(q_lora_rank, dtype=dtype, device=device)
-            self.q_b = dense_weight(num_heads * qk, q_lora_rank, dtype, device, fp8_dense)
+            self.q_b = dense_weight(num_heads * qk, q_lora_rank, dtype, device, q_fp8)
             self.q_proj = None
         else:
             self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = None
-            self.q_proj = dense_weight(num_heads * qk, hidden, dtype, device, fp8_dense)
+            self.q_proj = dense_weight(num_heads * qk, hidden, dtype, device, q_fp8)
         self.kv_a = dense_weight(kv_lora_rank + rope, hidden, dtype, device, fp8_dense)
         self.kv_a_bias = opt_bias(kv_lora_rank + rope)
         self.kv_a_norm = param(kv_lora_rank, dtype=dtype, device=device)
-        # rows per head: [k_nope (nope) | v (v_dim)], each a map from the latent (R)
+        # rows per head: [k_nope (nope) | v (v_dim)], each a map from the latent (R); this rank's heads
         self.kv_b = param(num_heads * (nope + v_dim), kv_lora_rank, dtype=dtype, device=device)
-        self.o = dense_weight(hidden, num_heads * v_dim, dtype, device, fp8_dense)
+        self.o = dense_weight(hidden, num_heads * v_dim, dtype, device, o_fp8)
         self.o_bias = opt_bias(hidden)
         self.indexer = indexer
 
@@ -114,5 +131,9 @@ class MlaAttention(nn.Module):
         if self.indexer is not None:
             topk = self.indexer(x, q_resid, cos, sin, batch, kv)
         out = latent_attention(q, latent, batch, self.scale, self.r, topk)  # [N, Hq, R]
-        out = torch.einsum("nhr,hvr->nhv", out, self.w_uv)
-        return linear(out.reshape(x.shape[0], self.hq * self.v), self.o, self.o_bias), topk
+        out = torch.einsum("nhr,hvr->nhv", out, self.w_uv).reshape(x.shape[0], self.hq * self.v)
+        if self.par.tp == 1:
+            return linear(out, self.o, self.o_bias), topk
+        # a partial sum over this rank's heads [N, H]; the bias joins once, after the sum
+        part = self.par.all_reduce(linear(out, self.o), "tp")
+        return (part if self.o_bias is None else part + self.o_bias), topk

@@ -21,10 +21,10 @@ from moetier.layers.parallel import Parallel
 
 class SwigluMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str,
-                 par: Parallel = Parallel(), fp8_dense: bool = False):
+                 par: Parallel = Parallel(), fp8_dense: bool = False, what: str = "intermediate_size"):
         super().__init__()
         self.par = par
-        self.inter = inter = par.tp_split(inter, "intermediate_size")  # this rank's columns
+        self.inter = inter = par.tp_split(inter, what)  # this rank's columns; what: inter's name in errors
         split = par.tp > 1
         # [gate; up]
         self.w13 = dense_weight(2 * inter, hidden, dtype, device, fp8_dense and fusable((inter, inter), split))

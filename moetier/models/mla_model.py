@@ -9,6 +9,13 @@ experts through the expert backend, plus the dense shared experts on the device.
 Checkpoint layers num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1 are the
 multi-token-prediction (MTP) layers of the published checkpoints: listed as optional weights so the
 validation knows them, and never read (param() returns None) until speculative decoding uses them.
+
+Tensor parallelism (par.tp > 1, docs/parallel.md): the attention is split by query heads
+(layers/mla_attention.py: q_b / q_proj, kv_b and o_proj; the latent path, its cache and the DSA
+indexer replicated), the dense MLP and the shared experts by columns (layers/mlp.py, each with its
+own all-reduce); the embedding, norms, router, routed experts and LM head are replicated (expert
+parallelism splits the routed experts). Weight.split in layer_weights() says which checkpoint dim
+each rank slices.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from moetier.layers.mla_attention import MlaAttention
 from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
 from moetier.layers.norm import add_rms_norm
+from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
@@ -36,7 +44,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 class MlaDecoderLayer(nn.Module):
     def __init__(self, cfg: MlaMoeConfig, layer: int, indexer: nn.Module | None, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, par: Parallel):
         super().__init__()
         self.layer, self.eps = layer, cfg.rms_norm_eps
         h = cfg.hidden_size
@@ -45,16 +53,18 @@ class MlaDecoderLayer(nn.Module):
         fp8_dense = cfg.dense_quant == "fp8"
         self.attn = MlaAttention(layer, h, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                                  cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias, cfg.softmax_scale,
-                                 cfg.rope_interleave, dtype, device, indexer, fp8_dense)
+                                 cfg.rope_interleave, dtype, device, indexer, fp8_dense, par)
         if cfg.is_moe_layer(layer):
             router = GroupedSigmoidTopK(cfg.num_experts, h, cfg.top_k, cfg.n_group, cfg.topk_group,
                                         cfg.norm_topk_prob, cfg.routed_scaling_factor, device)
-            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device,
-                                fp8_dense=fp8_dense)
+            # column-split under TP, with its own all-reduce inside shared(x): MoEBlock adds it after
+            # the routed experts' output (whole on every rank: replicated, or summed over EP ranks)
+            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device, par, fp8_dense,
+                                "the shared experts' width (moe_intermediate_size x n_shared_experts)")
                       if cfg.n_shared_experts else None)
             self.mlp: MoEBlock | SwigluMLP = MoEBlock(layer, router, shared)
         else:
-            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device, fp8_dense=fp8_dense)
+            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device, par, fp8_dense)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: AttnBatch, kv: MlaKVCache, topk: torch.Tensor | None
@@ -68,19 +78,24 @@ class MlaDecoderLayer(nn.Module):
 
 
 def _swiglu_weights(prefix: str, hidden: int, inter: int) -> list[Weight]:
-    return [Weight(prefix + "gate_proj.weight", (inter, hidden)), Weight(prefix + "up_proj.weight", (inter, hidden)),
-            Weight(prefix + "down_proj.weight", (hidden, inter))]
+    # tensor parallelism: gate and up by output columns, down by its input (layers/mlp.py)
+    return [Weight(prefix + "gate_proj.weight", (inter, hidden), split=0),
+            Weight(prefix + "up_proj.weight", (inter, hidden), split=0),
+            Weight(prefix + "down_proj.weight", (hidden, inter), split=1)]
 
 
 class MlaMoeForCausalLM(CausalLM):
     cfg: MlaMoeConfig
+    tensor_parallel = True
+    par = Parallel()  # the default for instances made without __init__ (plan/memory.py)
 
-    def __init__(self, cfg: MlaMoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: MlaMoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 par: Parallel = Parallel()):
         super().__init__()
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.cfg, self.dtype, self.device, self.par = cfg, dtype, torch.device(device), par
         self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            MlaDecoderLayer(cfg, i, self.make_indexer(cfg, i, dtype, device), dtype, device)
+            MlaDecoderLayer(cfg, i, self.make_indexer(cfg, i, dtype, device), dtype, device, par)
             for i in range(cfg.num_layers))
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else param(
@@ -110,7 +125,10 @@ class MlaMoeForCausalLM(CausalLM):
 
     @classmethod
     def layer_weights(cls, cfg: MlaMoeConfig, layer: int, present: set[str], moe: bool) -> list[Weight]:
-        """The tensors of decoder layer `layer` (routed experts as ExpertTensor of `layer`)."""
+        """The tensors of decoder layer `layer` (routed experts as ExpertTensor of `layer`). split=0 on
+        q_b / q_proj / kv_b (rows grouped by head) and split=1 on o_proj (its input: the heads) give
+        each TP rank its contiguous heads; the latent path (q_a, kv_a, their norms and biases) and the
+        indexer are replicated."""
         h, hq, r, p = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         pre = f"model.layers.{layer}."
         a = pre + "self_attn."
@@ -119,15 +137,16 @@ class MlaMoeForCausalLM(CausalLM):
         if cfg.q_lora_rank:
             ql = cfg.q_lora_rank
             out += [Weight(a + "q_a_proj.weight", (ql, h))] + ([Weight(a + "q_a_proj.bias", (ql,))] if bias else [])
-            out += [Weight(a + "q_a_layernorm.weight", (ql,)), Weight(a + "q_b_proj.weight", (hq * cfg.qk_head_dim, ql))]
+            out += [Weight(a + "q_a_layernorm.weight", (ql,)),
+                    Weight(a + "q_b_proj.weight", (hq * cfg.qk_head_dim, ql), split=0)]
         else:
-            out.append(Weight(a + "q_proj.weight", (hq * cfg.qk_head_dim, h)))
+            out.append(Weight(a + "q_proj.weight", (hq * cfg.qk_head_dim, h), split=0))
         out.append(Weight(a + "kv_a_proj_with_mqa.weight", (r + p, h)))
         if bias:
             out.append(Weight(a + "kv_a_proj_with_mqa.bias", (r + p,)))
         out += [Weight(a + "kv_a_layernorm.weight", (r,)),
-                Weight(a + "kv_b_proj.weight", (hq * (cfg.qk_nope_head_dim + cfg.v_head_dim), r)),
-                Weight(a + "o_proj.weight", (h, hq * cfg.v_head_dim))]
+                Weight(a + "kv_b_proj.weight", (hq * (cfg.qk_nope_head_dim + cfg.v_head_dim), r), split=0),
+                Weight(a + "o_proj.weight", (h, hq * cfg.v_head_dim), split=1)]
         if bias:
             out.append(Weight(a + "o_proj.bias", (h,)))
         out += cls.indexer_weights(cfg, a + "indexer.", layer)
@@ -197,7 +216,8 @@ class MlaMoeForCausalLM(CausalLM):
     # -- runtime --
 
     def kv_spec(self) -> MlaKVSpec:
-        # from cfg alone: plan/memory.py calls it on a model built without weights
+        # from cfg alone: plan/memory.py calls it on a model built without weights. Whole under tensor
+        # parallelism: the latent is shared by all heads, so every rank holds (and writes) all of it.
         cfg = self.cfg
         return MlaKVSpec(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *self.index_keys(cfg))
 

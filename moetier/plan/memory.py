@@ -272,11 +272,15 @@ def count(req: PlanRequest) -> Plan:
                 req.memlock, row, len(layers) * e * row)
 
 
-def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """One rank's KV bytes per token under tensor parallelism tp (GQA: its kv heads; MLA: all of it)."""
+    from moetier.layers.parallel import Parallel
     from moetier.models.registry import model_class
 
     # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
     cls = model_class(cfg)
     model = cls.__new__(cls)
     object.__setattr__(model, "cfg", cfg)  # nn.Module.__setattr__ needs __init__
+    if tp > 1:
+        object.__setattr__(model, "par", Parallel(0, tp, tp, 1))
     return model.kv_spec().bytes_per_token(dtype)

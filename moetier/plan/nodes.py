@@ -22,7 +22,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from moetier.plan.memory import HOST_MARGIN_MIN, HOST_MARGIN_SHARE, Item, Plan, PlanRequest
+from moetier.plan.memory import HOST_MARGIN_MIN, HOST_MARGIN_SHARE, Item, Plan, PlanRequest, _kv_bytes_per_token
 from moetier.plan.preflight import PlanRefused, options_for, plan_for
 from moetier.plan.units import gib
 
@@ -132,9 +132,10 @@ def refuse(problems: list[str], plan: Plan | None = None) -> PlanRefused:
 def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
     """One rank's plan (every rank's is the same): the plan of a model with num_experts / ep routed
     experts (its host store, its slots or resident rows), then the TP-split dense weights and KV
-    heads taken down to 1/tp. NOTE: the router of the smaller model counts E/ep rows where the rank
-    holds all E (E x hidden x 4 bytes per MoE layer too few: 1 MiB for Qwen3-30B-A3B), and rank 0's
-    scheduler and tokenizer are not counted (both small)."""
+    heads taken down to 1/tp (GQA; an MLA latent cache stays whole on every rank). NOTE: the router
+    of the smaller model counts E/ep rows where the rank holds all E (E x hidden x 4 bytes per MoE
+    layer too few: 1 MiB for Qwen3-30B-A3B), and rank 0's scheduler and tokenizer are not counted
+    (both small)."""
     cfg = req.cfg
     local = replace(cfg, num_experts=cfg.num_experts // ep)
     plan = plan_for(replace(req, cfg=local), experts)
@@ -150,6 +151,8 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
                 n *= d
             split += n
     cut = split - split // tp
+    # GQA: 1/tp of the kv heads; MLA: the whole latent on every rank (shared by all heads)
+    kv_one, kv_rank = _kv_bytes_per_token(cfg, req.dtype), _kv_bytes_per_token(cfg, req.dtype, tp)
 
     def shrink(items: list[Item]) -> list[Item]:
         out = []
@@ -157,8 +160,8 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
             if i.name.startswith("dense: decoder layers"):
                 i = replace(i, bytes=i.bytes - cut, allocated=max(0, i.allocated - cut),
                             note=f"{i.note}; 1/{tp} of the split weights")
-            elif i.name.startswith("KV pages"):
-                i = replace(i, bytes=i.bytes // tp, allocated=i.allocated // tp,
+            elif i.name.startswith("KV pages") and kv_rank < kv_one:
+                i = replace(i, bytes=i.bytes * kv_rank // kv_one, allocated=i.allocated * kv_rank // kv_one,
                             note=f"{i.note}; 1/{tp} of the kv heads")
             out.append(i)
         return out
