@@ -223,8 +223,9 @@ def _combine(y_ptr, weight_ptr, expert_ptr, out_ptr, top_k: tl.constexpr, hidden
     # a pair with expert id < 0 skipped: its y row (never written) is not read, and it adds (+0.0) * (+0.0).
     # NOTE: acc starts at +0.0 and a round-to-nearest sum is -0.0 only when both terms are, so acc is
     # never -0.0 and acc + (+0.0) == acc bit for bit: a skipped pair leaves the sum exactly as no term
-    # would, and as the old 0-weight pair did. The select is on the operands, never between the multiply
-    # and the add, so the compiler fuses (or not) the other pairs' multiply-adds as before.
+    # would, and as the old 0-weight pair did (one exception: a fused multiply-add whose product is
+    # below fp32's range rounds to -0.0; then the sign of that zero may differ). The select is on the
+    # operands, never between the multiply and the add, so the other pairs' multiply-adds fuse as before.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
