@@ -19,6 +19,9 @@ of up to 64 pairs of a row, host rows read across the link in the kernel, no hos
 the per-expert torch path (reference.py). The slot cache's part in them is a policy
 (prefill_cache.py): bypass leaves it alone, refresh first moves the chunk's most used experts in.
 
+A negative topk id (experts/ep.NOT_MINE: another rank's expert) is no pair of this backend on every
+path: it reads no row, takes no slot, counts nowhere and contributes exactly zero to the k-sum.
+
 Every backend counts what it did (stats(): hits, misses, overflow, steps, bypassed) and can be put
 back to its empty state (reset()), so nobody reaches into a backend's cache.
 """
@@ -238,7 +241,8 @@ class SlotExperts(ExpertBackend):
                 refresh_device(self.cache, self._scratch, topk_ids)
                 copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)  # NOTE: before the GEMM
                 self._refreshed += self._scratch.miss_count  # on the device: no read back
-            slot_ids = self.cache.expert_slot[topk_ids]  # a device gather: -1 where not in a slot
+            # a device gather: -1 where not in a slot (a negative id's slot id is moot: the GEMM skips it)
+            slot_ids = self.cache.expert_slot[topk_ids.clamp(min=0)]
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
                                self.cache.num_slots + self.cache.num_experts)
         self.bypassed += 1

@@ -20,7 +20,7 @@ from moetier.errors import MoetierError
 from moetier.experts.backends import ExpertBackend
 from moetier.layers.parallel import Parallel
 
-NOT_MINE = -1  # the topk id of a pair another rank computes (the backends' CPU paths skip it)
+NOT_MINE = -1  # the topk id of a pair another rank computes (every backend path, CPU and CUDA, skips it)
 
 
 def local_experts(num_experts: int, ep: int, what: str = "num_experts") -> int:
@@ -56,12 +56,6 @@ class ShardedExperts(ExpertBackend):
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ids = local_ids(topk_ids, self.rank, self.ep)
-        if self.cuda:
-            # TODO(issue 18): the Triton kernels do not skip NOT_MINE pairs yet; until they do, other
-            # ranks' pairs go to local expert 0 with weight zero (correct, but computed for nothing, and
-            # expert 0 counts as used by the slot cache). Untested: no GPU in step 1.
-            mine = ids >= 0
-            ids, topk_weights = torch.where(mine, ids, 0), torch.where(mine, topk_weights, 0)
         # [T, H]: this rank's pairs only; summed over the ranks by the all-reduce (in place)
         out = self.inner.forward(hidden, ids, topk_weights).contiguous()
         return self.par.all_reduce(out, "ep")

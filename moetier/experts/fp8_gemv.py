@@ -24,6 +24,9 @@ NOTE: every backend runs this kernel at one token, so slots, uva and resident st
 each other (a pair's result depends only on its token and its row's bytes). Steps of more than one
 token run the grouped GEMM, whose bits differ from these: batch == alone holds for greedy tokens, as
 it does across cuBLAS's kernel choices for the dense layers, not for the bits of the logits.
+
+A pair with a negative expert id (experts/ep.NOT_MINE) is skipped: its programs leave before reading
+a row, its h and y rows stay unwritten, and the combine skips it (grouped_gemm._combine).
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ DOWN = (16, 256, 4)
 
 @triton.jit
 def _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row):
-    # pair p's row: slot s >= 0 in the device rows, else its expert's row of the host store
+    # pair p's row: slot s >= 0 in the device rows, else its expert's row of the host store;
+    # and skip: its expert id is negative (no row: the caller leaves before reading one)
     slot = tl.load(slot_ptr + p)
+    expert = tl.load(expert_ptr + p).to(tl.int64)
     on_host = slot < 0
-    r = tl.where(on_host, tl.load(expert_ptr + p).to(tl.int64), slot.to(tl.int64))
-    return tl.where(on_host, host_ptr, dev_ptr) + r * row
+    r = tl.where(on_host, expert, slot.to(tl.int64))
+    return tl.where(on_host, host_ptr, dev_ptr) + r * row, expert < 0
 
 
 @triton.jit
@@ -70,7 +75,9 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.co
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < inter
-    base = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    base, skip = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    if skip:
+        return
     t = (p // top_k).to(tl.int64)
     C: tl.constexpr = BLOCK_K // 128
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -91,7 +98,9 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, y_ptr, hidden: tl.cons
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
-    base = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    base, skip = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    if skip:
+        return
     C: tl.constexpr = BLOCK_K // 128
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):

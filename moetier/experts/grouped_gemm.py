@@ -16,6 +16,11 @@ multiplied against all of them with tl.dot.
 FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
 registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
 
+A pair whose expert id is negative (experts/ep.NOT_MINE: another rank's expert) is no work: the plan
+sorts it last under SKIP_KEY and starts no chunk there, a one-token chunk of it leaves at once (_chunk),
+its h and y rows stay unwritten, and the combine skips it. The other pairs keep their chunks, tile rows
+and k-sum order, so their bits are those of the same step with the skipped pairs' weights set to zero.
+
 No host sync and no data-dependent shape: the plan is a fixed grid of O(P^2) compares (P = T*k, 512
 at most for decode), gate_up and down take a grid of P chunk positions and the programs where no chunk
 starts leave at once, so a CUDA graph replays the step. No atomics: the k-sum has a fixed order.
@@ -36,14 +41,16 @@ from moetier.experts.shape import RowLayout
 
 BLOCK_M = 16  # tokens of a group per tl.dot (the smallest M tl.dot takes)
 PLAN_BLOCK = 64
+SKIP_KEY = 2**31 - 1  # the plan key of a skipped pair (expert id < 0): above every row key, starts no chunk
 
 
 @triton.jit
 def _keys(slot_ptr, expert_ptr, p, mask):
-    # the row a pair reads: slot s >= 0 -> s, host expert e -> -1 - e (never equal to a slot key)
+    # the row a pair reads: slot s >= 0 -> s, host expert e -> -1 - e (never equal to a slot key);
+    # expert e < 0 (skipped, whatever its slot id) -> SKIP_KEY
     slot = tl.load(slot_ptr + p, mask=mask, other=0)
     expert = tl.load(expert_ptr + p, mask=mask, other=0).to(tl.int32)
-    return tl.where(slot >= 0, slot, -1 - expert)
+    return tl.where(expert < 0, 2147483647, tl.where(slot >= 0, slot, -1 - expert))
 
 
 @triton.jit
@@ -67,8 +74,9 @@ def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, N_BLOCKS: tl.
         same += tl.sum(eq.to(tl.int32), axis=1)
     pos = below + before
     tl.store(order_ptr + pos, a, mask=am)
-    # every BLOCK_M-th pair of a group starts a chunk that runs to BLOCK_M on or the group's end
-    starts = (before % BLOCK_M) == 0
+    # every BLOCK_M-th pair of a group starts a chunk that runs to BLOCK_M on or the group's end;
+    # the skipped pairs' group (SKIP_KEY, sorted last) starts none
+    starts = ((before % BLOCK_M) == 0) & (ka != 2147483647)
     end = tl.minimum(pos + BLOCK_M, below + same)
     tl.store(chunk_end_ptr + pos, tl.where(starts, end, 0), mask=am)
 
@@ -106,16 +114,20 @@ def _dequant(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.co
 
 @triton.jit
 def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M: tl.constexpr):
-    # the chunk at sorted positions [i, end) -> (pairs [BLOCK_M], valid [BLOCK_M], its row's base pointer)
+    # the chunk at sorted positions [i, end) -> (pairs [BLOCK_M], valid [BLOCK_M], its row's base pointer,
+    # skip). skip: its pairs' expert id is negative (a plan never makes such a chunk; the one-token
+    # plan, a chunk per pair, does): the caller leaves before reading anything (no extra load: the
+    # expert id is read for the host row anyway).
     m = i + tl.arange(0, BLOCK_M)
     mm = m < end
     pair = tl.load(order_ptr + m, mask=mm, other=0)
     p0 = tl.load(order_ptr + i)
     slot = tl.load(slot_ptr + p0)
+    expert = tl.load(expert_ptr + p0).to(tl.int64)
     on_host = slot < 0
-    r = tl.where(on_host, tl.load(expert_ptr + p0).to(tl.int64), slot.to(tl.int64))
+    r = tl.where(on_host, expert, slot.to(tl.int64))
     base = tl.where(on_host, host_ptr, dev_ptr) + r * row
-    return pair, mm, base
+    return pair, mm, base, expert < 0
 
 
 @triton.jit
@@ -144,7 +156,9 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
     nb = tl.program_id(1)
     if end <= i:
         return
-    pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    pair, mm, base, skip = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    if skip:
+        return
     tok = (pair // top_k).to(tl.int64)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < inter
@@ -182,7 +196,9 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
     nb = tl.program_id(1)
     if end <= i:
         return
-    pair, mm, base = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    pair, mm, base, skip = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
+    if skip:
+        return
     pair = pair.to(tl.int64)
     scales = base + S2  # FP8: down's scale grid [NH, NI] (unused otherwise)
     base += w13
@@ -201,15 +217,25 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
 
 
 @triton.jit
-def _combine(y_ptr, weight_ptr, out_ptr, top_k: tl.constexpr, hidden: tl.constexpr, BLOCK_N: tl.constexpr):
-    # program (t, nb): out[t, nb block] = sum over j = 0..k-1, in that order, of w[t, j] * y[t*k + j]
+def _combine(y_ptr, weight_ptr, expert_ptr, out_ptr, top_k: tl.constexpr, hidden: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    # program (t, nb): out[t, nb block] = sum over j = 0..k-1, in that order, of w[t, j] * y[t*k + j],
+    # a pair with expert id < 0 skipped: its y row (never written) is not read, and it adds (+0.0) * (+0.0).
+    # NOTE: acc starts at +0.0 and a round-to-nearest sum is -0.0 only when both terms are, so acc is
+    # never -0.0 and acc + (+0.0) == acc bit for bit: a skipped pair leaves the sum exactly as no term
+    # would, and as the old 0-weight pair did (one exception: a fused multiply-add whose product is
+    # below fp32's range rounds to -0.0; then the sign of that zero may differ). The select is on the
+    # operands, never between the multiply and the add, so the other pairs' multiply-adds fuse as before.
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(0, top_k):
         p = t * top_k + j
-        acc += tl.load(weight_ptr + p).to(tl.float32) * tl.load(y_ptr + p * hidden + n, mask=nm, other=0.0)
+        e = tl.load(expert_ptr + p)
+        mine = (tl.zeros([BLOCK_N], dtype=tl.int32) + e) >= 0  # a vector: the interpreter masks with no scalar
+        wt = tl.where(e >= 0, tl.load(weight_ptr + p).to(tl.float32), 0.0)
+        acc += wt * tl.load(y_ptr + p * hidden + n, mask=nm & mine, other=0.0)
     tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
@@ -286,7 +312,7 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
         dot = _dot_type(x.dtype)[0]
         expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
                     scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down)
-        return combine_pairs(scratch.y, topk_weights, out)
+        return combine_pairs(scratch.y, topk_weights, topk_ids, out)
     if t == 1:
         # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids
         # read their row twice, with the same bits, since a pair's result depends only on its row.
@@ -317,7 +343,7 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
 def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
              programs, h, y, out, block_m, gate_up, down, listed, quant=None):
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
-    t, k = topk_ids.shape
+    k = topk_ids.shape[1]
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
     dot, precision, emulate = _dot_type(x.dtype if q["FP8"] else dev_rows.dtype)
@@ -330,15 +356,16 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
         2 * inter * hidden, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
         num_warps=nw, **q)
-    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden,
-                                                       BLOCK_N=COMBINE_BLOCK, num_warps=4)
+    combine_pairs(y, topk_weights, topk_ids, out)
 
 
-def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor
+                  ) -> torch.Tensor:
     """The combine of grouped_expert_mlp alone: out [T, H] = sum over j = 0..k-1, in order, of
-    w[t, j] * y[t*k + j]; y [T*k, H] fp32 (pair outputs before weighting, from any path)."""
+    w[t, j] * y[t*k + j]; y [T*k, H] fp32 (pair outputs before weighting, from any path); pairs whose
+    topk_ids [T, k] is negative are skipped (their y rows are not read)."""
     t, k = topk_weights.shape
     hidden = y.shape[1]
-    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, out, k, hidden, BLOCK_N=COMBINE_BLOCK,
-                                                       num_warps=4)
+    _combine[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, topk_weights, topk_ids, out, k, hidden,
+                                                       BLOCK_N=COMBINE_BLOCK, num_warps=4)
     return out

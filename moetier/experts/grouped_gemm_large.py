@@ -2,6 +2,10 @@
 they read on the device (torch.argsort, then one single-program kernel that writes each row's chunks
 of up to block_m pairs and the list of chunk starts), then grouped_gemm.py's gate_up / down /
 combine kernels over a grid bounded by the chunk count. No host sync anywhere (docs/bench-prefill.md).
+
+A pair with a negative expert id (experts/ep.NOT_MINE) takes the key max_rows, above every row key, so
+the skipped pairs sort last as one run that starts no chunk: no program works for them, their h and y
+rows stay unwritten and the combine skips them (grouped_gemm._combine).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def _plan_sorted(keys_ptr, order_ptr, counts_ptr, chunk_end_ptr, starts_ptr, n, 
     # One program walks the sorted positions BLOCK at a time, carrying the open row's first position
     # and the chunks so far: per position its row's run [begin, begin + count), a chunk start every
     # BLOCK_M of the run, chunk_end as the decode plan writes it, and the starts listed in order.
+    # Key `shift` (== max_rows) is the skipped pairs' run: no chunk starts in it.
     carry_begin = tl.full([], 0, tl.int32)
     carry_chunks = tl.full([], 0, tl.int32)
     b0 = tl.full([], 0, tl.int32)
@@ -35,7 +40,7 @@ def _plan_sorted(keys_ptr, order_ptr, counts_ptr, chunk_end_ptr, starts_ptr, n, 
         first = ((k != prev) | (pos == 0)) & m
         begin = tl.maximum(tl.associative_scan(tl.where(first, pos, -1), 0, _max_combine), carry_begin)
         end = begin + tl.load(counts_ptr + (k + shift), mask=m, other=0).to(tl.int32)
-        start = ((pos - begin) % BLOCK_M == 0) & m
+        start = ((pos - begin) % BLOCK_M == 0) & m & (k != shift)
         chunk = tl.cumsum(start.to(tl.int32), 0) + carry_chunks - 1
         tl.store(chunk_end_ptr + pos, tl.where(start, tl.minimum(pos + BLOCK_M, end), 0), mask=m)
         tl.store(starts_ptr + chunk, pos, mask=start)
@@ -51,11 +56,13 @@ def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max
     id)), chunk_end [P] int32 (as the decode plan: per sorted position, the end of the chunk of up to
     block_m pairs starting there, else 0), starts [C] int32 (the chunk starts in sorted order, then
     -1), C = P // block_m + min(P, max_rows): each row's run adds at most one partial chunk. Keys are
-    slot ids (>= 0) or -1 - expert; max_rows bounds the experts too. No host sync; about ten launches."""
-    keys = torch.where(slot_ids >= 0, slot_ids.long(), -1 - topk_ids.long()).reshape(-1)
+    slot ids (>= 0, below max_rows) or -1 - expert; max_rows bounds the experts too, and is the key of
+    a skipped pair (expert id < 0, whatever its slot id). No host sync; about ten launches."""
+    ids = topk_ids.long()
+    keys = torch.where(ids < 0, max_rows, torch.where(slot_ids >= 0, slot_ids.long(), -1 - ids)).reshape(-1)
     p = keys.numel()
     order = torch.argsort(keys, stable=True)
-    shift = max_rows  # keys + shift >= 0: host keys reach -max_rows at most
+    shift = max_rows  # keys + shift in [0, 2 max_rows]: host keys reach -max_rows at most, skipped max_rows
     # NOTE: not torch.bincount, which reads the largest key back to the host (a sync)
     counts = torch.zeros(2 * max_rows + 1, dtype=torch.int32, device=keys.device)
     counts.scatter_add_(0, keys + shift, torch.ones_like(keys, dtype=torch.int32))

@@ -25,6 +25,8 @@ none) the layer takes the slots path unchanged: bit-exact against slots and resi
 On the CPU the same steps run with the 'device' being the CPU (CI tests it): the device path is the
 reference (expert_pairs over slot rows), the host path the same host kernel as on a CUDA machine.
 Steps above the decode limit (prefill) bypass the cache as in slots.
+A pair with a negative id (experts/ep.NOT_MINE) is neither device nor host work: no miss, in no
+position list, its y row zero on the CPU and skipped by the combine on CUDA.
 """
 
 from __future__ import annotations
@@ -162,14 +164,14 @@ class HybridExperts(SlotExperts):
         if not host_set:
             return super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
         host_pos = [p for p, e in enumerate(ids) if e in host_set]
-        gpu_pos = [p for p, e in enumerate(ids) if e not in host_set]
+        gpu_pos = [p for p, e in enumerate(ids) if e >= 0 and e not in host_set]  # e < 0: nobody's work
         self.host_experts += len(host_set)
         self.host_pairs += len(host_pos)
         self.host_only_steps += not gpu_pos
         job = self.hostpath.worker.submit(self._host_outputs, x, host_pos, [ids[p] for p in host_pos], k)
         if self.cuda:
             return self._combine_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos, job)
-        y = hidden.new_empty(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them
+        y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them (0: id < 0)
         if gpu_pos:
             g = torch.tensor(gpu_pos)
             g_ids = topk_ids.reshape(-1)[g].view(-1, 1)
@@ -185,7 +187,7 @@ class HybridExperts(SlotExperts):
         """The host set: misses in order of first appearance, tokens per miss, the cost model's split."""
         tokens: dict[int, int] = {}
         for e, s in zip(ids, slot_now):
-            if s < 0:
+            if s < 0 <= e:  # a negative id is no expert of this layer (experts/ep.NOT_MINE)
                 tokens[e] = tokens.get(e, 0) + 1  # a token lists an expert once: pairs == tokens
         if not tokens:
             return set()
@@ -194,7 +196,7 @@ class HybridExperts(SlotExperts):
 
     def _down(self, hidden, topk_ids):
         """-> (ids [P] and their slots now [P], as host lists; hidden [T, H] on the host)."""
-        slot_now = self.cache.expert_slot[topk_ids]
+        slot_now = self.cache.expert_slot[topk_ids.clamp(min=0)]  # moot where the id is negative
         if not self.cuda:
             return topk_ids.reshape(-1).tolist(), slot_now.reshape(-1).tolist(), hidden
         t, k = topk_ids.shape
@@ -241,7 +243,7 @@ class HybridExperts(SlotExperts):
         out_host = self.hostpath.buffer("y", (nh, self.layout.hidden), got.dtype, True)
         out_host.copy_(got)
         y[hpos] = out_host.to(self.device, non_blocking=True).float()
-        return combine_pairs(y, topk_weights, self._decode_out(hidden))
+        return combine_pairs(y, topk_weights, topk_ids, self._decode_out(hidden))  # skips ids < 0 (y unwritten)
 
     def host_saving_s(self, misses: float) -> float:
         """Seconds per layer-step the host path should save at `misses` misses a step (one token each):
@@ -278,8 +280,8 @@ class HybridExperts(SlotExperts):
             grouped_expert_mlp(x[:n], slot_ids, ids, w[:n], self.slots, self._host_dev, self.layout.hidden,
                                self.layout.inter, self._work, out[:n], self.gemm, self.layout.quant)
         for wdt in (torch.float32, xdt):  # routing weights come in the hidden dtype (router.py)
-            combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev),
-                          torch.empty(1, self.layout.hidden, dtype=xdt, device=dev))
+            combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev), torch.zeros(1, k, dtype=torch.int64,
+                          device=dev), torch.empty(1, self.layout.hidden, dtype=xdt, device=dev))
             ids = torch.zeros(2, 1, dtype=torch.int64, device=dev)
             grouped_expert_mlp(x[:2], bookkeeping(cache, scratch, ids), ids, w[:2].to(wdt), self.slots,
                                self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm,

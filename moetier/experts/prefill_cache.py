@@ -27,8 +27,8 @@ Invariants (tests/test_prefill_cache.py, tests/test_gpu_prefill_cache.py):
     first S), the bookkeeping kernel and the fill read the miss count on the device.
 
 NOTE: the refresh's fill uses the kernel copy (copy_rows) for both fill modes: the copy-engine fill
-reads the miss list on the host (a sync). Under expert parallelism on CUDA another rank's pairs come
-in as expert 0 with weight zero (experts/ep.py), so expert 0 can rank higher than its real use.
+reads the miss list on the host (a sync). Under expert parallelism another rank's pairs come in as
+id -1 (experts/ep.NOT_MINE) on the CPU and CUDA alike: the ranking counts them for nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@
 
 No host sync anywhere: counts and lists stay on the device, grids are fixed, and a step without
 misses costs a masked early exit, so a CUDA graph can replay the whole MoE layer.
+
+A negative id (experts/ep.NOT_MINE: another rank's expert) is no expert of the cache, as in
+SlotCache.step_reference: every load and store indexed by it is masked off (no hit, no miss, no fill,
+no stamp, no use counted, no scratch touched), and its slot id out is -1.
 """
 
 from __future__ import annotations
@@ -76,17 +80,18 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     # NOTE: loads of state written earlier in this program use .cg (L2) and follow a barrier.
     pos = tl.arange(0, BLOCK_N)
     pmask = pos < n
-    ids = tl.load(ids_ptr + pos, mask=pmask, other=0).to(tl.int32)
+    ids = tl.load(ids_ptr + pos, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (ids >= 0)  # negative ids: no expert of this cache (module docstring)
     clock = tl.load(clock_ptr)
 
     # 1. first appearance of each expert
-    tl.atomic_min(first_ptr + ids, pos, mask=pmask)
+    tl.atomic_min(first_ptr + ids, pos, mask=valid)
     tl.debug_barrier()
-    first = tl.load(first_ptr + ids, mask=pmask, other=-1, cache_modifier=".cg")
-    is_first = pmask & (first == pos)
+    first = tl.load(first_ptr + ids, mask=valid, other=-1, cache_modifier=".cg")
+    is_first = valid & (first == pos)
 
     # 2. hits mark their slots as used
-    slot0 = tl.load(expert_slot_ptr + ids, mask=pmask, other=-1, cache_modifier=".cg")
+    slot0 = tl.load(expert_slot_ptr + ids, mask=valid, other=-1, cache_modifier=".cg")
     hit = is_first & (slot0 >= 0)
     miss = is_first & (slot0 < 0)
     tl.store(used_ptr + slot0, 1, mask=hit)
@@ -120,10 +125,10 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     tl.debug_barrier()
 
     # 5. slot ids out, stamps, clock, stats; restore scratch
-    slot = tl.load(expert_slot_ptr + ids, mask=pmask, other=-1, cache_modifier=".cg")
+    slot = tl.load(expert_slot_ptr + ids, mask=valid, other=-1, cache_modifier=".cg")
     tl.store(slots_out_ptr + pos, slot, mask=pmask)
     tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
-    tl.store(first_ptr + ids, 2147483647, mask=pmask)
+    tl.store(first_ptr + ids, 2147483647, mask=valid)
     tl.store(used_ptr + s, 0, mask=smask)
     if USE_FREQ:
         _count_uses(freq_ptr, fepoch_ptr, ids, is_first, _epoch(clock, half_life))
@@ -144,14 +149,16 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
     pmask = pos < n
     four = tl.arange(0, 4)
     ids = tl.load(ids_ptr + pos, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (ids >= 0)  # negative ids: no expert of this cache (module docstring)
     clock = tl.load(clock_ptr)
     stats = tl.load(stats_ptr + four)
-    slot0 = tl.load(expert_slot_ptr + ids, mask=pmask, other=-1)
+    slot0 = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
 
-    # 1. first appearance: the lowest position holding the same id
+    # 1. first appearance: the lowest position holding the same id (a negative id's is never first,
+    # and its slot, taken from a negative id's position, is -1)
     same = (ids[:, None] == ids[None, :]) & pmask[None, :]
     first = tl.min(tl.where(same, pos[None, :], BLOCK_N), axis=1)
-    is_first = pmask & (first == pos)
+    is_first = valid & (first == pos)
     hit = is_first & (slot0 >= 0)
     miss = is_first & (slot0 < 0)
     miss_i = miss.to(tl.int32)
@@ -161,7 +168,7 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         # The hit path: every id is resident; only stamps, the counters and the slot ids change.
         tl.store(miss_count_ptr, 0)
         tl.store(slots_out_ptr + pos, slot0, mask=pmask)
-        tl.store(stamp_ptr + slot0, clock, mask=pmask)
+        tl.store(stamp_ptr + slot0, clock, mask=valid)
     else:
         s = tl.arange(0, BLOCK_S)
         smask = s < num_slots
