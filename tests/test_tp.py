@@ -155,6 +155,10 @@ def test_a_dead_worker_fails_the_engine_loudly(ckpts):
         llm.step()
         pid = llm._workers.processes[0].pid
         os.kill(pid, signal.SIGKILL)
+        # NOTE: wait until the kill has taken effect: on a loaded machine the next step's liveness check
+        # could otherwise still see the worker alive and broadcast to it; a gloo send to a peer that
+        # dies mid-step then waited for the group's timeout (60 s here) in one CI run
+        llm._workers.processes[0].join(timeout=10.0)
         t0 = time.monotonic()
         with pytest.raises(MoetierError, match=rf"rank 1 \(pid {pid}, exit code -9\) died"):
             for _ in range(3):  # the first step after the kill sees it (or its collective fails)
