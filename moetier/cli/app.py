@@ -147,6 +147,7 @@ def serve(
     decode_tokens: opt.DecodeTokens = 64,
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
+    fp8_dense: opt.Fp8Dense = "dequantize",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -184,7 +185,8 @@ def serve(
         engine = {"max_num_seqs": max_num_seqs, "kv_tokens": kv_tokens, "max_model_len": max_model_len,
                   "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
-                  "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache)}
+                  "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
+                  "fp8_dense": fp8_dense}
         if preset is not None:
             from moetier.bench.cli import parse_budget
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from moetier.experts import fp8
+from moetier.experts.fp8_gemv import expert_gemv
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.shape import RowLayout
 
@@ -307,8 +308,6 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     if n_pairs > scratch.max_pairs:
         raise ValueError(f"{n_pairs} (token, expert) pairs exceed the {scratch.max_pairs} the scratch holds")
     if t == 1 and quant == "fp8":  # one token on FP8 rows: the GEMV (fp8_gemv.py), then the same combine
-        from moetier.experts.fp8_gemv import expert_gemv
-
         dot = _dot_type(x.dtype)[0]
         expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
                     scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down)

@@ -5,7 +5,7 @@ expert placement when they are built (never a global; moetier/dist sets up the p
         tp  tensor-parallel size: attention heads and dense MLP columns split over tp ranks
         ep  expert-parallel size: the routed experts split over ep ranks (expert e on rank e % ep)
         group  the torch.distributed process group of the collectives (None: the default group)
-        timer  a CollectiveTimer (collective_timer.py) the benchmarks switch on; off, it costs one check
+        timer  a CollectiveTimer (dist/timing.py) the benchmarks switch on; off, it costs one check
 
 Step 1 of issue 18: tp and ep are each 1 or the whole world (so both groups are the world group),
 and rank r is TP rank r and EP rank r. Parallel() is the single-process layout: every collective is
