@@ -31,6 +31,8 @@ def run(ckpt, experts, graphs: bool, **par) -> tuple[list[list[int]], list[list[
     try:
         batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+        runner = getattr(llm.runner, "inner", llm.runner)  # rank 0's ModelRunner under several ranks
+        assert (runner.graph_steps > 0) == graphs  # decode replayed graphs (with the all-reduces inside)
         return batch, alone
     finally:
         llm.close()

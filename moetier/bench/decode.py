@@ -105,8 +105,8 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     """GPU time of one decode step alone: the step's graphs replayed back to back on the last step's
     inputs (so the slot cache only hits). Against the step time it splits host from device time."""
     graphs = llm.runner.graphs
-    if graphs is None or batch not in graphs.sizes:
-        return None
+    if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
+        return None  # NOTE: rank 0 alone cannot replay a graph of a parallel engine (its all-reduces wait)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graphs.graphs[batch].replay()
     start.record()

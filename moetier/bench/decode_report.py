@@ -39,6 +39,8 @@ def table(rows: list[dict]) -> str:
         if r.get("parallel", "1") != "1":  # rank 0's experts and rooflines; the all-reduce time per step
             name = f"{r['parallel']}:{name}"
             host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
+            if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
+                host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
         lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "

@@ -166,11 +166,15 @@ class DistributedRunner:
 
     @property
     def graphs(self):
-        return self.inner.graphs  # None: a parallel engine decodes eagerly (for now)
+        return self.inner.graphs
+
+    def release(self) -> None:
+        self.inner.release()
 
     def execute(self, step: StepInput) -> StepOutput:
         if not step.seqs:
             return self.inner.execute(step)  # nothing runs: nothing to broadcast
+        step.replay = self.inner.replays(step.seqs)  # the workers replay exactly when this rank does
         return self._run(self.inner.execute, step)
 
     def forward_only(self, step: StepInput):

@@ -4,7 +4,9 @@ The step protocol (rank 0's side: dist/executor.py), per step with at least one 
     rank 0:  broadcast_object_list([StepInput])  -> every rank runs model.forward on the same tokens,
              positions and page tables (the collectives inside the forward pair up in the same order
              on every rank) -> rank 0 alone computes logits and samples
-    workers: broadcast_object_list([None]) receives it, ModelRunner.forward_only(step)
+    workers: broadcast_object_list([None]) receives it, ModelRunner.run_worker_step(step): the decode
+             graph replayed when step.replay says rank 0 replays its own (every rank captured the same
+             sizes at start, in lockstep), else the eager forward
     shutdown: rank 0 broadcasts None; workers leave the group and exit.
 The scheduler and the page pool live on rank 0 only; a worker's KV cache has the same pages (the
 page tables arrive in the StepInput) holding its own kv heads. A replayed trace is replayed on every
@@ -73,7 +75,11 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
 
             if node_check(rank, spec.rank_plans, spec.device):
                 return  # a node cannot hold its share: rank 0 names it; nothing was loaded
-        serve(build_runner(spec, device, par))
+        runner = build_runner(spec, device, par)
+        try:
+            serve(runner)
+        finally:
+            runner.release()  # graphs before the group (DecodeGraphs.release)
     finally:
         leave()
 
@@ -108,11 +114,27 @@ def build_runner(spec: WorkerSpec, device: str, par):
         from moetier.traces.format import read_trace
         from moetier.traces.hooks import Replayer
 
-        Replayer(model, read_trace(config.replay_trace))  # hooks the routers; lives as long as the model
+        replayer = Replayer(model, read_trace(config.replay_trace))  # hooks the routers; lives as long as the model
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
     kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step
-    return ModelRunner(model, kv, None)
+    graphs = None
+    if uses_graphs(config, model, device):
+        from moetier.engine.graphs import decode_graphs
+
+        graphs = decode_graphs(model, kv, config, config.model_len(model.cfg.max_position_embeddings))
+        if config.replay_trace is not None:
+            replayer.cursor.zero_()  # as rank 0 (engine/llm.py): the capture's warm-up steps moved it
+    return ModelRunner(model, kv, graphs)
+
+
+def uses_graphs(config: EngineConfig, model, device: str) -> bool:
+    """Whether this worker captures decode graphs: exactly when rank 0 does (engine/llm.py: CUDA, graphs
+    on, no trace recorder, no piecewise backend), so the captures' warm-up collectives pair up."""
+    from moetier.engine.piecewise import needs_pieces
+
+    return (device.startswith("cuda") and config.cuda_graphs and config.record_trace is None
+            and not needs_pieces(model))
 
 
 def serve(runner) -> None:
@@ -122,4 +144,4 @@ def serve(runner) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return
-        runner.forward_only(box[0])
+        runner.run_worker_step(box[0])

@@ -131,6 +131,16 @@ class DecodeGraphs:
         if self.switching:
             self.switch = Switch([b.experts for b in self.model.moe_blocks() if not b.experts.graph_safe])
 
+    def release(self) -> None:
+        """Destroy every captured graph now (not whenever the collector gets to them). NOTE: under
+        several ranks the graphs hold NCCL work of the process group: they must be gone before the
+        group is destroyed, or destroying it waits forever (seen on two H200s)."""
+        for g in [*self.graphs.values(), *self.whole.values(), *self.samplers.values()]:
+            for graph in (g.graphs if isinstance(g, Pieces) else [g]):
+                graph.reset()
+        self.graphs.clear(), self.whole.clear(), self.samplers.clear()
+        torch.cuda.synchronize(self.model.device)
+
     def logits_of(self, n: int) -> torch.Tensor:
         """The last replay's logits [n, V] float32 (valid until the next replay)."""
         return self.logits[next(s for s in self.sizes if s >= n)][:n]
@@ -139,8 +149,9 @@ class DecodeGraphs:
         return 0 < len(seqs) <= self.max_batch and all(s.num_tokens == 1 and s.sample for s in seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqStep]) -> torch.Tensor:
-        """Replay the decode step for these one-token steps -> sampled token ids [len(seqs)] (device)."""
+    def run(self, seqs: list[SeqStep], sample: bool = True) -> torch.Tensor | None:
+        """Replay the decode step for these one-token steps -> sampled token ids [len(seqs)] (device);
+        sample=False (a worker rank: rank 0 samples) replays the model only and returns None."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
         page = self.kv.page_size
@@ -163,5 +174,18 @@ class DecodeGraphs:
         if self.switch is not None and not self.switch.choose(self.overhead_s[size]):
             graph = self.whole[size]
         graph.replay()
+        if not sample:
+            return None
         self.samplers[size, mode].replay()
         return self.tokens[size, mode][:n]
+
+
+def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise: bool = False) -> DecodeGraphs:
+    """The decode graphs an engine of `config` captures (config: engine/config.EngineConfig), for
+    requests of up to max_len tokens. NOTE: every rank of a parallel engine calls this with the same
+    config and max_len, so all capture the same sizes in the same order: the warm-up forwards before
+    each capture run their collectives in lockstep, and each step replays the same graph everywhere."""
+    cap = min(config.max_num_seqs, config.decode_tokens)  # steps above the decode limit run eagerly
+    sizes = [n for n in SIZES if n <= cap] or [1]
+    return DecodeGraphs(model, kv, scratch_page=config.num_pages, max_pages_per_seq=-(-max_len // config.page_size),
+                        sizes=sizes, piecewise=piecewise, switching=config.graph_switch)

@@ -23,7 +23,7 @@ import torch
 from moetier.checkpoint.loader import LoadReport, load_model
 from moetier.config import config_from_dir
 from moetier.engine.config import EngineConfig
-from moetier.engine.graphs import SIZES as GRAPH_SIZES, DecodeGraphs
+from moetier.engine.graphs import decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
 from moetier.engine.pages import PagePool
@@ -255,14 +255,11 @@ class LLM:
         if piecewise and not config.piecewise_graphs:
             cuda_graphs = False
         graphs = None
-        if self._workers is not None:
-            cuda_graphs = False  # NOTE: collectives inside captured graphs are not done yet (docs/parallel.md)
+        if self._workers is not None and piecewise:
+            cuda_graphs = False  # NOTE: piecewise graphs decide per layer on one rank's host: not across ranks
+        # NOTE: under several ranks dist/worker.uses_graphs must reach the same answer (lockstep captures)
         if cuda_graphs and model.device.type == "cuda":
-            # Steps above the decode limit take the eager path.
-            cap = min(config.max_num_seqs, config.decode_tokens)
-            sizes = [n for n in GRAPH_SIZES if n <= cap] or [1]
-            graphs = DecodeGraphs(model, self.kv, scratch_page=num_pages, max_pages_per_seq=-(-max_len // page),
-                                  sizes=sizes, piecewise=piecewise, switching=config.graph_switch)
+            graphs = decode_graphs(model, self.kv, config, max_len, piecewise)
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(model, self.kv, graphs)
@@ -338,6 +335,8 @@ class LLM:
         """Finish a recorded trace (the file is complete only after this); unhook a replayed one; stop
         the worker ranks of a parallel engine."""
         if self._workers is not None:
+            if not self._workers.stopped and hasattr(self, "runner"):
+                self.runner.release()  # graphs before the group (graphs.release)
             self._workers.stop()
         if self.recorder is not None:
             self.recorder.close()

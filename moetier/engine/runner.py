@@ -18,13 +18,18 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None):
         self.model, self.kv, self.graphs = model, kv, graphs
         self.graph_steps = 0
+        self.graphs_on = True  # False: every step eager with the graphs kept (bench decode --parallel)
+
+    def replays(self, seqs: list[SeqStep]) -> bool:
+        """Whether execute() replays the decode graph for these sequences."""
+        return self.graphs_on and self.graphs is not None and self.graphs.fits(seqs)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         seqs = step.seqs
         if not seqs:
             return StepOutput({}, 0)
-        if self.graphs is not None and self.graphs.fits(seqs):
+        if self.replays(seqs):
             tokens = self.graphs.run(seqs)
             self.graph_steps += 1
             logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) else None
@@ -46,6 +51,26 @@ class ModelRunner:
         """The step's forward without sampling -> last hidden states [N, H]: what a worker rank runs
         (dist/worker.py; rank 0 samples). Writes the step's KV like execute()."""
         return self._forward(step.seqs)[0]
+
+    @torch.inference_mode()
+    def run_worker_step(self, step: StepInput) -> None:
+        """A worker rank's step (dist/worker.py): the forward rank 0 runs, without sampling, graph-replayed
+        when rank 0's is (step.replay: rank 0 decided). Waits for the GPU before returning."""
+        if step.replay:
+            self.graphs.run(step.seqs, sample=False)
+            # NOTE: the next step rewrites the graphs' pinned input blocks; rank 0 is protected by
+            # reading its tokens back, a worker by this wait
+            if self.model.device.type == "cuda":
+                torch.cuda.current_stream(self.model.device).synchronize()
+            self.graph_steps += 1
+            return
+        self._forward(step.seqs)
+
+    def release(self) -> None:
+        """Drop the captured graphs (before a parallel engine's process group goes: graphs.release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def _forward(self, seqs: list[SeqStep]):
         dev = self.model.device

@@ -34,6 +34,9 @@ class SeqStep:
 @dataclass
 class StepInput:
     seqs: list[SeqStep] = field(default_factory=list)
+    # set by rank 0 of a parallel engine before the broadcast: whether its runner replays the decode
+    # graph for this step; NOTE: workers follow it, so every rank replays or runs eagerly together
+    replay: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -50,7 +50,8 @@ class ShardedExperts(ExpertBackend):
         self.inner, self.par = inner, par
         self.rank, self.ep = par.ep_rank, par.ep
         self.name = f"{inner.name}+ep{par.ep}"
-        self.graph_safe = False  # NOTE: collectives inside CUDA graphs are not done yet (docs/parallel.md)
+        # the all-reduce is captured inside the decode graph on every rank (engine/graphs.py)
+        self.graph_safe = getattr(inner, "graph_safe", True)
         self.layout, self.top_k, self.device = inner.layout, inner.top_k, inner.device
         self.decode_tokens, self.cuda = inner.decode_tokens, inner.cuda
 
