@@ -111,7 +111,7 @@ class HybridExperts(SlotExperts):
         if self.hostpath.order != "device-first":  # the host call first: it runs while the device path launches
             job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
         if self.cuda:
-            y, gpos, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
+            y, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
         else:
             y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them (0: id < 0)
             self._device_cpu(hidden, topk_ids, gpu_pos, y)
@@ -203,7 +203,7 @@ class HybridExperts(SlotExperts):
 
     def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):
         """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs
-        to come, device pair positions, host pair positions)."""
+        to come, host pair positions on the device)."""
         from moetier.experts.grouped_gemm import grouped_expert_mlp
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
@@ -230,7 +230,7 @@ class HybridExperts(SlotExperts):
             if timed:
                 self._ev_dev[1].record()
                 self._dev_pending = True
-        return y, gpos, hpos
+        return y, hpos
 
     def _combine_cuda(self, hidden, topk_ids, topk_weights, got, hpos, y) -> torch.Tensor:
         from moetier.experts.grouped_gemm import combine_pairs
