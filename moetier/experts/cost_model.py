@@ -9,7 +9,10 @@ A missed expert can be served two ways, and both ways run at the same time:
            host_s(S) = queued_host_s + overhead_s + sum over e in S of (row_bytes / host_bandwidth
                                                                       + (tokens_e - 1) * token_s)
 The layer waits for the slower path, so the choice minimizes max(link_s, host_s) (the GPU's own work
-on the hits overlaps both and is the same whichever way a miss goes).
+on the hits overlaps both and is the same whichever way a miss goes). The two paths are concurrent,
+never summed: the layer's time is max(link_s, host_s) plus what both pay alike (the layer's sync, the
+choice, the combine), which changes no choice; a cost only one path pays (e.g. the host call waiting
+for the device launches in experts/host_path's device-first order) is its queued_* argument.
 
 Every link miss costs the same and a host miss costs more the more tokens use it, so an optimal
 host set is always some n misses with the fewest tokens: the model sorts the misses by (tokens, order
