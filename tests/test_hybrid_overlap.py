@@ -101,6 +101,10 @@ def test_native_start_equals_the_plain_call_and_runs_one_at_a_time():
         host_ext.start(lib, x, torch.tensor([7]), torch.tensor([0]), rows, lay, 2)
     empty = host_ext.start(lib, x, tok[:0], exp[:0], rows, lay, 2).result()
     assert empty.shape == (0, H)
+    out = torch.full((5, H), float("nan"))  # the pinned upload buffer on CUDA: written in place
+    assert host_ext.start(lib, x, tok, exp, rows, lay, 2, out=out).result() is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match="out must be"):
+        host_ext.start(lib, x, tok, exp, rows, lay, 2, out=torch.empty(4, H))
 
 
 def test_phase_clock_is_off_by_default_and_orders_its_marks():

@@ -194,14 +194,15 @@ class Started:
 
 
 def start(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor,
-          layout: RowLayout, threads: int, block_bytes: int = 0) -> Started:
+          layout: RowLayout, threads: int, block_bytes: int = 0, out: torch.Tensor | None = None) -> Started:
     """pair_outputs, started on the library's native thread; returns at once (the arguments are checked
-    and the pairs grouped first, on the caller). One call at a time per process: wait before the next."""
-    y, keep = _call(lib.moetier_host_experts_start, x, tokens, experts, rows, layout, threads, block_bytes)
+    and the pairs grouped first, on the caller). One call at a time per process: wait before the next.
+    out: a contiguous fp32 [P, H] CPU tensor to write into (e.g. pinned, for the upload), else a new one."""
+    y, keep = _call(lib.moetier_host_experts_start, x, tokens, experts, rows, layout, threads, block_bytes, out)
     return Started(lib, y, keep)
 
 
-def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes):
+def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes, out=None):
     kind = kind_of(rows, layout)
     bf16 = x.dtype == torch.bfloat16
     if kind == FP8_KIND and bf16:
@@ -215,7 +216,9 @@ def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes):
     exp = experts.to(torch.int64).contiguous()
     p, hdim, inter = tok.numel(), layout.hidden, layout.inter
     h = torch.empty(p, inter, dtype=torch.float32)  # the SwiGLU of every pair: scratch
-    y = torch.empty(p, hdim, dtype=torch.float32)
+    y = torch.empty(p, hdim, dtype=torch.float32) if out is None else out
+    if y.shape != (p, hdim) or y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous float32 CPU tensor [{p}, {hdim}]")
     err = ctypes.create_string_buffer(256)
     fp8_rows = kind >= FP8_KIND
     rc = fn(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,

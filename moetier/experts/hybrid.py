@@ -149,7 +149,9 @@ class HybridExperts(SlotExperts):
             if hp.order == "device-first":
                 job = _Job(None, _timed(hp.kernel.pair_outputs, xs, tok, exp, self.host))
             else:
-                native = hp.kernel.start(xs, tok, exp, self.host)  # compiled: its own native thread, no GIL
+                # compiled: its own native thread, no GIL; on CUDA straight into the pinned upload buffer
+                out = hp.buffer("y", (len(host_pos), self.layout.hidden), torch.float32, True) if self.cuda else None
+                native = hp.kernel.start(xs, tok, exp, self.host, out)
                 job = _Job(native) if native is not None else _Job(
                     hp.worker.submit(_timed, hp.kernel.pair_outputs, xs, tok, exp, self.host))
         if marks is not None:
@@ -236,7 +238,8 @@ class HybridExperts(SlotExperts):
         from moetier.experts.grouped_gemm import combine_pairs
 
         out_host = self.hostpath.buffer("y", tuple(got.shape), got.dtype, True)
-        out_host.copy_(got)
+        if out_host.data_ptr() != got.data_ptr():  # host-first's compiled kernel wrote it there already
+            out_host.copy_(got)
         y[hpos] = out_host.to(self.device, non_blocking=True).float()
         return combine_pairs(y, topk_weights, topk_ids, self._decode_out(hidden))  # skips ids < 0 (y unwritten)
 
