@@ -12,10 +12,14 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
   2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
              counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
              do not cross the link); the cache sees only the other pairs.
-  3. host:   the worker thread computes the host pairs' outputs (unweighted, rows dtype) from the host
-             store while the main thread launches the device path: pairs compacted to [n, 1] (each pair
-             its own "token" row of x), the cache step, fills, the grouped GEMM; the device pairs'
-             outputs land in y [P, H] at their pair positions.
+  3. host:   the host kernel computes the host pairs' outputs (unweighted) from the host store while
+             the device path runs: pairs compacted to [n, 1] (each pair its own "token" row of x), the
+             cache step, fills, the grouped GEMM; the device pairs' outputs land in y [P, H] at their
+             pair positions. HostPath.order (host_path.py) says who runs what when: host-first (the
+             default) starts the host call before the device launches, the compiled kernel on its own
+             native thread (no GIL to take back), its threads one fewer than the cores so that this
+             thread keeps one to launch on; device-first launches first, then runs the host call here;
+             legacy is the order before issue 17's overlap work (a worker job that builds its inputs).
   4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
              resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
 A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so
@@ -110,11 +114,16 @@ class HybridExperts(SlotExperts):
         job = None
         if self.hostpath.order != "device-first":  # the host call first: it runs while the device path launches
             job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
-        if self.cuda:
-            y, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
-        else:
-            y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them (0: id < 0)
-            self._device_cpu(hidden, topk_ids, gpu_pos, y)
+        try:
+            if self.cuda:
+                y, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
+            else:
+                y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs as expert_pairs keeps them (0: id < 0)
+                self._device_cpu(hidden, topk_ids, gpu_pos, y)
+        except BaseException:
+            if job is not None:
+                job.result()  # the host call writes buffers of ours: never leave it running
+            raise
         if marks is not None:
             marks["launched"] = time.perf_counter()
         if job is None:  # device-first: the device path is queued; the host call runs here, on this thread
