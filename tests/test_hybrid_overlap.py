@@ -183,3 +183,34 @@ def test_bench_decode_rows_per_order_with_phases(tmp_path):
         assert ph["layers"] + ph["slots_layers"] <= cfg.num_layers * r["timed_steps"]
     assert "order host-first" in decode.table(rows) and "order legacy" in decode.table(rows)
     assert set(data["greedy_tokens_equal_to_resident"]) == set()  # no resident rows in this run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["grouped", "compiled"])
+@pytest.mark.parametrize("t", [1, 8, 32])
+def test_gpu_every_order_gives_the_same_bits_with_the_phase_clock(t, kernel):
+    from moetier.experts.store import HostStore
+
+    lay = RowLayout(256, 128)
+    store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
+    host = store.rows(0)
+    host.copy_((torch.randn(32, lay.numel) * 0.05).to(torch.bfloat16))
+    hyb = {o: HybridExperts(host, lay, 8, 12, 32, "cuda", host=HostPath(lay, kernel, None,
+                                                                        PathRates(50.0, {BF16: 50.0}), o))
+           for o in ORDERS}
+    hyb["host-first"].profile(True)
+    g = torch.Generator().manual_seed(t)
+    for _ in range(6):
+        ids = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(t)]).cuda()
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16).cuda()
+        w = torch.rand(t, 8, generator=g).cuda()
+        outs = {o: b.forward(x, ids, w).clone() for o, b in hyb.items()}
+        for o in ORDERS[1:]:
+            assert torch.equal(outs[o], outs[ORDERS[0]]), o
+    assert hyb["host-first"].stats()["host"] > 0 and hyb["host-first"].stats()["misses"] > 0
+    for b in hyb.values():
+        b.cache.check()
+    p = hyb["host-first"].phase_means()
+    assert p["layers"] > 0 and p["host_begin"] <= p["host_end"] <= p["joined"] <= p["done"]
+    assert p.get("device_gpu", 0) > 0 and 0 <= p.get("device_first", 0) <= 1

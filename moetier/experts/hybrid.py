@@ -92,11 +92,11 @@ class HybridExperts(SlotExperts):
         clock = self.phases
         marks = {} if clock is not None else None
         t0 = time.perf_counter() if clock is not None else 0.0
-        if clock is not None and self.cuda:
-            self._poll_device(clock)
         ids, slot_now, x = self._down(hidden, topk_ids)
         if marks is not None:
             marks["sync"] = time.perf_counter()
+            if self.cuda:
+                self._poll_device(clock)  # after the sync: the previous call's events are complete
         host_set = self.choose(ids, slot_now, t)
         if not host_set:
             out = super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
@@ -253,7 +253,7 @@ class HybridExperts(SlotExperts):
         return combine_pairs(y, topk_weights, topk_ids, self._decode_out(hidden))  # skips ids < 0 (y unwritten)
 
     def _poll_device(self, clock) -> None:
-        """The previous call's device-path GPU time: its events are complete (a sync came after them)."""
+        """The previous call's device-path GPU time (its events are complete: this call's sync came after)."""
         if getattr(self, "_dev_pending", False) and self._ev_dev[1].query():
             clock.device(gpu_s=self._ev_dev[0].elapsed_time(self._ev_dev[1]) / 1e3)
             self._dev_pending = False
