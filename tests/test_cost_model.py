@@ -118,3 +118,24 @@ def test_bad_rates_are_refused():
         CostModel(PathRates(1.0, {BF16: 1.0}), ROW, "float8_e4m3fn")
     with pytest.raises(ValueError, match="at least one token"):
         model(1.0, 1.0).split([1, 0])
+
+
+def test_rates_from_bench_refit_at_the_threads_in_use():
+    from moetier.experts.cost_model import rates_from_bench
+
+    def row(threads, tokens, experts, ms, dtype="bf16"):
+        return {"kernel": "compiled", "dtype": dtype, "threads": threads, "tokens": tokens, "experts": experts,
+                "ms": ms}
+    data = {"shape": {"dtype": "bf16", "row_bytes": {"bf16": ROW, "fp8": ROW // 2}},
+            "winner": {"kernel": "compiled", "threads": 16, "GBps": 80.0, "overhead_s": 1e-4},
+            "winners": {"fp8": {"kernel": "compiled", "threads": 16, "GBps": 50.0, "overhead_s": 1e-4}},
+            "results": [row(16, 1, 1, 0.2), row(16, 1, 8, 1.0), row(16, 8, 8, 1.4),
+                        row(15, 1, 1, 0.3), row(15, 1, 8, 1.7), row(15, 8, 8, 2.26),
+                        row(15, 1, 1, 0.3, "fp8"), row(15, 1, 8, 1.0, "fp8")]}
+    r16, r15, r9 = (rates_from_bench(data, 50.0, t) for t in (16, 15, 9))
+    assert r16 == rates_from_bench(data, 50.0) and r16.host_GBps == {BF16: 80.0, "fp8": 50.0}
+    assert r15.host_GBps[BF16] == pytest.approx(ROW / 0.2e-3 / 1e9)  # (1.7 - 0.3) / 7 ms per expert
+    assert r15.host_overhead_s == pytest.approx(1e-4)
+    assert r15.host_token_s == pytest.approx(0.56e-3 / 56)
+    assert r15.host_GBps["fp8"] == pytest.approx(ROW // 2 / 0.1e-3 / 1e9)
+    assert r9 == r16  # not measured at 9 threads: the winner's fit

@@ -169,19 +169,20 @@ def test_bench_decode_rows_per_order_with_phases(tmp_path):
                                    "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
     bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
     args = {"tokens": 3, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
-            "seed": 0, "host_profile": str(profile), "hybrid_order": ["host-first", "legacy"]}
+            "seed": 0, "host_profile": str(profile), "hybrid_order": ["host-first", "legacy", "device-first:3"]}
     data = decode.run(cfg, str(trace), [0.5], [2], ["hybrid"], args, bed=bed,
                       bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
     rows = data["rows"]
-    assert [r["hybrid"]["order"] for r in rows] == ["host-first", "legacy"]
-    # threads: the profile's winner for legacy (as before), at most the cores less one otherwise
-    assert rows[0]["hybrid"]["host_threads"] == min(64, default_host_threads())
-    assert rows[1]["hybrid"]["host_threads"] == 64
+    assert [r["hybrid"]["order"] for r in rows] == ["host-first", "legacy", "device-first"]
+    # threads: the variant's; else the profile's winner for legacy (as before), at most the cores less one
+    # for the others
+    assert [r["hybrid"]["host_threads"] for r in rows] == [min(64, default_host_threads()), 64, 3]
     for r in rows:
         ph = r["hybrid"]["phases_us"]
         assert ph["layers"] + ph["slots_layers"] > 0  # the timed window's calls only
         assert ph["layers"] + ph["slots_layers"] <= cfg.num_layers * r["timed_steps"]
     assert "order host-first" in decode.table(rows) and "order legacy" in decode.table(rows)
+    assert rows[2]["hybrid"]["variant"] == "device-first:3"
     assert set(data["greedy_tokens_equal_to_resident"]) == set()  # no resident rows in this run
 
 

@@ -4,6 +4,7 @@ dependencies before any work, and writes its JSON record (machine, commit, comma
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -156,7 +157,8 @@ def bench_decode(
                                           "host-first (the host call starts before the device launches, on the "
                                           "compiled kernel's own thread), device-first (launches, then the host "
                                           "call on the same thread) and/or legacy (the order before the "
-                                          "overlap work); one row set each."),
+                                          "overlap work), each optionally with :THREADS (host threads of "
+                                          "that variant, e.g. host-first:16); one row set each."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -201,9 +203,9 @@ def bench_decode(
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise and/or eager "
                                "(comma-separated)")
         orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]
-        if not orders or set(orders) - {"host-first", "device-first", "legacy"}:
-            raise MoetierError(f"--hybrid-order {hybrid_order!r}: give host-first, device-first and/or legacy "
-                               "(comma-separated)")
+        if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):
+            raise MoetierError(f"--hybrid-order {hybrid_order!r}: give host-first, device-first and/or legacy, "
+                               "each optionally with :THREADS (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):

@@ -173,7 +173,8 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                 hp = bed.model.moe_blocks()[0].experts.hostpath
                 r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
-                               "rates": hybrid_rates(bed.model), "order": hp.order, "host_threads": hp.kernel.threads,
+                               "rates": hybrid_rates(bed.model), "variant": order, "order": hp.order,
+                               "host_threads": hp.kernel.threads,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
                          "slots": slots, "graphs": graph_mode(llm),
@@ -191,28 +192,39 @@ def graph_mode(llm: LLM) -> str:
     return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
 
 
-def host_options(args: dict, bw: dict, order: str | None = None) -> dict:
+def host_options(args: dict, bw: dict, variant: str | None = None) -> dict:
     """ExpertOptions fields of the hybrid rows: the host kernel, threads and order, and the rates: from a
     scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
-    backend when it is built. Threads: --host-threads when given; else, with a profile, its winner's
-    (the legacy order: as before issue 17's overlap work) or at most the cores less one (the other
-    orders: the launching thread keeps a core); else the backend's default (cores less one)."""
+    backend when it is built. variant: "ORDER" or "ORDER:THREADS" (--hybrid-order). Threads: the
+    variant's, else --host-threads, else with a profile its winner's (the legacy order: as before issue
+    17's overlap work) or at most the cores less one (the other orders: the launching thread keeps a
+    core), else the backend's default (cores less one). With a profile, the rates are its fit at those
+    threads where it measured them (rates_from_bench)."""
     import json
 
     from moetier.experts.cost_model import rates_from_bench
     from moetier.experts.host_path import default_host_threads
 
-    out = {"host_kernel": args.get("host_kernel", "auto"), "host_threads": args.get("host_threads"),
-           "host_order": order}
+    order, threads = parse_variant(variant)
+    out = {"host_kernel": args.get("host_kernel", "auto"), "host_order": order,
+           "host_threads": threads or args.get("host_threads")}
     if args.get("host_profile"):
         with open(args["host_profile"]) as f:
             data = json.load(f)
-        out["rates"] = rates_from_bench(data, bw["link_GBps"])
         out["host_kernel"] = data["winner"]["kernel"]
         if out["host_threads"] is None:
             won = data["winner"]["threads"]
             out["host_threads"] = won if order == "legacy" else min(won, default_host_threads())
+        out["rates"] = rates_from_bench(data, bw["link_GBps"], out["host_threads"])
     return out
+
+
+def parse_variant(variant: str | None) -> tuple[str | None, int | None]:
+    """--hybrid-order's "ORDER[:THREADS]" -> (order, threads or None)."""
+    if not variant:
+        return None, None
+    order, _, threads = variant.partition(":")
+    return order, int(threads) if threads else None
 
 
 def hybrid_rates(model: CausalLM) -> dict | None:

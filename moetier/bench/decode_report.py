@@ -19,8 +19,8 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
-            if r.get("hybrid", {}).get("order"):
-                name += "/" + r["hybrid"]["order"]
+            if r.get("hybrid", {}).get("variant"):
+                name += "/" + r["hybrid"]["variant"]
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
