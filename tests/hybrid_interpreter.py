@@ -6,7 +6,8 @@ Run as a script (TRITON_INTERPRET must be set before triton is imported); test_h
 a subprocess. Stand-ins: pinned buffers are plain CPU tensors and the event a no-op (the interpreter
 runs every launch at once, so there is nothing to wait for). Checks, over steps of 1, 3 and 5 tokens:
 the output against the fp32 oracle (cpu_experts.reference) within bf16 tolerance, the cache's integrity, and the
-counters (host experts only when the rates split; link misses never when the host takes everything).
+counters (host experts only when the rates split; link misses never when the host takes everything);
+the split case in every order (experts/host_path.ORDERS) giving the same bits; the phase clock's marks.
 With HYBRID_INTERPRETER_FP8=1: FP8 rows, the FP8 grouped GEMM and the compiled host kernel instead.
 What it cannot check: streams, pinned-memory copies, CUDA graph capture (tests/test_hybrid.py, gpu).
 """
@@ -23,6 +24,7 @@ from moetier.experts.cpu_experts import reference  # noqa: E402
 from moetier.experts.cost_model import PathRates  # noqa: E402
 from moetier.experts.grouped_gemm import GemmScratch  # noqa: E402
 from moetier.experts.hybrid import HostPath, HybridExperts  # noqa: E402
+from moetier.experts.hybrid_phases import PhaseClock  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 from moetier.experts.slot_kernels import BookkeepingScratch  # noqa: E402
 
@@ -35,6 +37,12 @@ class NoEvent:
 
     def synchronize(self):
         pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.25  # ms
 
 
 class CpuHostPath(HostPath):
@@ -68,6 +76,12 @@ def main() -> None:
              "host": PathRates(1e-3, {key: 1e6})}
     hyb = {n: as_cuda(HybridExperts(rows, lay, K, S, N, host=CpuHostPath(lay, kernel, 1, r)))
            for n, r in cases.items()}
+    # the split case in the other orders (experts/host_path.ORDERS): the same bits; one with the phase clock
+    for order in ("device-first", "legacy"):
+        hyb["split/" + order] = as_cuda(HybridExperts(rows, lay, K, S, N, host=CpuHostPath(
+            lay, kernel, 1, cases["split"], order)))
+    clocked = hyb["split/device-first"]
+    clocked.phases, clocked._ev_dev = PhaseClock(), (NoEvent(), NoEvent())
     torch.cuda.synchronize = lambda *a: None  # the interpreter has nothing to wait for
     hyb["split"]._precompile()  # every compacted size it warms runs through the kernels once
     state = {k: v.clone() for k, v in hyb["split"].cache.state().items()}
@@ -81,11 +95,16 @@ def main() -> None:
         # emulated bf16 dot and the oracle's bf16-rounded pair outputs differ by up to 1.2% here on the
         # plain slots path too (the "link" case), with cancellation in the weighted sum of k outputs
         want = reference(x, torch.arange(t * K), ids.reshape(-1), w.reshape(-1), rows, lay, K)
+        outs = {}
         for n, b in hyb.items():
-            got = b.forward(x, ids, w).float()
+            got = outs[n] = b.forward(x, ids, w).float()
             err = (got - want).abs().max() / want.abs().max()
             assert err <= 2e-2, (n, step, float(err))
             b.cache.check()
+        for order in ("device-first", "legacy"):
+            assert torch.equal(outs["split/" + order], outs["split"]), (order, step)
+    ph = clocked.phase_means()
+    assert ph["layers"] > 0 and ph["launched"] <= ph["host_begin"] and ph.get("device_first") == 1.0, ph
     st = {n: b.stats() for n, b in hyb.items()}
     assert st["link"]["host"] == 0 and st["link"]["misses"] > 0, st["link"]
     assert st["split"]["host"] > 0 and st["split"]["misses"] > 0, st["split"]

@@ -79,6 +79,8 @@ def test_make_checkpoint_checks_before_any_progress(tmp_path):
     (("decode", "--trace", "/no/q.mtrace"), "--trace /no/q.mtrace: no such file"),
     (("decode", "--layers", "99"), "preset qwen3-30b-a3b has 48 layers"),
     (("decode", "--model", "/etc/passwd"), "is a file"),
+    (("decode", "--hybrid-order", "sideways"), "--hybrid-order 'sideways': give host-first"),
+    (("decode", "--hybrid-order", "legacy:0"), "each optionally with :THREADS"),
     (("layer", "--steps", "0"), "--steps 0: it must be at least 1"),
     (("layer", "--hits", "2"), "each rate must be in [0, 1]"),
     (("layer", "--hits", "most"), "give rates like"),

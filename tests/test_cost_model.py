@@ -70,6 +70,45 @@ def test_split_is_optimal_against_every_subset():
         assert m.split(tokens).seconds == pytest.approx(best)
 
 
+# the H200's measured rates (bench/results/h200-decode-hybrid-uniform-4b7b6ff.json): link, compiled bf16
+# kernel, its per-call overhead and per-token cost
+H200 = {"link": 55.52, "host": 84.23, "overhead": 109e-6, "token": 7.36e-6}
+
+
+def test_paths_overlap_the_layer_takes_the_slower_not_the_sum():
+    m = model(**H200)
+    s = m.split([1] * 4)  # batch 1 at 50% of uniform routing: about 4 misses a layer
+    assert s.num_host == 2  # 2 over the link (0.34 ms), 2 on the host (0.11 + 2 x 0.11 ms)
+    assert s.seconds == max(s.link_s, s.host_s) < s.link_s + s.host_s
+    assert s.seconds == pytest.approx(2 * ROW / (H200["link"] * 1e9))
+    assert s.seconds < 0.51 * m.all_link_s(4)  # half the layer's miss time of the slots path
+
+
+@pytest.mark.parametrize("m_misses", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+def test_split_balances_the_two_paths(m_misses):
+    m = model(**H200)
+    s = m.split([1] * m_misses)
+    n = s.num_host
+
+    def at(k):  # predicted layer time with k misses on the host
+        host = H200["overhead"] + k * m.host_row_s if k else 0.0
+        return max((m_misses - k) * m.link_row_s, host)
+    assert s.seconds == pytest.approx(at(n))
+    assert all(at(n) <= at(k) + 1e-12 for k in range(m_misses + 1))  # no other count is faster
+    if 0 < n < m_misses:  # both paths in use: within one miss of each other
+        assert abs(s.link_s - s.host_s) <= max(m.link_row_s, m.host_row_s)
+
+
+def test_fixed_costs_on_both_paths_do_not_move_the_split():
+    # a cost both paths pay before they start (the layer's sync, the choice) adds to the layer's time
+    # and changes no choice; only a cost on one path moves misses to the other
+    m, tokens = model(**H200), [1, 2, 1, 1, 3, 1, 1, 2]
+    base = m.split(tokens)
+    both = m.split(tokens, queued_link_s=3e-4, queued_host_s=3e-4)
+    assert both.host == base.host and both.seconds == pytest.approx(base.seconds + 3e-4)
+    assert m.split(tokens, queued_host_s=3e-4).num_host <= base.num_host  # e.g. device-first's launches
+
+
 def test_bad_rates_are_refused():
     with pytest.raises(ValueError, match="link bandwidth"):
         PathRates(0.0, {BF16: 1.0})
@@ -79,3 +118,24 @@ def test_bad_rates_are_refused():
         CostModel(PathRates(1.0, {BF16: 1.0}), ROW, "float8_e4m3fn")
     with pytest.raises(ValueError, match="at least one token"):
         model(1.0, 1.0).split([1, 0])
+
+
+def test_rates_from_bench_refit_at_the_threads_in_use():
+    from moetier.experts.cost_model import rates_from_bench
+
+    def row(threads, tokens, experts, ms, dtype="bf16"):
+        return {"kernel": "compiled", "dtype": dtype, "threads": threads, "tokens": tokens, "experts": experts,
+                "ms": ms}
+    data = {"shape": {"dtype": "bf16", "row_bytes": {"bf16": ROW, "fp8": ROW // 2}},
+            "winner": {"kernel": "compiled", "threads": 16, "GBps": 80.0, "overhead_s": 1e-4},
+            "winners": {"fp8": {"kernel": "compiled", "threads": 16, "GBps": 50.0, "overhead_s": 1e-4}},
+            "results": [row(16, 1, 1, 0.2), row(16, 1, 8, 1.0), row(16, 8, 8, 1.4),
+                        row(15, 1, 1, 0.3), row(15, 1, 8, 1.7), row(15, 8, 8, 2.26),
+                        row(15, 1, 1, 0.3, "fp8"), row(15, 1, 8, 1.0, "fp8")]}
+    r16, r15, r9 = (rates_from_bench(data, 50.0, t) for t in (16, 15, 9))
+    assert r16 == rates_from_bench(data, 50.0) and r16.host_GBps == {BF16: 80.0, "fp8": 50.0}
+    assert r15.host_GBps[BF16] == pytest.approx(ROW / 0.2e-3 / 1e9)  # (1.7 - 0.3) / 7 ms per expert
+    assert r15.host_overhead_s == pytest.approx(1e-4)
+    assert r15.host_token_s == pytest.approx(0.56e-3 / 56)
+    assert r15.host_GBps["fp8"] == pytest.approx(ROW // 2 / 0.1e-3 / 1e9)
+    assert r9 == r16  # not measured at 9 threads: the winner's fit

@@ -4,6 +4,7 @@ dependencies before any work, and writes its JSON record (machine, commit, comma
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -144,12 +145,20 @@ def bench_decode(
                                     help="hybrid rows: host expert kernel (auto: compiled where it builds, else "
                                          "grouped; compiled, grouped, split or pair)."),
     host_threads: Optional[int] = typer.Option(None, "--host-threads",
-                                               help="hybrid rows: host threads (default: torch's count)."),
+                                               help="hybrid rows: host threads (default: the usable cores "
+                                                    "less one; with --host-profile at most its winner's)."),
     hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
                                       help="hybrid rows: comma-separated decode modes: auto (piecewise graphs and "
                                            "the whole graph, switched per step by the recent misses), "
                                            "piecewise (CUDA graphs split "
                                            "at MoE layers) and/or eager (no graphs)."),
+    hybrid_order: str = typer.Option("host-first", "--hybrid-order",
+                                     help="hybrid rows: comma-separated ways a layer hands the host its pairs: "
+                                          "host-first (the host call starts before the device launches, on the "
+                                          "compiled kernel's own thread), device-first (launches, then the host "
+                                          "call on the same thread) and/or legacy (the order before the "
+                                          "overlap work), each optionally with :THREADS (host threads of "
+                                          "that variant, e.g. host-first:16); one row set each."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -193,6 +202,10 @@ def bench_decode(
         if not modes or set(modes) - {"auto", "piecewise", "eager"}:
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise and/or eager "
                                "(comma-separated)")
+        orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]
+        if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):
+            raise MoetierError(f"--hybrid-order {hybrid_order!r}: give host-first, device-first and/or legacy, "
+                               "each optionally with :THREADS (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
@@ -231,6 +244,7 @@ def bench_decode(
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
+            "hybrid_order": orders,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,

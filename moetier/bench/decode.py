@@ -28,6 +28,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
+from moetier.experts.hybrid_phases import model_phases
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace
@@ -130,12 +131,13 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+                 args: dict, bw: dict, mode: str = "auto", order: str | None = None) -> list[dict]:
     """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
-    piecewise (the pieces always) or eager (no graphs)."""
+    piecewise (the pieces always) or eager (no graphs); order: how a hybrid layer hands the host its
+    pairs (experts/host_path.ORDERS; None: the default)."""
     hybrid = backend == "hybrid"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **(host_options(args, bw) if hybrid else {}))
+                        **(host_options(args, bw, order) if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
@@ -148,7 +150,9 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
         for b in batches:
             switch = getattr(llm.runner.graphs, "switch", None)
             counts0 = dict(switch.counts) if switch else {}
-            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            # hybrid: a fresh phase clock (a few perf_counter calls per layer) as the timed window opens
+            timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
+            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=timed)
             if switch:  # steps of this run (warm-up included) on each variant, and what they cost
                 r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
                                "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
@@ -166,9 +170,12 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                 hbm_experts, link_experts = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
             roof = roofline(bed, b, hbm_experts, link_experts, bw["hbm_GBps"], bw["link_GBps"])
             if hybrid:
+                hp = bed.model.moe_blocks()[0].experts.hostpath
                 r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
-                               "rates": hybrid_rates(bed.model)}
+                               "rates": hybrid_rates(bed.model), "variant": order, "order": hp.order,
+                               "host_threads": hp.kernel.threads,
+                               "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
                          "slots": slots, "graphs": graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
@@ -185,21 +192,39 @@ def graph_mode(llm: LLM) -> str:
     return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
 
 
-def host_options(args: dict, bw: dict) -> dict:
-    """ExpertOptions fields of the hybrid rows: the host kernel and threads, and the rates: from a
+def host_options(args: dict, bw: dict, variant: str | None = None) -> dict:
+    """ExpertOptions fields of the hybrid rows: the host kernel, threads and order, and the rates: from a
     scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
-    backend when it is built."""
+    backend when it is built. variant: "ORDER" or "ORDER:THREADS" (--hybrid-order). Threads: the
+    variant's, else --host-threads, else with a profile its winner's (the legacy order: as before issue
+    17's overlap work) or at most the cores less one (the other orders: the launching thread keeps a
+    core), else the backend's default (cores less one). With a profile, the rates are its fit at those
+    threads where it measured them (rates_from_bench)."""
     import json
 
     from moetier.experts.cost_model import rates_from_bench
+    from moetier.experts.host_path import default_host_threads
 
-    out = {"host_kernel": args.get("host_kernel", "auto"), "host_threads": args.get("host_threads")}
+    order, threads = parse_variant(variant)
+    out = {"host_kernel": args.get("host_kernel", "auto"), "host_order": order,
+           "host_threads": threads or args.get("host_threads")}
     if args.get("host_profile"):
         with open(args["host_profile"]) as f:
             data = json.load(f)
-        out["rates"] = rates_from_bench(data, bw["link_GBps"])
-        out["host_kernel"], out["host_threads"] = data["winner"]["kernel"], data["winner"]["threads"]
+        out["host_kernel"] = data["winner"]["kernel"]
+        if out["host_threads"] is None:
+            won = data["winner"]["threads"]
+            out["host_threads"] = won if order == "legacy" else min(won, default_host_threads())
+        out["rates"] = rates_from_bench(data, bw["link_GBps"], out["host_threads"])
     return out
+
+
+def parse_variant(variant: str | None) -> tuple[str | None, int | None]:
+    """--hybrid-order's "ORDER[:THREADS]" -> (order, threads or None)."""
+    if not variant:
+        return None, None
+    order, _, threads = variant.partition(":")
+    return order, int(threads) if threads else None
 
 
 def hybrid_rates(model: CausalLM) -> dict | None:
@@ -306,17 +331,19 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     plan += [("slots", b) for b in budgets if "slots" in backends]
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
-    plan = [(b, budget, "auto") for b, budget in plan]
-    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
-    for backend, budget, mode in plan:
+    orders = args.get("hybrid_order") or [None]
+    plan = [(b, budget, "auto", None) for b, budget in plan]
+    plan += [("hybrid", b, mode, order) for mode in modes for order in orders for b in budgets
+             if "hybrid" in backends]
+    for backend, budget, mode, order in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, order)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
-                           "error": repr(e)})
-            print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "order": order,
+                           "dtype": bed_dtype(bed), "error": repr(e)})
+            print(f"hybrid {budget:.0%} graphs={mode} order={order} failed: {e!r}", flush=True)
             continue
         print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
     if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only

@@ -19,6 +19,8 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+            if r.get("hybrid", {}).get("variant"):
+                name += "/" + r["hybrid"]["variant"]
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
@@ -45,7 +47,27 @@ def table(rows: list[dict]) -> str:
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
+        if hyb and hyb.get("phases_us"):
+            lines.append(" " * 14 + phases_line(hyb))
     return "\n".join(lines)
+
+
+def phases_line(hyb: dict) -> str:
+    """One hybrid row's mean phase offsets (experts/hybrid_phases.py) in microseconds from a layer's entry."""
+    p = hyb["phases_us"]
+    out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}:"
+    if p.get("layers"):
+        out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} host_start "
+                f"{p['host_start']:.0f} launched {p['launched']:.0f} host {p['host_begin']:.0f}..{p['host_end']:.0f} "
+                f"joined {p['joined']:.0f} done {p['done']:.0f} us")
+    if p.get("device_gpu") is not None:
+        out += f"; device path {p['device_gpu']:.0f} us on the GPU"
+    if p.get("device_first") is not None:
+        out += f", done first in {p['device_first']:.0%}"
+    if p.get("slots_layers"):
+        q = p["slots"]
+        out += f"; slots layers {p['slots_layers']}: sync {q['sync']:.0f} done {q['done']:.0f} us"
+    return out
 
 
 def ratios(rows: list[dict]) -> list[str]:

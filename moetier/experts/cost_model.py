@@ -9,7 +9,10 @@ A missed expert can be served two ways, and both ways run at the same time:
            host_s(S) = queued_host_s + overhead_s + sum over e in S of (row_bytes / host_bandwidth
                                                                       + (tokens_e - 1) * token_s)
 The layer waits for the slower path, so the choice minimizes max(link_s, host_s) (the GPU's own work
-on the hits overlaps both and is the same whichever way a miss goes).
+on the hits overlaps both and is the same whichever way a miss goes). The two paths are concurrent,
+never summed: the layer's time is max(link_s, host_s) plus what both pay alike (the layer's sync, the
+choice, the combine), which changes no choice; a cost only one path pays (e.g. the host call waiting
+for the device launches in experts/host_path's device-first order) is its queued_* argument.
 
 Every link miss costs the same and a host miss costs more the more tokens use it, so an optimal
 host set is always some n misses with the fewest tokens: the model sorts the misses by (tokens, order
@@ -118,18 +121,40 @@ def rate_key(quant: str | None, dtype: object) -> str:
     return "fp8" if quant == "fp8" else str(dtype).removeprefix("torch.")
 
 
-def rates_from_bench(data: dict, link_GBps: float) -> PathRates:
+def rates_from_bench(data: dict, link_GBps: float, threads: int | None = None) -> PathRates:
     """PathRates from scripts/bench_cpu_experts.py's JSON (its winner's fit; with `winners`, one
-    GB/s per row dtype it measured, e.g. bf16 and fp8) and a measured link."""
+    GB/s per row dtype it measured, e.g. bf16 and fp8) and a measured link. threads: the host threads
+    the kernel will run with; where the JSON has the winner kernel's rows at that count (1 token at 1
+    and 8 experts), the rates are fitted to those rows as the script fits its winner's, else the
+    winner's own fit stands."""
     w = data["winner"]
-    dtype = BENCH_DTYPES.get(data["shape"]["dtype"], data["shape"]["dtype"])
-    host = {dtype: w["GBps"]}
-    for name, win in data.get("winners", {}).items():  # the other dtypes' winners: their rates only
-        host.setdefault(BENCH_DTYPES.get(name, name), win["GBps"])
-    token_s = 0.0
     main = data["shape"]["dtype"]  # rows without a dtype come from older JSON: one dtype
-    by = {(r["tokens"], r["experts"]): r for r in data["results"]
-          if r["kernel"] == w["kernel"] and r["threads"] == w["threads"] and r.get("dtype", main) == main}
+    dtype = BENCH_DTYPES.get(main, main)
+    use = threads if threads is not None else w["threads"]
+
+    def rows_at(name: str, kernel: str, n: int) -> dict:
+        return {(r["tokens"], r["experts"]): r for r in data["results"]
+                if r["kernel"] == kernel and r["threads"] == n and r.get("dtype", main) == name}
+
+    def refit(by: dict, row_bytes: int) -> tuple[float, float] | None:  # (GB/s, overhead s), the script's fit
+        if (1, 1) not in by or (1, 8) not in by:
+            return None
+        t1, t8 = by[1, 1]["ms"] / 1e3, by[1, 8]["ms"] / 1e3
+        per = max((t8 - t1) / 7, t8 / 8 / 2)
+        return row_bytes / GB / per, max(t1 - per, 0.0)
+
+    rb = data["shape"].get("row_bytes", {})
+    by = rows_at(main, w["kernel"], use)
+    got = refit(by, rb[main]) if use != w["threads"] and isinstance(rb, dict) and main in rb else None
+    if got is None:
+        use, by = w["threads"], rows_at(main, w["kernel"], w["threads"])
+        got = (w["GBps"], w["overhead_s"])
+    host = {dtype: got[0]}
+    for name, win in data.get("winners", {}).items():  # the other dtypes' winners: their rates only
+        other = refit(rows_at(name, win["kernel"], use), rb[name]) if use != win.get("threads", use) and \
+            isinstance(rb, dict) and name in rb else None
+        host.setdefault(BENCH_DTYPES.get(name, name), other[0] if other else win["GBps"])
+    token_s = 0.0
     if (1, 8) in by and (8, 8) in by:  # 7 more tokens on each of 8 experts
         token_s = max(0.0, (by[8, 8]["ms"] - by[1, 8]["ms"]) / 1e3 / (8 * 7))
-    return PathRates(link_GBps, host, w["overhead_s"], token_s)
+    return PathRates(link_GBps, host, got[1], token_s)

@@ -42,9 +42,8 @@ are in addition independent of its thread count and of the other pairs of the ca
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +82,13 @@ class HostKernel:
     def pair_outputs(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor
                      ) -> torch.Tensor:
         raise NotImplementedError
+
+    def start(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor,
+              out: torch.Tensor | None = None):
+        """pair_outputs started on a native thread of the kernel's own (an object whose result() waits
+        for it; out: an fp32 [P, H] tensor it may write into), or None where this kernel has none (the
+        caller runs pair_outputs on a thread of its own)."""
+        return None
 
     def _check(self, x, pairs, experts, weights, rows) -> None:
         if x.device.type != "cpu" or rows.device.type != "cpu":
@@ -223,6 +229,11 @@ class CompiledKernel(HostKernel):
             return self._torch.pair_outputs(x, tokens, experts, rows)
         return host_ext.pair_outputs(self.lib, x, tokens, experts, rows, self.layout, self.threads,
                                      self.block_bytes)  # [P, H] fp32
+
+    def start(self, x, tokens, experts, rows, out=None):
+        if host_ext.kind_of(rows, self.layout) is None or not rows.is_contiguous():
+            return None
+        return host_ext.start(self.lib, x, tokens, experts, rows, self.layout, self.threads, self.block_bytes, out)
 
 
 def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallback: bool = False) -> HostKernel:

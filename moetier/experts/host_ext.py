@@ -4,6 +4,8 @@ HostKernel of cpu_experts.py.
     lib = load()                      # builds at first use, or raises HostExtUnavailable(one line)
     ok, reason = available()          # never raises
     pair_outputs(lib, x, tokens, experts, rows, layout, threads) -> [P, H] fp32
+    start(lib, x, tokens, experts, rows, layout, threads).result()   # the same, on the library's own
+                                      # native thread: returns at once, result() waits (the GIL released)
 
 The source is plain C++ with OpenMP and a C ABI (no torch or Python headers), compiled with
 `-O3 -march=native -fopenmp` into a shared library and called through ctypes, which releases the GIL
@@ -127,12 +129,14 @@ def load() -> ctypes.CDLL:
                 raise HostExtUnavailable("no C++ compiler found (c++, g++ or clang++ on the PATH; or set "
                                          "MOETIER_CXX)")
             lib = ctypes.CDLL(str(build(cxx, cache_dir())))
-            f = lib.moetier_host_experts
-            f.restype = ctypes.c_int
-            f.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int])
+            for f in (lib.moetier_host_experts, lib.moetier_host_experts_start):
+                f.restype = ctypes.c_int
+                f.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int])
+            lib.moetier_host_experts_wait.restype = ctypes.c_int
+            lib.moetier_host_experts_wait.argtypes = [ctypes.c_void_p]
             lib.moetier_host_experts_simd_width.restype = ctypes.c_int
             got = lib
         except HostExtUnavailable as e:
@@ -168,6 +172,37 @@ def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, expert
     what the other paths hold in bf16: FP8 weights after scaling, and the SwiGLU before the down
     projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32.
     block_bytes: weight bytes per work item the threads take in turn (0: the kernel's 64 KB)."""
+    return _call(lib.moetier_host_experts, x, tokens, experts, rows, layout, threads, block_bytes)[0]
+
+
+class Started:
+    """A call running on the library's own native thread (start()); result() waits for it. It holds
+    every tensor the call reads or writes until then. `times`: (start, end) of the call on the
+    time.perf_counter clock (CLOCK_MONOTONIC), once waited for."""
+
+    def __init__(self, lib: ctypes.CDLL, y: torch.Tensor, keep: tuple):
+        self.lib, self.y, self._keep = lib, y, keep
+        self.times: tuple[float, float] | None = None
+
+    def result(self) -> torch.Tensor:
+        if self.times is None:
+            t = (ctypes.c_double * 2)()
+            if self.lib.moetier_host_experts_wait(t) != 0:  # ctypes releases the GIL while it waits
+                raise RuntimeError("compiled host kernel: nothing was started")
+            self.times, self._keep = (t[0], t[1]), ()
+        return self.y
+
+
+def start(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor,
+          layout: RowLayout, threads: int, block_bytes: int = 0, out: torch.Tensor | None = None) -> Started:
+    """pair_outputs, started on the library's native thread; returns at once (the arguments are checked
+    and the pairs grouped first, on the caller). One call at a time per process: wait before the next.
+    out: a contiguous fp32 [P, H] CPU tensor to write into (e.g. pinned, for the upload), else a new one."""
+    y, keep = _call(lib.moetier_host_experts_start, x, tokens, experts, rows, layout, threads, block_bytes, out)
+    return Started(lib, y, keep)
+
+
+def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes, out=None):
     kind = kind_of(rows, layout)
     bf16 = x.dtype == torch.bfloat16
     if kind == FP8_KIND and bf16:
@@ -181,14 +216,16 @@ def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, expert
     exp = experts.to(torch.int64).contiguous()
     p, hdim, inter = tok.numel(), layout.hidden, layout.inter
     h = torch.empty(p, inter, dtype=torch.float32)  # the SwiGLU of every pair: scratch
-    y = torch.empty(p, hdim, dtype=torch.float32)
+    y = torch.empty(p, hdim, dtype=torch.float32) if out is None else out
+    if y.shape != (p, hdim) or y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous float32 CPU tensor [{p}, {hdim}]")
     err = ctypes.create_string_buffer(256)
     fp8_rows = kind >= FP8_KIND
-    rc = lib.moetier_host_experts(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
-                                  inter, layout.s13_offset if fp8_rows else 0, layout.s2_offset if fp8_rows else 0,
-                                  int(bf16), xs.data_ptr(), xs.shape[0],
-                                  tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, block_bytes,
-                                  err, 256)
+    rc = fn(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
+            inter, layout.s13_offset if fp8_rows else 0, layout.s2_offset if fp8_rows else 0,
+            int(bf16), xs.data_ptr(), xs.shape[0],
+            tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, block_bytes,
+            err, 256)
     if rc != 0:
         raise ValueError(f"compiled host kernel: {err.value.decode()}")
-    return y
+    return y, (xs, tok, exp, h, rows)

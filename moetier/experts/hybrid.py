@@ -12,10 +12,14 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
   2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
              counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
              do not cross the link); the cache sees only the other pairs.
-  3. host:   the worker thread computes the host pairs' outputs (unweighted, rows dtype) from the host
-             store while the main thread launches the device path: pairs compacted to [n, 1] (each pair
-             its own "token" row of x), the cache step, fills, the grouped GEMM; the device pairs'
-             outputs land in y [P, H] at their pair positions.
+  3. host:   the host kernel computes the host pairs' outputs (unweighted) from the host store while
+             the device path runs: pairs compacted to [n, 1] (each pair its own "token" row of x), the
+             cache step, fills, the grouped GEMM; the device pairs' outputs land in y [P, H] at their
+             pair positions. HostPath.order (host_path.py) says who runs what when: host-first (the
+             default) starts the host call before the device launches, the compiled kernel on its own
+             native thread (no GIL to take back), its threads one fewer than the cores so that this
+             thread keeps one to launch on; device-first launches first, then runs the host call here;
+             legacy is the order before issue 17's overlap work (a worker job that builds its inputs).
   4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
              resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
 A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so
@@ -32,98 +36,23 @@ position list, its y row zero on the CPU and skipped by the combine on CUDA.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from moetier.experts.backends import SlotExperts
-from moetier.experts.cost_model import CostModel, PathRates, rate_key
-from moetier.experts.cpu_experts import HostKernel, compute_dtype, host_kernel
+from moetier.experts.cost_model import CostModel, rate_key
+from moetier.experts.cpu_experts import compute_dtype
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.host_path import (  # noqa: F401
+    ORDERS,
+    HostPath,
+    _Job,
+    _timed,
+    default_host_threads,
+    measure_rates,
+)
 from moetier.experts.reference import combine, expert_pairs
 from moetier.experts.shape import RowLayout
-
-
-class HostPath:
-    """What the layers of one model share: the host kernel, the one worker thread that runs it (layers
-    run one after another), pinned staging buffers, and the measured rates. The kernel is built here,
-    at model build: "auto" (the default) and "compiled" take the compiled kernel where it builds and
-    else grouped with a one-line warning (cpu_experts.host_kernel), never an error at serve time."""
-
-    def __init__(self, layout: RowLayout, kernel: str = "auto", threads: int | None = None,
-                 rates: PathRates | None = None):
-        self.kernel: HostKernel = host_kernel(kernel, layout, threads, fallback=True)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
-        self.rates = rates
-        self._bufs: dict[tuple, torch.Tensor] = {}
-
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
-               device: torch.device | None = None) -> torch.Tensor:
-        # NOTE: shared by every layer. A layer's host->device copies out of pinned ones are ordered before
-        # the next layer's device->host copies into them, and the next layer waits for those (its sync);
-        # a device one is used within one layer's stream order.
-        key = (name, dtype, pin, device)
-        b = self._bufs.get(key)
-        if b is None or b.numel() < _numel(shape):
-            b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
-        return b[:_numel(shape)].view(shape)
-
-    def calibrate(self, host_rows: torch.Tensor, slots: torch.Tensor) -> PathRates:
-        """Measure once: the link (host rows into slots, which are empty at build) and the host kernel
-        (1 and 4 experts at one token, 4 experts at 8 tokens; medians of 3)."""
-        if self.rates is None:  # on the worker: the kernel sets the thread count of the thread it runs on
-            self.rates = self.worker.submit(measure_rates, self.kernel, host_rows, slots).result()
-        return self.rates
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tensor, reps: int = 3) -> PathRates:
-    lay = kernel.layout
-    n = min(4, host_rows.shape[0], slots.shape[0])
-    row_bytes = host_rows.shape[1] * host_rows.element_size()
-    cuda = slots.device.type == "cuda"
-    dtype = compute_dtype(host_rows, torch.bfloat16)  # FP8 rows: timed with bf16 hidden states
-
-    def seconds(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            if cuda:
-                torch.cuda.synchronize(slots.device)
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize(slots.device)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[reps // 2]
-
-    link = seconds(lambda: slots[:n].copy_(host_rows[:n], non_blocking=True))
-    x1 = torch.randn(8, lay.hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
-
-    e, turn = host_rows.shape[0], [0]
-
-    def host(tokens: int, experts: int):
-        toks = torch.arange(tokens).repeat_interleave(experts)
-
-        def call():
-            # each call takes the next experts, so that rows come from DRAM as misses do, not from L3
-            ids = (torch.arange(experts) + turn[0]) % e
-            turn[0] += experts
-            return kernel.pair_outputs(x1[:tokens], toks, ids.repeat(tokens), host_rows)
-        return call
-    t1, tn, tm = seconds(host(1, 1)), seconds(host(1, n)), seconds(host(8, n))
-    # seconds per more expert; noise can make tn - t1 tiny: never more than twice the average rate
-    per = max((tn - t1) / max(n - 1, 1), tn / n / 2)
-    return PathRates(link_GBps=n * row_bytes / 1e9 / link,
-                     host_GBps={rate_key(lay.quant, host_rows.dtype): row_bytes / 1e9 / per},
-                     host_overhead_s=max(t1 - per, 0.0), host_token_s=max((tm - tn) / (7 * n), 0.0))
-
 
 _COMPILED: set[tuple] = set()  # shapes whose kernel variants HybridExperts._precompile has compiled
 
@@ -148,7 +77,8 @@ class HybridExperts(SlotExperts):
         # False: forward is the slots step alone (graph-safe); the engine's whole-graph variant is
         # captured so, for steps where the host path is not worth its sync (engine/piecewise.Switch)
         self.host_enabled = True
-        self.host_us = 0.0  # wall time of the host kernel calls (on the worker thread)
+        self.host_us = 0.0  # wall time of the host kernel calls (on the thread that ran them)
+        self.phases = None  # a hybrid_phases.PhaseClock while profile() has turned it on
         if self.cuda:
             self._ev = torch.cuda.Event()
             self._precompile()
@@ -159,29 +89,83 @@ class HybridExperts(SlotExperts):
             return self._bypass(hidden, topk_ids, topk_weights)
         if not self.host_enabled:
             return super().forward(hidden, topk_ids, topk_weights)
+        clock = self.phases
+        marks = {} if clock is not None else None
+        t0 = time.perf_counter() if clock is not None else 0.0
         ids, slot_now, x = self._down(hidden, topk_ids)
+        if marks is not None:
+            marks["sync"] = time.perf_counter()
+            if self.cuda:
+                self._poll_device(clock)  # after the sync: the previous call's events are complete
         host_set = self.choose(ids, slot_now, t)
         if not host_set:
-            return super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
+            out = super().forward(hidden, topk_ids, topk_weights)  # the slots step, unchanged
+            if marks is not None:
+                marks["choose"] = marks["done"] = time.perf_counter()
+                clock.add_slots(t0, marks)
+            return out
         host_pos = [p for p, e in enumerate(ids) if e in host_set]
         gpu_pos = [p for p, e in enumerate(ids) if e >= 0 and e not in host_set]  # e < 0: nobody's work
         self.host_experts += len(host_set)
         self.host_pairs += len(host_pos)
         self.host_only_steps += not gpu_pos
-        job = self.hostpath.worker.submit(self._host_outputs, x, host_pos, [ids[p] for p in host_pos], k)
+        if marks is not None:
+            marks["choose"] = time.perf_counter()
+        job = None
+        if self.hostpath.order != "device-first":  # the host call first: it runs while the device path launches
+            job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
+        try:
+            if self.cuda:
+                y, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
+            else:
+                y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs as expert_pairs keeps them (0: id < 0)
+                self._device_cpu(hidden, topk_ids, gpu_pos, y)
+        except BaseException:
+            if job is not None:
+                job.result()  # the host call writes buffers of ours: never leave it running
+            raise
+        if marks is not None:
+            marks["launched"] = time.perf_counter()
+        if job is None:  # device-first: the device path is queued; the host call runs here, on this thread
+            job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
+        got = job.result()
+        begin, end = job.times
+        self.host_us += (end - begin) * 1e6
+        if marks is not None:
+            marks["host_begin"], marks["host_end"], marks["joined"] = begin, end, time.perf_counter()
+            if self.cuda and gpu_pos:
+                clock.device(finished_first=self._ev_dev[1].query())
         if self.cuda:
-            return self._combine_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos, job)
-        y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs, as expert_pairs keeps them (0: id < 0)
-        if gpu_pos:
-            g = torch.tensor(gpu_pos)
-            g_ids = topk_ids.reshape(-1)[g].view(-1, 1)
-            slot_ids, miss = self.cache.step_reference(g_ids)
-            n = int(miss.count)
-            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
-            keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
-            y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype))[:, 0]
-        y[torch.tensor(host_pos)] = job.result().to(y.dtype)
-        return combine(y.view(t, k, -1), topk_weights)
+            out = self._combine_cuda(hidden, topk_ids, topk_weights, got, hpos, y)
+        else:
+            y[torch.tensor(host_pos)] = got.to(y.dtype)
+            out = combine(y.view(t, k, -1), topk_weights)
+        if marks is not None:
+            marks["done"] = time.perf_counter()
+            clock.add(t0, marks)
+        return out
+
+    def _start_host(self, x, host_pos: list[int], experts: list[int], k: int, marks: dict | None) -> _Job:
+        """Hand the host pairs to the host kernel (HostPath.order says how); -> a job whose result() is
+        [nh, H] (fp32 from the compiled kernel, the compute dtype from torch's) and whose times are the
+        kernel's (start, end) on the perf_counter clock."""
+        hp = self.hostpath
+        if hp.order == "legacy":  # as before: everything on the worker thread, which must take the GIL first
+            job = _Job(hp.worker.submit(self._host_outputs, x, host_pos, experts, k))
+        else:
+            xs = x.to(compute_dtype(self.host, x.dtype))
+            tok, exp = torch.tensor(host_pos) // k, torch.tensor(experts)
+            if hp.order == "device-first":
+                job = _Job(None, _timed(hp.kernel.pair_outputs, xs, tok, exp, self.host))
+            else:
+                # compiled: its own native thread, no GIL; on CUDA straight into the pinned upload buffer
+                out = hp.buffer("y", (len(host_pos), self.layout.hidden), torch.float32, True) if self.cuda else None
+                native = hp.kernel.start(xs, tok, exp, self.host, out)
+                job = _Job(native) if native is not None else _Job(
+                    hp.worker.submit(_timed, hp.kernel.pair_outputs, xs, tok, exp, self.host))
+        if marks is not None:
+            marks["host_start"] = time.perf_counter()
+        return job
 
     def choose(self, ids: list[int], slot_now: list[int], t: int) -> set[int]:
         """The host set: misses in order of first appearance, tokens per miss, the cost model's split."""
@@ -211,15 +195,27 @@ class HybridExperts(SlotExperts):
         return ids, slots, x
 
     @torch.inference_mode()
-    def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int) -> torch.Tensor:
-        t0 = time.perf_counter()
-        out = self.hostpath.kernel.pair_outputs(x.to(compute_dtype(self.host, x.dtype)), torch.tensor(pos) // k,
-                                                torch.tensor(experts), self.host)
-        self.host_us += (time.perf_counter() - t0) * 1e6
-        return out
+    def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int):
+        """The legacy order's worker job: the inputs built on the worker, then the kernel (timed)."""
+        return _timed(self.hostpath.kernel.pair_outputs, x.to(compute_dtype(self.host, x.dtype)),
+                      torch.tensor(pos) // k, torch.tensor(experts), self.host)
 
-    def _combine_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos, job) -> torch.Tensor:
-        from moetier.experts.grouped_gemm import combine_pairs, grouped_expert_mlp
+    def _device_cpu(self, hidden, topk_ids, gpu_pos: list[int], y: torch.Tensor) -> None:
+        if not gpu_pos:
+            return
+        k = topk_ids.shape[1]
+        g = torch.tensor(gpu_pos)
+        g_ids = topk_ids.reshape(-1)[g].view(-1, 1)
+        slot_ids, miss = self.cache.step_reference(g_ids)
+        n = int(miss.count)
+        self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+        keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
+        y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype))[:, 0]
+
+    def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):
+        """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs
+        to come, host pair positions on the device)."""
+        from moetier.experts.grouped_gemm import grouped_expert_mlp
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
         t, k = topk_ids.shape
@@ -230,6 +226,9 @@ class HybridExperts(SlotExperts):
         gpos, hpos = perm[:ng], perm[ng:]
         y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
         if ng:
+            timed = self.phases is not None
+            if timed:
+                self._ev_dev[0].record()
             g_ids = topk_ids.reshape(-1)[gpos].view(ng, 1)
             g_w = topk_weights.reshape(-1)[gpos].view(ng, 1)
             slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
@@ -239,11 +238,34 @@ class HybridExperts(SlotExperts):
                                self.layout.hidden, self.layout.inter, self._work, scratch_out, self.gemm,
                                self.layout.quant)
             y[gpos] = self._work.y[:ng]  # each device pair's output before weighting, fp32
-        got = job.result()  # [nh, H]: fp32 from the compiled kernel, the compute dtype from torch's
-        out_host = self.hostpath.buffer("y", (nh, self.layout.hidden), got.dtype, True)
-        out_host.copy_(got)
+            if timed:
+                self._ev_dev[1].record()
+                self._dev_pending = True
+        return y, hpos
+
+    def _combine_cuda(self, hidden, topk_ids, topk_weights, got, hpos, y) -> torch.Tensor:
+        from moetier.experts.grouped_gemm import combine_pairs
+
+        out_host = self.hostpath.buffer("y", tuple(got.shape), got.dtype, True)
+        if out_host.data_ptr() != got.data_ptr():  # host-first's compiled kernel wrote it there already
+            out_host.copy_(got)
         y[hpos] = out_host.to(self.device, non_blocking=True).float()
         return combine_pairs(y, topk_weights, topk_ids, self._decode_out(hidden))  # skips ids < 0 (y unwritten)
+
+    def _poll_device(self, clock) -> None:
+        """The previous call's device-path GPU time (its events are complete: this call's sync came after)."""
+        if getattr(self, "_dev_pending", False) and self._ev_dev[1].query():
+            clock.device(gpu_s=self._ev_dev[0].elapsed_time(self._ev_dev[1]) / 1e3)
+            self._dev_pending = False
+
+    def profile(self, on: bool = True) -> None:
+        """Turn the phase clock on (a fresh one) or off (hybrid_phases.py)."""
+        from moetier.experts.hybrid_phases import PhaseClock
+
+        self.phases = PhaseClock() if on else None
+        self._dev_pending = False
+        if on and self.cuda and not hasattr(self, "_ev_dev"):
+            self._ev_dev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def host_saving_s(self, misses: float) -> float:
         """Seconds per layer-step the host path should save at `misses` misses a step (one token each):
@@ -257,7 +279,11 @@ class HybridExperts(SlotExperts):
         block count, both on whether the count divides by 16; a step's count of device pairs is any of
         1..T*k, so without this a timed step could pay a compile. Throwaway cache, ids and outputs; once
         per process and shape."""
-        from moetier.experts.grouped_gemm import PLAN_BLOCK, combine_pairs, grouped_expert_mlp
+        from moetier.experts.grouped_gemm import (
+            PLAN_BLOCK,
+            combine_pairs,
+            grouped_expert_mlp,
+        )
         from moetier.experts.slot_kernels import BookkeepingScratch, bookkeeping
         from moetier.experts.slots import SlotCache
 
@@ -295,7 +321,13 @@ class HybridExperts(SlotExperts):
                 "host_pairs": self.host_pairs,
                 "host_us": int(self.host_us)}
 
+    def phase_means(self) -> dict | None:
+        """Mean microseconds per phase of the calls since profile() or reset() (hybrid_phases.py)."""
+        return None if self.phases is None else self.phases.means_us()
+
     def reset(self):
         super().reset()
         self.host_experts = self.host_pairs = self.host_only_steps = 0
         self.host_us = 0.0
+        if self.phases is not None:
+            self.profile()

@@ -26,6 +26,7 @@ from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
 from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.host_path import ORDERS as HOST_ORDERS
 from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
@@ -53,6 +54,9 @@ class ExpertOptions:
     host_kernel: str = "auto"
     host_threads: int | None = None
     rates: PathRates | None = None
+    # how a layer hands the host its pairs (experts/host_path.ORDERS; None: $MOETIER_HYBRID_ORDER, else
+    # host-first)
+    host_order: str | None = None
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
@@ -84,6 +88,8 @@ class ExpertOptions:
             out.append(f"host expert kernel {self.host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if self.host_threads is not None and self.host_threads < 1:
             out.append(f"host threads must be at least 1, got {self.host_threads}")
+        if self.host_order is not None and self.host_order not in HOST_ORDERS:
+            out.append(f"hybrid order {self.host_order!r}: choose one of {', '.join(HOST_ORDERS)}")
         if self.prefill not in PREFILL_POLICIES:
             out.append(f"prefill cache policy {self.prefill!r}: choose bypass or refresh")
         if self.fill not in FILLS:
@@ -138,7 +144,7 @@ class ExpertPlacement:
             from moetier.experts.hybrid import HostPath, HybridExperts
 
             if self._hostpath is None:
-                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
+                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order)
             hybrid = HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
                                    o.policy, o.gemm, self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass

@@ -27,8 +27,12 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <vector>
 #include <omp.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -254,16 +258,11 @@ template <int KIND> static void run(const Call& c, int threads, int64_t block) {
   }
 }
 
-extern "C" {
-
-// Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
-// rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
-// x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
-// block: weight bytes per work item (0: 64 KB; tests cut experts finer to exercise the hand-out).
-int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
-                         int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
-                         const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
-                         char* err, int errlen) {
+// Validates the arguments and groups the pairs by expert, experts ascending, pairs in call order within
+// a group (a stable sort). Returns 0, or 1 with a one-line reason in err.
+static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
+                   int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
+                   const int64_t* experts, int64_t P, float* h, float* y, int threads, char* err, int errlen) {
   if (kind < 0 || kind > 3 || H < 1 || I < 1 || threads < 1) {
     std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
                   (long long)I, threads);
@@ -276,9 +275,8 @@ int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, 
       return 1;
     }
   }
-  Call c{(const uint8_t*)rows, row_bytes, H, I, s13, s2, kind == BF16 ? 2 : kind == F32 ? 4 : 1, round_h != 0,
-         x, tokens, h, y, {}, {}, {}};
-  // group the pairs by expert, experts ascending, pairs in call order within a group (a stable sort)
+  c = Call{(const uint8_t*)rows, row_bytes, H, I, s13, s2, kind == BF16 ? 2 : kind == F32 ? 4 : 1, round_h != 0,
+           x, tokens, h, y, {}, {}, {}};
   c.order.resize(P);
   for (int64_t p = 0; p < P; p++) c.order[p] = p;
   std::stable_sort(c.order.begin(), c.order.end(), [&](int64_t a, int64_t b) { return experts[a] < experts[b]; });
@@ -289,12 +287,108 @@ int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, 
     }
   }
   c.begin.push_back(P);
-  if (P == 0) return 0;
+  return 0;
+}
+
+static void dispatch(const Call& c, int kind, int threads, int64_t block) {
+  if (c.expert.empty()) return;
   if (block <= 0) block = 65536;
   if (kind == BF16) run<BF16>(c, threads, block);
   else if (kind == F32) run<F32>(c, threads, block);
   else if (kind == FP8) run<FP8>(c, threads, block);
   else run<FP8R>(c, threads, block);
+}
+
+static double now_s() {  // CLOCK_MONOTONIC: the clock of Python's time.perf_counter on Linux
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// One native thread that runs started calls, one at a time (the hybrid backend's host path): a call
+// starts without the caller's Python thread, or any other, having to take the GIL again, so the caller
+// goes on launching device work while the call runs. The thread is the OpenMP master of the calls it
+// runs (its team persists between calls). Never destroyed: it waits on its condition variable at exit.
+struct Async {
+  std::mutex m;
+  std::condition_variable cv;
+  bool pending = false, busy = false;  // pending: a job is handed over and not yet waited for
+  Call call;
+  int kind = 0, threads = 1;
+  int64_t block = 0;
+  double t0 = 0, t1 = 0;  // the last job's start and end (now_s)
+  void loop() {
+    std::unique_lock<std::mutex> lk(m);
+    for (;;) {
+      cv.wait(lk, [&] { return busy; });
+      lk.unlock();
+      double a = now_s();
+      dispatch(call, kind, threads, block);
+      double b = now_s();
+      lk.lock();
+      t0 = a, t1 = b, busy = false;
+      cv.notify_all();
+    }
+  }
+};
+static Async* async_state() {
+  static Async* a = [] {
+    Async* s = new Async();
+    std::thread(&Async::loop, s).detach();
+    return s;
+  }();
+  return a;
+}
+
+extern "C" {
+
+// Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
+// rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
+// x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
+// block: weight bytes per work item (0: 64 KB; tests cut experts finer to exercise the hand-out).
+int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
+                         int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
+                         const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
+                         char* err, int errlen) {
+  Call c;
+  if (prepare(c, rows, num_rows, row_bytes, kind, H, I, s13, s2, round_h, x, T, tokens, experts, P, h, y, threads,
+              err, errlen))
+    return 1;
+  dispatch(c, kind, threads, block);
+  return 0;
+}
+
+// The same call, run by the native thread (Async): returns once the call is handed over. Every pointer
+// must stay valid until moetier_host_experts_wait returns. One call at a time: starting a second before
+// waiting for the first is refused.
+int moetier_host_experts_start(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
+                               int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
+                               const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
+                               char* err, int errlen) {
+  Async* a = async_state();
+  std::unique_lock<std::mutex> lk(a->m);
+  if (a->pending) {
+    std::snprintf(err, errlen, "a started call has not been waited for");
+    return 1;
+  }
+  if (prepare(a->call, rows, num_rows, row_bytes, kind, H, I, s13, s2, round_h, x, T, tokens, experts, P, h, y,
+              threads, err, errlen))
+    return 1;
+  a->kind = kind, a->threads = threads, a->block = block;
+  a->pending = a->busy = true;
+  a->cv.notify_all();
+  return 0;
+}
+
+// Blocks until the started call is done (0), or returns 1 when none was started. times, when not null:
+// [2] doubles, the call's start and end on CLOCK_MONOTONIC (seconds; Python's time.perf_counter clock).
+int moetier_host_experts_wait(double* times) {
+  Async* a = async_state();
+  std::unique_lock<std::mutex> lk(a->m);
+  if (!a->pending) return 1;
+  a->cv.wait(lk, [&] { return !a->busy; });
+  a->pending = false;
+  if (times) times[0] = a->t0, times[1] = a->t1;
   return 0;
 }
 
