@@ -120,3 +120,42 @@ def test_refresh_policy_keeps_the_uva_path():
     x, ids, w = torch.randn(20, H, generator=g), routing(g, 20, "mixed"), torch.rand(20, K, generator=g)
     s.forward(x, ids, w)
     assert s.ring_rows == 0 and s.stats()["refreshed"] > 0
+
+
+def test_memory_plan_counts_the_ring_in_the_ring_mode_only():
+    from moetier import presets
+    from moetier.plan.memory import PlanRequest, count
+
+    cfg = presets.preset("qwen3-30b-a3b")
+    slots = dict.fromkeys(cfg.moe_layers, 64)
+    base = dict(backend="slots", slots_per_layer=slots, max_model_len=4096, max_num_tokens=2048)
+    row = 9 * 2**20  # one bf16 Qwen3-30B-A3B expert row
+    plans = {mode: count(PlanRequest(cfg, torch.bfloat16, "cuda", prefill_stream=mode, ring=(4, 3), **base))
+             for mode in ("uva", "ring")}
+    ring = [i for i in plans["ring"].device if i.name == "prefill staging ring"]
+    assert len(ring) == 1 and ring[0].bytes == 3 * 4 * row  # D x G exact rows, one ring for all layers
+    assert not [i for i in plans["uva"].device if i.name == "prefill staging ring"]
+    act = {m: next(i.bytes for i in p.device if i.name.startswith("activations")) for m, p in plans.items()}
+    assert act["ring"] >= act["uva"]  # the ring step's maps and masks (small: within segment rounding here)
+    resident = count(PlanRequest(cfg, torch.bfloat16, "cuda", prefill_stream="ring", backend="resident",
+                                 max_model_len=4096, max_num_tokens=2048))
+    assert not [i for i in resident.device if i.name == "prefill staging ring"]  # no misses to stream
+
+
+def test_engine_greedy_tokens_identical_uva_and_ring():
+    """The embedded tiny model with 4 slots a layer: the prompt's large steps stream their misses
+    through the ring (EngineConfig.prefill_stream reaches every layer); not a token changes."""
+    from moetier.engine.llm import LLM
+    from moetier.experts.placement import ExpertOptions
+    from moetier.sampling_params import SamplingParams
+
+    text = "The ring stages the experts a prompt misses while the tensor cores run the others. " * 4
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for mode in ("uva", "ring"):
+        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4), prefill_stream=mode, decode_tokens=16)
+        got[mode] = llm.generate([text], params)[0].outputs[0].token_ids
+        streamed = sum(b.experts.ring_rows for b in llm.model.moe_blocks())
+        assert all(b.experts.prefill_stream == mode for b in llm.model.moe_blocks())
+        assert (streamed > 0) == (mode == "ring")
+    assert got["uva"] == got["ring"] and len(got["ring"]) == 12
