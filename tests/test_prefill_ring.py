@@ -159,3 +159,9 @@ def test_engine_greedy_tokens_identical_uva_and_ring():
         assert all(b.experts.prefill_stream == mode for b in llm.model.moe_blocks())
         assert (streamed > 0) == (mode == "ring")
     assert got["uva"] == got["ring"] and len(got["ring"]) == 12
+
+
+def test_ring_on_the_large_step_kernels_in_the_interpreter():
+    from tests.interpreter import run_script
+
+    assert "ring steps ok" in run_script("prefill_ring_interpreter.py")

@@ -37,7 +37,7 @@ import torch
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_reference
 from moetier.experts.prefill_ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
-                                          ring_forward)
+                                          ring_forward, ring_large)
 from moetier.experts.reference import combine, expert_pairs, row_fetch
 from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
@@ -286,18 +286,10 @@ class SlotExperts(ExpertBackend):
         lay = self.layout
         ring = StagingRing.shared(*self.ring_shape, lay.numel, self.host.dtype, self.device)
         if self.cuda:
-            from moetier.experts.grouped_gemm import combine_pairs
-            from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
-
-            h = torch.empty(t * k, lay.inter, dtype=torch.float32, device=self.device)
-            y = torch.empty(t * k, lay.hidden, dtype=torch.float32, device=self.device)
-
-            def run_pass(row_ids, ids, rows, max_rows):  # rows twice: no pair of a pass reads a host row
-                grouped_expert_mlp_large(hidden, row_ids, ids, topk_weights, rows, rows, lay.hidden, lay.inter,
-                                         max_rows, self.gemm, lay.quant, h=h, y=y)
-            self.ring_rows += ring_forward(ring, slot_ids, topk_ids, self.host, self.slots, run_pass)
-            out = torch.empty(t, lay.hidden, dtype=hidden.dtype, device=self.device)
-            return combine_pairs(y, topk_weights, topk_ids, out)
+            out, copied = ring_large(ring, hidden, slot_ids, topk_ids, topk_weights, self.host, self.slots,
+                                     lay.hidden, lay.inter, self.gemm, lay.quant)
+            self.ring_rows += copied
+            return out
         pair_out = hidden.new_zeros(t, k, lay.hidden)
 
         def cpu_pass(row_ids, ids, rows, max_rows):  # the torch reference over the pass's experts

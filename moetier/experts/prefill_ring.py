@@ -198,3 +198,24 @@ def ring_forward(ring: StagingRing, slot_ids: torch.Tensor, topk_ids: torch.Tens
         if g + depth < len(groups):
             ring.load(g + depth, groups[g + depth], host)
     return n
+
+
+def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor, host: torch.Tensor, slots: torch.Tensor, hidden: int, inter: int,
+               config, quant: str | None = None) -> tuple[torch.Tensor, int]:
+    """A ring step on the large-step kernels (grouped_gemm_large.py): each pass writes its pairs'
+    unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
+    in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
+    from moetier.experts.grouped_gemm import combine_pairs
+    from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
+
+    t, k = topk_ids.shape
+    h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+
+    def run_pass(row_ids, ids, rows, max_rows):  # rows twice: no pair of a pass reads a host row
+        grouped_expert_mlp_large(x, row_ids, ids, topk_weights, rows, rows, hidden, inter, max_rows, config, quant,
+                                 h=h, y=y)
+    copied = ring_forward(ring, slot_ids, topk_ids, host, slots, run_pass)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    return combine_pairs(y, topk_weights, topk_ids, out), copied
