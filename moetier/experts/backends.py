@@ -245,7 +245,8 @@ class SlotExperts(ExpertBackend):
         """Prefill: experts in slots are read from their slots, the rest from the host store across the
         link (each row once per chunk of its tokens). Under the refresh policy the cache first takes
         one step over the chunk's experts ranked by use and fills its misses (prefill_cache.py), so
-        the slot ids below are the refreshed ones; under bypass the cache is left alone."""
+        the slot ids below are the refreshed ones; under bypass the cache is left alone, and in the ring
+        prefill stream mode the misses are staged by the copy engine instead (_ring, prefill_ring.py)."""
         if self.cuda:
             if self.prefill == "refresh":
                 from moetier.experts.slot_kernels import copy_rows
@@ -259,15 +260,14 @@ class SlotExperts(ExpertBackend):
                 return self._ring(hidden, slot_ids, topk_ids, topk_weights)
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
                                self.cache.num_slots + self.cache.num_experts)
+        if self.prefill_stream == "ring" and self.prefill == "bypass":
+            return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         self.bypassed += 1
         if self.prefill == "refresh":
             miss = refresh_reference(self.cache, topk_ids)
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             self._refreshed += n
-        if self.prefill_stream == "ring" and self.prefill == "bypass":
-            self.bypassed -= 1  # _ring counts it
-            return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         slot_of = self.cache.expert_slot.tolist()
         host = row_fetch(self.host, self.layout, hidden.dtype)
         slot = row_fetch(self.slots, self.layout, hidden.dtype)

@@ -171,23 +171,24 @@ def ring_forward(ring: StagingRing, slot_ids: torch.Tensor, topk_ids: torch.Tens
     any_hit, missing = split_hits(slot_ids, topk_ids, e)
     g_size, depth = ring.group, ring.depth
     groups = [missing[i:i + g_size] for i in range(0, len(missing), g_size)]
+    ids = topk_ids.long()
     if groups:
+        # NOTE: the missing list goes to the device before any pass is queued: a copy from pageable
+        # memory waits for its stream to drain, which right after split_hits' read costs nothing
+        dev, n = topk_ids.device, len(missing)
+        where = torch.tensor(missing, dtype=torch.long, device=dev)
+        group_of = torch.full((e,), -1, dtype=torch.int32, device=dev)
+        place_of = torch.full((e,), -1, dtype=torch.int32, device=dev)
+        group_of[where] = torch.arange(n, dtype=torch.int32, device=dev) // g_size
+        place_of[where] = torch.arange(n, dtype=torch.int32, device=dev) % g_size
         ring.begin()
         for g in range(min(depth, len(groups))):
             ring.load(g, groups[g], host)
-    ids = topk_ids.long()
     if any_hit:
         hit = (ids >= 0) & (slot_ids >= 0)
         run_pass(slot_ids, topk_ids.masked_fill(~hit, -1), slots, slots.shape[0])
     if not groups:
         return 0
-    dev = topk_ids.device
-    n = len(missing)
-    where = torch.tensor(missing, dtype=torch.long, device=dev)
-    group_of = torch.full((e,), -1, dtype=torch.int32, device=dev)
-    place_of = torch.full((e,), -1, dtype=torch.int32, device=dev)
-    group_of[where] = torch.arange(n, dtype=torch.int32, device=dev) // g_size
-    place_of[where] = torch.arange(n, dtype=torch.int32, device=dev) % g_size
     safe = ids.clamp(min=0)
     mine, pair_group, pair_place = ids >= 0, group_of[safe], place_of[safe]
     for g in range(len(groups)):
