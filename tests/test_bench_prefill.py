@@ -95,3 +95,22 @@ def test_bench_chunk_rows_carry_the_policy(bed_and_trace):
     assert "refresh chunk    64" in chunk.table([row])
     r = CliRunner().invoke(app, ["bench", "chunk", "--prefill-cache", "stream"])
     assert r.exit_code == 2 and "bypass or refresh" in r.stderr
+
+
+def test_rows_per_stream_mode_count_each_missing_row_once_in_the_ring(bed_and_trace):
+    bed, trace = bed_and_trace
+    args = {"chunk": 128, "reps": 1, "policy": "lfru", "decode_tokens": 16, "seed": 0, "decode_steps": 0,
+            "prefill_cache": ["bypass"], "prefill_stream": ["uva", "ring"], "ring_group": 3, "ring_depth": 2}
+    bw = {"hbm_GBps": 100.0, "link_GBps": 10.0, "tflops": 1.0}
+    rows = {s: prefill.bench_backend(bed, trace, "slots", 0.25, [96], [1], args, bw, "bypass", s)[0]
+            for s in ("uva", "ring")}
+    assert rows["ring"]["prefill_stream"] == "ring" and rows["ring"]["ring"] == [3, 2]
+    assert rows["uva"]["prefill_stream"] == "uva" and "ring" not in rows["uva"]
+    # the ring copies each missing row once per step; uva reads it once per chunk of its pairs (>= once)
+    assert 0 < rows["ring"]["link_bytes"] <= rows["uva"]["link_bytes"]
+    assert rows["ring"]["link_bound_tok_s"] >= rows["uva"]["link_bound_tok_s"]
+    assert "ring3x2" in prefill.table(list(rows.values()))
+    r = CliRunner().invoke(app, ["bench", "prefill", "--prefill-stream", "uva,pipe"])
+    assert r.exit_code == 2 and "--prefill-stream 'pipe'" in r.stderr
+    r = CliRunner().invoke(app, ["bench", "prefill", "--ring-depth", "1"])
+    assert r.exit_code == 2 and "--ring-depth" in r.stderr

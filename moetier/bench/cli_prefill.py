@@ -12,6 +12,7 @@ from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_m
                                preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
 
 
 @app.command("prefill")
@@ -33,6 +34,12 @@ def bench_prefill(
     prefill_cache: str = typer.Option("bypass,refresh", "--prefill-cache",
                                       help="Comma-separated prefill cache policies for the slots rows: bypass, "
                                            "refresh (a row each)."),
+    prefill_stream: str = typer.Option("uva", "--prefill-stream",
+                                       help="Comma-separated prefill stream modes for the slots rows under bypass: "
+                                            "uva (misses read over the link in the GEMM), ring (staged by the copy "
+                                            "engine; a row each)."),
+    ring_group: int = typer.Option(RING_GROUP, "--ring-group", help="ring: expert rows per staging buffer (G)."),
+    ring_depth: int = typer.Option(RING_DEPTH, "--ring-depth", help="ring: staging buffers (D: 2 double, 3 triple)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
                                      "(tok/s and hit rate: the policy's trade-off); 0: none."),
     policy: opt.CachePolicy = "lfru",
@@ -43,8 +50,8 @@ def bench_prefill(
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
 ) -> None:
-    """Prefill tok/s through the engine: resident, slots at each budget, uva, with link and HBM/compute
-    bounds measured in the same run (CUDA)."""
+    """Prefill tok/s through the engine: resident, slots at each budget (per prefill cache policy and
+    stream mode), uva, with link and HBM/compute bounds measured in the same run (CUDA)."""
     from moetier.presets import preset as make_preset
 
     try:
@@ -61,6 +68,11 @@ def bench_prefill(
         policies = [opt.prefill_cache(p.strip()) for p in prefill_cache.split(",") if p.strip()]
         if not policies:
             raise MoetierError("--prefill-cache: give bypass, refresh or both (comma-separated)")
+        streams = [opt.prefill_stream(s.strip()) for s in prefill_stream.split(",") if s.strip()]
+        if not streams:
+            raise MoetierError("--prefill-stream: give uva, ring or both (comma-separated)")
+        opt.at_least(ring_group, 1, "--ring-group")
+        opt.at_least(ring_depth, 2, "--ring-depth")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -73,14 +85,15 @@ def bench_prefill(
     need_cuda("prefill")
     preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
                    max_num_seqs=max(batch), max_num_tokens=chunk,
-                   kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens)
+                   kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
+                   prefill_stream="ring" if "ring" in streams else "uva", ring=(ring_group, ring_depth))
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
-            "preset": preset, "dtype": dtype, "prefill_cache": policies,
-            "decode_steps": decode_steps}
+            "preset": preset, "dtype": dtype, "prefill_cache": policies, "prefill_stream": streams,
+            "ring_group": ring_group, "ring_depth": ring_depth, "decode_steps": decode_steps}
     data, link = None, None
     for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
         bed = make_bed(cfg, d, seed)

@@ -17,6 +17,11 @@ moves the prompt's most used experts in; experts/prefill_cache.py), each run fro
 cache (warm_slots before every prefill). Every row then measures the trade-off in the same run: the
 same prompts again with --decode-steps more tokens each, and the first decode steps after their
 prefill are timed (CUDA graphs, as served) with the hit rate the cache had over them.
+
+Slots rows under bypass also run once per prefill stream mode (--prefill-stream: uva reads the
+misses over the link in the kernel, ring stages them by the copy engine; experts/prefill_ring.py).
+A ring row's link rows are the rows the ring copied (each missing expert once per step and layer,
+counted by the backends), and the staged rows are read from HBM once per chunk like slots.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
 from moetier.sampling_params import SamplingParams
 
 
@@ -134,13 +140,17 @@ def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
 
 
 def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, lengths: list[int], batches: list[int],
-                  args: dict, bw: dict, prefill: str = "bypass") -> list[dict]:
+                  args: dict, bw: dict, prefill: str = "bypass", stream: str = "uva") -> list[dict]:
     cfg, gemm = bed.cfg, GemmConfig()
-    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
+    ring = {"ring_group": args.get("ring_group", RING_GROUP), "ring_depth": args.get("ring_depth", RING_DEPTH)}
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
+                        **(ring if backend == "slots" else {}))
+    ringed = backend == "slots" and stream == "ring" and prefill == "bypass"
     steps = args.get("decode_steps", 0)
     # graphs only for the decode after the prefill (prefill steps run eagerly either way)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
                           decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0, prefill_cache_policy=prefill,
+                          prefill_stream=stream if backend == "slots" else "uva",
                           kv_tokens=max(batches) * (max(lengths) + steps + 16))
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     blocks = bed.model.moe_blocks()
@@ -178,7 +188,9 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 llm.replayer.cursor.fill_(cursor)  # the same routing again, logged
                 warm()
                 log = RouteLog(bed.model)
+                streamed = ring_rows(blocks)
                 prefill_once(llm, prompts)
+                streamed = ring_rows(blocks) - streamed
                 log.close()
                 if prefill == "refresh" and backend == "slots":
                     # the rows filled, once each, then the experts not in slots after the refresh (exact
@@ -186,6 +198,9 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                     now = {b.layer: b.experts.cache.expert_slot.cpu().numpy() >= 0 for b in blocks}
                     link_rows, hbm_rows = step_rows(log, now, gemm.large_block_m)
                     link_rows += bed.model.expert_stats()["refreshed"]
+                elif ringed:  # each missing row copied once (the backends' count), then read from HBM
+                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
+                    link_rows, hbm_rows = float(streamed), hbm_rows + link_rows
                 else:
                     link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
                 tokens = b * n
@@ -197,7 +212,9 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
                 rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
                              "dtype": bed_dtype(bed),
-                             "prefill_cache": prefill if backend == "slots" else None, **after,
+                             "prefill_cache": prefill if backend == "slots" else None,
+                             "prefill_stream": stream if backend == "slots" else None,
+                             **({"ring": [ring["ring_group"], ring["ring_depth"]]} if ringed else {}), **after,
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
                              "runs_s": times,
                              "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
@@ -211,16 +228,24 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
     return rows
 
 
+def ring_rows(blocks) -> int:
+    """Rows the slots layers' staging rings have copied (SlotExperts.ring_rows, host counts)."""
+    return sum(getattr(b.experts, "ring_rows", 0) for b in blocks)
+
+
 def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], batches: list[int], backends: list[str],
         args: dict, link: dict) -> dict:
     bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
     policies = args.get("prefill_cache", ["bypass"])
-    plan = [("resident", 1.0, "bypass")] * ("resident" in backends)
-    plan += [("slots", b, p) for b in budgets for p in policies if "slots" in backends]
-    plan += [("uva", 0.0, "bypass")] * ("uva" in backends)
+    streams = args.get("prefill_stream", ["uva"])
+    plan = [("resident", 1.0, "bypass", "uva")] * ("resident" in backends)
+    # the stream mode matters under bypass only (refresh fills every used expert it can first)
+    plan += [("slots", b, p, s) for b in budgets for p in policies for s in (streams if p == "bypass" else ["uva"])
+             if "slots" in backends]
+    plan += [("uva", 0.0, "bypass", "uva")] * ("uva" in backends)
     rows: list[dict] = []
-    for backend, budget, policy in plan:
-        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw, policy)
+    for backend, budget, policy, stream in plan:
+        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw, policy, stream)
     c = bed.cfg
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
                        "moe_inter": c.moe_intermediate_size, "dtype": bed_dtype(bed), "row_bytes": bed.row_bytes,
@@ -235,11 +260,13 @@ def table(rows: list[dict]) -> str:
         lb = "-" if r["link_bound_tok_s"] is None else f"{r['link_bound_tok_s']:9.0f}"
         of = "" if r["of_link_bound"] is None else f"{r['of_link_bound']:6.1%} of it"
         policy = r.get("prefill_cache") or ""
+        if r.get("prefill_stream") == "ring":
+            policy = "ring" + ("" if r.get("ring") is None else "{}x{}".format(*r["ring"]))
         dec = ""
         if r.get("decode_tok_s") is not None:
             hit = "-" if r.get("decode_hit_rate") is None else f"{r['decode_hit_rate']:.1%}"
             dec = f"  then decode {r['decode_tok_s']:8.1f} tok/s, hits {hit:>6}"
-        out.append(f"{r['backend']:>9} {r.get('dtype', ''):>9} {budget:>4} {policy:>7} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} "
+        out.append(f"{r['backend']:>9} {r.get('dtype', ''):>9} {budget:>4} {policy:>8} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} "
                    f"tok/s {r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
                    f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s{dec}")
     return "\n".join(out)
@@ -250,12 +277,14 @@ def plot(result: dict, path: str) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = batch_axes(batches)
     for ax, b in zip(axes, batches):
-        keys = sorted({(r["backend"], r["budget"], r.get("prefill_cache"), r.get("dtype")) for r in rows if r["batch"] == b}, key=str)
-        for backend, budget, policy, dt in keys:
+        keys = sorted({(r["backend"], r["budget"], r.get("prefill_cache"), r.get("prefill_stream"), r.get("dtype"))
+                       for r in rows if r["batch"] == b}, key=str)
+        for backend, budget, policy, stream, dt in keys:
             pts = sorted((r["prompt_len"], r["tok_s"]) for r in rows if r["batch"] == b and r["backend"] == backend
                          and r["budget"] == budget and r.get("prefill_cache") == policy
-                         and r.get("dtype") == dt)
+                         and r.get("prefill_stream") == stream and r.get("dtype") == dt)
             label = backend if budget is None else f"{backend} {budget:.0%} {policy or ''}".rstrip()
+            label += " ring" if stream == "ring" else ""
             label += f" {dt}" if dt else ""
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
         ax.set_xscale("log", base=2)

@@ -40,6 +40,7 @@ def generate(
     fp8_dense: opt.Fp8Dense = "dequantize",
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
+    prefill_stream: opt.PrefillStream = "uva",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -80,6 +81,7 @@ def generate(
             opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
                                    max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
+                                   prefill_stream=opt.prefill_stream(prefill_stream),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor))
@@ -147,6 +149,7 @@ def serve(
     decode_tokens: opt.DecodeTokens = 64,
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
+    prefill_stream: opt.PrefillStream = "uva",
     fp8_dense: opt.Fp8Dense = "dequantize",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
@@ -186,6 +189,7 @@ def serve(
                   "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
+                  "prefill_stream": opt.prefill_stream(prefill_stream),
                   "fp8_dense": fp8_dense}
         if preset is not None:
             from moetier.bench.cli import parse_budget

@@ -57,6 +57,10 @@ Fp8Dense = Annotated[str, typer.Option(
 PrefillCache = Annotated[str, typer.Option(
     "--prefill-cache", help="What a prefill step does to the slot cache (slots, hybrid): bypass (leave it alone) or "
     "refresh (move the prompt's most used experts into slots for the decode that follows).")]
+PrefillStream = Annotated[str, typer.Option(
+    "--prefill-stream", help="How a prefill step brings in the experts not in slots (slots, hybrid): uva (read across "
+    "the link inside the expert GEMM) or ring (copied by the copy engine into a staging ring while the GEMM runs "
+    "the others; one host read of the miss list per layer).")]
 MaxNumTokens = Annotated[Optional[int], typer.Option(
     "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
     "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
@@ -65,6 +69,12 @@ MaxNumTokens = Annotated[Optional[int], typer.Option(
 def prefill_cache(value: str) -> str:
     if value not in ("bypass", "refresh"):
         raise MoetierError(f"--prefill-cache {value!r}: choose bypass or refresh")
+    return value
+
+
+def prefill_stream(value: str) -> str:
+    if value not in ("uva", "ring"):
+        raise MoetierError(f"--prefill-stream {value!r}: choose uva or ring")
     return value
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from moetier.errors import MoetierError
 from moetier.experts.prefill_cache import PREFILL_POLICIES
+from moetier.experts.prefill_ring import PREFILL_STREAMS
 from moetier.layers.parallel import layout_problems
 
 
@@ -31,6 +32,10 @@ class EngineConfig:
     # What a larger step (prefill) does to the slot cache (slots, hybrid): "bypass" leaves it alone,
     # "refresh" first moves the chunk's most used experts into slots (experts/prefill_cache.py).
     prefill_cache_policy: str = "bypass"
+    # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
+    # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill_ring.py).
+    # NOTE: "uva" stays the default until the H200 says which is faster.
+    prefill_stream: str = "uva"
     cuda_graphs: bool = True
     # When an expert backend cannot be captured (hybrid): CUDA graphs split at its MoE layers, which then
     # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.
@@ -78,6 +83,8 @@ class EngineConfig:
                 out.append(f"{name} must be a positive integer, got {v!r}")
         if self.prefill_cache_policy not in PREFILL_POLICIES:
             out.append(f"prefill_cache_policy must be bypass or refresh, got {self.prefill_cache_policy!r}")
+        if self.prefill_stream not in PREFILL_STREAMS:
+            out.append(f"prefill_stream must be uva or ring, got {self.prefill_stream!r}")
         p = self.page_size
         if not isinstance(p, int) or p < 1 or p & (p - 1):
             out.append(f"page_size must be a power of two, got {p!r}")

@@ -31,7 +31,7 @@ from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.scheduler import Scheduler
 from moetier.errors import MoetierError
-from moetier.experts.backends import UvaExperts, set_prefill_policy
+from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
 from moetier.experts.placement import ExpertOptions
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
@@ -108,7 +108,8 @@ class LLM:
             config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
             self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
         # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
-        experts = replace(experts or ExpertOptions(), prefill=config.prefill_cache_policy)
+        experts = replace(experts or ExpertOptions(), prefill=config.prefill_cache_policy,
+                          prefill_stream=config.prefill_stream)
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -227,6 +228,7 @@ class LLM:
             config = EngineConfig.of(config, max_num_tokens=tokens)
         for block in model.moe_blocks():
             set_prefill_policy(block.experts, config.prefill_cache_policy)
+            set_prefill_stream(block.experts, config.prefill_stream)
         self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
         if tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -18,6 +18,8 @@ Larger steps (prefill) take the large-step grouped GEMM on CUDA (a device sort f
 of up to 64 pairs of a row, host rows read across the link in the kernel, no host sync); on the CPU
 the per-expert torch path (reference.py). The slot cache's part in them is a policy
 (prefill_cache.py): bypass leaves it alone, refresh first moves the chunk's most used experts in.
+Under bypass, how the misses of a large step reach the GEMM is the prefill stream mode
+(prefill_ring.py): uva (read over the link in the kernel) or ring (staged by the copy engine).
 
 A negative topk id (experts/ep.NOT_MINE: another rank's expert) is no pair of this backend on every
 path: it reads no row, takes no slot, counts nowhere and contributes exactly zero to the k-sum.
@@ -34,6 +36,8 @@ import torch
 
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_reference
+from moetier.experts.prefill_ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
+                                          ring_forward, ring_large)
 from moetier.experts.reference import combine, expert_pairs, row_fetch
 from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
@@ -165,7 +169,8 @@ class SlotExperts(ExpertBackend):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
-                 policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass"):
+                 policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
+                 prefill_stream: str = "uva", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)):
         super().__init__(layout, top_k, decode_tokens, device, gemm)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
@@ -173,6 +178,13 @@ class SlotExperts(ExpertBackend):
         self.host = host_rows
         self.fill = fill
         self.prefill = check_policy(prefill)  # what a large step does to the cache (prefill_cache.py)
+        # how a bypass step's misses reach the GEMM: uva (in the kernel) or ring (prefill_ring.py)
+        self.prefill_stream = check_stream(prefill_stream)
+        problems = check_geometry(*ring)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.ring_shape = ring  # (G rows per buffer, D buffers): the ring is made at the first ring step
+        self.ring_rows = 0  # rows the ring copied over the link (host count)
         self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k))
         self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
         # rows the prefill refreshes filled (a device counter: the CUDA path adds the miss count unread)
@@ -233,7 +245,8 @@ class SlotExperts(ExpertBackend):
         """Prefill: experts in slots are read from their slots, the rest from the host store across the
         link (each row once per chunk of its tokens). Under the refresh policy the cache first takes
         one step over the chunk's experts ranked by use and fills its misses (prefill_cache.py), so
-        the slot ids below are the refreshed ones; under bypass the cache is left alone."""
+        the slot ids below are the refreshed ones; under bypass the cache is left alone, and in the ring
+        prefill stream mode the misses are staged by the copy engine instead (_ring, prefill_ring.py)."""
         if self.cuda:
             if self.prefill == "refresh":
                 from moetier.experts.slot_kernels import copy_rows
@@ -243,8 +256,12 @@ class SlotExperts(ExpertBackend):
                 self._refreshed += self._scratch.miss_count  # on the device: no read back
             # a device gather: -1 where not in a slot (a negative id's slot id is moot: the GEMM skips it)
             slot_ids = self.cache.expert_slot[topk_ids.clamp(min=0)]
+            if self.prefill_stream == "ring" and self.prefill == "bypass":
+                return self._ring(hidden, slot_ids, topk_ids, topk_weights)
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
                                self.cache.num_slots + self.cache.num_experts)
+        if self.prefill_stream == "ring" and self.prefill == "bypass":
+            return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         self.bypassed += 1
         if self.prefill == "refresh":
             miss = refresh_reference(self.cache, topk_ids)
@@ -260,6 +277,29 @@ class SlotExperts(ExpertBackend):
             return slot(s) if s >= 0 else host(expert)
         return combine(expert_pairs(hidden, topk_ids, fetch), topk_weights)
 
+    def _ring(self, hidden, slot_ids, topk_ids, topk_weights) -> torch.Tensor:
+        """A bypass step in the ring mode (prefill_ring.py): the hits' pass, then the missing experts'
+        groups as the copy engine stages them, pair outputs unweighted into one buffer, one combine.
+        NOTE: one host read per layer (the miss list); prefill is eager."""
+        self.bypassed += 1
+        t, k = topk_ids.shape
+        lay = self.layout
+        ring = StagingRing.shared(*self.ring_shape, lay.numel, self.host.dtype, self.device)
+        if self.cuda:
+            out, copied = ring_large(ring, hidden, slot_ids, topk_ids, topk_weights, self.host, self.slots,
+                                     lay.hidden, lay.inter, self.gemm, lay.quant)
+            self.ring_rows += copied
+            return out
+        pair_out = hidden.new_zeros(t, k, lay.hidden)
+
+        def cpu_pass(row_ids, ids, rows, max_rows):  # the torch reference over the pass's experts
+            row_of = dict(zip(ids.reshape(-1).tolist(), row_ids.reshape(-1).tolist()))
+            fetch = row_fetch(rows, lay, hidden.dtype)
+            part = expert_pairs(hidden, ids, lambda e: fetch(row_of[e]))
+            pair_out.copy_(torch.where((ids >= 0)[..., None], part, pair_out))
+        self.ring_rows += ring_forward(ring, slot_ids, topk_ids, self.host, self.slots, cpu_pass)
+        return combine(pair_out, topk_weights)
+
     def nbytes(self):
         return {"device": self.slots.numel() * self.slots.element_size(),
                 "host": self.host.numel() * self.host.element_size()}
@@ -270,6 +310,7 @@ class SlotExperts(ExpertBackend):
 
     def reset(self):
         super().reset()
+        self.ring_rows = 0
         self.cache.reset()
         self._refreshed.zero_()
 
@@ -281,6 +322,15 @@ def set_prefill_policy(backend: ExpertBackend, policy: str) -> None:
     inner = getattr(backend, "inner", backend)  # experts/ep.ShardedExperts
     if isinstance(inner, SlotExperts):
         inner.prefill = policy
+
+
+def set_prefill_stream(backend: ExpertBackend, mode: str) -> None:
+    """Set the prefill stream mode (uva or ring, prefill_ring.py) of a backend with a slot cache
+    (through an expert-parallel wrapper); the others have no misses to stream."""
+    check_stream(mode)
+    inner = getattr(backend, "inner", backend)
+    if isinstance(inner, SlotExperts):
+        inner.prefill_stream = mode
 
 
 BACKENDS = ("resident", "slots", "uva", "hybrid")  # hybrid: hybrid.py (the slots cache + host cores)

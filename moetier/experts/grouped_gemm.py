@@ -340,8 +340,10 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
 
 
 def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             programs, h, y, out, block_m, gate_up, down, listed, quant=None):
+             programs, h, y, out, block_m, gate_up, down, listed, quant=None, combine=True):
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
+    # combine=False: stop at y (the pair outputs of the plan's pairs; the ring mode combines once, at
+    # the end of its passes: experts/prefill_ring.py).
     k = topk_ids.shape[1]
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
@@ -355,7 +357,8 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
         2 * inter * hidden, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
         num_warps=nw, **q)
-    combine_pairs(y, topk_weights, topk_ids, out)
+    if combine:
+        combine_pairs(y, topk_weights, topk_ids, out)
 
 
 def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor

@@ -76,17 +76,25 @@ def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max
 def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
                              topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
                              max_rows: int, config: GemmConfig = GemmConfig(),
-                             quant: str | None = None) -> torch.Tensor:
+                             quant: str | None = None, h: torch.Tensor | None = None,
+                             y: torch.Tensor | None = None) -> torch.Tensor:
     """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
     config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
     bounded by the chunk count. Arguments as grouped_expert_mlp; max_rows: distinct rows possible
-    (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype."""
+    (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
+    With y ([T*k, H] float32; h [T*k, I] float32 with it, or one is allocated): no combine; the pair
+    outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
+    for a caller that computes a step in several passes and combines once (experts/prefill_ring.py)."""
     t, k = topk_ids.shape
     bm = config.large_block_m
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
-    h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    passes = y is not None
+    if h is None:
+        h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
+    if y is None:
+        y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+    out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True, quant=quant)
+             starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True, quant=quant,
+             combine=not passes)
     return out

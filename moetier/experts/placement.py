@@ -28,6 +28,7 @@ from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
 from moetier.experts.host_path import ORDERS as HOST_ORDERS
 from moetier.experts.prefill_cache import PREFILL_POLICIES
+from moetier.experts.prefill_ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
 from moetier.layers.parallel import Parallel
@@ -47,6 +48,11 @@ class ExpertOptions:
     # What a prefill step does to the slot cache (slots, hybrid): bypass or refresh (prefill_cache.py).
     # The engine sets it from EngineConfig.prefill_cache_policy.
     prefill: str = "bypass"
+    # How a bypass step's misses reach the GEMM (slots, hybrid): uva or ring (prefill_ring.py; the engine
+    # sets it from EngineConfig.prefill_stream), and the ring's G rows per buffer and D buffers.
+    prefill_stream: str = "uva"
+    ring_group: int = RING_GROUP
+    ring_depth: int = RING_DEPTH
     gemm: GemmConfig = field(default_factory=GemmConfig)  # block sizes of the grouped expert GEMM
     # hybrid backend: the host expert kernel (cpu_experts.py; auto: the compiled one where it builds,
     # else grouped), its threads (None: torch's count), and the path rates (None: measured when the
@@ -92,6 +98,9 @@ class ExpertOptions:
             out.append(f"hybrid order {self.host_order!r}: choose one of {', '.join(HOST_ORDERS)}")
         if self.prefill not in PREFILL_POLICIES:
             out.append(f"prefill cache policy {self.prefill!r}: choose bypass or refresh")
+        if self.prefill_stream not in PREFILL_STREAMS:
+            out.append(f"prefill stream {self.prefill_stream!r}: choose uva or ring")
+        out += check_geometry(self.ring_group, self.ring_depth)
         if self.fill not in FILLS:
             out.append(f"fill must be 'kernel' or 'copy', got {self.fill!r}")
         return out
@@ -148,9 +157,10 @@ class ExpertPlacement:
             hybrid = HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
                                    o.policy, o.gemm, self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
+            hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
             return hybrid
         return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.fill,
-                           o.policy, o.gemm, o.prefill)
+                           o.policy, o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth))
 
 
 def read_slots_file(path: str | Path) -> dict[int, int]:

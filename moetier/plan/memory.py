@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moetier.config import ModelConfig
+from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
 from moetier.plan import residents as r
 from moetier.plan.units import GiB, gib, round_up
 
@@ -54,6 +55,10 @@ class PlanRequest:
     host_source: str = ""
     memlock: int | None = None  # RLIMIT_MEMLOCK in bytes; None: unlimited or not enforced
     page: int = mmap.PAGESIZE
+    # slots / hybrid prefill: how a bypass step's misses reach the GEMM (experts/prefill_ring.py), and
+    # the ring's (G rows per buffer, D buffers) in the ring mode
+    prefill_stream: str = "uva"
+    ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
 
     @property
     def model_len(self) -> int:
@@ -228,6 +233,13 @@ def count(req: PlanRequest) -> Plan:
         act.append(dense.fp8_transient)
     if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
         act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
+        if backend in CACHED and req.prefill_stream == "ring":
+            act += r.ring_step_scratch(req.max_num_tokens, shape)
+            ring = r.staging_ring(shape, dt, *req.ring)
+            dev.append(Item("prefill staging ring", ring, "runtime",
+                            f"{req.ring[1]} buffers x {req.ring[0]} rows x {row:,} B, one for every layer",
+                            r.block(ring)))
+            tensors.append(ring)
     dev.append(Item("activations at the largest step", r.segments(act), "runtime",
                     f"eager {req.max_num_tokens}-token step, {rows_eager} logit rows"))
     if cuda:

@@ -43,7 +43,8 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
                        cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
-                       host_source=host_src, memlock=machine.memlock_limit())
+                       host_source=host_src, memlock=machine.memlock_limit(),
+                       prefill_stream=getattr(config, "prefill_stream", "uva"))
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
@@ -58,6 +59,8 @@ def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
 
 def _placed(req: PlanRequest, experts, trace=None) -> Plan:
     layers, e = req.cfg.moe_layers, req.cfg.num_experts
+    req = replace(req, ring=(getattr(experts, "ring_group", req.ring[0]),  # the ring mode's staging ring
+                             getattr(experts, "ring_depth", req.ring[1])))
     if experts.backend != "auto":
         problems = experts.problems(req.cfg.moe_shape, layers)
         if problems:
@@ -126,11 +129,13 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
 
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
-                    host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                    host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                    ring: tuple[int, int] | None = None) -> None:
     """The memory plan of each (backend, expert budget) row of a random-weight benchmark, checked before
     its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
     table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
-    the host is checked with the whole store (the uva plan: store on the host, none on the device)."""
+    the host is checked with the whole store (the uva plan: store on the host, none on the device).
+    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions')."""
     from moetier.experts.placement import ExpertOptions
 
     req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
@@ -140,7 +145,8 @@ def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu
         checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
                        "slots" if backend == "hybrid" else backend, slots))
     for what, backend, slots in checks:
-        plan = plan_for(req, ExpertOptions(backend, slots=slots))
+        geometry = {} if ring is None else {"ring_group": ring[0], "ring_depth": ring[1]}
+        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry))
         if not plan.fits():
             r = refusal(req, plan)
             raise PlanRefused(f"{what} does not fit: {r}")

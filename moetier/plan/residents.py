@@ -206,6 +206,21 @@ def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_row
             4 * p, 4 * p, 4 * (2 * max_rows + 1), 4 * (p // 64 + min(p, max_rows)), 4 * p, 4 * e, 16 * e]
 
 
+def staging_ring(shape: MoeShape, dtype: torch.dtype, group: int, depth: int) -> int:
+    """The ring prefill stream mode's staging ring (experts/prefill_ring.StagingRing): D buffers of G
+    exact expert rows, one for every layer of the shape, made at the first ring step and kept."""
+    return depth * group * row_bytes(shape, dtype)
+
+
+def ring_step_scratch(tokens: int, shape: MoeShape) -> list[int]:
+    """What a ring step adds to the large-step GEMM's transients (experts/prefill_ring.ring_forward),
+    P = tokens x top_k: hit / miss counts [2, E + 1] int32, the missing list [E] int64, group and place
+    maps [E] int32; per pair the clamped ids int64, its group and place int32, two masks, a pass's
+    masked ids int64 and row ids int32."""
+    p, e = tokens * shape.top_k, shape.num_experts
+    return [8 * (e + 1), 8 * e, 4 * e, 4 * e, 8 * p, 4 * p, 4 * p, p, p, 8 * p, 4 * p]
+
+
 def sampler_transient(rows: int, vocab: int) -> int:
     """layers/sampler.py filter mode on [rows, V] float32 logits: sorted values, order (int64), the
     cumulative mass, the masked and scattered copies and the probabilities: 48 bytes per logit."""
