@@ -98,23 +98,8 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     warm_all(bed.model)  # rank 0's cache in its steady state, as one GPU's rows
     rows = []
     try:
-        for b in batches:
+        for b in batches:  # NOTE: back to back as one GPU's rows, so each starts at the same trace step
             r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
-            # NOTE: a replayed graph records no collective spans: the all-reduce figures come from a
-            # second, shorter window of eager steps (every rank eager: runner.graphs_on), same batch
-            runner = getattr(llm.runner, "inner", llm.runner)
-            runner.graphs_on = False
-            try:
-                eager = decode_once(llm, b, prompt_len, 4, 8, args["seed"] + 1, on_timed=timer.start)
-            finally:
-                runner.graphs_on = True
-            spent = timer.take()
-            timer.stop()
-            r["eager_tok_s"], r["eager_step_ms_median"] = eager["tok_s"], eager["step_ms_median"]
-            steps = max(1, eager["timed_steps"])
-            r["collectives"] = {over: {"calls_per_step": d["calls"] / steps, "ms_per_step": d["ms"] / steps,
-                                       "bytes_per_step": d["bytes"] / steps} for over, d in spent.items()}
-            r["all_reduce_ms_per_step"] = sum(d["ms"] for d in spent.values()) / steps
             st = r["expert_stats"]  # rank 0's experts only
             if backend == "slots":
                 per = max(1, st["steps"])
@@ -127,6 +112,28 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
                          "graphs": graph_mode(llm), "parallel": label(tp, ep), "world": max(tp, ep), "tp": tp,
                          "ep": ep, **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm, "link_experts_per_layer_step": link})
+        for r in rows:
+            r.update(collective_window(llm, r["batch"], prompt_len, args["seed"] + 1))
     finally:
         llm.close()
     return rows
+
+
+def collective_window(llm: LLM, batch: int, prompt_len: int, seed: int) -> dict:
+    """The all-reduce figures of a row: a short window of eager steps at its batch (every rank eager:
+    runner.graphs_on), timed by the collective timer. NOTE: a replayed graph records no spans, so
+    these are eager all-reduces (launches and the wait for the slower rank included), not the
+    graphed step's."""
+    runner, timer = getattr(llm.runner, "inner", llm.runner), llm.parallel.timer
+    runner.graphs_on = False
+    try:
+        eager = decode_once(llm, batch, prompt_len, 4, 8, seed, on_timed=timer.start)
+    finally:
+        runner.graphs_on = True
+    spent = timer.take()
+    timer.stop()
+    steps = max(1, eager["timed_steps"])
+    return {"eager_tok_s": eager["tok_s"], "eager_step_ms_median": eager["step_ms_median"],
+            "collectives": {over: {"calls_per_step": d["calls"] / steps, "ms_per_step": d["ms"] / steps,
+                                   "bytes_per_step": d["bytes"] / steps} for over, d in spent.items()},
+            "all_reduce_ms_per_step": sum(d["ms"] for d in spent.values()) / steps}
