@@ -34,7 +34,7 @@ def bench_prefill(
     prefill_cache: str = typer.Option("bypass,refresh", "--prefill-cache",
                                       help="Comma-separated prefill cache policies for the slots rows: bypass, "
                                            "refresh (a row each)."),
-    prefill_stream: str = typer.Option("uva", "--prefill-stream",
+    prefill_stream: str = typer.Option("ring", "--prefill-stream",
                                        help="Comma-separated prefill stream modes for the slots rows under bypass: "
                                             "uva (misses read over the link in the GEMM), ring (staged by the copy "
                                             "engine; a row each)."),

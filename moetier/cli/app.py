@@ -40,7 +40,7 @@ def generate(
     fp8_dense: opt.Fp8Dense = "dequantize",
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
-    prefill_stream: opt.PrefillStream = "uva",
+    prefill_stream: opt.PrefillStream = "ring",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -149,7 +149,7 @@ def serve(
     decode_tokens: opt.DecodeTokens = 64,
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
-    prefill_stream: opt.PrefillStream = "uva",
+    prefill_stream: opt.PrefillStream = "ring",
     fp8_dense: opt.Fp8Dense = "dequantize",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),

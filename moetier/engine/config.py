@@ -34,8 +34,8 @@ class EngineConfig:
     prefill_cache_policy: str = "bypass"
     # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
     # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill_ring.py).
-    # NOTE: "uva" stays the default until the H200 says which is faster.
-    prefill_stream: str = "uva"
+    # NOTE: "ring" is the default: on the H200 it prefilled 3-4% faster (docs/bench-prefill.md).
+    prefill_stream: str = "ring"
     cuda_graphs: bool = True
     # When an expert backend cannot be captured (hybrid): CUDA graphs split at its MoE layers, which then
     # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.

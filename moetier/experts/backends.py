@@ -170,7 +170,7 @@ class SlotExperts(ExpertBackend):
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
                  policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
-                 prefill_stream: str = "uva", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)):
+                 prefill_stream: str = "ring", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)):
         super().__init__(layout, top_k, decode_tokens, device, gemm)
         if fill not in ("kernel", "copy"):
             raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")

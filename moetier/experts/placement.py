@@ -50,7 +50,7 @@ class ExpertOptions:
     prefill: str = "bypass"
     # How a bypass step's misses reach the GEMM (slots, hybrid): uva or ring (prefill_ring.py; the engine
     # sets it from EngineConfig.prefill_stream), and the ring's G rows per buffer and D buffers.
-    prefill_stream: str = "uva"
+    prefill_stream: str = "ring"
     ring_group: int = RING_GROUP
     ring_depth: int = RING_DEPTH
     gemm: GemmConfig = field(default_factory=GemmConfig)  # block sizes of the grouped expert GEMM

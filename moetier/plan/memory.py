@@ -57,7 +57,7 @@ class PlanRequest:
     page: int = mmap.PAGESIZE
     # slots / hybrid prefill: how a bypass step's misses reach the GEMM (experts/prefill_ring.py), and
     # the ring's (G rows per buffer, D buffers) in the ring mode
-    prefill_stream: str = "uva"
+    prefill_stream: str = "ring"
     ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
 
     @property
