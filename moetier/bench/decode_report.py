@@ -60,7 +60,8 @@ def phases_line(hyb: dict) -> str:
     dg = {True: " device graphs on", False: " device graphs off"}.get(hyb.get("device_graphs"), "")
     out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}{dg}:"
     if p.get("layers"):
-        out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} host_start "
+        out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} "
+                f"args {p.get('host_args', 0):.0f} host_start "
                 f"{p['host_start']:.0f} launched {p['launched']:.0f} host {p['host_begin']:.0f}..{p['host_end']:.0f} "
                 f"joined {p['joined']:.0f} done {p['done']:.0f} us")
     if p.get("device_gpu") is not None:

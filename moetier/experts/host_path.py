@@ -50,17 +50,23 @@ class HostPath:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
         self.rates = rates
         self._bufs: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # by (name, dtype, pin, device, shape)
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
                device: torch.device | None = None) -> torch.Tensor:
         # NOTE: shared by every layer. A layer's host->device copies out of pinned ones are ordered before
         # the next layer's device->host copies into them, and the next layer waits for those (its sync);
         # a device one is used within one layer's stream order.
+        view = self._views.get((name, dtype, pin, device, shape))  # a view made before: one lookup
+        if view is not None:
+            return view
         key = (name, dtype, pin, device)
         b = self._bufs.get(key)
         if b is None or b.numel() < _numel(shape):
             b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
-        return b[:_numel(shape)].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[:4] != key}  # views of the old one
+        view = self._views[key + (shape,)] = b[:_numel(shape)].view(shape)
+        return view
 
     def graph_pool(self):
         """The memory pool of every layer's device-path graphs (hybrid_graphs.py), made at first ask."""

@@ -4,7 +4,7 @@ After the choice, a step's device pairs (n of 1..P, P = decode tokens x top-k) a
 launches: the positions upload, gathers of their ids, weights and hidden rows, the cache bookkeeping,
 the fills (copy_rows), the grouped GEMM and the scatter of their outputs into the pair-output buffer
 y. Launched one by one from Python they took about 550 us of host time per layer on the H200 (15 host
-threads busy on the other cores; docs/hybrid.md), more than their GPU time, and they were the layer's
+threads busy on the other cores; docs/hybrid-graphs.md), more than their GPU time, and they were the layer's
 critical path. Here they are one graph replay per layer, after three small input copies and the
 positions upload.
 
@@ -131,7 +131,7 @@ class DeviceGraphs:
         g = self.graph(n, hidden.dtype, topk_weights.dtype)  # first: a lazy capture overwrites the statics
         st = self.statics(hidden.dtype, topk_weights.dtype)
         plan = b.hostpath.buffer("plan", (n + nh,), torch.int64, True)
-        plan.copy_(torch.tensor(padded_plan(gpu_pos, host_pos, n, self.max_pairs)))
+        plan.numpy()[:] = padded_plan(gpu_pos, host_pos, n, self.max_pairs)  # no tensor built first
         st.perm[:n + nh].copy_(plan, non_blocking=True)
         st.ids[:t * k].copy_(topk_ids.reshape(-1))
         st.w[:t * k].copy_(topk_weights.reshape(-1))
