@@ -81,7 +81,8 @@ def _same(a: HybridExperts, b: HybridExperts) -> None:
     assert sa == sb
     for k, v in a.cache.state().items():
         assert torch.equal(v, b.cache.state()[k]), k
-    assert torch.equal(a.slots, b.slots)
+    held = a.cache.slot_expert >= 0  # slots never filled hold whatever torch.empty gave
+    assert torch.equal(a.slots[held], b.slots[held])
 
 
 @pytest.mark.gpu
