@@ -104,10 +104,15 @@ class DeviceGraphs:
         self.max_pairs = backend.decode_tokens * backend.top_k
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
+        self._statics: dict[tuple, Statics] = {}  # the model's (HostPath's), by dtypes: one lookup a step
 
     def statics(self, xdt, wdt) -> Statics:
-        b = self.b
-        return statics(b.hostpath, b.decode_tokens, b.top_k, b.layout.hidden, xdt, wdt, b.device)
+        st = self._statics.get((xdt, wdt))
+        if st is None:
+            b = self.b
+            st = self._statics[xdt, wdt] = statics(b.hostpath, b.decode_tokens, b.top_k, b.layout.hidden, xdt, wdt,
+                                                    b.device)
+        return st
 
     def capture_all(self, xdt: torch.dtype, wdt: torch.dtype) -> None:
         for n in sizes(self.max_pairs):
