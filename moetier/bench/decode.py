@@ -334,7 +334,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
     orders = args.get("hybrid_order") or [None]
-    dgraphs = args.get("hybrid_device_graphs") or [True]
+    dgraphs = sorted(args.get("hybrid_device_graphs") or [True])  # off first, as eager: a failed capture
     plan = [(b, budget, "auto", None, True) for b, budget in plan]
     plan += [("hybrid", b, mode, order, dg) for mode in modes for order in orders for dg in dgraphs for b in budgets
              if "hybrid" in backends]
