@@ -159,6 +159,10 @@ def bench_decode(
                                           "call on the same thread) and/or legacy (the order before the "
                                           "overlap work), each optionally with :THREADS (host threads of "
                                           "that variant, e.g. host-first:16); one row set each."),
+    hybrid_device_graphs: str = typer.Option("on", "--hybrid-device-graphs",
+                                             help="hybrid rows: comma-separated on and/or off: a layer's device "
+                                                  "path as CUDA graph replays (on) or launched kernel by kernel "
+                                                  "(off); one row set each."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -206,6 +210,9 @@ def bench_decode(
         if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):
             raise MoetierError(f"--hybrid-order {hybrid_order!r}: give host-first, device-first and/or legacy, "
                                "each optionally with :THREADS (comma-separated)")
+        dgraphs = [m.strip() for m in hybrid_device_graphs.split(",") if m.strip()]
+        if not dgraphs or set(dgraphs) - {"on", "off"}:
+            raise MoetierError(f"--hybrid-device-graphs {hybrid_device_graphs!r}: give on and/or off (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
@@ -244,7 +251,7 @@ def bench_decode(
     args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
-            "hybrid_order": orders,
+            "hybrid_order": orders, "hybrid_device_graphs": [d == "on" for d in dgraphs],
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,

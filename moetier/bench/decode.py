@@ -131,13 +131,15 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto", order: str | None = None) -> list[dict]:
+                 args: dict, bw: dict, mode: str = "auto", order: str | None = None,
+                 device_graphs: bool = True) -> list[dict]:
     """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
     piecewise (the pieces always) or eager (no graphs); order: how a hybrid layer hands the host its
-    pairs (experts/host_path.ORDERS; None: the default)."""
+    pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
+    CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
     hybrid = backend == "hybrid"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **(host_options(args, bw, order) if hybrid else {}))
+                        **({**host_options(args, bw, order), "device_graphs": device_graphs} if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
@@ -174,7 +176,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                 r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
                                "rates": hybrid_rates(bed.model), "variant": order, "order": hp.order,
-                               "host_threads": hp.kernel.threads,
+                               "host_threads": hp.kernel.threads, "device_graphs": hp.device_graphs,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
                          "slots": slots, "graphs": graph_mode(llm),
@@ -332,18 +334,19 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
     orders = args.get("hybrid_order") or [None]
-    plan = [(b, budget, "auto", None) for b, budget in plan]
-    plan += [("hybrid", b, mode, order) for mode in modes for order in orders for b in budgets
+    dgraphs = sorted(args.get("hybrid_device_graphs") or [True])  # off first, as eager: a failed capture
+    plan = [(b, budget, "auto", None, True) for b, budget in plan]
+    plan += [("hybrid", b, mode, order, dg) for mode in modes for order in orders for dg in dgraphs for b in budgets
              if "hybrid" in backends]
-    for backend, budget, mode, order in plan:
+    for backend, budget, mode, order, dg in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, order)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, order, dg)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "graphs": mode, "order": order,
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "order": order, "device_graphs": dg,
                            "dtype": bed_dtype(bed), "error": repr(e)})
-            print(f"hybrid {budget:.0%} graphs={mode} order={order} failed: {e!r}", flush=True)
+            print(f"hybrid {budget:.0%} graphs={mode} order={order} device_graphs={dg} failed: {e!r}", flush=True)
             continue
         print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
     if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only

@@ -21,6 +21,8 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
             if r.get("hybrid", {}).get("variant"):
                 name += "/" + r["hybrid"]["variant"]
+            if r.get("hybrid", {}).get("device_graphs") is False:
+                name += "/dg-off"
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
@@ -55,9 +57,11 @@ def table(rows: list[dict]) -> str:
 def phases_line(hyb: dict) -> str:
     """One hybrid row's mean phase offsets (experts/hybrid_phases.py) in microseconds from a layer's entry."""
     p = hyb["phases_us"]
-    out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}:"
+    dg = {True: " device graphs on", False: " device graphs off"}.get(hyb.get("device_graphs"), "")
+    out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}{dg}:"
     if p.get("layers"):
-        out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} host_start "
+        out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} "
+                f"args {p.get('host_args', 0):.0f} host_start "
                 f"{p['host_start']:.0f} launched {p['launched']:.0f} host {p['host_begin']:.0f}..{p['host_end']:.0f} "
                 f"joined {p['joined']:.0f} done {p['done']:.0f} us")
     if p.get("device_gpu") is not None:

@@ -11,6 +11,9 @@ rates (measure_rates).
                   builds its inputs and calls the kernel, before the launches; the worker must take the
                   GIL from the launching thread first
 MOETIER_HYBRID_ORDER sets the default order (HostPath(order=...) and --hybrid-order take precedence).
+device_graphs (default on; MOETIER_HYBRID_DEVICE_GRAPHS=0 turns the default off): on CUDA, each layer's
+device path replays a CUDA graph per padded device-pair count (hybrid_graphs.py) instead of launching
+kernel by kernel; off: the eager launches (the same bits for the same choice).
 Threads default to the usable cores less one (default_host_threads): the launching thread keeps a core.
 """
 
@@ -34,7 +37,12 @@ class HostPath:
     else grouped with a one-line warning (cpu_experts.host_kernel), never an error at serve time."""
 
     def __init__(self, layout: RowLayout, kernel: str = "auto", threads: int | None = None,
-                 rates: PathRates | None = None, order: str | None = None):
+                 rates: PathRates | None = None, order: str | None = None, device_graphs: bool | None = None):
+        if device_graphs is None:
+            device_graphs = os.environ.get("MOETIER_HYBRID_DEVICE_GRAPHS", "1") != "0"
+        self.device_graphs = device_graphs  # used on CUDA only (hybrid_graphs.py)
+        self.graph_statics: dict[tuple, object] = {}  # hybrid_graphs.Statics by device, shape and dtypes
+        self._pool = None
         self.order = order or os.environ.get("MOETIER_HYBRID_ORDER") or "host-first"
         if self.order not in ORDERS:
             raise ValueError(f"hybrid order {self.order!r}: choose one of {', '.join(ORDERS)}")
@@ -42,17 +50,29 @@ class HostPath:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
         self.rates = rates
         self._bufs: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # by (name, dtype, pin, device, shape)
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
                device: torch.device | None = None) -> torch.Tensor:
         # NOTE: shared by every layer. A layer's host->device copies out of pinned ones are ordered before
         # the next layer's device->host copies into them, and the next layer waits for those (its sync);
         # a device one is used within one layer's stream order.
+        view = self._views.get((name, dtype, pin, device, shape))  # a view made before: one lookup
+        if view is not None:
+            return view
         key = (name, dtype, pin, device)
         b = self._bufs.get(key)
         if b is None or b.numel() < _numel(shape):
             b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
-        return b[:_numel(shape)].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[:4] != key}  # views of the old one
+        view = self._views[key + (shape,)] = b[:_numel(shape)].view(shape)
+        return view
+
+    def graph_pool(self):
+        """The memory pool of every layer's device-path graphs (hybrid_graphs.py), made at first ask."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def calibrate(self, host_rows: torch.Tensor, slots: torch.Tensor) -> PathRates:
         """Measure once: the link (host rows into slots, which are empty at build) and the host kernel

@@ -20,6 +20,9 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
              native thread (no GIL to take back), its threads one fewer than the cores so that this
              thread keeps one to launch on; device-first launches first, then runs the host call here;
              legacy is the order before issue 17's overlap work (a worker job that builds its inputs).
+             On CUDA the device path is, by default, one CUDA graph replay per layer (hybrid_graphs.py:
+             a graph per padded device-pair count, padding pairs of id -1); HostPath.device_graphs=False
+             launches it kernel by kernel (the same bits for the same choice).
   4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
              resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
 A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so
@@ -79,9 +82,16 @@ class HybridExperts(SlotExperts):
         self.host_enabled = True
         self.host_us = 0.0  # wall time of the host kernel calls (on the thread that ran them)
         self.phases = None  # a hybrid_phases.PhaseClock while profile() has turned it on
+        self.device_graphs = None  # hybrid_graphs.DeviceGraphs: the device path as graph replays (CUDA)
         if self.cuda:
             self._ev = torch.cuda.Event()
             self._precompile()
+            if self.hostpath.device_graphs:
+                from moetier.experts.hybrid_graphs import DeviceGraphs
+
+                xdt = compute_dtype(self.slots, torch.bfloat16)  # the hidden (and routing weights') dtype
+                self.device_graphs = DeviceGraphs(self)
+                self.device_graphs.capture_all(xdt, xdt)
 
     def forward(self, hidden, topk_ids, topk_weights):
         t, k = topk_ids.shape
@@ -151,15 +161,24 @@ class HybridExperts(SlotExperts):
         kernel's (start, end) on the perf_counter clock."""
         hp = self.hostpath
         if hp.order == "legacy":  # as before: everything on the worker thread, which must take the GIL first
+            if marks is not None:
+                marks["host_args"] = time.perf_counter()
             job = _Job(hp.worker.submit(self._host_outputs, x, host_pos, experts, k))
         else:
-            xs = x.to(compute_dtype(self.host, x.dtype))
-            tok, exp = torch.tensor(host_pos) // k, torch.tensor(experts)
+            cd = compute_dtype(self.host, x.dtype)
+            xs = x if x.dtype == cd else x.to(cd)
+            # one tensor of tokens then experts, the division in Python: fewer torch calls on this thread
+            both = torch.tensor([p // k for p in host_pos] + experts)
+            tok, exp = both[:len(host_pos)], both[len(host_pos):]
             if hp.order == "device-first":
+                if marks is not None:
+                    marks["host_args"] = time.perf_counter()
                 job = _Job(None, _timed(hp.kernel.pair_outputs, xs, tok, exp, self.host))
             else:
                 # compiled: its own native thread, no GIL; on CUDA straight into the pinned upload buffer
                 out = hp.buffer("y", (len(host_pos), self.layout.hidden), torch.float32, True) if self.cuda else None
+                if marks is not None:
+                    marks["host_args"] = time.perf_counter()  # host_start - host_args: the hand-over alone
                 native = hp.kernel.start(xs, tok, exp, self.host, out)
                 job = _Job(native) if native is not None else _Job(
                     hp.worker.submit(_timed, hp.kernel.pair_outputs, xs, tok, exp, self.host))
@@ -214,19 +233,24 @@ class HybridExperts(SlotExperts):
 
     def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):
         """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs
-        to come, host pair positions on the device)."""
+        to come, host pair positions on the device). With device graphs: one replay (hybrid_graphs.py)."""
+        timed = self.phases is not None
+        if self.device_graphs is not None and gpu_pos:
+            return self.device_graphs.run(hidden, topk_ids, topk_weights, gpu_pos, host_pos, timed)
         from moetier.experts.grouped_gemm import grouped_expert_mlp
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
         t, k = topk_ids.shape
         ng, nh = len(gpu_pos), len(host_pos)
         plan = self.hostpath.buffer("plan", (ng + nh,), torch.int64, True)
-        plan.copy_(torch.tensor(gpu_pos + host_pos))
+        plan.numpy()[:] = gpu_pos + host_pos  # straight into the pinned buffer (no tensor built first)
         perm = plan.to(self.device, non_blocking=True)  # one upload: device pairs, then host pairs
         gpos, hpos = perm[:ng], perm[ng:]
-        y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
+        if self.device_graphs is not None:  # a host-only step: the graphs' y (no second [P, H] buffer)
+            y = self.device_graphs.statics(hidden.dtype, topk_weights.dtype).y[:t * k]
+        else:
+            y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
         if ng:
-            timed = self.phases is not None
             if timed:
                 self._ev_dev[0].record()
             g_ids = topk_ids.reshape(-1)[gpos].view(ng, 1)

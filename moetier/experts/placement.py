@@ -63,6 +63,9 @@ class ExpertOptions:
     # how a layer hands the host its pairs (experts/host_path.ORDERS; None: $MOETIER_HYBRID_ORDER, else
     # host-first)
     host_order: str | None = None
+    # hybrid on CUDA: the device path as CUDA graph replays (experts/hybrid_graphs.py; None: on unless
+    # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
+    device_graphs: bool | None = None
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
@@ -153,7 +156,8 @@ class ExpertPlacement:
             from moetier.experts.hybrid import HostPath, HybridExperts
 
             if self._hostpath is None:
-                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order)
+                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
+                                          o.device_graphs)
             hybrid = HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
                                    o.policy, o.gemm, self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass

@@ -187,10 +187,14 @@ def count(req: PlanRequest) -> Plan:
         scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
         state = [n for layer in layers for n in r.backend_extras(backend, shape, dt, req.decode_tokens,
                                                                  slots.get(layer, 0))[1:]]
-        if backend == "hybrid":  # experts/hybrid.py: the pair outputs [P, H] fp32, one for every layer
-            state.append(p * shape.hidden * 4)
+        if backend == "hybrid":  # experts/hybrid_graphs.py: static inputs and pair outputs, one set per model
+            state += r.hybrid_graph_statics(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
+        if backend == "hybrid":  # its device-path graphs' own pool, captured at build (device_graphs, the default)
+            gathered = r.hybrid_graph_pool(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
+            dev.append(Item("hybrid device-path graph pool", r.segments(gathered), "load",
+                            f"{p} pairs' gathered rows, shared by every layer", sum(r.block(n) for n in gathered)))
         outs = [req.decode_tokens * shape.hidden * dt.itemsize] * len(layers)
         dev.append(_item("expert decode outputs", "capture", outs, f"[{req.decode_tokens}, {shape.hidden}] per layer"))
         tensors += scratch + state + outs

@@ -376,6 +376,7 @@ int moetier_host_experts_start(const void* rows, int64_t num_rows, int64_t row_b
     return 1;
   a->kind = kind, a->threads = threads, a->block = block;
   a->pending = a->busy = true;
+  lk.unlock();  // notify after unlocking: the woken thread does not block at once on the caller's lock
   a->cv.notify_all();
   return 0;
 }
