@@ -95,6 +95,7 @@ def main() -> None:
             lay, kernel, 1, cases["split"], order)))
     hyb["split/graphs"] = as_cuda(HybridExperts(rows, lay, K, S, N, host=CpuHostPath(lay, kernel, 1, cases["split"])))
     hyb["split/graphs"].device_graphs = EagerGraphs(hyb["split/graphs"])
+    hyb["split/graphs"].device_graphs.capture_all(torch.bfloat16, torch.float32)  # as at build: the dtypes below
     clocked = hyb["split/device-first"]
     clocked.phases, clocked._ev_dev = PhaseClock(), (NoEvent(), NoEvent())
     torch.cuda.synchronize = lambda *a: None  # the interpreter has nothing to wait for

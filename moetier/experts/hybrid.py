@@ -235,7 +235,7 @@ class HybridExperts(SlotExperts):
         """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs
         to come, host pair positions on the device). With device graphs: one replay (hybrid_graphs.py)."""
         timed = self.phases is not None
-        if self.device_graphs is not None and gpu_pos:
+        if self.device_graphs is not None and gpu_pos and self.device_graphs.ready(hidden.dtype, topk_weights.dtype):
             return self.device_graphs.run(hidden, topk_ids, topk_weights, gpu_pos, host_pos, timed)
         from moetier.experts.grouped_gemm import grouped_expert_mlp
         from moetier.experts.slot_kernels import bookkeeping, copy_rows

@@ -27,8 +27,9 @@ copied in (they need not have fixed addresses: eager decode, tests). Graphs: per
 capture its cache, slots and scratch) and per (size, hidden dtype, weight dtype), all in one memory pool
 per model (HostPath.graph_pool: their intermediates, the gathered rows, are dead when a replay ends and
 layers replay one at a time, so they can share it). Captured at build for the model's dtypes (hidden
-and weights in the rows' compute dtype, as the routers give them); NOTE: any other dtype pair (a test's
-fp32 weights) is captured at its first use, synchronizing the device, on a side stream.
+and weights in the rows' compute dtype, as the routers give them); NOTE: a step with any other dtype
+pair (a test's fp32 weights) takes the eager device path: nothing is captured while serving (a capture
+in the middle of a forward failed on the H200, and it would synchronize the device).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class DeviceGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self._statics: dict[tuple, Statics] = {}  # the model's (HostPath's), by dtypes: one lookup a step
+        self._ready: set[tuple] = set()  # (hidden dtype, weight dtype) pairs captured at build
 
     def statics(self, xdt, wdt) -> Statics:
         st = self._statics.get((xdt, wdt))
@@ -115,15 +117,14 @@ class DeviceGraphs:
         return st
 
     def capture_all(self, xdt: torch.dtype, wdt: torch.dtype) -> None:
+        """At build: every size for these dtypes (the only ones replayed: ready())."""
         for n in sizes(self.max_pairs):
-            self.graph(n, xdt, wdt)
+            self.graphs[n, xdt, wdt] = self._capture(n, self.statics(xdt, wdt))
+        self._ready.add((xdt, wdt))
 
-    def graph(self, n: int, xdt, wdt) -> torch.cuda.CUDAGraph:
-        key = (n, xdt, wdt)
-        g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = self._capture(n, self.statics(xdt, wdt))
-        return g
+    def ready(self, xdt, wdt) -> bool:
+        """Whether steps of these dtypes replay (captured at build); else the eager device path."""
+        return (xdt, wdt) in self._ready
 
     def run(self, hidden, topk_ids, topk_weights, gpu_pos: list[int], host_pos: list[int], timed: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +134,7 @@ class DeviceGraphs:
         t, k = topk_ids.shape
         ng, nh = len(gpu_pos), len(host_pos)
         n = pad_size(ng, self.max_pairs)
-        g = self.graph(n, hidden.dtype, topk_weights.dtype)  # first: a lazy capture overwrites the statics
+        g = self.graphs[n, hidden.dtype, topk_weights.dtype]
         st = self.statics(hidden.dtype, topk_weights.dtype)
         plan = b.hostpath.buffer("plan", (n + nh,), torch.int64, True)
         plan.numpy()[:] = padded_plan(gpu_pos, host_pos, n, self.max_pairs)  # no tensor built first
@@ -169,8 +170,6 @@ class DeviceGraphs:
     def _capture(self, n: int, st: Statics) -> torch.cuda.CUDAGraph:
         """One eager run of the body with every pair padding (it compiles whatever is missing; the cache's
         clock and step count, the only state it moves, are put back), then the capture."""
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a hybrid device graph cannot be captured inside another capture")
         b = self.b
         cache = b.cache
         st.perm[:n].fill_(self.max_pairs)
@@ -183,7 +182,6 @@ class DeviceGraphs:
             self._body(st, n)
             side.synchronize()
             # capture_begin, not torch.cuda.graph: that one runs gc.collect() and empty_cache() per graph.
-            # thread_local: the host kernel's threads may be running (a lazy capture inside forward)
             g.capture_begin(pool=b.hostpath.graph_pool(), capture_error_mode="thread_local")
             try:
                 self._body(st, n)
