@@ -42,11 +42,11 @@ def test_padded_plan_puts_device_pairs_then_padding_then_host_pairs():
 def test_the_option_reaches_the_host_path_and_the_env_sets_its_default(monkeypatch):
     lay = RowLayout(16, 8)
     rates = PathRates(1.0, {BF16: 1.0})
+    assert HostPath(lay, "grouped", 1, rates).device_graphs is False  # off by default (host_path.py)
+    assert HostPath(lay, "grouped", 1, rates, device_graphs=True).device_graphs is True
+    monkeypatch.setenv("MOETIER_HYBRID_DEVICE_GRAPHS", "1")
     assert HostPath(lay, "grouped", 1, rates).device_graphs is True
     assert HostPath(lay, "grouped", 1, rates, device_graphs=False).device_graphs is False
-    monkeypatch.setenv("MOETIER_HYBRID_DEVICE_GRAPHS", "0")
-    assert HostPath(lay, "grouped", 1, rates).device_graphs is False
-    assert HostPath(lay, "grouped", 1, rates, device_graphs=True).device_graphs is True
     assert ExpertOptions("hybrid").device_graphs is None
     # on the CPU the device path is the torch reference: no graphs
     rows = torch.zeros(4, lay.numel, dtype=torch.bfloat16)

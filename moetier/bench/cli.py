@@ -159,7 +159,7 @@ def bench_decode(
                                           "call on the same thread) and/or legacy (the order before the "
                                           "overlap work), each optionally with :THREADS (host threads of "
                                           "that variant, e.g. host-first:16); one row set each."),
-    hybrid_device_graphs: str = typer.Option("on", "--hybrid-device-graphs",
+    hybrid_device_graphs: str = typer.Option("off", "--hybrid-device-graphs",
                                              help="hybrid rows: comma-separated on and/or off: a layer's device "
                                                   "path as CUDA graph replays (on) or launched kernel by kernel "
                                                   "(off); one row set each."),

@@ -132,7 +132,7 @@ def warm_all(model: CausalLM) -> None:
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
                  args: dict, bw: dict, mode: str = "auto", order: str | None = None,
-                 device_graphs: bool = True) -> list[dict]:
+                 device_graphs: bool = False) -> list[dict]:
     """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
     piecewise (the pieces always) or eager (no graphs); order: how a hybrid layer hands the host its
     pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
@@ -334,7 +334,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
     orders = args.get("hybrid_order") or [None]
-    dgraphs = sorted(args.get("hybrid_device_graphs") or [True])  # off first, as eager: a failed capture
+    dgraphs = sorted(args.get("hybrid_device_graphs") or [False])  # off first, as eager: a failed capture
     plan = [(b, budget, "auto", None, True) for b, budget in plan]
     plan += [("hybrid", b, mode, order, dg) for mode in modes for order in orders for dg in dgraphs for b in budgets
              if "hybrid" in backends]

@@ -11,9 +11,11 @@ rates (measure_rates).
                   builds its inputs and calls the kernel, before the launches; the worker must take the
                   GIL from the launching thread first
 MOETIER_HYBRID_ORDER sets the default order (HostPath(order=...) and --hybrid-order take precedence).
-device_graphs (default on; MOETIER_HYBRID_DEVICE_GRAPHS=0 turns the default off): on CUDA, each layer's
+device_graphs (default off; MOETIER_HYBRID_DEVICE_GRAPHS=1 turns the default on): on CUDA, each layer's
 device path replays a CUDA graph per padded device-pair count (hybrid_graphs.py) instead of launching
-kernel by kernel; off: the eager launches (the same bits for the same choice).
+kernel by kernel; off: the eager launches (the same bits for the same choice). NOTE: off by default
+because on the H200 the replays were slower at batch 1 (109.2 against 122.7 tok/s, uniform routing,
+50%) though faster at batch 8 (326.8 against 307.2): docs/hybrid-graphs.md.
 Threads default to the usable cores less one (default_host_threads): the launching thread keeps a core.
 """
 
@@ -39,7 +41,7 @@ class HostPath:
     def __init__(self, layout: RowLayout, kernel: str = "auto", threads: int | None = None,
                  rates: PathRates | None = None, order: str | None = None, device_graphs: bool | None = None):
         if device_graphs is None:
-            device_graphs = os.environ.get("MOETIER_HYBRID_DEVICE_GRAPHS", "1") != "0"
+            device_graphs = os.environ.get("MOETIER_HYBRID_DEVICE_GRAPHS", "0") == "1"
         self.device_graphs = device_graphs  # used on CUDA only (hybrid_graphs.py)
         self.graph_statics: dict[tuple, object] = {}  # hybrid_graphs.Statics by device, shape and dtypes
         self._pool = None

@@ -20,9 +20,9 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
              native thread (no GIL to take back), its threads one fewer than the cores so that this
              thread keeps one to launch on; device-first launches first, then runs the host call here;
              legacy is the order before issue 17's overlap work (a worker job that builds its inputs).
-             On CUDA the device path is, by default, one CUDA graph replay per layer (hybrid_graphs.py:
-             a graph per padded device-pair count, padding pairs of id -1); HostPath.device_graphs=False
-             launches it kernel by kernel (the same bits for the same choice).
+             On CUDA the device path is launched kernel by kernel, or with HostPath.device_graphs one
+             CUDA graph replay per layer (hybrid_graphs.py: a graph per padded device-pair count, padding
+             pairs of id -1; the same bits for the same choice; off by default: host_path.py says why).
   4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
              resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
 A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so

@@ -191,7 +191,9 @@ def count(req: PlanRequest) -> Plan:
             state += r.hybrid_graph_statics(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
-        if backend == "hybrid":  # its device-path graphs' own pool, captured at build (device_graphs, the default)
+        # NOTE: counted whether or not the device graphs are on (ExpertOptions.device_graphs, off by default):
+        # a few MiB, so the plan errs on the safe side
+        if backend == "hybrid":  # its device-path graphs' own pool, captured at build
             gathered = r.hybrid_graph_pool(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
             dev.append(Item("hybrid device-path graph pool", r.segments(gathered), "load",
                             f"{p} pairs' gathered rows, shared by every layer", sum(r.block(n) for n in gathered)))
