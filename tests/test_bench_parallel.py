@@ -79,6 +79,7 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
             assert c["calls_per_step"] == pytest.approx(layers)
             assert c["bytes_per_step"] == pytest.approx(layers * r["batch"] * cfg.hidden_size * 4)
             assert r["all_reduce_ms_per_step"] > 0
+            assert r["record_broadcast_ms_per_step"] > 0 and r["step_record_group"] == "world"
     ep_slots = [r for r in rows if r.get("parallel") == "ep2" and r["backend"] == "slots"]
     assert all(r["slots"] == 8 for r in ep_slots)  # 25% of 32 experts per GPU: 8 of the 16 a rank owns
     same = data["greedy_tokens_equal_to_resident"]

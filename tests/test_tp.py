@@ -128,6 +128,22 @@ def test_greedy_batch_equals_each_alone_and_one_process(ckpts):
         llm.close()
 
 
+def test_step_records_on_a_gloo_group_of_their_own(ckpts):
+    """EngineConfig.step_record_group="gloo": the records travel on a second group (dist/group.record_group)
+    and the tokens stay the one-process ones; rank 0 times its broadcasts (bench decode --parallel)."""
+    one = LLM(ckpts["tiny"], **ENGINE)
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
+    llm = LLM(ckpts["tiny"], tensor_parallel_size=2, step_record_group="gloo", **ENGINE)
+    try:
+        assert llm._workers.records is not None
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        assert llm.runner.broadcasts > 0 and llm.runner.broadcast_s > 0
+    finally:
+        llm.close()
+    with pytest.raises(MoetierError, match="step_record_group must be world or gloo"):
+        LLM(ckpts["tiny"], tensor_parallel_size=2, step_record_group="nccl", **ENGINE)
+
+
 def test_bad_layouts_are_refused_before_any_spawn(ckpts):
     cases = [
         (dict(tensor_parallel_size=2), "tiny-gqa", "num_key_value_heads (1)"),  # 6 heads but one kv head

@@ -87,7 +87,8 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=most, decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, most * prompt_len),
                           kv_tokens=most * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          tensor_parallel_size=tp, expert_parallel_size=ep)
+                          tensor_parallel_size=tp, expert_parallel_size=ep,
+                          step_record_group=args.get("step_record_group", "world"))
     # every rank's share against its GPU and its node, before any rank makes its weights
     req = request_for(cfg, getattr(torch, model_dtype), device, config, args.get("gpu_memory"),
                       args.get("host_memory"))
@@ -99,7 +100,12 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     rows = []
     try:
         for b in batches:  # NOTE: back to back as one GPU's rows, so each starts at the same trace step
+            sent = (llm.runner.broadcast_s, llm.runner.broadcasts)
             r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            # rank 0's wall time in the step record's broadcast, per step (dist/executor.DistributedRunner)
+            r["record_broadcast_ms_per_step"] = ((llm.runner.broadcast_s - sent[0]) * 1e3
+                                                 / max(1, llm.runner.broadcasts - sent[1]))
+            r["step_record_group"] = args.get("step_record_group", "world")
             st = r["expert_stats"]  # rank 0's experts only
             if backend == "slots":
                 per = max(1, st["steps"])

@@ -43,6 +43,8 @@ def table(rows: list[dict]) -> str:
         if r.get("parallel", "1") != "1":  # rank 0's experts and rooflines; the all-reduce time per step
             name = f"{r['parallel']}:{name}"
             host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
+            if "record_broadcast_ms_per_step" in r:
+                host += f"  record {r['record_broadcast_ms_per_step']:.3f} ms/step ({r['step_record_group']})"
             if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
                 host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
         lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "

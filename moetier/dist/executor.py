@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moetier.dist.group import Rendezvous, init_rank, leave, local_rendezvous
+from moetier.dist.group import Rendezvous, init_rank, leave, local_rendezvous, record_group
 from moetier.dist.worker import WorkerSpec, main
 from moetier.engine.runner import ModelRunner
 from moetier.engine.step import StepInput, StepOutput
@@ -41,6 +41,7 @@ class WorkerGroup:
     def __init__(self, rendezvous: Rendezvous):
         self.rendezvous, self.world = rendezvous, rendezvous.world  # where rank 0 meets them
         self.stopped = False
+        self.records = None  # the group the step records go on (group.record_group; None: the world)
 
     def dead(self) -> list[str]:  # 'rank r (...)' for every worker that is no longer running
         raise NotImplementedError
@@ -76,7 +77,7 @@ class WorkerGroup:
             self.failed(e)
 
     def broadcast(self, step: StepInput | None) -> None:
-        dist.broadcast_object_list([step], src=0)
+        dist.broadcast_object_list([step], src=0, group=self.records)
 
     def stop(self, graceful: bool = True) -> None:
         """Workers exit (told to, when all are alive and graceful; killed otherwise); the group goes."""
@@ -129,6 +130,7 @@ def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
         workers = Workers(spec)
     try:
         par = init_rank(0, workers.rendezvous, spec.tp, spec.ep)
+        workers.records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
         if rank_plans is not None:
             from moetier.plan.nodes import node_check, refuse
 
@@ -159,6 +161,7 @@ class DistributedRunner:
 
     def __init__(self, inner: ModelRunner, workers: Workers):
         self.inner, self.workers = inner, workers
+        self.broadcast_s, self.broadcasts = 0.0, 0  # rank 0's time in the record broadcast (benchmarks)
 
     @property
     def graph_steps(self) -> int:
@@ -187,7 +190,10 @@ class DistributedRunner:
                                "start a new LLM")
         self.workers.check()
         try:
+            t0 = time.perf_counter()
             self.workers.broadcast(step)
+            self.broadcast_s += time.perf_counter() - t0
+            self.broadcasts += 1
             return fn(step)
         except RuntimeError as e:  # torch.distributed errors (DistBackendError among them)
             self.workers.failed(e)

@@ -81,6 +81,15 @@ def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
     return par
 
 
+def record_group(kind: str, timeout_s: float):
+    """The group the step records travel on (EngineConfig.step_record_group): None for "world" (the
+    default group), a new gloo group for "gloo". NOTE: every rank calls it right after init_rank, in the
+    same order (new_group is collective)."""
+    if kind == "world":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def leave() -> None:
     """Leave the group (idempotent)."""
     if dist.is_initialized():

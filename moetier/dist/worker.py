@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moetier.checkpoint.random_bed import RandomModel, build_random
-from moetier.dist.group import Rendezvous, init_rank, leave
+from moetier.dist.group import Rendezvous, init_rank, leave, record_group
 from moetier.engine.config import EngineConfig
 from moetier.experts.placement import ExpertOptions
 
@@ -69,6 +69,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
         device = spec.device
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.rendezvous.world))
     par = init_rank(rank, spec.rendezvous, spec.tp, spec.ep)
+    records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
     try:
         if spec.rank_plans is not None:
             from moetier.plan.nodes import node_check
@@ -77,7 +78,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
                 return  # a node cannot hold its share: rank 0 names it; nothing was loaded
         runner = build_runner(spec, device, par)
         try:
-            serve(runner)
+            serve(runner, records)
         finally:
             runner.release()  # graphs before the group (DecodeGraphs.release)
     finally:
@@ -137,11 +138,11 @@ def uses_graphs(config: EngineConfig, model, device: str) -> bool:
             and not needs_pieces(model))
 
 
-def serve(runner) -> None:
-    """Run the steps rank 0 broadcasts until it sends None."""
+def serve(runner, records=None) -> None:
+    """Run the steps rank 0 broadcasts (on the group `records`: group.record_group) until it sends None."""
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=records)
         if box[0] is None:
             return
         runner.run_worker_step(box[0])
