@@ -28,3 +28,27 @@ class Sequence:
         hidden = self.model.forward(input_ids.to(self.model.device), batch, self.kv)
         self.length += n
         return hidden
+
+
+def tiny_hybrid_bench(tmp_path, threads: int, **args) -> dict:
+    """`bench decode`'s hybrid rows on the CPU: the tiny preset, a uniform trace and a host profile of
+    `threads` threads, run with `args` over the defaults -> the run's record."""
+    import json
+
+    from moetier.bench import decode
+    from moetier.checkpoint.random_bed import random_bed
+    from moetier.presets import preset
+    from moetier.traces.format import write_trace
+    from moetier.traces.synth import SynthParams, meta_of, synthesize
+
+    cfg = preset("tiny")
+    trace = tmp_path / "uniform.mtrace"
+    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=256, skew=0.0, seed=1)
+    write_trace(trace, synthesize(p), meta_of(p))
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"shape": {"dtype": "fp32"}, "winner": {"kernel": "grouped", "threads": threads,
+                                   "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    batch = args.pop("batch")
+    run = {"hf_tokens": 2, "policy": "lfru", "decode_tokens": 16, "seed": 0, "host_profile": str(profile), **args}
+    return decode.run(cfg, str(trace), [0.5], [batch], ["hybrid"], run, bed=bed, bw={"hbm_GBps": 100.0, "link_GBps": 10.0})

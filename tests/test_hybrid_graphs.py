@@ -13,6 +13,7 @@ from moetier.experts.hybrid import HybridExperts
 from moetier.experts.hybrid_graphs import pad_size, padded_plan, sizes
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.shape import RowLayout
+from tests.helpers import tiny_hybrid_bench
 
 BF16 = "bfloat16"
 
@@ -63,26 +64,10 @@ def test_bench_cli_checks_the_device_graphs_variants():
 
 
 def test_bench_decode_rows_per_device_graphs_variant(tmp_path):
-    import json
-
     from moetier.bench import decode
-    from moetier.checkpoint.random_bed import random_bed
-    from moetier.presets import preset
-    from moetier.traces.format import write_trace
-    from moetier.traces.synth import SynthParams, meta_of, synthesize
 
-    cfg = preset("tiny")
-    trace = tmp_path / "uniform.mtrace"
-    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=256, skew=0.0, seed=1)
-    write_trace(trace, synthesize(p), meta_of(p))
-    profile = tmp_path / "cpu.json"
-    profile.write_text(json.dumps({"shape": {"dtype": "fp32"}, "winner": {"kernel": "grouped", "threads": 2,
-                                   "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
-    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
-    args = {"tokens": 2, "warmup": 1, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
-            "seed": 0, "host_profile": str(profile), "hybrid_device_graphs": [True, False]}
-    data = decode.run(cfg, str(trace), [0.5], [1], ["hybrid"], args, bed=bed,
-                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    data = tiny_hybrid_bench(tmp_path, 2, batch=1, tokens=2, warmup=1, prompt_len=5,
+                             hybrid_device_graphs=[True, False])
     rows = data["rows"]
     assert [r["hybrid"]["device_graphs"] for r in rows] == [False, True]  # off first (a failed capture)
     assert "device graphs off" in decode.table(rows) and "device graphs on" in decode.table(rows)

@@ -17,6 +17,7 @@ from moetier.experts.hybrid import HybridExperts
 from moetier.experts.hybrid_phases import MARKS, PhaseClock
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.shape import MoeShape, RowLayout
+from tests.helpers import tiny_hybrid_bench
 
 E, K, S, H, I = 16, 4, 6, 64, 32
 BF16 = "bfloat16"
@@ -153,26 +154,12 @@ def test_phase_clock_merges_and_averages():
 
 
 def test_bench_decode_rows_per_order_with_phases(tmp_path):
-    import json
-
     from moetier.bench import decode
-    from moetier.checkpoint.random_bed import random_bed
     from moetier.presets import preset
-    from moetier.traces.format import write_trace
-    from moetier.traces.synth import SynthParams, meta_of, synthesize
 
     cfg = preset("tiny")
-    trace = tmp_path / "uniform.mtrace"
-    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=256, skew=0.0, seed=1)
-    write_trace(trace, synthesize(p), meta_of(p))
-    profile = tmp_path / "cpu.json"
-    profile.write_text(json.dumps({"shape": {"dtype": "fp32"}, "winner": {"kernel": "grouped", "threads": 64,
-                                   "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
-    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
-    args = {"tokens": 3, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
-            "seed": 0, "host_profile": str(profile), "hybrid_order": ["host-first", "legacy", "device-first:3"]}
-    data = decode.run(cfg, str(trace), [0.5], [2], ["hybrid"], args, bed=bed,
-                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    data = tiny_hybrid_bench(tmp_path, 64, batch=2, tokens=3, warmup=2, prompt_len=5,
+                             hybrid_order=["host-first", "legacy", "device-first:3"])
     rows = data["rows"]
     assert [r["hybrid"]["order"] for r in rows] == ["host-first", "legacy", "device-first"]
     # threads: the variant's; else the profile's winner for legacy (as before), at most the cores less one
