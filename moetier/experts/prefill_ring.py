@@ -1,10 +1,10 @@
 """How a large step (prefill) of the slots backend brings in the experts that are not in slots: the
 prefill stream mode, SlotExperts(prefill_stream=...).
 
-    uva   (the default) one large-step grouped GEMM (grouped_gemm_large.py): hits read their slot rows
+    uva   one large-step grouped GEMM (grouped_gemm_large.py): hits read their slot rows
           from HBM, misses read their rows from pinned host memory across the link inside the kernel,
           once per chunk of GemmConfig.large_block_m pairs of a row. No host sync.
-    ring  the distinct missing experts are copied G at a time by the copy engine, on a side stream,
+    ring  (the default: 3-4% faster on the H200, docs/bench-prefill.md) the distinct missing experts are copied G at a time by the copy engine, on a side stream,
           from the pinned host rows into a staging ring of D device buffers of G exact rows each,
           while the compute stream runs the GEMM over the hits and then over each group as its copy
           lands: the link and the tensor cores work at once, and each needed row crosses the link
@@ -33,8 +33,8 @@ its chunk; y is written once per pair and combined in the same order. The CPU pa
 driver with the torch reference (expert_pairs) as its pass (tests/test_prefill_ring.py).
 
 NOTE: step 2 is a host synchronisation per MoE layer, accepted in this mode only: prefill steps are
-eager (never captured in a CUDA graph), and decode steps never take this path. The default mode
-(uva) keeps its no-host-sync property (tests/test_gpu_prefill.py checks it).
+eager (never captured in a CUDA graph), and decode steps never take this path. The uva mode keeps
+its no-host-sync property (tests/test_gpu_prefill.py checks it).
 """
 
 from __future__ import annotations
