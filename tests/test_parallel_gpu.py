@@ -51,3 +51,12 @@ def test_nccl_greedy_equals_one_gpu(ckpts, preset, tp, ep, backend, graphs):
     assert want == want_alone
     batch, alone = run(ckpts[preset], experts, graphs, tensor_parallel_size=tp, expert_parallel_size=ep)
     assert batch == alone == want
+
+
+def test_nccl_step_records_on_a_gloo_group(ckpts):
+    """EngineConfig.step_record_group="gloo" beside NCCL collectives: the records go over host sockets,
+    graphs replay on both ranks, and the tokens stay one GPU's."""
+    experts = ExpertOptions(backend="slots", slots=4)
+    want, _ = run(ckpts["tiny"], experts, True)
+    batch, alone = run(ckpts["tiny"], experts, True, expert_parallel_size=2, step_record_group="gloo")
+    assert batch == alone == want
