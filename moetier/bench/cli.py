@@ -176,6 +176,7 @@ def bench_decode(
     step_records: str = typer.Option("world", "--step-record-group",
                                      help="Parallel rows: the group each step's record goes to the workers on: "
                                           "world (NCCL on GPUs) or gloo (host sockets)."),
+    expert_split: opt.ExpertSplit = "auto",
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -193,6 +194,7 @@ def bench_decode(
         layouts = parse_layouts(parallel)
         if step_records not in ("world", "gloo"):
             raise MoetierError(f"--step-record-group {step_records!r}: choose world or gloo")
+        opt.expert_split(expert_split)
         if model is not None and layouts != [(1, 1)]:
             raise MoetierError("--parallel rows run random weights (--preset); a checkpoint runs over several GPUs "
                                "with `moetier generate/serve --tp/--ep`")
@@ -258,7 +260,7 @@ def bench_decode(
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "hybrid_order": orders, "hybrid_device_graphs": [d == "on" for d in dgraphs],
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
-            "parallel": parallel, "step_record_group": step_records}
+            "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

@@ -82,7 +82,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
 
     device, model_dtype = args.get("device", "cuda"), args.get("model_dtype", "bfloat16")
     random = RandomModel(args["preset"], args.get("layers"), backend, budget, args["policy"], args["seed"],
-                         "fp8" if dtype == "fp8" else None)
+                         "fp8" if dtype == "fp8" else None, args.get("expert_split", "auto"))
     prompt_len, most = args["prompt_len"], max(batches)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=most, decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, most * prompt_len),
@@ -92,10 +92,10 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     # every rank's share against its GPU and its node, before any rank makes its weights
     req = request_for(cfg, getattr(torch, model_dtype), device, config, args.get("gpu_memory"),
                       args.get("host_memory"))
-    _, _, plans = rank_plans(req, random.options(cfg, ep), tp, ep, args.get("gpu_memory"), args.get("host_memory"))
+    _, _, plans = rank_plans(req, random.options(cfg, ep, tp), tp, ep, args.get("gpu_memory"), args.get("host_memory"))
     llm = LLM.from_random(random, model_dtype, device, config, rank_plans=plans)
     bed, timer = llm.bed, llm.parallel.timer
-    slots = slots_for(cfg, backend, budget, ep)
+    slots = slots_for(cfg, backend, budget, ep, tp if bed.split == "columns" else 1)
     warm_all(bed.model)  # rank 0's cache in its steady state, as one GPU's rows
     rows = []
     try:
@@ -116,6 +116,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
             roof = roofline(bed, b, hbm, link, bw["hbm_GBps"], bw["link_GBps"])
             rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
                          "graphs": graph_mode(llm), "parallel": label(tp, ep), "world": max(tp, ep), "tp": tp,
+                         "expert_split": bed.split,
                          "ep": ep, **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm, "link_experts_per_layer_step": link})
         for r in rows:

@@ -17,7 +17,9 @@ No second full copy of the model is ever held.
 Under a parallel layout (layers/parallel.Parallel; docs/parallel.md) each rank loads its share only:
 a dense tensor whose Weight.split names a dim gives this rank its contiguous 1/tp part of that dim
 (generic: any family declares its splits in checkpoint_weights()), the others whole; routed experts
-other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows.
+other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows;
+under the "columns" expert split (experts/columns.py) every expert tensor gives this rank its I/tp
+slice (gate / up rows, down columns, and their FP8 scale blocks).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts import fp8
+from moetier.experts.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
 from moetier.layers.parallel import Parallel
@@ -135,17 +138,22 @@ def shard(t: torch.Tensor, w: Weight, par: Parallel, block: int = 1) -> torch.Te
 
 def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: Weight, tensor) -> bool:
     """Copy a routed-expert tensor into this rank's rows; False when another rank owns the expert."""
-    x, lay = w.expert, placement.layout
+    x, lay, par = w.expert, placement.layout, placement.par
+    tp = par.tp if placement.split == "columns" else 1  # columns: this rank's I/tp of every expert
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return column_part(t, x.part, placement.full_shape.inter, par.tp_rank, tp)
+
     with torch.no_grad():
         if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
             full = tensor(w.name)
-            src = full if placement.par.ep == 1 else full[placement.par.ep_rank::placement.par.ep]
-            lay.part(rows[x.layer], x.part, None).copy_(src)
+            src = full if par.ep == 1 else full[par.ep_rank::par.ep]
+            lay.part(rows[x.layer], x.part, None).copy_(mine(src))
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
-        lay.part(rows[x.layer], x.part, local).copy_(tensor(w.name))
+        lay.part(rows[x.layer], x.part, local).copy_(mine(tensor(w.name)))
         return True
 
 
@@ -177,7 +185,7 @@ def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int,
     """Refuse a layout this model cannot split, before any process is spawned or byte is read: the
     model is built on the meta device (no memory) with rank 0's layout, so the same checks run as at
     load (attention heads, GQA kv heads and dense / shared-expert columns divisible by tp, experts by
-    ep, backend and slots)."""
+    ep, backend and slots, the routed-expert split: I / tp for "columns")."""
     _model_and_placement(cfg, torch.float32, "meta", experts, decode_tokens, par)  # no rows: no memory
 
 

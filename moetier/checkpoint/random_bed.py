@@ -13,7 +13,10 @@ share: an expert-parallel rank draws every expert in the same order as one proce
 rows it owns (e % ep == rank), so EP ranks together hold exactly the one-process experts; a
 tensor-parallel rank draws its dense shards with the same seed, which are valid shards of *a*
 random model but not slices of the one-process one (benchmarks time them; tests of equality use
-checkpoints). RandomModel is the plain record a worker process rebuilds its share from.
+checkpoints). Under the "columns" expert split (experts/columns.py) a tensor-parallel rank draws
+every expert whole, after its dense shards, and keeps its I/tp columns: the ranks together hold the
+experts of the replicated tp share (the same draws), not the one-process experts. RandomModel is the plain record a worker process rebuilds
+its share from.
 With fp8_dense too, the dense projections the model holds in FP8 (layers/fp8_linear.Fp8Weight; the
 same ones as an FP8 checkpoint loaded with fp8_dense "fp8") are random bf16 quantized the same way.
 """
@@ -28,6 +31,7 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.experts import fp8
+from moetier.experts.columns import local_shape, resolve, slice_rows
 from moetier.experts.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import HostStore
@@ -50,6 +54,7 @@ class Bed:
     dense_bytes: int  # weights every step reads besides the routed experts (FP8 ones: weights + scales)
     dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
     par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
+    split: str = "replicate"  # the routed experts' split under tensor parallelism (experts/columns.py)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -68,11 +73,14 @@ class RandomModel:
     policy: str = "lfru"
     seed: int = 0
     quant: str | None = None  # "fp8": FP8 expert rows
+    split: str = "auto"  # routed experts under tensor parallelism: auto, replicate or columns
 
-    def options(self, cfg: ModelConfig, ep: int = 1) -> ExpertOptions:
+    def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
-        return ExpertOptions(self.backend, slots=slots_for(cfg, self.backend, self.budget, ep) or None,
-                             policy=self.policy)
+        split = resolve(self.split, dataclasses.replace(cfg.moe_shape, quant=self.quant), tp, ep, self.backend)
+        columns = tp if split == "columns" else 1
+        return ExpertOptions(self.backend, slots=slots_for(cfg, self.backend, self.budget, ep, columns) or None,
+                             policy=self.policy, split=self.split)
 
 
 def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens: int,
@@ -81,16 +89,18 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
     from moetier.presets import preset
 
     cfg = preset(r.preset, r.layers, str(dtype).removeprefix("torch."))
-    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par)
+    split = resolve(r.split, dataclasses.replace(cfg.moe_shape, quant=r.quant), par.tp, par.ep, r.backend)
+    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split)
     use_backend(bed, r.backend, r.budget, r.policy, decode_tokens)
     return bed
 
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-               quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False) -> Bed:
+               quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
+               split: str = "replicate") -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
     rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
-    rank's share only (module docstring)."""
+    rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert."""
     from moetier.checkpoint.fp8_weights import with_dense
 
     if quant is not None:
@@ -101,8 +111,10 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
+    split = resolve(split, cfg.moe_shape, par.tp, par.ep, "resident")  # refuses a bad explicit columns
+    ours = local_shape(cfg.moe_shape, split, par.tp).layout  # this rank's rows (the whole without columns)
     ep, mine = par.ep, par.ep_rank
-    store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), layout, dtype,
+    store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), ours, dtype,
                       pin=torch.device(device).type == "cuda")
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     g = torch.Generator(device=device).manual_seed(seed)
@@ -123,17 +135,24 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
             # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
             for a in range(0, cfg.num_experts, 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, cfg.num_experts)
-                tmp = torch.empty(b - a, rows.shape[1], dtype=rows.dtype, device=device)
+                tmp = torch.empty(b - a, layout.numel, dtype=rows.dtype, device=device)
                 if layout.quant == "fp8":
                     fill_fp8_rows(tmp, layout, g, dtype)
                 else:
                     tmp.normal_(0.0, 0.02, generator=g)
+                if split == "columns":  # ep is 1 here
+                    part = torch.zeros(b - a, ours.numel, dtype=rows.dtype, device=device)
+                    slice_rows(tmp, layout, part, ours, par.tp_rank, par.tp)
+                    rows[a:b].copy_(part)
+                    continue
                 if ep == 1:
                     rows[a:b].copy_(tmp)
                     continue
                 own = [e for e in range(a, b) if e % ep == mine]
                 rows[[e // ep for e in own]] = tmp[[e - a for e in own]].to(rows.device)
-    return _bed(model, host, par=par)
+    bed = _bed(model, host, par=par)
+    bed.split = split
+    return bed
 
 
 def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -174,12 +193,13 @@ def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | 
     return Bed(model, host, tokenizer, first.shape[1] * first.element_size(), dense, params, par)
 
 
-def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1) -> int:
+def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1, columns: int = 1) -> int:
     """Slots per MoE layer of a budget (0: a backend without slots): the share of the model's routed
-    experts, at least top_k, at most the experts a rank holds."""
+    expert bytes, at least top_k slots, at most the experts a rank holds. columns: the "columns" expert
+    split's tp (a slot holds 1/columns of an expert, so the same bytes hold columns times the slots)."""
     if backend not in ("slots", "hybrid"):
         return 0
-    return min(local_experts(cfg.num_experts, ep), max(cfg.top_k, round(cfg.num_experts * budget)))
+    return min(local_experts(cfg.num_experts, ep), max(cfg.top_k, round(cfg.num_experts * budget * columns)))
 
 
 def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64,
@@ -193,9 +213,10 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
         block.experts = None  # free the previous backend's device memory first
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    slots = slots_for(cfg, backend, budget, bed.par.ep)
+    slots = slots_for(cfg, backend, budget, bed.par.ep, bed.par.tp if bed.split == "columns" else 1)
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
-                                ExpertOptions(backend, slots=slots or None, policy=policy, **options), dev,
+                                ExpertOptions(backend, slots=slots or None, policy=policy, split=bed.split,
+                                              **options), dev,
                                 decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
         rows = bed.host[block.layer]

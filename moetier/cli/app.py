@@ -49,6 +49,7 @@ def generate(
     cache_policy: opt.CachePolicy = "lfru",
     device: opt.Device = "auto",
     tp: opt.TensorParallel = 1,
+    expert_split: opt.ExpertSplit = "auto",
     ep: opt.ExpertParallel = 1,
     distributed_executor: opt.DistributedExecutor = "mp",
     record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="FILE",
@@ -71,7 +72,7 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
         model_dir = model_dir_of(model)
-        experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy)
+        experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
         if record_trace is not None:
             opt.output_file(record_trace, "--record-trace")
         if replay_trace is not None:
@@ -166,6 +167,7 @@ def serve(
                                   "new ones get 503 with Retry-After."),
     tp: opt.TensorParallel = 1,
     ep: opt.ExpertParallel = 1,
+    expert_split: opt.ExpertSplit = "auto",
     distributed_executor: opt.DistributedExecutor = "mp",
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
@@ -201,9 +203,10 @@ def serve(
             if expert_budget is not None and expert_backend != "slots":
                 raise MoetierError("--expert-budget needs --expert-backend slots")
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
-            spec = EngineSpec(random=RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"),
-                                                 cache_policy), dtype=dtype, device=device, engine=engine,
-                              gpu_memory=gpu_memory, host_memory=host_memory)
+            random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
+                                 split=opt.expert_split(expert_split))
+            spec = EngineSpec(random=random, dtype=dtype, device=device, engine=engine, gpu_memory=gpu_memory,
+                              host_memory=host_memory)
         else:
             if layers is not None or expert_budget is not None:
                 raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
@@ -211,7 +214,8 @@ def serve(
 
             spec = EngineSpec(model=model_dir_of(model), dtype=dtype, device=device, engine=engine,
                               experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
-                                                         cache_policy), gpu_memory=gpu_memory, host_memory=host_memory)
+                                                         cache_policy, expert_split),
+                              gpu_memory=gpu_memory, host_memory=host_memory)
         run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name)
     except (MoetierError, TokenizerError) as e:
         opt.fail(e)

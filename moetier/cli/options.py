@@ -35,6 +35,10 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
     "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+ExpertSplit = Annotated[str, typer.Option(
+    "--expert-split", help="Routed experts under --tp: auto (columns whenever valid), replicate (every rank "
+    "holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
+    "docs/parallel.md).")]
 CachePolicy = Annotated[str, typer.Option(
     "--cache-policy", help="Slot cache victims: lfru (frequency-weighted LRU) or lru.")]
 
@@ -104,7 +108,7 @@ def executor(name: str) -> str:
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
-                   policy: str = "lfru"):
+                   policy: str = "lfru", split: str = "auto"):
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
@@ -120,7 +124,16 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     if slots is not None and slots < 1:
         raise MoetierError(f"--expert-slots {slots}: it must be at least 1")
     per_layer = read_slots_file(input_file(slots_file, "--expert-slots-file")) if slots_file else {}
-    return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy)
+    return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy,
+                         split=expert_split(split))
+
+
+def expert_split(split: str) -> str:
+    from moetier.experts.columns import SPLITS
+
+    if split not in SPLITS:
+        raise MoetierError(f"--expert-split {split!r}: choose one of {', '.join(SPLITS)}")
+    return split
 
 
 def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int, **options):

@@ -173,8 +173,8 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        device = self._start_workers(random, dtype, device, random.options(cfg, config.expert_parallel_size), config,
-                                     cfg, rank_plans)
+        options = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
+        device = self._start_workers(random, dtype, device, options, config, cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
             self._workers.ready()

@@ -9,7 +9,10 @@ backend each MoE layer gets afterwards. Knows a MoE shape and a list of MoE laye
 
 Under expert parallelism (par.ep > 1, experts/ep.py) E is this rank's share, num_experts / ep: rows,
 host store and slots hold only the experts it owns (placement.owned), and build() wraps the backend
-in ShardedExperts, which maps router ids to local ids and sums the ranks' outputs.
+in ShardedExperts, which maps router ids to local ids and sums the ranks' outputs. Under tensor
+parallelism with options.split resolving to "columns" (experts/columns.py) every row is this rank's
+I/tp columns of its expert (self.shape, self.layout: the local shape; full_shape: the model's), and
+build() wraps the backend in ColumnExperts, which sums the ranks' partial outputs over the tp group.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from moetier.errors import MoetierError
 from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
+from moetier.experts.columns import ColumnExperts, local_shape, resolve, split_problems
 from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
 from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
@@ -66,13 +70,16 @@ class ExpertOptions:
     # hybrid on CUDA: the device path as CUDA graph replays (experts/hybrid_graphs.py; None: on unless
     # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
     device_graphs: bool | None = None
+    # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
+    # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid)
+    split: str = "auto"
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
 
-    def problems(self, shape: MoeShape, moe_layers: list[int], ep: int = 1) -> list[str]:
-        """Everything wrong with these options for this shape (and ep ranks), one line each."""
-        out = []
+    def problems(self, shape: MoeShape, moe_layers: list[int], ep: int = 1, tp: int = 1) -> list[str]:
+        """Everything wrong with these options for this shape (and tp, ep ranks), one line each."""
+        out = split_problems(self.split, shape, tp, ep, self.backend)
         e = shape.num_experts // ep  # the experts one rank holds
         if ep > 1 and self.backend == "hybrid":
             out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
@@ -112,17 +119,20 @@ class ExpertOptions:
 class ExpertPlacement:
     def __init__(self, shape: MoeShape, dtype: torch.dtype, moe_layers: list[int], options: ExpertOptions,
                  device: torch.device | str, decode_tokens: int, par: Parallel = Parallel()):
-        self.shape, self.dtype, self.options, self.par = shape, dtype, options, par
+        self.dtype, self.options, self.par = dtype, options, par
         self.device, self.decode_tokens = torch.device(device), decode_tokens
-        self.layout = shape.layout
+        self.full_shape = shape
         # the experts this rank holds, in local-id order (all of them without expert parallelism)
         self.num_local = local_experts(shape.num_experts, par.ep)
         self.owned = owned_experts(shape.num_experts, par.ep_rank, par.ep)
-        problems = options.problems(shape, moe_layers, par.ep)
+        problems = options.problems(shape, moe_layers, par.ep, par.tp)
         if decode_tokens < 1:
             problems.append(f"the decode token limit must be >= 1, got {decode_tokens}")
         if problems:
             raise MoetierError("; ".join(problems))
+        self.split = resolve(options.split, shape, par.tp, par.ep, options.backend)
+        self.shape = local_shape(shape, self.split, par.tp)  # this rank's rows
+        self.layout = self.shape.layout
         self.moe_layers = moe_layers
         self.store: HostStore | None = None  # made by the first rows() of a host-backed placement
         self._hostpath = None  # hybrid: one host worker and one calibration for every layer
@@ -144,6 +154,8 @@ class ExpertPlacement:
 
     def build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
         backend = self._build(layer, rows)
+        if self.split == "columns":
+            return ColumnExperts(backend, self.par)
         return ShardedExperts(backend, self.par) if self.par.ep > 1 else backend
 
     def _build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:

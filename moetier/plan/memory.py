@@ -59,6 +59,8 @@ class PlanRequest:
     # the ring's (G rows per buffer, D buffers) in the ring mode
     prefill_stream: str = "ring"
     ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
+    # the "columns" expert split (experts/columns.py): each rank's expert rows hold I / expert_columns
+    expert_columns: int = 1
 
     @property
     def model_len(self) -> int:
@@ -159,6 +161,10 @@ def count(req: PlanRequest) -> Plan:
     """The plan for the request's backend and slots, as given."""
     cfg, dt, cuda = req.cfg, req.dtype, req.device == "cuda"
     shape, layers = cfg.moe_shape, cfg.moe_layers
+    if req.expert_columns > 1:  # one tensor-parallel rank's columns of every expert
+        from moetier.experts.columns import local_shape
+
+        shape = local_shape(shape, "columns", req.expert_columns)
     row = r.row_bytes(shape, dt)
     e, p = shape.num_experts, req.decode_tokens * shape.top_k
     backend = req.backend

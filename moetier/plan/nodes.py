@@ -135,10 +135,15 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
     heads taken down to 1/tp (GQA; an MLA latent cache stays whole on every rank). NOTE: the router
     of the smaller model counts E/ep rows where the rank holds all E (E x hidden x 4 bytes per MoE
     layer too few: 1 MiB for Qwen3-30B-A3B), and rank 0's scheduler and tokenizer are not counted
-    (both small)."""
+    (both small). Under the "columns" expert split (experts/columns.py; auto picks it whenever valid)
+    every expert row holds I/tp: the rows, slots and store count 1/tp of the expert bytes."""
+    from moetier.experts.columns import resolve
+
     cfg = req.cfg
     local = replace(cfg, num_experts=cfg.num_experts // ep)
-    plan = plan_for(replace(req, cfg=local), experts)
+    split = resolve(getattr(experts, "split", "auto"), cfg.moe_shape, tp, ep, experts.backend)
+    columns = tp if split == "columns" else 1
+    plan = plan_for(replace(req, cfg=local, expert_columns=columns), experts)
     if tp == 1:
         return plan
     from moetier.models.registry import model_class

@@ -73,7 +73,7 @@ def build_llm(spec: EngineSpec):
     req = request_for(cfg, getattr(torch, dtype), device, config, spec.gpu_memory, spec.host_memory)
     name = f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
     if config.world_size > 1:
-        plan, _, rank_plans = plans_of(req, r.options(cfg, ep), tp, ep, spec.gpu_memory, spec.host_memory)
+        plan, _, rank_plans = plans_of(req, r.options(cfg, ep, tp), tp, ep, spec.gpu_memory, spec.host_memory)
         _log(f"one rank's share of {config.world_size}:\n{table(plan)}")
         return LLM.from_random(r, dtype, device, config, rank_plans=rank_plans), name
     plan = plan_for(req, r.options(cfg))

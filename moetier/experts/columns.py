@@ -1,0 +1,126 @@
+"""Tensor parallelism inside each routed expert ("columns", docs/parallel.md): rank r of tp ranks
+holds, for every expert, the gate and up rows [r I/tp, (r+1) I/tp) of the intermediate dimension and
+the matching columns of down, so its rows are RowLayout(hidden, I/tp) (1/tp of the bytes in its host
+store, slots and HBM rows). Every rank routes every token and computes every (token, expert) pair
+over its slice: SwiGLU is elementwise along I, so the ranks' partial outputs sum to the whole expert
+output, and one all-reduce over the tp group per MoE layer makes it (ColumnExperts).
+
+    SPLITS                         "auto", "replicate", "columns" (ExpertOptions.split, --expert-split)
+    split_problems(split, shape, tp, ep, backend) -> [str]   what is wrong, one line each
+    resolve(split, shape, tp, ep, backend) -> "replicate" | "columns"
+        auto: columns whenever valid (tp > 1, ep == 1, I / tp whole, for FP8 rows a multiple of 128,
+        not the hybrid backend): it divides every rank's expert bytes by tp for one all-reduce of
+        [T, H] per MoE layer, the same collective TP already pays per dense layer
+    column_part(t, part, inter, rank, tp)   this rank's slice of a checkpoint expert tensor
+    slice_rows(src, full, dst, local, rank, tp)   full rows -> this rank's rows (random weights)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.errors import MoetierError
+from moetier.experts import fp8
+from moetier.experts.backends import ExpertBackend
+from moetier.experts.shape import MoeShape, RowLayout
+from moetier.layers.parallel import Parallel
+
+SPLITS = ("auto", "replicate", "columns")
+
+
+def split_problems(split: str, shape: MoeShape, tp: int, ep: int, backend: str) -> list[str]:
+    """What is wrong with routed-expert split `split` under (tp, ep), one line each (auto: nothing)."""
+    if split not in SPLITS:
+        return [f"expert split {split!r}: choose one of {', '.join(SPLITS)}"]
+    if split != "columns" or tp == 1:  # one process: columns is the whole expert, as replicate
+        return []
+    out = []
+    if ep > 1:
+        out.append(f"--expert-split columns splits every expert over the tensor-parallel ranks, but expert "
+                   f"parallelism {ep} already splits the experts by owner: with --ep keep --expert-split "
+                   "auto or replicate")
+    if backend == "hybrid":
+        out.append("--expert-split columns with the hybrid backend is not supported yet; choose resident, slots "
+                   "or uva, or --expert-split replicate")
+    i = shape.inter
+    if i % tp:
+        out.append(f"--expert-split columns: tensor parallelism {tp} does not divide the experts' intermediate size "
+                   f"({i}); choose a tensor-parallel size that divides {i}, or --expert-split replicate")
+    elif shape.quant == "fp8" and (i // tp) % fp8.BLOCK:
+        out.append(f"--expert-split columns: FP8 expert rows need each rank's intermediate slice on "
+                   f"{fp8.BLOCK}-wide scale blocks, but {i} / {tp} = {i // tp} is not a multiple of {fp8.BLOCK}; "
+                   f"choose a tensor-parallel size that leaves a multiple of {fp8.BLOCK}, or --expert-split "
+                   "replicate")
+    return out
+
+
+def resolve(split: str, shape: MoeShape, tp: int, ep: int, backend: str) -> str:
+    """The split a rank carries out: "columns" or "replicate" (auto: columns whenever valid)."""
+    if tp == 1:
+        return "replicate"
+    if split == "auto":
+        return "columns" if not split_problems("columns", shape, tp, ep, backend) else "replicate"
+    problems = split_problems(split, shape, tp, ep, backend)
+    if problems:
+        raise MoetierError("; ".join(problems))
+    return split
+
+
+def local_shape(shape: MoeShape, split: str, tp: int) -> MoeShape:
+    """The shape of one rank's expert rows: I / tp under columns, else the whole."""
+    if split != "columns" or tp == 1:
+        return shape
+    return MoeShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter // tp, shape.quant)
+
+
+def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s slice of a checkpoint expert tensor of `part` ([..., I, H] gate / up, [..., 2I, H]
+    gate_up, [..., H, I] down, or their FP8 block-scale grids, one entry per 128 x 128 block; any
+    leading dims, e.g. the E of fused tensors). The whole tensor when tp == 1."""
+    if tp == 1:
+        return t
+    scale = part.endswith("_scale")
+    base = part.removesuffix("_scale")
+    unit = fp8.BLOCK if scale else 1  # resolve() guarantees I / tp is a multiple of 128 for FP8 rows
+    whole, k = inter // unit, inter // tp // unit
+    a = rank * k
+    if base == "down":
+        return t[..., a:a + k]
+    if base in ("gate", "up"):
+        return t[..., a:a + k, :]
+    if base == "gate_up":  # gate's slice, then up's
+        return torch.cat([t[..., a:a + k, :], t[..., whole + a:whole + a + k, :]], dim=-2)
+    raise ValueError(f"unknown expert part {part!r}")
+
+
+def slice_rows(src: torch.Tensor, full: RowLayout, dst: torch.Tensor, local: RowLayout, rank: int, tp: int) -> None:
+    """dst [N, local.numel] <- rank's columns of the whole rows src [N, full.numel] (weights and scales)."""
+    parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if full.quant == "fp8" else ())
+    for p in parts:
+        local.part(dst, p).copy_(column_part(full.part(src, p), p, full.inter, rank, tp))
+
+
+class ColumnExperts(ExpertBackend):
+    """One rank's columns of every expert (inner: any backend over RowLayout(H, I/tp) rows) plus the
+    all-reduce over the tp group that sums the partial SwiGLU outputs. Ids pass unchanged: every rank
+    computes every pair."""
+
+    def __init__(self, inner: ExpertBackend, par: Parallel):
+        self.inner, self.par = inner, par
+        self.name = f"{inner.name}+columns{par.tp}"
+        self.graph_safe = getattr(inner, "graph_safe", True)  # the all-reduce is captured like EP's
+        self.layout, self.top_k, self.device = inner.layout, inner.top_k, inner.device
+        self.decode_tokens, self.cuda = inner.decode_tokens, inner.cuda
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        out = self.inner.forward(hidden, topk_ids, topk_weights).contiguous()  # [T, H]: this rank's columns
+        return self.par.all_reduce(out, "tp")
+
+    def nbytes(self) -> dict[str, int]:
+        return self.inner.nbytes()
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def reset(self) -> None:
+        self.inner.reset()
