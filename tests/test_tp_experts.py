@@ -160,3 +160,35 @@ def test_rank_plan_counts_half_the_expert_bytes(ckpts):
         else:  # page-aligned store
             assert item(cols, name, where) < item(whole, name, where) * 0.51
         assert item(cols, "dense: decoder layers") == item(whole, "dense: decoder layers")
+
+
+FP8 = "tiny-fp8-i256"  # tiny with an expert intermediate of 256: 128 per rank, whole FP8 scale blocks
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpts(tmp_path_factory):
+    from moetier import presets
+
+    root = tmp_path_factory.mktemp("tpx_fp8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(presets._TINY, FP8, {**presets._TINY["tiny"], "moe_intermediate_size": 256,
+                                        "num_experts": 8, "num_hidden_layers": 2})
+        return {"per-expert": make_checkpoint(root / "a", FP8, seed=6, dtype="fp8"),
+                "fused": make_checkpoint(root / "b", FP8, seed=6, dtype="fp8", fused_experts=True)}
+
+
+@pytest.mark.parametrize("kind,backend", [("per-expert", "slots"), ("fused", "resident")])
+def test_fp8_columns_split_weights_and_scale_blocks(fp8_ckpts, kind, backend):
+    """FP8 expert rows: each rank takes its 128 gate / up rows and down columns with their 128 x 128
+    scale blocks (per-expert scale grids, or fused gate_up grids [2 nI, nH]): one process's logits."""
+    experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None)  # auto: columns
+    one = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
+    ref = logits_of(one)
+    llm = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)
+    try:
+        ex = llm.model.moe_blocks()[0].experts
+        assert isinstance(ex, ColumnExperts) and ex.layout.quant == "fp8" and ex.layout.inter == 128
+        for g, want in zip(logits_of(llm), ref):
+            close_enough(g, want)
+    finally:
+        llm.close()
