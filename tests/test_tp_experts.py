@@ -122,19 +122,22 @@ def test_column_part_of_fused_and_fp8_scale_grids():
     assert column_part(torch.arange(2).view(1, 2), "down_scale", i, 1, 2).tolist() == [[1]]
 
 
-def test_random_bed_columns_are_slices_of_the_replicated_share():
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
     # a TP rank's dense shards use the generator differently from one process (module docstring), so
     # its columns are slices of the replicated TP share's whole experts, and the ranks' slices tile them
-    cfg = preset("tiny")
-    one = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, par=TP2, split="replicate")
-    lay, i = cfg.moe_shape.layout, cfg.moe_intermediate_size
+    cfg = dataclasses.replace(preset("tiny"), moe_intermediate_size=256) if quant else preset("tiny")
+    one = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, quant=quant, par=TP2, split="replicate")
+    lay, i = one.cfg.moe_shape.layout, cfg.moe_intermediate_size
     layer = cfg.moe_layers[0]
+    parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if quant else ())
     for rank in (0, 1):
-        bed = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, par=Parallel(rank, 2, 2, 1),
+        bed = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, quant=quant, par=Parallel(rank, 2, 2, 1),
                          split="columns")
-        assert bed.split == "columns" and bed.row_bytes * 2 == one.row_bytes
-        mine = dataclasses.replace(cfg.moe_shape, inter=i // 2).layout
-        for part in ("gate", "up", "down"):
+        assert bed.split == "columns" and bed.cfg.moe_shape.quant == quant
+        mine = dataclasses.replace(bed.cfg.moe_shape, inter=i // 2).layout
+        assert bed.row_bytes == mine.row_bytes(torch.float32) < one.row_bytes
+        for part in parts:
             want = column_part(lay.part(one.host[layer], part), part, i, rank, 2)
             assert torch.equal(mine.part(bed.host[layer], part), want)
 
