@@ -57,11 +57,14 @@ def test_columns_logits_equal_one_process(ckpts, name, backend):
         llm.close()
 
 
-def test_auto_is_columns_and_replicate_keeps_every_expert_whole(ckpts):
+def test_auto_is_columns_replicate_the_default_keeps_every_expert_whole(ckpts):
     par = TP2
     cfg = preset("tiny")
-    assert ExpertPlacement(cfg.moe_shape, torch.float32, cfg.moe_layers, ExpertOptions(), "meta", 8,
+    assert ExpertPlacement(cfg.moe_shape, torch.float32, cfg.moe_layers, ExpertOptions(split="auto"), "meta", 8,
                            par).split == "columns"
+    # replicate is the default (until columns has run on GPUs)
+    assert ExpertPlacement(cfg.moe_shape, torch.float32, cfg.moe_layers, ExpertOptions(), "meta", 8,
+                           par).split == "replicate"
     rep = ExpertPlacement(cfg.moe_shape, torch.float32, cfg.moe_layers, ExpertOptions(split="replicate"),
                           "meta", 8, par)
     assert rep.split == "replicate" and rep.layout == cfg.moe_shape.layout
@@ -92,7 +95,7 @@ def test_refusals_name_the_numbers_and_the_fix():
     odd = dataclasses.replace(cfg, moe_intermediate_size=65)
     with pytest.raises(MoetierError, match=r"does not divide the experts' intermediate size \(65\).*replicate"):
         check_parallel(odd, ExpertOptions(split="columns"), 8, TP2)
-    check_parallel(odd, ExpertOptions(), 8, TP2)  # auto: replicate where columns cannot split
+    check_parallel(odd, ExpertOptions(split="auto"), 8, TP2)  # auto: replicate where columns cannot split
     fp8 = MoeShape(32, 4, 64, 64, "fp8")
     with pytest.raises(MoetierError, match=r"64 / 2 = 32 is not a multiple of 128"):
         resolve("columns", fp8, 2, 1, "slots")
@@ -101,7 +104,7 @@ def test_refusals_name_the_numbers_and_the_fix():
     assert resolve("auto", MoeShape(32, 4, 64, 512, "fp8"), 8, 1, "slots") == "replicate"  # 64 per rank
     with pytest.raises(MoetierError, match="expert parallelism 2 already splits"):
         check_parallel(cfg, ExpertOptions(split="columns"), 8, Parallel(0, 2, 2, 2))
-    check_parallel(cfg, ExpertOptions(), 8, Parallel(0, 2, 2, 2))  # auto under EP: experts split by owner
+    check_parallel(cfg, ExpertOptions(split="auto"), 8, Parallel(0, 2, 2, 2))  # auto under EP: split by owner
     with pytest.raises(MoetierError, match="hybrid"):
         check_parallel(cfg, ExpertOptions("hybrid", split="columns"), 8, TP2)
     assert resolve("auto", cfg.moe_shape, 2, 1, "hybrid") == "replicate"  # the hybrid backend's rule kept
@@ -156,7 +159,7 @@ def test_rank_plan_counts_half_the_expert_bytes(ckpts):
 
     for backend, name, where in (("resident", "routed experts", "device"), ("uva", "expert store", "host")):
         whole = rank_plan(req, ExpertOptions(backend, split="replicate"), 2, 1)
-        cols = rank_plan(req, ExpertOptions(backend), 2, 1)  # auto: columns
+        cols = rank_plan(req, ExpertOptions(backend, split="auto"), 2, 1)  # auto: columns
         assert cols.row_bytes * 2 == whole.row_bytes
         if where == "device":
             assert item(cols, name) * 2 == item(whole, name)
@@ -184,7 +187,7 @@ def fp8_ckpts(tmp_path_factory):
 def test_fp8_columns_split_weights_and_scale_blocks(fp8_ckpts, kind, backend):
     """FP8 expert rows: each rank takes its 128 gate / up rows and down columns with their 128 x 128
     scale blocks (per-expert scale grids, or fused gate_up grids [2 nI, nH]): one process's logits."""
-    experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None)  # auto: columns
+    experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None, split="auto")  # columns
     one = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
     ref = logits_of(one)
     llm = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)

@@ -73,7 +73,7 @@ class RandomModel:
     policy: str = "lfru"
     seed: int = 0
     quant: str | None = None  # "fp8": FP8 expert rows
-    split: str = "auto"  # routed experts under tensor parallelism: auto, replicate or columns
+    split: str = "replicate"  # routed experts under tensor parallelism: replicate, auto or columns
 
     def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""

@@ -71,8 +71,9 @@ class ExpertOptions:
     # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
     device_graphs: bool | None = None
     # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
-    # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid)
-    split: str = "auto"
+    # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
+    # NOTE: replicate stays the default until columns has run on GPUs (docs/parallel.md)
+    split: str = "replicate"
 
     def slots_for(self, layer: int, num_experts: int) -> int:
         return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
