@@ -52,3 +52,9 @@ def tiny_hybrid_bench(tmp_path, threads: int, **args) -> dict:
     batch = args.pop("batch")
     run = {"hf_tokens": 2, "policy": "lfru", "decode_tokens": 16, "seed": 0, "host_profile": str(profile), **args}
     return decode.run(cfg, str(trace), [0.5], [batch], ["hybrid"], run, bed=bed, bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+
+
+def batch_and_alone(llm, prompts, params) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy token ids of the prompts generated together, and of each generated alone."""
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return batch, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]

@@ -21,7 +21,8 @@ from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.shape import MoeShape
 from moetier.layers.parallel import Parallel
 from moetier.presets import preset
-from test_tp import ENGINE, GREEDY, PROMPTS, close_enough, logits_of
+from tests.helpers import batch_and_alone
+from tests.test_tp import ENGINE, GREEDY, PROMPTS, close_enough, logits_of
 
 TP2 = Parallel(0, 2, 2, 1)
 
@@ -83,8 +84,7 @@ def test_columns_greedy_batch_equals_each_alone_and_one_process(ckpts):
     want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
     llm = LLM(ckpts["tiny-dsv3"], experts=experts, tensor_parallel_size=2, **ENGINE)
     try:
-        batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+        batch, alone = batch_and_alone(llm, PROMPTS, GREEDY)
         assert batch == alone == want
     finally:
         llm.close()

@@ -18,6 +18,7 @@ from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.layers.parallel import Parallel
+from tests.helpers import batch_and_alone
 
 from tests.test_tp import ENGINE, GREEDY, PROMPTS, close_enough, logits_of
 
@@ -110,8 +111,7 @@ def test_greedy_batch_equals_each_alone_and_one_process(ckpts, preset):
     one.close()
     llm = LLM(ckpts[preset], experts=experts, tensor_parallel_size=2, expert_parallel_size=2, **ENGINE)
     try:
-        batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+        batch, alone = batch_and_alone(llm, PROMPTS, GREEDY)
         assert batch == alone == want
     finally:
         llm.close()
