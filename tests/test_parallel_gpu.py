@@ -60,3 +60,13 @@ def test_nccl_step_records_on_a_gloo_group(ckpts):
     want, _ = run(ckpts["tiny"], experts, True)
     batch, alone = run(ckpts["tiny"], experts, True, expert_parallel_size=2, step_record_group="gloo")
     assert batch == alone == want
+
+
+@pytest.mark.parametrize("preset,backend", [("tiny", "slots"), ("tiny-dsv3", "resident")])
+def test_nccl_columns_expert_split_equals_one_gpu(ckpts, preset, backend):
+    """--expert-split columns over NCCL: each rank's I/2-wide expert rows through the Triton kernels, the
+    extra all-reduce inside the decode graphs; greedy tokens equal one GPU's."""
+    experts = ExpertOptions(backend=backend, slots=4 if backend == "slots" else None, split="columns")
+    want, _ = run(ckpts[preset], experts, True)
+    batch, alone = run(ckpts[preset], experts, True, tensor_parallel_size=2)
+    assert batch == alone == want
