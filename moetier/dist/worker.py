@@ -106,6 +106,7 @@ def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, deco
 
 
 def build_runner(spec: WorkerSpec, device: str, par):
+    from moetier.engine.graphs import captures, decode_graphs
     from moetier.engine.runner import ModelRunner
 
     config = spec.config
@@ -120,22 +121,11 @@ def build_runner(spec: WorkerSpec, device: str, par):
     kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step
     graphs = None
-    if uses_graphs(config, model, device):
-        from moetier.engine.graphs import decode_graphs
-
+    if captures(config, model, parallel=True):  # exactly when rank 0 does (engine/llm.py)
         graphs = decode_graphs(model, kv, config, config.model_len(model.cfg.max_position_embeddings))
         if config.replay_trace is not None:
             replayer.cursor.zero_()  # as rank 0 (engine/llm.py): the capture's warm-up steps moved it
     return ModelRunner(model, kv, graphs)
-
-
-def uses_graphs(config: EngineConfig, model, device: str) -> bool:
-    """Whether this worker captures decode graphs: exactly when rank 0 does (engine/llm.py: CUDA, graphs
-    on, no trace recorder, no piecewise backend), so the captures' warm-up collectives pair up."""
-    from moetier.engine.piecewise import needs_pieces
-
-    return (device.startswith("cuda") and config.cuda_graphs and config.record_trace is None
-            and not needs_pieces(model))
 
 
 def serve(runner, records=None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moetier.engine.piecewise import Pieces, Switch, capture_pieces, capture_whole, replay_seconds
+from moetier.engine.piecewise import Pieces, Switch, capture_pieces, capture_whole, needs_pieces, replay_seconds
 from moetier.engine.step import SeqStep
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
@@ -178,6 +178,17 @@ class DecodeGraphs:
             return None
         self.samplers[size, mode].replay()
         return self.tokens[size, mode][:n]
+
+
+def captures(config, model: CausalLM, parallel: bool) -> bool:
+    """Whether an engine of `config` (engine/config.EngineConfig) captures decode graphs: on CUDA, with
+    graphs on and no trace recorder (it reads ids on the host every step); a backend that needs pieces
+    (hybrid: a host decision per MoE layer) only with piecewise graphs on and one rank (pieces decide
+    on one rank's host). NOTE: every rank of a parallel engine decides here, so the captures' warm-up
+    collectives pair up."""
+    pieces = needs_pieces(model)
+    return (model.device.type == "cuda" and config.cuda_graphs and config.record_trace is None
+            and not (pieces and (parallel or not config.piecewise_graphs)))
 
 
 def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise: bool = False) -> DecodeGraphs:

@@ -23,7 +23,7 @@ import torch
 from moetier.checkpoint.loader import LoadReport, load_model
 from moetier.config import config_from_dir
 from moetier.engine.config import EngineConfig
-from moetier.engine.graphs import decode_graphs
+from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
 from moetier.engine.pages import PagePool
@@ -241,27 +241,20 @@ class LLM:
         self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len)
         self.outputs = OutputProcessor(tokenizer)
         self.recorder = self.replayer = None
-        cuda_graphs = config.cuda_graphs
-        if config.record_trace is not None:
+        if config.record_trace is not None:  # no graphs then (graphs.captures)
             from moetier.traces.hooks import Recorder
 
             meta = {"model": str(model_dir), "source": "moetier engine", **config.trace_meta}
             self.recorder = Recorder(model, config.record_trace, **meta)
-            cuda_graphs = False  # the recorder reads ids on the host every step
         if config.replay_trace is not None:
             from moetier.traces.format import read_trace
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
-        piecewise = needs_pieces(model)  # e.g. hybrid: a host decision per MoE layer (experts/hybrid.py)
-        if piecewise and not config.piecewise_graphs:
-            cuda_graphs = False
         graphs = None
-        if self._workers is not None and piecewise:
-            cuda_graphs = False  # NOTE: piecewise graphs decide per layer on one rank's host: not across ranks
-        # NOTE: under several ranks dist/worker.uses_graphs must reach the same answer (lockstep captures)
-        if cuda_graphs and model.device.type == "cuda":
-            graphs = decode_graphs(model, self.kv, config, max_len, piecewise)
+        if captures(config, model, parallel=self._workers is not None):
+            # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid.py)
+            graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         self.runner = ModelRunner(model, self.kv, graphs)

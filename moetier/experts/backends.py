@@ -247,6 +247,9 @@ class SlotExperts(ExpertBackend):
         one step over the chunk's experts ranked by use and fills its misses (prefill_cache.py), so
         the slot ids below are the refreshed ones; under bypass the cache is left alone, and in the ring
         prefill stream mode the misses are staged by the copy engine instead (_ring, prefill_ring.py)."""
+        if self.prefill_stream == "ring" and self.prefill == "bypass":
+            # a device gather: -1 where not in a slot (a negative id's slot id is moot: no pass reads it)
+            return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         if self.cuda:
             if self.prefill == "refresh":
                 from moetier.experts.slot_kernels import copy_rows
@@ -256,12 +259,8 @@ class SlotExperts(ExpertBackend):
                 self._refreshed += self._scratch.miss_count  # on the device: no read back
             # a device gather: -1 where not in a slot (a negative id's slot id is moot: the GEMM skips it)
             slot_ids = self.cache.expert_slot[topk_ids.clamp(min=0)]
-            if self.prefill_stream == "ring" and self.prefill == "bypass":
-                return self._ring(hidden, slot_ids, topk_ids, topk_weights)
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
                                self.cache.num_slots + self.cache.num_experts)
-        if self.prefill_stream == "ring" and self.prefill == "bypass":
-            return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         self.bypassed += 1
         if self.prefill == "refresh":
             miss = refresh_reference(self.cache, topk_ids)
@@ -319,8 +318,7 @@ def set_prefill_policy(backend: ExpertBackend, policy: str) -> None:
     """Set the prefill cache policy of a backend with a slot cache (slots, hybrid; through an
     expert-parallel wrapper); backends without one have nothing to refresh."""
     check_policy(policy)
-    inner = getattr(backend, "inner", backend)  # experts/ep.ShardedExperts
-    if isinstance(inner, SlotExperts):
+    if (inner := _slot_backend(backend)) is not None:
         inner.prefill = policy
 
 
@@ -328,9 +326,14 @@ def set_prefill_stream(backend: ExpertBackend, mode: str) -> None:
     """Set the prefill stream mode (uva or ring, prefill_ring.py) of a backend with a slot cache
     (through an expert-parallel wrapper); the others have no misses to stream."""
     check_stream(mode)
-    inner = getattr(backend, "inner", backend)
-    if isinstance(inner, SlotExperts):
+    if (inner := _slot_backend(backend)) is not None:
         inner.prefill_stream = mode
+
+
+def _slot_backend(backend: ExpertBackend) -> SlotExperts | None:
+    """The backend's slot cache owner, through a parallel wrapper (ep.ShardedExperts, columns.ColumnExperts)."""
+    inner = getattr(backend, "inner", backend)
+    return inner if isinstance(inner, SlotExperts) else None
 
 
 BACKENDS = ("resident", "slots", "uva", "hybrid")  # hybrid: hybrid.py (the slots cache + host cores)

@@ -22,6 +22,7 @@ import torch
 from moetier.errors import MoetierError
 from moetier.experts import fp8
 from moetier.experts.backends import ExpertBackend
+from moetier.experts.ep import ReducedExperts
 from moetier.experts.shape import MoeShape, RowLayout
 from moetier.layers.parallel import Parallel
 
@@ -100,27 +101,12 @@ def slice_rows(src: torch.Tensor, full: RowLayout, dst: torch.Tensor, local: Row
         local.part(dst, p).copy_(column_part(full.part(src, p), p, full.inter, rank, tp))
 
 
-class ColumnExperts(ExpertBackend):
+class ColumnExperts(ReducedExperts):
     """One rank's columns of every expert (inner: any backend over RowLayout(H, I/tp) rows) plus the
     all-reduce over the tp group that sums the partial SwiGLU outputs. Ids pass unchanged: every rank
     computes every pair."""
 
+    over = "tp"
+
     def __init__(self, inner: ExpertBackend, par: Parallel):
-        self.inner, self.par = inner, par
-        self.name = f"{inner.name}+columns{par.tp}"
-        self.graph_safe = getattr(inner, "graph_safe", True)  # the all-reduce is captured like EP's
-        self.layout, self.top_k, self.device = inner.layout, inner.top_k, inner.device
-        self.decode_tokens, self.cuda = inner.decode_tokens, inner.cuda
-
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        out = self.inner.forward(hidden, topk_ids, topk_weights).contiguous()  # [T, H]: this rank's columns
-        return self.par.all_reduce(out, "tp")
-
-    def nbytes(self) -> dict[str, int]:
-        return self.inner.nbytes()
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def reset(self) -> None:
-        self.inner.reset()
+        super().__init__(inner, par, f"{inner.name}+columns{par.tp}")

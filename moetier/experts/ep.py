@@ -43,29 +43,47 @@ def local_ids(topk_ids: torch.Tensor, rank: int, ep: int) -> torch.Tensor:
     return torch.where(topk_ids % ep == rank, topk_ids // ep, torch.full_like(topk_ids, NOT_MINE))
 
 
-class ShardedExperts(ExpertBackend):
-    """One rank's experts (inner: a backend over its local rows) plus the all-reduce of the layer."""
+class ReducedExperts(ExpertBackend):
+    """A rank's share of a MoE layer's routed experts (inner: any backend over this rank's rows) and the
+    all-reduce over the `over` group that sums the ranks' partial outputs into the whole MoE output.
+    Subclasses say what the share is: ShardedExperts (experts by owner, ids made local) and
+    columns.ColumnExperts (every expert's I/tp columns, ids unchanged)."""
 
-    def __init__(self, inner: ExpertBackend, par: Parallel):
-        self.inner, self.par = inner, par
-        self.rank, self.ep = par.ep_rank, par.ep
-        self.name = f"{inner.name}+ep{par.ep}"
+    over = "ep"
+
+    def __init__(self, inner: ExpertBackend, par: Parallel, name: str):
+        self.inner, self.par, self.name = inner, par, name
         # the all-reduce is captured inside the decode graph on every rank (engine/graphs.py)
         self.graph_safe = getattr(inner, "graph_safe", True)
         self.layout, self.top_k, self.device = inner.layout, inner.top_k, inner.device
         self.decode_tokens, self.cuda = inner.decode_tokens, inner.cuda
 
+    def ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return topk_ids
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        ids = local_ids(topk_ids, self.rank, self.ep)
-        # [T, H]: this rank's pairs only; summed over the ranks by the all-reduce (in place)
-        out = self.inner.forward(hidden, ids, topk_weights).contiguous()
-        return self.par.all_reduce(out, "ep")
+        # [T, H]: this rank's part; summed over the ranks by the all-reduce (in place)
+        out = self.inner.forward(hidden, self.ids(topk_ids), topk_weights).contiguous()
+        return self.par.all_reduce(out, self.over)
 
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()
 
     def stats(self) -> dict[str, int]:
-        return self.inner.stats()  # this rank's experts only
+        return self.inner.stats()  # this rank's share only
 
     def reset(self) -> None:
         self.inner.reset()
+
+
+class ShardedExperts(ReducedExperts):
+    """One rank's experts (inner: a backend over its local rows) plus the all-reduce of the layer."""
+
+    over = "ep"
+
+    def __init__(self, inner: ExpertBackend, par: Parallel):
+        super().__init__(inner, par, f"{inner.name}+ep{par.ep}")
+        self.rank, self.ep = par.ep_rank, par.ep
+
+    def ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return local_ids(topk_ids, self.rank, self.ep)

@@ -21,6 +21,7 @@ Threads default to the usable cores less one (default_host_threads): the launchi
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +65,10 @@ class HostPath:
             return view
         key = (name, dtype, pin, device)
         b = self._bufs.get(key)
-        if b is None or b.numel() < _numel(shape):
-            b = self._bufs[key] = torch.empty(_numel(shape), dtype=dtype, pin_memory=pin, device=device)
+        if b is None or b.numel() < math.prod(shape):
+            b = self._bufs[key] = torch.empty(math.prod(shape), dtype=dtype, pin_memory=pin, device=device)
             self._views = {k: v for k, v in self._views.items() if k[:4] != key}  # views of the old one
-        view = self._views[key + (shape,)] = b[:_numel(shape)].view(shape)
+        view = self._views[key + (shape,)] = b[:math.prod(shape)].view(shape)
         return view
 
     def graph_pool(self):
@@ -118,13 +119,6 @@ def _timed(fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
         return out, (t0, time.perf_counter())
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def measure_rates(kernel: HostKernel, host_rows: torch.Tensor, slots: torch.Tensor, reps: int = 3) -> PathRates:

@@ -238,9 +238,6 @@ class HybridExperts(SlotExperts):
         timed = self.phases is not None
         if self.device_graphs is not None and gpu_pos and self.device_graphs.ready(hidden.dtype, topk_weights.dtype):
             return self.device_graphs.run(hidden, topk_ids, topk_weights, gpu_pos, host_pos, timed)
-        from moetier.experts.grouped_gemm import grouped_expert_mlp
-        from moetier.experts.slot_kernels import bookkeeping, copy_rows
-
         t, k = topk_ids.shape
         ng, nh = len(gpu_pos), len(host_pos)
         plan = self.hostpath.buffer("plan", (ng + nh,), torch.int64, True)
@@ -254,19 +251,26 @@ class HybridExperts(SlotExperts):
         if ng:
             if timed:
                 self._ev_dev[0].record()
-            g_ids = topk_ids.reshape(-1)[gpos].view(ng, 1)
-            g_w = topk_weights.reshape(-1)[gpos].view(ng, 1)
-            slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
-            copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
             scratch_out = torch.empty(ng, self.layout.hidden, dtype=torch.float32, device=self.device)
-            grouped_expert_mlp(hidden[gpos // k].contiguous(), slot_ids, g_ids, g_w, self.slots, self._host_dev,
-                               self.layout.hidden, self.layout.inter, self._work, scratch_out, self.gemm,
-                               self.layout.quant)
-            y[gpos] = self._work.y[:ng]  # each device pair's output before weighting, fp32
+            self.device_pairs(hidden[gpos // k].contiguous(), topk_ids.reshape(-1)[gpos].view(ng, 1),
+                              topk_weights.reshape(-1)[gpos].view(ng, 1), gpos, scratch_out, y)
             if timed:
                 self._ev_dev[1].record()
                 self._dev_pending = True
         return y, hpos
+
+    def device_pairs(self, x, g_ids, g_w, gpos, out, y) -> None:
+        """The device pairs' launches, eager (_device_cuda) or captured (hybrid_graphs.DeviceGraphs): the
+        cache's step over g_ids [n, 1], the fills, the grouped GEMM over x [n, H] (its weighted output to
+        out [n, H], unused), each pair's unweighted fp32 output into y at its position gpos [n]."""
+        from moetier.experts.grouped_gemm import grouped_expert_mlp
+        from moetier.experts.slot_kernels import bookkeeping, copy_rows
+
+        slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
+        copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
+        grouped_expert_mlp(x, slot_ids, g_ids, g_w, self.slots, self._host_dev, self.layout.hidden,
+                           self.layout.inter, self._work, out, self.gemm, self.layout.quant)
+        y.index_put_((gpos,), self._work.y[:g_ids.shape[0]])
 
     def _combine_cuda(self, hidden, topk_ids, topk_weights, got, hpos, y) -> torch.Tensor:
         from moetier.experts.grouped_gemm import combine_pairs

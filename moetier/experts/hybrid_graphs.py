@@ -152,20 +152,10 @@ class DeviceGraphs:
         return st.y[:t * k], st.perm[n:n + nh]
 
     def _body(self, st: Statics, n: int) -> None:
-        """The captured launches: the eager path's (HybridExperts._device_cuda) over static inputs."""
-        from moetier.experts.grouped_gemm import grouped_expert_mlp
-        from moetier.experts.slot_kernels import bookkeeping, copy_rows
-
-        b = self.b
+        """The captured launches: the eager path's (HybridExperts.device_pairs) over static inputs."""
         gpos = st.perm[:n]
-        g_ids = st.ids.index_select(0, gpos).view(n, 1)
-        g_w = st.w.index_select(0, gpos).view(n, 1)
-        x = st.hid.index_select(0, gpos // b.top_k)
-        slot_ids = bookkeeping(b.cache, b._scratch, g_ids)
-        copy_rows(b._host_dev, b.slots, b._scratch, b._copy_programs)
-        grouped_expert_mlp(x, slot_ids, g_ids, g_w, b.slots, b._host_dev, b.layout.hidden, b.layout.inter, b._work,
-                           st.out[:n], b.gemm, b.layout.quant)
-        st.y.index_put_((gpos,), b._work.y[:n])
+        self.b.device_pairs(st.hid.index_select(0, gpos // self.b.top_k), st.ids.index_select(0, gpos).view(n, 1),
+                            st.w.index_select(0, gpos).view(n, 1), gpos, st.out[:n], st.y)
 
     def _capture(self, n: int, st: Statics) -> torch.cuda.CUDAGraph:
         """One eager run of the body with every pair padding (it compiles whatever is missing; the cache's
