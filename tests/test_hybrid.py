@@ -274,12 +274,13 @@ def test_switch_replays_pieces_only_while_misses_pay_for_them():
             fake.cache.stats += torch.tensor([0, misses_per_layer_step, 0, 1])
             out.append(sw.choose(overhead))
         return out
-    assert window(4, overhead=saving_at_4 / 2) == [True] * 4  # starts on pieces; 4 misses pay
+    assert window(4, overhead=saving_at_4 / 2) == [False] * 3 + [True]  # starts whole; 4 misses pay
     assert window(0, overhead=saving_at_4 / 2) == [True] * 3 + [False]  # no misses: the whole graph
     assert sw.last_misses_per_layer_step == 0.0
     assert window(4, overhead=saving_at_4 * 2) == [False] * 4  # misses, but not worth the syncs
     assert window(4, overhead=saving_at_4 / 2) == [False] * 3 + [True]
-    assert sw.counts == {"pieces": 8, "whole": 8}
+    assert sw.counts == {"pieces": 5, "whole": 11}
+    assert Switch([fake]).pieces is False  # a fresh switch starts on the whole graph
     with pytest.raises(ValueError, match="window"):
         Switch([fake], window=0)
 
