@@ -74,10 +74,10 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
             assert r["world"] == 2
             over = "tp" if r["tp"] == 2 else "ep"
             c = r["collectives"][over]
-            # TP: one all-reduce after attention (replicate, the default expert split: none after a MoE
-            # layer); EP: one per MoE layer
-            assert r["expert_split"] == "replicate"
-            layers = cfg.num_layers if r["tp"] == 2 else len(cfg.moe_layers)
+            # TP: one all-reduce after attention and, under the columns expert split (what the default
+            # auto picks), one after each MoE layer; EP: one per MoE layer
+            assert r["expert_split"] == ("columns" if r["tp"] == 2 else "replicate")
+            layers = cfg.num_layers + len(cfg.moe_layers) if r["tp"] == 2 else len(cfg.moe_layers)
             assert c["calls_per_step"] == pytest.approx(layers)
             assert c["bytes_per_step"] == pytest.approx(layers * r["batch"] * cfg.hidden_size * 4)
             assert r["all_reduce_ms_per_step"] > 0
@@ -85,7 +85,8 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
     ep_slots = [r for r in rows if r.get("parallel") == "ep2" and r["backend"] == "slots"]
     assert all(r["slots"] == 8 for r in ep_slots)  # 25% of 32 experts per GPU: 8 of the 16 a rank owns
     tp_slots = [r for r in rows if r.get("parallel") == "tp2" and r["backend"] == "slots"]
-    assert all(r["slots"] == 8 for r in tp_slots)  # replicate: 25% of 32 whole experts, as one GPU
+    # columns: a rank's rows are half an expert, so 25% of the model's expert bytes are 16 of its 32 rows
+    assert all(r["slots"] == 16 for r in tp_slots)
     same = data["greedy_tokens_equal_to_resident"]
     assert same["slots@0.25/b4/ep2"] and same["slots@0.25/b1"] and not any("tp2" in k for k in same)
     text = decode.table(rows)

@@ -176,7 +176,7 @@ def bench_decode(
     step_records: str = typer.Option("world", "--step-record-group",
                                      help="Parallel rows: the group each step's record goes to the workers on: "
                                           "world (NCCL on GPUs) or gloo (host sockets)."),
-    expert_split: opt.ExpertSplit = "replicate",
+    expert_split: opt.ExpertSplit = "auto",
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Write a PNG of tok/s against expert budget."),

@@ -73,7 +73,7 @@ class RandomModel:
     policy: str = "lfru"
     seed: int = 0
     quant: str | None = None  # "fp8": FP8 expert rows
-    split: str = "replicate"  # routed experts under tensor parallelism: replicate, auto or columns
+    split: str = "auto"  # routed experts under tensor parallelism: replicate, auto or columns
 
     def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
@@ -97,7 +97,7 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
-               split: str = "replicate") -> Bed:
+               split: str = "auto") -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
     rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
     rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert."""

@@ -36,8 +36,8 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
     "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
 ExpertSplit = Annotated[str, typer.Option(
-    "--expert-split", help="Routed experts under --tp: replicate (the default: every rank holds every expert "
-    "whole), auto (columns whenever valid) or columns (every rank holds 1/tp of every expert's intermediate columns; "
+    "--expert-split", help="Routed experts under --tp: auto (the default: columns whenever valid), replicate "
+    "(every rank holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
     "docs/parallel.md).")]
 CachePolicy = Annotated[str, typer.Option(
     "--cache-policy", help="Slot cache victims: lfru (frequency-weighted LRU) or lru.")]
@@ -108,7 +108,7 @@ def executor(name: str) -> str:
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
-                   policy: str = "lfru", split: str = "replicate"):
+                   policy: str = "lfru", split: str = "auto"):
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
