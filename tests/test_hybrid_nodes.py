@@ -193,3 +193,111 @@ def test_bench_decode_nodes_rows_on_cpu(tmp_path):
         assert r["timed_tokens"] == r["batch"] * args["tokens"]
         assert r["hybrid"]["host_experts_per_layer_step"] > 0
     assert rows[2]["hybrid"]["host_kernel"] == "compiled"
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------
+def _gpu_layers(n: int, link: float = 50.0, host: float = 50.0):
+    """n fresh backends over the same pinned rows: eager hybrid first, then nodes ones (own HostPaths)."""
+    from moetier.experts.store import HostStore
+
+    lay = RowLayout(256, 128)
+    store = HostStore([0], 32, lay, torch.bfloat16, pin=True)
+    rows = store.rows(0)
+    rows.copy_((torch.randn(32, lay.numel, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16))
+    rates = PathRates(link, {"bfloat16": host})
+    out = [HybridExperts(rows, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None, rates, device_graphs=False))]
+    out += [HybridNodesExperts(rows, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None, rates))
+            for _ in range(n)]
+    return store, out
+
+
+def _step(g, t):
+    ids = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(t)])
+    ids[0, 2] = -1  # another rank's expert
+    return (torch.randn(t, 256, generator=g).to(torch.bfloat16).cuda(), ids.cuda(),
+            torch.rand(t, 8, generator=g).to(torch.bfloat16).cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8, 32])
+def test_gpu_nodes_step_captured_equals_eager_nodes_and_eager_hybrid(t):
+    store, (hyb, eager, graphed) = _gpu_layers(2)
+    g = torch.Generator().manual_seed(t)
+    xs, ids_s, ws = _step(g, t)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, make the job
+        graphed.forward(xs, ids_s, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphed.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # fails on any host sync inside the step
+        out_s = graphed.forward(xs, ids_s, ws)
+    host_steps = 0
+    for _ in range(10):
+        x, ids, w = _step(g, t)
+        xs.copy_(x), ids_s.copy_(ids), ws.copy_(w)
+        graph.replay()
+        before = hyb.host_experts
+        want = hyb.forward(x, ids, w).clone()
+        got = eager.forward(x, ids, w).clone()
+        assert torch.equal(out_s, got)
+        if hyb.host_experts > before:  # a host set: the same choice, the same bits as the piecewise path's
+            host_steps += 1
+            assert torch.equal(got, want)
+        else:  # all over the link: y + combine against the slots step's GEMM
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    assert host_steps > 0
+    assert graphed.stats() == eager.stats() | {"host_us": graphed.stats()["host_us"]}
+    assert graphed.stats()["host"] == hyb.stats()["host"] and graphed.stats()["misses"] == hyb.stats()["misses"]
+    graphed.cache.check()
+    del graph, store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nodes_step_has_no_host_sync():
+    store, (_, nodes) = _gpu_layers(1)
+    g = torch.Generator().manual_seed(3)
+    nodes.forward(*_step(g, 8))  # warm-up: compiles, makes the job
+    torch.cuda.synchronize()
+    steps = [_step(g, t) for t in (1, 8, 8, 32)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, ids, w in steps:
+            nodes.forward(x, ids, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert nodes.stats()["host"] > 0
+    del store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
+    """The engine captures the whole step (no pieces, no switch); all over the link it gives resident's
+    tokens; with a split, batched equals alone (tiny_ckpt's fp32 rows: host and device pairs differ in
+    rounding only, so a greedy choice could in principle flip: then this fails and says so)."""
+    from moetier.engine import LLM
+    from moetier.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 448, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_ckpt, device="cuda").generate(prompts, params)]
+    for rates in (PathRates(1e6, {"float32": 1e-3}), PathRates(50.0, {"float32": 50.0})):
+        opts = ExpertOptions("hybrid", slots=4, rates=rates, hybrid_nodes=True)
+        llm = LLM(tiny_ckpt, device="cuda", experts=opts)
+        graphs = llm.runner.graphs
+        assert graphs is not None and not graphs.piecewise and graphs.switch is None
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.runner.graph_steps > 0
+        if rates.link_GBps > 1e3:
+            assert got == want and llm.metrics()["expert_stats"]["host"] == 0
+        else:
+            alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+            assert got == alone and llm.metrics()["expert_stats"]["host"] > 0
+        llm.close()

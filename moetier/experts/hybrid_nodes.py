@@ -151,7 +151,8 @@ class HybridNodesExperts(HybridExperts):
         # the device's share meanwhile: every pair its own row, host pairs (-1) skipped
         g_ids = b.plan.dev_ids[:p].view(p, 1)
         scratch = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=self.device)
-        self.device_pairs(hidden.repeat_interleave(k, dim=0), g_ids, topk_weights.reshape(p, 1), b.gpos[:p],
+        x = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).reshape(p, -1)  # row p: token p // k (no sync)
+        self.device_pairs(x, g_ids, topk_weights.reshape(p, 1), b.gpos[:p],
                           scratch, b.y)
         main.wait_stream(b.side)
         b.y.index_put_((b.plan.pos[:p],), b.out_dev[:p])  # host pairs at their positions; padding -> row P
