@@ -19,7 +19,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from moetier.experts.cost_model import CostModel, PathRates  # noqa: E402
-from moetier.experts.hybrid_plan import BIG32, PlanBuffers, plan_kernel, plan_rates, plan_reference  # noqa: E402
+from moetier.experts.hybrid_plan import (  # noqa: E402
+    BIG32,
+    PlanBuffers,
+    plan_kernel,
+    plan_rates,
+    plan_reference,
+)
 
 
 def case(g: torch.Generator, e: int, t: int, k: int, slots: int, link: float, host: float, token_s: float):

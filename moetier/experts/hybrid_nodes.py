@@ -37,7 +37,12 @@ from moetier.experts import host_ext
 from moetier.experts.backends import SlotExperts
 from moetier.experts.cpu_experts import compute_dtype
 from moetier.experts.hybrid import HybridExperts
-from moetier.experts.hybrid_plan import PlanBuffers, plan_kernel, plan_rates, plan_reference
+from moetier.experts.hybrid_plan import (
+    PlanBuffers,
+    plan_kernel,
+    plan_rates,
+    plan_reference,
+)
 
 
 class NodeJob(ctypes.Structure):
