@@ -151,7 +151,9 @@ def bench_decode(
                                       help="hybrid rows: comma-separated decode modes: auto (piecewise graphs and "
                                            "the whole graph, switched per step by the recent misses), "
                                            "piecewise (CUDA graphs split "
-                                           "at MoE layers) and/or eager (no graphs)."),
+                                           "at MoE layers), eager (no graphs) and/or nodes (the whole step one "
+                                           "graph, the host's share a host-function node; needs the compiled "
+                                           "host kernel)."),
     hybrid_order: str = typer.Option("host-first", "--hybrid-order",
                                      help="hybrid rows: comma-separated ways a layer hands the host its pairs: "
                                           "host-first (the host call starts before the device launches, on the "
@@ -210,8 +212,8 @@ def bench_decode(
         if host_threads is not None:
             opt.at_least(host_threads, 1, "--host-threads")
         modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
-        if not modes or set(modes) - {"auto", "piecewise", "eager"}:
-            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise and/or eager "
+        if not modes or set(modes) - {"auto", "piecewise", "eager", "nodes"}:
+            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise, eager and/or nodes "
                                "(comma-separated)")
         orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]
         if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):

@@ -134,12 +134,17 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                  args: dict, bw: dict, mode: str = "auto", order: str | None = None,
                  device_graphs: bool = False) -> list[dict]:
     """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
-    piecewise (the pieces always) or eager (no graphs); order: how a hybrid layer hands the host its
-    pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
+    piecewise (the pieces always), eager (no graphs) or nodes (experts/hybrid_nodes.py: the whole step one
+    graph, the host's share a host-function node; host experts read from its device counters); order: how
+    a hybrid layer hands the host its pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
     CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
     hybrid = backend == "hybrid"
+    opts = host_options(args, bw, order) if hybrid else {}
+    if mode == "nodes":  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
+        opts["host_kernel"] = "compiled"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **({**host_options(args, bw, order), "device_graphs": device_graphs} if hybrid else {}))
+                        **({**opts, "device_graphs": device_graphs,
+                            "hybrid_nodes": mode == "nodes"} if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
@@ -179,7 +184,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_threads": hp.kernel.threads, "device_graphs": hp.device_graphs,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
-                         "slots": slots, "graphs": graph_mode(llm),
+                         "slots": slots, "graphs": "nodes" if hybrid and mode == "nodes" else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
     finally:
@@ -332,7 +337,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
     # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
-    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto").index)
+    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto", "nodes").index)
     orders = args.get("hybrid_order") or [None]
     dgraphs = sorted(args.get("hybrid_device_graphs") or [False])  # off first, as eager: a failed capture
     plan = [(b, budget, "auto", None, True) for b, budget in plan]

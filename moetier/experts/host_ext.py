@@ -39,6 +39,8 @@ import torch
 from moetier.experts.shape import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
+# the hybrid nodes mode's host-function node (hybrid_nodes.py), linked into the same library
+NODE_SOURCE = SOURCE.with_name("host_node.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared"]
 KINDS = {torch.bfloat16: 0, torch.float32: 1}  # plus FP8 rows (uint8, layout.quant "fp8"): 2
 FP8_KIND = 2
@@ -89,9 +91,10 @@ def build(cxx: str, out_dir: Path) -> Path:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set MOETIER_CXX") from None
     if version.returncode != 0:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} failed on --version: {_one_line(version.stderr)}")
-    if not SOURCE.is_file():  # an install without its package data (pyproject's package-data)
-        raise HostExtUnavailable(f"the kernel source {SOURCE} is missing from this install")
-    src = SOURCE.read_bytes()
+    for source in (SOURCE, NODE_SOURCE):  # an install without its package data (pyproject's package-data)
+        if not source.is_file():
+            raise HostExtUnavailable(f"the kernel source {source} is missing from this install")
+    src = SOURCE.read_bytes() + b"\0" + NODE_SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.stdout.encode(), cxx.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     lib = out_dir / f"host_experts-{key}.so"
@@ -104,7 +107,7 @@ def build(cxx: str, out_dir: Path) -> Path:
     except OSError as e:
         raise HostExtUnavailable(f"cannot write the kernel cache {out_dir} ({e}); set MOETIER_CACHE_DIR") from None
     try:
-        r = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        r = subprocess.run([cxx, *FLAGS, str(SOURCE), str(NODE_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise HostExtUnavailable(f"building {SOURCE.name} with {cxx} failed: {_one_line(r.stderr)}")
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
@@ -138,6 +141,9 @@ def load() -> ctypes.CDLL:
             lib.moetier_host_experts_wait.restype = ctypes.c_int
             lib.moetier_host_experts_wait.argtypes = [ctypes.c_void_p]
             lib.moetier_host_experts_simd_width.restype = ctypes.c_int
+            lib.moetier_host_node.restype = None
+            lib.moetier_host_node.argtypes = [ctypes.c_void_p]
+            lib.moetier_host_node_job_size.restype = ctypes.c_int64
             got = lib
         except HostExtUnavailable as e:
             got = e

@@ -70,6 +70,9 @@ class ExpertOptions:
     # hybrid on CUDA: the device path as CUDA graph replays (experts/hybrid_graphs.py; None: on unless
     # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
     device_graphs: bool | None = None
+    # hybrid: the host's share as a host-function node of the engine's one decode graph (graph-safe, no
+    # host sync; experts/hybrid_nodes.py, the bench's --hybrid-graphs nodes); needs the compiled host kernel
+    hybrid_nodes: bool = False
     # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
     # auto is the default: on two H200s columns measured 1.09x one GPU at batch 1 where replicate was
@@ -168,11 +171,12 @@ class ExpertPlacement:
             return UvaExperts(rows, self.layout, k, n, self.device, o.gemm)
         if o.backend == "hybrid":
             from moetier.experts.hybrid import HostPath, HybridExperts
+            from moetier.experts.hybrid_nodes import HybridNodesExperts
 
-            if self._hostpath is None:
+            if self._hostpath is None:  # nodes: no per-layer device graphs (the whole step is one graph)
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
-                                          o.device_graphs)
-            hybrid = HybridExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
+                                          False if o.hybrid_nodes else o.device_graphs)
+            hybrid = (HybridNodesExperts if o.hybrid_nodes else HybridExperts)(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
                                    o.policy, o.gemm, self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
             hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
