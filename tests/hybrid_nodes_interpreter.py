@@ -59,7 +59,7 @@ def main() -> None:
                 assert torch.equal(a.job[1:1 + nh], b.job[1:1 + nh])
                 assert torch.equal(a.job[1 + a.max_pairs:1 + a.max_pairs + nh], b.job[1 + b.max_pairs:1 + b.max_pairs + nh])
                 assert torch.equal(a.pos[:p], b.pos[:p]) and torch.equal(ca, cb)
-                assert bool((a.first == BIG32).all()) and bool((a.count == 0).all())  # scratch restored
+                assert bool((a.first == BIG32.value).all()) and bool((a.count == 0).all())  # scratch restored
                 if host == 0.0 or not math.isfinite(float(table[3])):
                     assert nh == 0
                 misses = (expert_slot[ids.clamp(min=0)] < 0) & (ids >= 0)

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from moetier.experts.cost_model import CostModel
 
-BIG32 = 2**31 - 1
-BIG_KEY = 2**30  # above any (tokens * BLOCK + first) key: tokens <= 64, BLOCK <= 2^14
+BIG32 = tl.constexpr(2**31 - 1)  # constexpr: a compiled kernel may read no other global
+BIG_KEY = tl.constexpr(2**30)  # above any (tokens * BLOCK + first) key: tokens <= 64, BLOCK <= 2^14
 
 
 def plan_rates(model: CostModel, max_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -55,7 +55,7 @@ class PlanBuffers:
         self.dev_ids = torch.full((max_pairs,), -1, dtype=torch.int64, device=dev)
         self.job = torch.zeros(1 + 2 * max_pairs, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(max_pairs, dtype=torch.int64, device=dev)
-        self.first = torch.full((num_experts,), BIG32, dtype=torch.int32, device=dev)
+        self.first = torch.full((num_experts,), BIG32.value, dtype=torch.int32, device=dev)
         self.count = torch.zeros(num_experts, dtype=torch.int32, device=dev)
 
 
