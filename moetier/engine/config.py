@@ -41,7 +41,7 @@ class EngineConfig:
     # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.
     piecewise_graphs: bool = True
     # With piecewise graphs: also capture the whole step in one graph (such backends on their graph-safe
-    # path) and replay, step by step, whichever the recent misses say is faster (engine/piecewise.Switch).
+    # path) and replay, step by step, whichever the recent misses say is faster (engine/switch.Switch).
     graph_switch: bool = True
     record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
     replay_trace: str | Path | None = None  # route by this trace instead of the router

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moetier.engine.piecewise import Pieces, Switch, capture_pieces, capture_whole, needs_pieces, replay_seconds
+from moetier.engine.piecewise import Pieces, capture_pieces, capture_whole, needs_pieces, replay_seconds
+from moetier.engine.switch import Switch
 from moetier.engine.step import SeqStep
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
@@ -34,7 +35,7 @@ class DecodeGraphs:
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
         # with piecewise: also the whole step in one graph (hybrid on its slots step), replayed when the
-        # recent misses do not pay for the pieces' syncs (piecewise.Switch)
+        # recent misses do not pay for the pieces' syncs (engine/switch.Switch)
         self.switching = piecewise and switching
         self.whole: dict[int, torch.cuda.CUDAGraph] = {}
         self.overhead_s: dict[int, float] = {}  # per size: pieces replay - whole replay, at no misses
@@ -171,7 +172,7 @@ class DecodeGraphs:
         self._upload()
         mode = mode_of([s.params for s in seqs])
         graph = self.graphs[size]
-        if self.switch is not None and not self.switch.choose(self.overhead_s[size]):
+        if self.switch is not None and not self.switch.choose(self.overhead_s[size], size):
             graph = self.whole[size]
         graph.replay()
         if not sample:

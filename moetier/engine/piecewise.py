@@ -106,51 +106,6 @@ def capture_pieces(model: CausalLM, run: Callable[[], torch.Tensor], pool) -> tu
     return splitter.pieces, logits
 
 
-class Switch:
-    """Per decode step: replay the pieces (the host path in play, a sync per hybrid layer) or the whole
-    graph (every hybrid backend on its slots step alone, graph-safe), whichever the recent misses say
-    is faster.
-
-    Every `window` steps it reads the counters once (between steps: the GPU is idle then):
-        m = (link fills + overflow + host experts) / layer-steps over the window
-    the misses a layer-step could hand to the host. Pieces when the backends' expected saving at m,
-    summed over the hybrid layers, exceeds the measured extra cost of a pieces replay over a whole
-    one (`overhead_s`, per captured size, measured at no misses). It starts on the whole graph: its
-    link fills warm the cache as `slots` would, and host-served misses are never filled, so starting on
-    pieces left a realistic trace's cache colder than slots' for as long as the whole graph ran after
-    (96cd92a: 88.8% hits against 91.0% at b1). The first window's counters then decide. backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_experts,
-    host_only_steps and host_saving_s(m) (experts/hybrid.HybridExperts)."""
-
-    def __init__(self, backends: list, window: int = 16):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.backends, self.window = backends, window
-        self.pieces = False
-        self.steps = 0
-        self.counts = {"pieces": 0, "whole": 0}
-        self.last_misses_per_layer_step: float | None = None
-        self._last = self._read()
-
-    def _read(self) -> tuple[int, int]:
-        hits, misses, overflow, steps = torch.stack([b.cache.stats for b in self.backends]).sum(0).tolist()
-        host = sum(b.host_experts for b in self.backends)
-        return misses + overflow + host, steps + sum(b.host_only_steps for b in self.backends)
-
-    def choose(self, overhead_s: float) -> bool:
-        """-> True: replay the pieces for this step."""
-        self.steps += 1
-        if self.steps % self.window == 0:
-            now = self._read()
-            dm, ds = now[0] - self._last[0], now[1] - self._last[1]
-            self._last = now
-            if ds > 0 and dm >= 0:  # a reset in between: skip this window
-                m = dm / ds
-                self.last_misses_per_layer_step = m
-                self.pieces = sum(b.host_saving_s(m) for b in self.backends) > overhead_s
-        self.counts["pieces" if self.pieces else "whole"] += 1
-        return self.pieces
-
-
 def host_enabled(model: CausalLM, on: bool) -> None:
     """Turn the host path of every hybrid backend on or off (off: the graph-safe slots step)."""
     for b in model.moe_blocks():

@@ -78,7 +78,7 @@ class HybridExperts(SlotExperts):
         # steps served all on the host (no cache step); the cache counts the others, graph replays included
         self.host_only_steps = 0
         # False: forward is the slots step alone (graph-safe); the engine's whole-graph variant is
-        # captured so, for steps where the host path is not worth its sync (engine/piecewise.Switch)
+        # captured so, for steps where the host path is not worth its sync (engine/switch.Switch)
         self.host_enabled = True
         self.host_us = 0.0  # wall time of the host kernel calls (on the thread that ran them)
         self.phases = None  # a hybrid_phases.PhaseClock while profile() has turned it on
