@@ -21,15 +21,15 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
+import torch
 
-from moetier.experts import hybrid_nodes  # noqa: E402
-from moetier.experts.cost_model import PathRates  # noqa: E402
-from moetier.experts.cpu_experts import reference  # noqa: E402
-from moetier.experts.hybrid import HostPath, HybridExperts  # noqa: E402
-from moetier.experts.hybrid_nodes import HybridNodesExperts  # noqa: E402
-from moetier.experts.shape import RowLayout  # noqa: E402
-from tests.hybrid_interpreter import E, H, I, K, N, S, CpuHostPath, as_cuda  # noqa: E402
+from moetier.experts import hybrid_nodes
+from moetier.experts.cost_model import PathRates
+from moetier.experts.cpu_experts import reference
+from moetier.experts.hybrid import HostPath, HybridExperts
+from moetier.experts.hybrid_nodes import HybridNodesExperts
+from moetier.experts.shape import RowLayout
+from tests.hybrid_interpreter import CpuHostPath, E, H, I, K, N, S, as_cuda
 
 
 class NoStream:
