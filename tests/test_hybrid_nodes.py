@@ -65,6 +65,25 @@ def test_plan_kernel_in_the_triton_interpreter():
     assert "ok" in run_script("hybrid_nodes_interpreter.py")
 
 
+@needs_ext
+def test_nodes_cuda_path_in_the_triton_interpreter():
+    """The CUDA forward on the CPU: one-token steps too (their device pairs once read past hidden's row)."""
+    from tests.interpreter import run_script
+
+    assert "ok" in run_script("hybrid_nodes_cuda_interpreter.py")
+
+
+def test_grouped_gemm_refuses_x_that_is_not_dense_rows():
+    """The kernels read token t's row at x + t * H: a stride-0 view (expand of one token) is refused."""
+    from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
+
+    x = torch.randn(1, H).expand(K, H)
+    ids = torch.zeros(K, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dense"):
+        grouped_expert_mlp(x, ids.int(), ids, torch.ones(K, 1), torch.zeros(1, 3 * H * I), None, H, I,
+                           GemmScratch.make(K, H, I, torch.device("cpu")), torch.empty(K, H))
+
+
 def setup(dtype=torch.bfloat16, seed=0):
     lay = RowLayout(H, I)
     g = torch.Generator().manual_seed(seed)

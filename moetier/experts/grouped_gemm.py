@@ -307,6 +307,9 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     n_pairs = t * k
     if n_pairs > scratch.max_pairs:
         raise ValueError(f"{n_pairs} (token, expert) pairs exceed the {scratch.max_pairs} the scratch holds")
+    if not x.is_contiguous() or x.shape[0] < t:  # the kernels read row `token` at x + token * hidden
+        raise ValueError(f"x must be dense [T, H] rows for the {t} tokens: got shape {tuple(x.shape)}, "
+                         f"strides {x.stride()} (a stride-0 or strided view reads past its rows)")
     if t == 1 and quant == "fp8":  # one token on FP8 rows: the GEMV (fp8_gemv.py), then the same combine
         dot = _dot_type(x.dtype)[0]
         expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),

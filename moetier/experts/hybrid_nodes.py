@@ -156,7 +156,10 @@ class HybridNodesExperts(HybridExperts):
         # the device's share meanwhile: every pair its own row, host pairs (-1) skipped
         g_ids = b.plan.dev_ids[:p].view(p, 1)
         scratch = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=self.device)
-        x = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).reshape(p, -1)  # row p: token p // k (no sync)
+        # row p: token p // k, one copy (no sync). NOTE: contiguous, always: at t = 1 reshape gives a
+        # stride-0 VIEW of hidden, and the GEMM indexes x as dense [p, H] rows, so it read rows 1..p-1
+        # past hidden's end (NaN on the H200, whose router then picked ids out of range)
+        x = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).contiguous().view(p, -1)
         self.device_pairs(x, g_ids, topk_weights.reshape(p, 1), b.gpos[:p],
                           scratch, b.y)
         main.wait_stream(b.side)
