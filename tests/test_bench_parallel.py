@@ -17,6 +17,10 @@ from moetier.presets import preset
 from tests.test_bench_decode import tiny_trace  # noqa: F401 -- the fixture
 
 
+def lookups(stats: dict) -> int:
+    return stats["hits"] + stats["misses"] + stats["overflow"]
+
+
 def test_row_syntax():
     assert parse_layouts("1,tp2,ep2") == [(1, 1), (2, 1), (1, 2)]
     assert parse_layouts(" TP2EP2 ,1,tp2") == [(2, 2), (1, 1), (2, 1)]
@@ -89,8 +93,21 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
     assert all(r["slots"] == 16 for r in tp_slots)
     same = data["greedy_tokens_equal_to_resident"]
     assert same["slots@0.25/b4/ep2"] and same["slots@0.25/b1"] and not any("tp2" in k for k in same)
+    for r in rows:  # every rank's counters over the timed window, rank 0's first (one GPU: a list of one)
+        per = r["expert_stats_per_rank"]
+        assert len(per) == r.get("world", 1) and per[0] == r["expert_stats"]
+        if r["backend"] == "slots":  # every rank's cache counted every MoE layer-step
+            assert per[-1]["steps"] == r["expert_stats"]["steps"] > 0
+    for r in ep_slots:  # each pair looked up on its owner only: the ranks' lookups are one GPU's
+        alone = next(o for o in rows if o.get("parallel", "1") == "1" and o["backend"] == "slots"
+                     and o["batch"] == r["batch"])
+        assert sum(map(lookups, r["expert_stats_per_rank"])) == lookups(alone["expert_stats"])
+    # the ranks own different experts: their counters differ (at batch 1 of this trace they may tie)
+    assert any(r["expert_stats_per_rank"][0] != r["expert_stats_per_rank"][1] for r in ep_slots)
     text = decode.table(rows)
     assert "ep2:slots" in text and "all-reduce" in text
+    rates = "/".join(f"{h:.1%}" for h in ep_slots[0]["hit_rate_per_rank"])
+    assert f"hit {rates}" in text  # parallel rows show every rank's hit rate
 
 
 def test_cli_refuses_bad_rows_in_one_line():

@@ -45,6 +45,13 @@ class FakeWorkers:
     def check(self):
         pass
 
+    def dead(self):
+        return []
+
+    def gather(self, query, mine):  # close() reads every rank's statistics while the graphs still live
+        self.log.append("stats")
+        return [mine, mine]
+
     def broadcast(self, step):
         self.sent.append(None if step is None else step.replay)
 
@@ -60,7 +67,7 @@ def seq(n_tokens: int, rid: str = "r") -> SeqStep:
 
 
 def runner(graphs) -> ModelRunner:
-    model = SimpleNamespace(device=torch.device("cpu"))
+    model = SimpleNamespace(device=torch.device("cpu"), expert_stats=lambda: {"hits": 0})
     r = ModelRunner(model, kv=None, graphs=graphs)
     r._forward = lambda seqs: (r.eager.append(len(seqs)), None, None)  # the eager forward, recorded
     r.eager = []
@@ -106,6 +113,7 @@ def test_close_releases_the_graphs_before_the_group_goes():
     orig = g.release
     g.release = lambda: (log.append("release"), orig())
     llm.close()
-    assert log == ["release", "stop"] and inner.graphs is None
+    assert log == ["stats", "release", "stop"] and inner.graphs is None
     llm.close()  # twice: nothing more
-    assert log == ["release", "stop"]
+    assert log == ["stats", "release", "stop"]
+    assert llm.expert_stats_per_rank() == [{"hits": 0}] * 2  # after close: the reading taken at close

@@ -49,14 +49,18 @@ def test_serve_over_two_ranks_answers_like_one_process(extra):
         url = f"http://127.0.0.1:{port}"
         try:
             wait_up(url, proc, timeout=120)
-            return completion(url, "Once upon a time"), proc
+            text = completion(url, "Once upon a time")
+            return text, httpx.get(url + "/metrics", timeout=60).text, proc
         finally:
             proc.send_signal(2)
             proc.wait(timeout=60)
 
-    one, _ = run([a for a in extra if a not in ("--tp", "--ep", "2")])
-    par, proc = run(extra)
+    one, _, _ = run([a for a in extra if a not in ("--tp", "--ep", "2")])
+    par, scraped, proc = run(extra)
     assert par == one and proc.returncode == 0
+    # /metrics asks every rank for its slot caches' counters (between steps: the engine's lock)
+    for rank in (0, 1):
+        assert f'moetier:expert_rank_hits_total{{model_name="m",rank="{rank}"}}' in scraped
     assert "one rank's share of 2" in proc.stderr.read()
 
 

@@ -44,8 +44,14 @@ def test_ray_logits_equal_one_process(cluster, ckpt, tp, ep):
         for got, want in zip(logits_of(llm), ref):
             close_enough(got, want)
         if ep > 1:  # the same greedy tokens through the whole engine (scheduler, broadcast, sampling)
-            want = [o.outputs[0].token_ids for o in LLM(ckpt, experts=experts, **ENGINE).generate(PROMPTS, GREEDY)]
+            one = LLM(ckpt, experts=experts, **ENGINE)
+            want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+            # the actor answers the statistics query with its own experts' (tests/test_rank_stats.py)
+            per, alone = llm.metrics()["expert_stats_per_rank"], one.metrics()["expert_stats"]
+            assert len(per) == 2 and per[0] != per[1]
+            assert sum(s["hits"] + s["misses"] + s["overflow"] for s in per) == \
+                alone["hits"] + alone["misses"] + alone["overflow"]
     finally:
         llm.close()
     # the placement group is gone: the cluster's two CPUs are free again for the next engine

@@ -363,5 +363,7 @@ def test_metrics_have_vllm_names_and_expert_tiers(live, client):
         assert f"moetier:{name}" in text, name
     assert 'moetier:expert_hits_total{layer="total",model_name="tiny-stdlib"}' in text
     assert 'moetier:expert_hits_total{layer="0",model_name="tiny-stdlib"}' in text
+    assert 'moetier:expert_rank_misses_total{model_name="tiny-stdlib",rank="0"}' in text  # one process: rank 0
+    assert 'rank="1"' not in text
     gen = [line for line in text.splitlines() if line.startswith("moetier:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 8

@@ -70,7 +70,8 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
     reqs = [llm.scheduler.requests[llm.add_request(p, params)] for p in prompts]
     while min(len(r.output_ids) for r in reqs) < warmup:
         llm.step()
-    stats0, steps0, graphs0 = llm.model.expert_stats(), llm.steps, llm.runner.graph_steps
+    # every rank's counters (one process: a list of one), read before the timed window opens
+    stats0, steps0, graphs0 = llm.expert_stats_per_rank(), llm.steps, llm.runner.graph_steps
     cursor0 = int(llm.replayer.cursor) if llm.replayer else 0
     done0 = sum(len(r.output_ids) for r in reqs)
     step_times = []
@@ -85,21 +86,28 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
         step_times.append(now - last)
         last = now
     seconds = last - t0
-    stats1 = llm.model.expert_stats()
+    stats1 = llm.expert_stats_per_rank()
     gpu_ms = replay_ms(llm, batch)
-    delta = {k: stats1[k] - stats0[k] for k in stats1}
-    looked = delta["hits"] + delta["misses"] + delta["overflow"]
+    per_rank = [{k: after[k] - before[k] for k in after} for before, after in zip(stats0, stats1)]
+    delta = per_rank[0]  # rank 0's: what the roofline and the hit rate of a row are computed from
     made = sum(len(r.output_ids) for r in reqs) - done0
     return {
         "batch": batch, "timed_tokens": made, "timed_steps": llm.steps - steps0,
         "graph_steps": llm.runner.graph_steps - graphs0, "seconds": seconds,
         "tok_s": made / seconds, "step_ms_median": statistics.median(step_times) * 1e3,
         "step_ms_mean": seconds / len(step_times) * 1e3,
-        "expert_stats": delta, "hit_rate": delta["hits"] / looked if looked else None,
+        "expert_stats": delta, "hit_rate": hit_rate(delta),
+        "expert_stats_per_rank": per_rank, "hit_rate_per_rank": [hit_rate(d) for d in per_rank],
         "cursor": [cursor0, int(llm.replayer.cursor) if llm.replayer else 0],
         "gpu_replay_ms": gpu_ms,
         "tokens": [r.output_ids for r in reqs],
     }
+
+
+def hit_rate(stats: dict) -> float | None:
+    """Hits over lookups (None: no lookup, e.g. resident or uva)."""
+    looked = stats["hits"] + stats["misses"] + stats["overflow"]
+    return stats["hits"] / looked if looked else None
 
 
 def replay_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:

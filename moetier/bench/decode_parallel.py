@@ -12,8 +12,10 @@ rank's slots hold that share of the *model's* experts, capped at the experts it 
 50% holds every expert it owns in HBM and `tp2` at 50% the same slots as one GPU.
 
 Per row: tok/s and step time through LLM.step() (rank 0's scheduler, the step broadcast, every
-rank's forward, sampling), rank 0's expert statistics and roofline (one rank's bytes: the ranks run
-side by side; the collectives are not in it), and the all-reduce time per step measured on rank 0
+rank's forward, sampling), every rank's expert statistics and hit rate over the timed window
+(`expert_stats_per_rank`, `hit_rate_per_rank`: gathered between steps, LLM.expert_stats_per_rank;
+`expert_stats` stays rank 0's), rank 0's roofline (one rank's bytes: the ranks run side by side; the
+collectives are not in it), and the all-reduce time per step measured on rank 0
 (dist/timing.CollectiveTimer: CUDA events around each all-reduce, no host sync; a parallel engine
 decodes eagerly, so every all-reduce is seen). NOTE: rank 0's slot cache is warmed like one GPU's;
 the workers' fill in the warm-up steps.
@@ -106,7 +108,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
             r["record_broadcast_ms_per_step"] = ((llm.runner.broadcast_s - sent[0]) * 1e3
                                                  / max(1, llm.runner.broadcasts - sent[1]))
             r["step_record_group"] = args.get("step_record_group", "world")
-            st = r["expert_stats"]  # rank 0's experts only
+            st = r["expert_stats"]  # rank 0's: the roofline is one rank's bytes
             if backend == "slots":
                 per = max(1, st["steps"])
                 hbm, link = (st["hits"] + st["misses"]) / per, (st["misses"] + st["overflow"]) / per

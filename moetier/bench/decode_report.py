@@ -34,13 +34,15 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
+        if r.get("parallel", "1") != "1" and r.get("hit_rate_per_rank"):  # every rank's, rank 0's first
+            hit = "/".join("-" if h is None else f"{h:.1%}" for h in r["hit_rate_per_rank"])
         hyb = r.get("hybrid")
         host = "" if not hyb else f"  host {hyb['host_experts_per_layer_step']:.2f} exp/layer-step"
         if r.get("switch"):
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
-        if r.get("parallel", "1") != "1":  # rank 0's experts and rooflines; the all-reduce time per step
+        if r.get("parallel", "1") != "1":  # rank 0's roofline; every rank's hit rate; the all-reduce time
             name = f"{r['parallel']}:{name}"
             host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
             if "record_broadcast_ms_per_step" in r:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from moetier.dist.group import Rendezvous, init_rank, leave, local_rendezvous, record_group
 from moetier.dist.worker import WorkerSpec, main
 from moetier.engine.runner import ModelRunner
-from moetier.engine.step import StepInput, StepOutput
+from moetier.engine.step import RankQuery, StepInput, StepOutput
 from moetier.errors import MoetierError
 from moetier.layers.parallel import Parallel
 
@@ -76,8 +76,19 @@ class WorkerGroup:
         except RuntimeError as e:
             self.failed(e)
 
-    def broadcast(self, step: StepInput | None) -> None:
+    def broadcast(self, step: StepInput | RankQuery | None) -> None:
         dist.broadcast_object_list([step], src=0, group=self.records)
+
+    def gather(self, query: RankQuery, mine) -> list:
+        """Between steps: every rank's answer to `query`, in rank order (rank 0's is `mine`). The query
+        goes out like a step record; the answers come back with all_gather_object on the same group
+        (worker.serve), so the group's timeout and the liveness rules hold as for a step. NOTE:
+        all_gather_object rather than gather_object: the same object collective node_check runs on
+        both backends, and the answers are a few integers per rank."""
+        answers = [None] * self.world
+        self.broadcast(query)
+        dist.all_gather_object(answers, mine, group=self.records)
+        return answers
 
     def stop(self, graceful: bool = True) -> None:
         """Workers exit (told to, when all are alive and graceful; killed otherwise); the group goes."""
@@ -184,11 +195,23 @@ class DistributedRunner:
         """The step's forward on every rank -> rank 0's last hidden states [N, H] (tests compare them)."""
         return self._run(self.inner.forward_only, step)
 
-    def _run(self, fn, step: StepInput):
+    def ask(self, query: RankQuery) -> list:
+        """Every rank's answer to `query`, in rank order (ModelRunner.ask's, over the ranks). Between
+        steps only (LLM.metrics): a dead worker is named before the query goes out, as before a step."""
+        self._live()
+        try:
+            return self.workers.gather(query, self.inner.ask(query)[0])
+        except RuntimeError as e:  # a worker died during the gather, or stopped answering (timeout)
+            self.workers.failed(e)
+
+    def _live(self) -> None:
         if self.workers.stopped:
             raise MoetierError("this parallel engine was closed (or failed before): its workers are gone; "
                                "start a new LLM")
         self.workers.check()
+
+    def _run(self, fn, step: StepInput):
+        self._live()
         try:
             t0 = time.perf_counter()
             self.workers.broadcast(step)

@@ -7,6 +7,8 @@ The step protocol (rank 0's side: dist/executor.py), per step with at least one 
     workers: broadcast_object_list([None]) receives it, ModelRunner.run_worker_step(step): the decode
              graph replayed when step.replay says rank 0 replays its own (every rank captured the same
              sizes at start, in lockstep), else the eager forward
+    between steps, a query (engine/step.RankQuery, LLM.metrics): rank 0 broadcasts it on the same
+             channel, then every rank all_gather_object's its answer on the records' group
     shutdown: rank 0 broadcasts None; workers leave the group and exit.
 The scheduler and the page pool live on rank 0 only; a worker's KV cache has the same pages (the
 page tables arrive in the StepInput) holding its own kv heads. A replayed trace is replayed on every
@@ -129,10 +131,17 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
 
 def serve(runner, records=None) -> None:
-    """Run the steps rank 0 broadcasts (on the group `records`: group.record_group) until it sends None."""
+    """Run the steps rank 0 broadcasts (on the group `records`: group.record_group) until it sends None;
+    answer its queries (executor.WorkerGroup.gather: the same collective on the same group)."""
+    from moetier.engine.step import RankQuery
+
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=records)
         if box[0] is None:
             return
+        if isinstance(box[0], RankQuery):
+            answers = [None] * dist.get_world_size(records)
+            dist.all_gather_object(answers, box[0].answer(runner.model), group=records)
+            continue
         runner.run_worker_step(box[0])

@@ -30,6 +30,7 @@ from moetier.engine.pages import PagePool
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.scheduler import Scheduler
+from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
 from moetier.experts.placement import ExpertOptions
@@ -331,6 +332,7 @@ class LLM:
         the worker ranks of a parallel engine."""
         if self._workers is not None:
             if not self._workers.stopped and hasattr(self, "runner"):
+                self._closed_stats = self._last_stats()
                 self.runner.release()  # graphs before the group (graphs.release)
             self._workers.stop()
         if self.recorder is not None:
@@ -340,9 +342,37 @@ class LLM:
             self.replayer.close()
             self.replayer = None
 
+    def _last_stats(self) -> list[dict] | None:
+        """Every rank's expert statistics as the engine closes (metrics() after close() reports them:
+        no rank runs a step after it). None when a worker is already dead: close() never raises."""
+        if self._workers.dead():
+            return None
+        try:
+            return self.runner.ask(RankQuery("expert_stats"))
+        except MoetierError:
+            return None
+
+    def expert_stats_per_rank(self) -> list[dict]:
+        """Each rank's expert statistics (CausalLM.expert_stats over its own MoE layers), in rank order:
+        one process gives a list of one. A parallel engine asks its workers between steps (a query on
+        the step records' channel: engine/step.RankQuery); a dead worker raises MoetierError naming it.
+        After close() the ranks' statistics taken at close."""
+        if self._workers is not None and self._workers.stopped:
+            closed = getattr(self, "_closed_stats", None)
+            if closed is None:
+                raise MoetierError("this parallel engine failed before it closed: its workers' expert statistics "
+                                   "are gone; start a new LLM")
+            return closed
+        return self.runner.ask(RankQuery("expert_stats"))
+
     def metrics(self) -> dict:
+        """expert_stats: rank 0's (compatibility); expert_stats_per_rank: every rank's, rank 0's first.
+        NOTE: no sum over the ranks: under EP each (token, expert) pair is counted on its owner only, so
+        the sum is the model's lookups, but under TP every rank looks up every pair (over its columns
+        of it under the columns split) and a sum would count each pair once per rank."""
         s = self.scheduler
-        stats = self.model.expert_stats()
+        per_rank = self.expert_stats_per_rank()
+        stats = per_rank[0]
         looked = stats["hits"] + stats["misses"] + stats["overflow"] + stats.get("host", 0)
         return {
             "running": len(s.running),
@@ -353,4 +383,5 @@ class LLM:
             "steps": self.steps,
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
+            "expert_stats_per_rank": per_rank,
         }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from moetier.engine.graphs import DecodeGraphs
-from moetier.engine.step import SeqStep, StepInput, StepOutput
+from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import sample, token_logprobs
@@ -65,6 +65,11 @@ class ModelRunner:
             self.graph_steps += 1
             return
         self._forward(step.seqs)
+
+    def ask(self, query: RankQuery) -> list:
+        """Every rank's answer, in rank order: this one process's alone (DistributedRunner.ask gathers
+        a parallel engine's). Between steps only: answers read device counters."""
+        return [query.answer(self.model)]
 
     def release(self) -> None:
         """Drop the captured graphs (before a parallel engine's process group goes: graphs.release)."""

@@ -6,12 +6,15 @@ worker in another process can receive the same record (multi-GPU) and tests can 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table, and how
                to sample its next token when the chunk reaches its end
     StepOutput the token sampled for each request that sampled
+    RankQuery  a control record of a parallel engine, sent between steps on the same channel as
+               StepInput: every rank answers with its own data (RankQuery.answer)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moetier.errors import MoetierError
 from moetier.sampling_params import SamplingParams
 
 
@@ -52,3 +55,26 @@ class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
     num_tokens: int
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
+
+
+# what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)
+QUERIES = {
+    # the expert backends' counters summed over this rank's MoE layers (models/base.CausalLM.expert_stats)
+    "expert_stats": lambda model: model.expert_stats(),
+}
+
+
+@dataclass(frozen=True)
+class RankQuery:
+    """Sent by rank 0 of a parallel engine between steps, never inside one (LLM.metrics): each rank
+    answers from its own model and rank 0 gathers the answers in rank order (dist/executor.py).
+    NOTE: answers read device counters (a host sync), which is why a query never rides inside a step."""
+
+    what: str
+
+    def __post_init__(self):
+        if self.what not in QUERIES:
+            raise MoetierError(f"RankQuery({self.what!r}): choose one of {', '.join(QUERIES)}")
+
+    def answer(self, model) -> dict:
+        return QUERIES[self.what](model)

@@ -48,6 +48,15 @@ class EngineCollector:
                 c.add_metric([self.model_name, str(layer)], stats[key])
             c.add_metric([self.model_name, "total"], sum(s[key] for s in m["expert_layers"].values()))
             yield c
+        # each rank's own slot caches (LLM.metrics' expert_stats_per_rank; one process: rank 0 alone);
+        # the per-layer counters above are rank 0's. NOTE: summed over ranks only under EP (each pair
+        # on its owner); under TP every rank looks up every pair
+        for key in ("hits", "misses", "overflow"):
+            c = CounterMetricFamily(P + f"expert_rank_{key}", docs[key][:-1] + ", over the MoE layers of each rank.",
+                                    labels=["model_name", "rank"])
+            for rank, stats in enumerate(m["expert_stats_per_rank"]):
+                c.add_metric([self.model_name, str(rank)], stats[key])
+            yield c
 
 
 class ServerMetrics:
