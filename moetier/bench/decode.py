@@ -88,6 +88,7 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
     seconds = last - t0
     stats1 = llm.expert_stats_per_rank()
     gpu_ms = replay_ms(llm, batch)
+    whole_ms = replay_ms(llm, batch, whole=True)  # hybrid: the switch's whole-step graph, alone
     per_rank = [{k: after[k] - before[k] for k in after} for before, after in zip(stats0, stats1)]
     delta = per_rank[0]  # rank 0's: what the roofline and the hit rate of a row are computed from
     made = sum(len(r.output_ids) for r in reqs) - done0
@@ -99,7 +100,7 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
         "expert_stats": delta, "hit_rate": hit_rate(delta),
         "expert_stats_per_rank": per_rank, "hit_rate_per_rank": [hit_rate(d) for d in per_rank],
         "cursor": [cursor0, int(llm.replayer.cursor) if llm.replayer else 0],
-        "gpu_replay_ms": gpu_ms,
+        "gpu_replay_ms": gpu_ms, "gpu_replay_whole_ms": whole_ms,
         "tokens": [r.output_ids for r in reqs],
     }
 
@@ -110,17 +111,22 @@ def hit_rate(stats: dict) -> float | None:
     return stats["hits"] / looked if looked else None
 
 
-def replay_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
+def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> float | None:
     """GPU time of one decode step alone: the step's graphs replayed back to back on the last step's
-    inputs (so the slot cache only hits). Against the step time it splits host from device time."""
+    inputs (so the slot cache only hits). Against the step time it splits host from device time.
+    whole: a hybrid engine's whole-step graph (what its switch replays when the pieces do not pay; None
+    without one), so its GPU time can be held to slots' own graph."""
     graphs = llm.runner.graphs
     if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
         return None  # NOTE: rank 0 alone cannot replay a graph of a parallel engine (its all-reduces wait)
+    graph = graphs.whole.get(batch) if whole else graphs.graphs[batch]
+    if graph is None:
+        return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graphs.graphs[batch].replay()
+    graph.replay()
     start.record()
     for _ in range(reps):
-        graphs.graphs[batch].replay()
+        graph.replay()
         graphs.samplers[batch, "greedy"].replay()
     end.record()
     end.synchronize()
