@@ -96,7 +96,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
                       args.get("host_memory"))
     _, _, plans = rank_plans(req, random.options(cfg, ep, tp), tp, ep, args.get("gpu_memory"), args.get("host_memory"))
     llm = LLM.from_random(random, model_dtype, device, config, rank_plans=plans)
-    bed, timer = llm.bed, llm.parallel.timer
+    bed = llm.bed
     slots = slots_for(cfg, backend, budget, ep, tp if bed.split == "columns" else 1)
     warm_all(bed.model)  # rank 0's cache in its steady state, as one GPU's rows
     rows = []

@@ -176,8 +176,9 @@ class ExpertPlacement:
             if self._hostpath is None:  # nodes: no per-layer device graphs (the whole step is one graph)
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
                                           False if o.hybrid_nodes else o.device_graphs)
-            hybrid = (HybridNodesExperts if o.hybrid_nodes else HybridExperts)(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device,
-                                   o.policy, o.gemm, self._hostpath)
+            kind = HybridNodesExperts if o.hybrid_nodes else HybridExperts
+            hybrid = kind(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy, o.gemm,
+                          self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
             hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
             return hybrid
