@@ -59,7 +59,7 @@ def run_parallel(ckpt, one, **layout) -> tuple[dict, list[dict]]:
     return m, llm.metrics()["expert_stats_per_rank"]  # after close: the ranks' statistics taken at close
 
 
-@pytest.mark.parametrize("records", ["world", "gloo"])
+@pytest.mark.parametrize("records", ["world", "gloo", "pipe"])
 def test_ep_ranks_count_their_own_experts(ckpt, one, records):
     m, closed = run_parallel(ckpt, one, expert_parallel_size=2, step_record_group=records)
     per = m["expert_stats_per_rank"]

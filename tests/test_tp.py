@@ -140,7 +140,7 @@ def test_step_records_on_a_gloo_group_of_their_own(ckpts):
         assert llm.runner.broadcasts > 0 and llm.runner.broadcast_s > 0
     finally:
         llm.close()
-    with pytest.raises(MoetierError, match="step_record_group must be world or gloo"):
+    with pytest.raises(MoetierError, match="step_record_group must be world, gloo or pipe"):
         LLM(ckpts["tiny"], tensor_parallel_size=2, step_record_group="nccl", **ENGINE)
 
 

@@ -177,7 +177,8 @@ def bench_decode(
                                       "is per GPU; parallel rows run resident, uva and slots."),
     step_records: str = typer.Option("world", "--step-record-group",
                                      help="Parallel rows: the group each step's record goes to the workers on: "
-                                          "world (NCCL on GPUs) or gloo (host sockets)."),
+                                          "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
+                                          "worker)."),
     expert_split: opt.ExpertSplit = "auto",
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
@@ -194,8 +195,10 @@ def bench_decode(
         from moetier.bench.decode_parallel import parse_layouts
 
         layouts = parse_layouts(parallel)
-        if step_records not in ("world", "gloo"):
-            raise MoetierError(f"--step-record-group {step_records!r}: choose world or gloo")
+        from moetier.engine.config import STEP_RECORD_GROUPS
+
+        if step_records not in STEP_RECORD_GROUPS:
+            raise MoetierError(f"--step-record-group {step_records!r}: choose world, gloo or pipe")
         opt.expert_split(expert_split)
         if model is not None and layouts != [(1, 1)]:
             raise MoetierError("--parallel rows run random weights (--preset); a checkpoint runs over several GPUs "

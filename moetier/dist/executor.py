@@ -11,7 +11,8 @@ and turn a dead worker into one loud error naming its rank (never a hang).
 Liveness: before each step every worker process is checked (a dead one fails the step at once,
 named); a worker that dies during a step breaks its sockets, the collective raises on rank 0, and
 the error names it too; a worker that hangs without dying fails the collective after the group's
-timeout (EngineConfig.dist_timeout_s).
+timeout (EngineConfig.dist_timeout_s). The records travel on the channel step_record_group names
+(dist/channel.py: a group's broadcast, or one OS pipe per worker); the rules are the same for each.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moetier.dist.channel import GroupSender, PipeSender
 from moetier.dist.group import Rendezvous, init_rank, leave, local_rendezvous, record_group
 from moetier.dist.worker import WorkerSpec, main
 from moetier.engine.runner import ModelRunner
@@ -42,6 +44,7 @@ class WorkerGroup:
         self.rendezvous, self.world = rendezvous, rendezvous.world  # where rank 0 meets them
         self.stopped = False
         self.records = None  # the group the step records go on (group.record_group; None: the world)
+        self.channel = GroupSender()  # how they go (dist/channel.py); start() sets the configured one
 
     def dead(self) -> list[str]:  # 'rank r (...)' for every worker that is no longer running
         raise NotImplementedError
@@ -77,18 +80,15 @@ class WorkerGroup:
             self.failed(e)
 
     def broadcast(self, step: StepInput | RankQuery | None) -> None:
-        dist.broadcast_object_list([step], src=0, group=self.records)
+        self.channel.send(step)
 
     def gather(self, query: RankQuery, mine) -> list:
         """Between steps: every rank's answer to `query`, in rank order (rank 0's is `mine`). The query
-        goes out like a step record; the answers come back with all_gather_object on the same group
-        (worker.serve), so the group's timeout and the liveness rules hold as for a step. NOTE:
-        all_gather_object rather than gather_object: the same object collective node_check runs on
-        both backends, and the answers are a few integers per rank."""
-        answers = [None] * self.world
+        goes out like a step record; the answers come back on the same channel (worker.serve:
+        all_gather_object on the records' group, or each worker's pipe), so the timeout and the
+        liveness rules hold as for a step."""
         self.broadcast(query)
-        dist.all_gather_object(answers, mine, group=self.records)
-        return answers
+        return self.channel.gather(mine)
 
     def stop(self, graceful: bool = True) -> None:
         """Workers exit (told to, when all are alive and graceful; killed otherwise); the group goes."""
@@ -101,6 +101,7 @@ class WorkerGroup:
             except RuntimeError:
                 pass
         self._end(graceful)
+        self.channel.close()
         leave()
 
 
@@ -109,8 +110,18 @@ class Workers(WorkerGroup):
 
     def __init__(self, spec: WorkerSpec):
         super().__init__(spec.rendezvous)
-        self._ctx = mp.start_processes(main, args=(spec,), nprocs=self.world - 1, join=False, daemon=True,
-                                       start_method="spawn")
+        ends = None
+        if spec.config.step_record_group == "pipe":  # made before the spawn: the workers inherit theirs
+            pairs = [mp.get_context("spawn").Pipe(duplex=True) for _ in range(self.world - 1)]
+            ends = [child for _, child in pairs]
+            self.channel = PipeSender([mine for mine, _ in pairs], spec.rendezvous.timeout_s, self.dead)
+        try:
+            self._ctx = mp.start_processes(main, args=(spec, ends), nprocs=self.world - 1, join=False,
+                                           daemon=True, start_method="spawn")
+        finally:
+            for end in ends or []:
+                # NOTE: rank 0 keeps no copy of a worker's end, so a dead worker is EOF on rank 0's end
+                end.close()
 
     @property
     def processes(self) -> list:
@@ -142,6 +153,8 @@ def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
     try:
         par = init_rank(0, workers.rendezvous, spec.tp, spec.ep)
         workers.records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
+        if workers.records is not None:
+            workers.channel = GroupSender(workers.records)
         if rank_plans is not None:
             from moetier.plan.nodes import node_check, refuse
 
@@ -218,7 +231,7 @@ class DistributedRunner:
             self.broadcast_s += time.perf_counter() - t0
             self.broadcasts += 1
             return fn(step)
-        except RuntimeError as e:  # torch.distributed errors (DistBackendError among them)
+        except RuntimeError as e:  # torch.distributed errors (DistBackendError among them), channel.ChannelError
             self.workers.failed(e)
         except BaseException:
             # rank 0 failed on its own mid-step: the workers wait inside a collective it will never

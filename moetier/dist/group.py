@@ -83,9 +83,9 @@ def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
 
 def record_group(kind: str, timeout_s: float):
     """The group the step records travel on (EngineConfig.step_record_group): None for "world" (the
-    default group), a new gloo group for "gloo". NOTE: every rank calls it right after init_rank, in the
-    same order (new_group is collective)."""
-    if kind == "world":
+    default group) and "pipe" (no group: dist/channel.py's pipes), a new gloo group for "gloo". NOTE:
+    every rank calls it right after init_rank, in the same order (new_group is collective)."""
+    if kind != "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 

@@ -1,15 +1,18 @@
 """A worker rank (1..N-1): load this rank's share of the model, then run every step rank 0 sends.
 
 The step protocol (rank 0's side: dist/executor.py), per step with at least one sequence:
-    rank 0:  broadcast_object_list([StepInput])  -> every rank runs model.forward on the same tokens,
-             positions and page tables (the collectives inside the forward pair up in the same order
-             on every rank) -> rank 0 alone computes logits and samples
-    workers: broadcast_object_list([None]) receives it, ModelRunner.run_worker_step(step): the decode
+    rank 0:  sends the StepInput on the records' channel (dist/channel.py: broadcast_object_list on
+             the world or gloo group, or the same pickled bytes written to each worker's pipe) ->
+             every rank runs model.forward on the same tokens, positions and page tables (the
+             collectives inside the forward pair up in the same order on every rank) -> rank 0
+             alone computes logits and samples
+    workers: receive it on the same channel, ModelRunner.run_worker_step(step): the decode
              graph replayed when step.replay says rank 0 replays its own (every rank captured the same
              sizes at start, in lockstep), else the eager forward
-    between steps, a query (engine/step.RankQuery, LLM.metrics): rank 0 broadcasts it on the same
-             channel, then every rank all_gather_object's its answer on the records' group
-    shutdown: rank 0 broadcasts None; workers leave the group and exit.
+    between steps, a query (engine/step.RankQuery, LLM.metrics): rank 0 sends it on the same
+             channel, then every rank answers on it (all_gather_object on the group, or its pipe)
+    shutdown: rank 0 sends None; workers leave the group and exit. Under "pipe" a worker whose pipe
+             reaches EOF (rank 0 died) raises a MoetierError naming rank 0 and exits.
 The scheduler and the page pool live on rank 0 only; a worker's KV cache has the same pages (the
 page tables arrive in the StepInput) holding its own kv heads. A replayed trace is replayed on every
 rank (each its own device-side cursor, advanced by the same steps), so all ranks route alike.
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moetier.checkpoint.random_bed import RandomModel, build_random
+from moetier.dist.channel import GroupReceiver, PipeReceiver
 from moetier.dist.group import Rendezvous, init_rank, leave, record_group
 from moetier.engine.config import EngineConfig
 from moetier.experts.placement import ExpertOptions
@@ -56,14 +60,23 @@ class WorkerSpec:
         return self.config.expert_parallel_size
 
 
-def main(index: int, spec: WorkerSpec) -> None:
-    """Entry point of a spawned worker (torch.multiprocessing passes index 0..N-2: rank index + 1)."""
-    run_rank(index + 1, spec, index + 1)
+def main(index: int, spec: WorkerSpec, ends: list | None = None) -> None:
+    """Entry point of a spawned worker (torch.multiprocessing passes index 0..N-2: rank index + 1).
+    ends: every worker's pipe end under step_record_group "pipe" (start_processes gives all workers
+    the same arguments), else None."""
+    pipe = None
+    if ends is not None:
+        pipe = ends[index]
+        for i, end in enumerate(ends):
+            if i != index:
+                end.close()  # NOTE: only its worker may hold a pipe's end, or that worker's death is no EOF
+    run_rank(index + 1, spec, index + 1, pipe)
 
 
-def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
+def run_rank(rank: int, spec: WorkerSpec, gpu: int, pipe=None) -> None:
     """Join the group as `rank`, load this rank's share on GPU `gpu` (CUDA; a local index: Ray
-    actors see only their own GPU, as 0) or the CPU, and run steps until rank 0 says stop."""
+    actors see only their own GPU, as 0) or the CPU, and run steps until rank 0 says stop. pipe:
+    this worker's end of its step-record pipe (step_record_group "pipe"; executor.Workers)."""
     if spec.device == "cuda":
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
@@ -72,6 +85,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.rendezvous.world))
     par = init_rank(rank, spec.rendezvous, spec.tp, spec.ep)
     records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
+    channel = PipeReceiver(pipe, rank) if pipe is not None else GroupReceiver(records)
     try:
         if spec.rank_plans is not None:
             from moetier.plan.nodes import node_check
@@ -80,10 +94,12 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int) -> None:
                 return  # a node cannot hold its share: rank 0 names it; nothing was loaded
         runner = build_runner(spec, device, par)
         try:
-            serve(runner, records)
+            serve(runner, channel)
         finally:
             runner.release()  # graphs before the group (DecodeGraphs.release)
     finally:
+        if pipe is not None:
+            pipe.close()
         leave()
 
 
@@ -130,18 +146,16 @@ def build_runner(spec: WorkerSpec, device: str, par):
     return ModelRunner(model, kv, graphs)
 
 
-def serve(runner, records=None) -> None:
-    """Run the steps rank 0 broadcasts (on the group `records`: group.record_group) until it sends None;
-    answer its queries (executor.WorkerGroup.gather: the same collective on the same group)."""
+def serve(runner, channel) -> None:
+    """Run the steps rank 0 sends on `channel` (dist/channel.py: GroupReceiver or PipeReceiver) until
+    it sends None; answer its queries on the same channel (executor.WorkerGroup.gather)."""
     from moetier.engine.step import RankQuery
 
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=records)
-        if box[0] is None:
+        record = channel.recv()
+        if record is None:
             return
-        if isinstance(box[0], RankQuery):
-            answers = [None] * dist.get_world_size(records)
-            dist.all_gather_object(answers, box[0].answer(runner.model), group=records)
+        if isinstance(record, RankQuery):
+            channel.answer(record.answer(runner.model))
             continue
-        runner.run_worker_step(box[0])
+        runner.run_worker_step(record)

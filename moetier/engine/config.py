@@ -17,6 +17,8 @@ from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.prefill_ring import PREFILL_STREAMS
 from moetier.layers.parallel import layout_problems
 
+STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
+
 
 @dataclass
 class EngineConfig:
@@ -57,9 +59,10 @@ class EngineConfig:
     # Ray actor per GPU (or CPU rank) on a Ray cluster, any node (dist/ray_executor.py; pip install
     # 'moetier[ray]'). Rank 0 is this process either way.
     distributed_executor: str = "mp"
-    # Which group carries each step's record from rank 0 to the workers (dist/group.record_group):
+    # Which channel carries each step's record from rank 0 to the workers (dist/channel.py):
     # "world" (the collectives' group: NCCL on GPUs, so the record goes through device memory and host
-    # reads) or "gloo" (a second group over host sockets: the record never touches a GPU).
+    # reads), "gloo" (a second group over host sockets: the record never touches a GPU) or "pipe" (one
+    # OS pipe per worker, rank 0 writes the pickled record to each; the mp executor only: one node).
     step_record_group: str = "world"
     # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
     # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
@@ -100,8 +103,11 @@ class EngineConfig:
             out += layout_problems(max(tp, ep), tp, ep)
         else:
             out.append(f"tensor_parallel_size and expert_parallel_size must be positive integers, got {tp!r}, {ep!r}")
-        if self.step_record_group not in ("world", "gloo"):
-            out.append(f"step_record_group must be world or gloo, got {self.step_record_group!r}")
+        if self.step_record_group not in STEP_RECORD_GROUPS:
+            out.append(f"step_record_group must be world, gloo or pipe, got {self.step_record_group!r}")
+        elif self.step_record_group == "pipe" and self.distributed_executor == "ray":
+            out.append("step_record_group pipe needs the mp executor (its pipes join processes of one node; "
+                       "Ray actors may be on other nodes): use world or gloo with ray")
         if self.distributed_executor not in ("mp", "ray"):
             out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
         if self.fp8_dense not in ("dequantize", "fp8"):
