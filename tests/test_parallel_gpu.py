@@ -33,6 +33,10 @@ def run(ckpt, experts, graphs: bool, **par) -> tuple[list[list[int]], list[list[
         alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
         runner = getattr(llm.runner, "inner", llm.runner)  # rank 0's ModelRunner under several ranks
         assert (runner.graph_steps > 0) == graphs  # decode replayed graphs (with the all-reduces inside)
+        # every rank's expert statistics, asked between steps over the records' channel (RankQuery)
+        world = max(par.get("tensor_parallel_size", 1), par.get("expert_parallel_size", 1))
+        per = llm.metrics()["expert_stats_per_rank"]
+        assert len(per) == world and per[0] == llm.metrics()["expert_stats"]
         return batch, alone
     finally:
         llm.close()
@@ -53,12 +57,14 @@ def test_nccl_greedy_equals_one_gpu(ckpts, preset, tp, ep, backend, graphs):
     assert batch == alone == want
 
 
-def test_nccl_step_records_on_a_gloo_group(ckpts):
-    """EngineConfig.step_record_group="gloo" beside NCCL collectives: the records go over host sockets,
-    graphs replay on both ranks, and the tokens stay one GPU's."""
+@pytest.mark.parametrize("records", ["gloo", "pipe"])
+def test_nccl_step_records_beside_the_collectives(ckpts, records):
+    """EngineConfig.step_record_group gloo (host sockets) or pipe (one OS pipe per worker, dist/channel.py)
+    beside NCCL collectives: graphs replay on both ranks, the tokens stay one GPU's, and every rank's
+    expert statistics come back (the query over the same channel)."""
     experts = ExpertOptions(backend="slots", slots=4)
     want, _ = run(ckpts["tiny"], experts, True)
-    batch, alone = run(ckpts["tiny"], experts, True, expert_parallel_size=2, step_record_group="gloo")
+    batch, alone = run(ckpts["tiny"], experts, True, expert_parallel_size=2, step_record_group=records)
     assert batch == alone == want
 
 
