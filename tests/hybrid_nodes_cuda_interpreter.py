@@ -43,10 +43,7 @@ def nodes_as_cuda(b: HybridNodesExperts) -> HybridNodesExperts:
     """as_cuda, plus the CUDA-only NodeBuffers members (on the CPU) and the host node called in place."""
     as_cuda(b)
     nb = b.bufs
-    p = nb.plan.max_pairs
-    nb.out_dev = torch.zeros(p, H)
-    nb.y = torch.zeros(p + 1, H)
-    nb.gpos = torch.arange(p)
+    nb.device_buffers(nb.plan.max_pairs, H, "cpu")
     nb.side = NoStream()
     return b
 

@@ -214,8 +214,10 @@ def bench_decode(
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
             opt.at_least(host_threads, 1, "--host-threads")
+        from moetier.bench.decode import HYBRID_GRAPH_MODES
+
         modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
-        if not modes or set(modes) - {"auto", "piecewise", "eager", "nodes"}:
+        if not modes or set(modes) - set(HYBRID_GRAPH_MODES):
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise, eager and/or nodes "
                                "(comma-separated)")
         orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]

@@ -33,6 +33,10 @@ from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace
 
+# hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a piecewise
+# capture that fails on a machine may leave the CUDA context unusable
+HYBRID_GRAPH_MODES = ("eager", "piecewise", "auto", "nodes")
+
 
 def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
     """Mean distinct experts per MoE layer per step when steps read `batch` consecutive trace tokens
@@ -350,8 +354,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     rows: list[dict] = []
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
-    # eager first: a piecewise capture that fails on a machine may leave the CUDA context unusable
-    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=("eager", "piecewise", "auto", "nodes").index)
+    modes = sorted(args.get("hybrid_graphs") or ["auto"], key=HYBRID_GRAPH_MODES.index)
     orders = args.get("hybrid_order") or [None]
     dgraphs = sorted(args.get("hybrid_device_graphs") or [False])  # off first, as eager: a failed capture
     plan = [(b, budget, "auto", None, True) for b, budget in plan]

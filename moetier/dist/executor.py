@@ -43,8 +43,7 @@ class WorkerGroup:
     def __init__(self, rendezvous: Rendezvous):
         self.rendezvous, self.world = rendezvous, rendezvous.world  # where rank 0 meets them
         self.stopped = False
-        self.records = None  # the group the step records go on (group.record_group; None: the world)
-        self.channel = GroupSender()  # how they go (dist/channel.py); start() sets the configured one
+        self.channel = GroupSender()  # how the step records go (dist/channel.py); start() sets the configured one
 
     def dead(self) -> list[str]:  # 'rank r (...)' for every worker that is no longer running
         raise NotImplementedError
@@ -152,9 +151,9 @@ def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
         workers = Workers(spec)
     try:
         par = init_rank(0, workers.rendezvous, spec.tp, spec.ep)
-        workers.records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
-        if workers.records is not None:
-            workers.channel = GroupSender(workers.records)
+        records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
+        if records is not None:  # gloo: a group of their own (pipe's channel was made at the spawn)
+            workers.channel = GroupSender(records)
         if rank_plans is not None:
             from moetier.plan.nodes import node_check, refuse
 

@@ -46,7 +46,6 @@ class Switch:
         self.backends, self.window, self.probe, self.clock = backends, window, probe, clock
         self.pieces = False
         self.steps = 0
-        self.windows = 0
         self.counts = {"pieces": 0, "whole": 0}
         self.last_misses_per_layer_step: float | None = None
         self.median_s: dict[tuple[int, bool], float] = {}  # (size, pieces) -> last window's median step
@@ -75,7 +74,6 @@ class Switch:
             if self._spans and self._at is not None:
                 self.median_s[self._at] = statistics.median(self._spans)
             self._spans = []
-            self.windows += 1
             now = self._read()
             dm, ds = now[0] - self._last[0], now[1] - self._last[1]
             self._last = now
@@ -96,4 +94,4 @@ class Switch:
         pieces, whole = self.median_s.get((size, True)), self.median_s.get((size, False))
         if pieces is None or whole is None or pieces <= whole:
             return True
-        return self.windows % self.probe == 0
+        return (self.steps // self.window) % self.probe == 0  # the windows ended so far

@@ -107,7 +107,8 @@ def build(cxx: str, out_dir: Path) -> Path:
     except OSError as e:
         raise HostExtUnavailable(f"cannot write the kernel cache {out_dir} ({e}); set MOETIER_CACHE_DIR") from None
     try:
-        r = subprocess.run([cxx, *FLAGS, str(SOURCE), str(NODE_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        r = subprocess.run([cxx, *FLAGS, str(SOURCE), str(NODE_SOURCE), "-o", tmp], capture_output=True, text=True,
+                           timeout=600)
         if r.returncode != 0:
             raise HostExtUnavailable(f"building {SOURCE.name} with {cxx} failed: {_one_line(r.stderr)}")
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
@@ -171,6 +172,18 @@ def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
     return KINDS.get(rows.dtype)
 
 
+def call_kind(rows: torch.Tensor, layout: RowLayout, bf16: bool) -> tuple[int, int, int]:
+    """-> (kind, s13, s2): the kernel's code for these rows in a model of bf16 (True) or fp32 hidden
+    states (FP8 weights rounded to bf16 in a bf16 model), and the FP8 rows' scale offsets (else 0). Shared
+    by every caller of the kernel (_call, experts/hybrid_nodes.py's job), so they agree on the rounding."""
+    kind = kind_of(rows, layout)
+    if kind is None:
+        raise ValueError(f"the compiled host kernel has no code for {rows.dtype} rows of quantization {layout.quant}")
+    if kind == FP8_KIND:
+        return kind + int(bf16), layout.s13_offset, layout.s2_offset
+    return kind, 0, 0
+
+
 def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
                  rows: torch.Tensor, layout: RowLayout, threads: int, block_bytes: int = 0) -> torch.Tensor:
     """Unweighted outputs of pairs (tokens[i], experts[i]) -> [P, H] fp32. x [T, H] in the compute dtype
@@ -209,12 +222,8 @@ def start(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torc
 
 
 def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes, out=None):
-    kind = kind_of(rows, layout)
     bf16 = x.dtype == torch.bfloat16
-    if kind == FP8_KIND and bf16:
-        kind = FP8_KIND + 1
-    if kind is None:
-        raise ValueError(f"the compiled host kernel has no code for {rows.dtype} rows of quantization {layout.quant}")
+    kind, s13, s2 = call_kind(rows, layout, bf16)
     if not rows.is_contiguous() or rows.dim() != 2:
         raise ValueError("the compiled host kernel needs contiguous [E, R] rows")
     xs = x.float().contiguous()
@@ -226,10 +235,8 @@ def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes, out=None):
     if y.shape != (p, hdim) or y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
         raise ValueError(f"out must be a contiguous float32 CPU tensor [{p}, {hdim}]")
     err = ctypes.create_string_buffer(256)
-    fp8_rows = kind >= FP8_KIND
     rc = fn(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
-            inter, layout.s13_offset if fp8_rows else 0, layout.s2_offset if fp8_rows else 0,
-            int(bf16), xs.data_ptr(), xs.shape[0],
+            inter, s13, s2, int(bf16), xs.data_ptr(), xs.shape[0],
             tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, block_bytes,
             err, 256)
     if rc != 0:

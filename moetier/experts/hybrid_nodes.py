@@ -36,6 +36,7 @@ import torch
 from moetier.experts import host_ext
 from moetier.experts.backends import SlotExperts
 from moetier.experts.cpu_experts import compute_dtype
+from moetier.experts.grouped_gemm import combine_pairs
 from moetier.experts.hybrid import HybridExperts
 from moetier.experts.hybrid_plan import (
     PlanBuffers,
@@ -43,6 +44,7 @@ from moetier.experts.hybrid_plan import (
     plan_rates,
     plan_reference,
 )
+from moetier.experts.reference import combine
 
 
 class NodeJob(ctypes.Structure):
@@ -61,7 +63,8 @@ class NodeBuffers:
     """One model's buffers (shared by its layers): the plan's, the pinned staging (x [T, H], the job
     [1 + 2 P], host outputs [P, H], all fp32 / int64) and the host kernel's scratch h [P, I]; on CUDA the
     host outputs' device twin [P, H], the pair outputs y [P + 1, H] (row P: the padding positions'
-    scratch), the positions 0..P-1 and the side stream. P = decode tokens x k (the largest step)."""
+    scratch), the GEMM's weighted output [P, H] (unread: y is what counts), the positions 0..P-1 and the
+    side stream. P = decode tokens x k (the largest step)."""
 
     def __init__(self, num_experts: int, tokens: int, top_k: int, hidden: int, inter: int, device: torch.device):
         p, cuda = tokens * top_k, device.type == "cuda"
@@ -71,10 +74,15 @@ class NodeBuffers:
         self.out = torch.zeros(p, hidden, dtype=torch.float32, pin_memory=cuda)
         self.h = torch.zeros(p, inter, dtype=torch.float32)
         if cuda:
-            self.out_dev = torch.zeros(p, hidden, dtype=torch.float32, device=device)
-            self.y = torch.zeros(p + 1, hidden, dtype=torch.float32, device=device)
-            self.gpos = torch.arange(p, device=device)
+            self.device_buffers(p, hidden, device)
             self.side = torch.cuda.Stream(device)
+
+    def device_buffers(self, p: int, hidden: int, device: torch.device | str) -> None:
+        """The CUDA path's device buffers (tests/hybrid_nodes_cuda_interpreter.py makes them on the CPU)."""
+        self.out_dev = torch.zeros(p, hidden, dtype=torch.float32, device=device)
+        self.y = torch.zeros(p + 1, hidden, dtype=torch.float32, device=device)
+        self.weighted = torch.empty(p, hidden, dtype=torch.float32, device=device)  # the GEMM's, unread
+        self.gpos = torch.arange(p, device=device)
 
 
 _LAUNCH = None  # cuLaunchHostFunc from the driver library, loaded at first use
@@ -119,18 +127,16 @@ class HybridNodesExperts(HybridExperts):
         self._fn = ctypes.cast(self.lib.moetier_host_node, ctypes.c_void_p).value
 
     def _job(self, xdt: torch.dtype) -> NodeJob:
-        """This layer's job for hidden states of dtype xdt (kind and rounding as host_ext._call picks them)."""
+        """This layer's job for hidden states of dtype xdt (kind and rounding: host_ext.call_kind, as every
+        call of the kernel)."""
         job = self.jobs.get(xdt)
         if job is None:
             b, lay, rows = self.bufs, self.layout, self.host
-            cd = compute_dtype(rows, xdt)
-            kind = host_ext.kind_of(rows, lay)
-            bf16 = cd == torch.bfloat16
-            kind += int(kind == host_ext.FP8_KIND and bf16)  # FP8 weights rounded to bf16 in a bf16 model
-            fp8 = kind >= host_ext.FP8_KIND
+            bf16 = compute_dtype(rows, xdt) == torch.bfloat16
+            kind, s13, s2 = host_ext.call_kind(rows, lay, bf16)
             job = self.jobs[xdt] = NodeJob(
                 rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, lay.hidden, lay.inter,
-                lay.s13_offset if fp8 else 0, lay.s2_offset if fp8 else 0, int(bf16), b.x.data_ptr(),
+                s13, s2, int(bf16), b.x.data_ptr(),
                 b.x.shape[0], b.job.data_ptr(), b.plan.max_pairs, b.h.data_ptr(), b.out.data_ptr(),
                 self.hostpath.kernel.threads, getattr(self.hostpath.kernel, "block_bytes", 0))
         return job
@@ -155,17 +161,14 @@ class HybridNodesExperts(HybridExperts):
             b.out_dev[:p].copy_(b.out[:p], non_blocking=True)
         # the device's share meanwhile: every pair its own row, host pairs (-1) skipped
         g_ids = b.plan.dev_ids[:p].view(p, 1)
-        scratch = torch.empty(p, self.layout.hidden, dtype=torch.float32, device=self.device)
         # row p: token p // k, one copy (no sync). NOTE: contiguous, always: at t = 1 reshape gives a
         # stride-0 VIEW of hidden, and the GEMM indexes x as dense [p, H] rows, so it read rows 1..p-1
         # past hidden's end (NaN on the H200, whose router then picked ids out of range)
         x = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).contiguous().view(p, -1)
         self.device_pairs(x, g_ids, topk_weights.reshape(p, 1), b.gpos[:p],
-                          scratch, b.y)
+                          b.weighted[:p], b.y)
         main.wait_stream(b.side)
         b.y.index_put_((b.plan.pos[:p],), b.out_dev[:p])  # host pairs at their positions; padding -> row P
-        from moetier.experts.grouped_gemm import combine_pairs
-
         return combine_pairs(b.y[:p], topk_weights, topk_ids, self._decode_out(hidden))  # skips ids < 0
 
     def _forward_cpu(self, hidden, topk_ids, topk_weights):
@@ -186,8 +189,6 @@ class HybridNodesExperts(HybridExperts):
         y = hidden.new_zeros(t * k, self.layout.hidden)
         self._device_cpu(hidden, topk_ids, gpu_pos, y)
         y[b.plan.pos[:nh]] = b.out[:nh].to(y.dtype)
-        from moetier.experts.reference import combine
-
         return combine(y.view(t, k, -1), topk_weights)
 
     @staticmethod
