@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,10 +47,20 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     from moetier.checkpoint.writer import make_checkpoint
+    from moetier.engine.config import STEP_RECORD_GROUPS
+
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    bad = [f"--groups {args.groups!r}: choose from {', '.join(STEP_RECORD_GROUPS)}"] * (
+        not groups or bool(set(groups) - set(STEP_RECORD_GROUPS)))
+    bad += [f"{name} must be at least 1, got {v}" for name, v in
+            (("--tokens", args.tokens), ("--batch", args.batch), ("--repeat", args.repeat)) if v < 1]
+    if bad:  # one line and exit code 2, as the CLI's refusals
+        print(f"error: {bad[0]}", file=sys.stderr)
+        sys.exit(2)
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "tiny", "tiny", seed=1, dtype="float32")
-        for group in args.groups.split(","):
+        for group in groups:
             runs = [one_run(ckpt, group, args.tokens, args.batch) for _ in range(args.repeat)]
             ms = [r[0] for r in runs]
             print(f"{group:6s} record {statistics.median(ms):.3f} ms/step (runs {', '.join(f'{m:.3f}' for m in ms)})  "
