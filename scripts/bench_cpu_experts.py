@@ -126,7 +126,10 @@ def fit(by_case: dict, row_bytes: int) -> dict:
 
 
 def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> dict | None:
-    """A config's 1 x 8 row while another thread keeps the copy engine streaming 256 MiB host->GPU."""
+    """A config's 1 x 8 row while another thread keeps the copy engine streaming 256 MiB host->GPU. That
+    thread waits for each copy in cudaStreamSynchronize, which spins (the default schedule with fewer
+    GPUs than cores) and so holds a core, as the hybrid layer's thread does while it waits for a layer's
+    misses: `threads` host threads then compete with one busy thread, as in the engine."""
     if not torch.cuda.is_available():
         return None
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
@@ -179,12 +182,21 @@ def main() -> None:
                     help="compiled kernel: also these work-item sizes (KB of weights; its default is 64) at its "
                          "best thread count, 1 x 8 and 8 x 29 (empty: none)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--contended-threads", default="",
+                    help="comma-separated thread counts: the winner kernel also at these, while the copy engine "
+                         "streams (CUDA only; e.g. 12,14,15,16 shows what one more busy thread costs)")
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     hidden, inter = (256, 96) if a.small else (2048, 768)
     dtypes = [d for d in a.dtypes.split(",") if d]
     if set(dtypes) - {"bf16", "fp8"} or not dtypes:
         raise SystemExit(f"--dtypes {a.dtypes!r}: choose bf16, fp8 or bf16,fp8")
+    try:
+        busy_counts = sorted({int(c) for c in a.contended_threads.split(",") if c.strip()})
+    except ValueError:
+        busy_counts = [0]
+    if any(c < 1 for c in busy_counts):
+        ap.error(f"--contended-threads {a.contended_threads!r}: give thread counts >= 1, e.g. 14,15,16")
     counts = sorted({int(c) for c in a.threads.split(",")} if a.threads else
                     {c for c in (1, 2, 4, 8, 12, cores - 2, cores - 1, cores) if 1 <= c <= cores})
     t0 = time.perf_counter()
@@ -194,7 +206,7 @@ def main() -> None:
     kernels = [k for k in a.kernels.split(",") if k in KERNELS and (ok or k != "compiled")]
     if not kernels:
         raise SystemExit(f"--kernels {a.kernels!r}: none of {', '.join(KERNELS)} (that can run here)")
-    results, ceilings, best, fits, winners, busy, blocks = [], [], {}, {}, {}, {}, []
+    results, ceilings, best, fits, winners, busy, blocks, sweep = [], [], {}, {}, {}, {}, [], []
     for dtype in dtypes:
         layout, rows = make_rows(dtype, hidden, inter)
         row_bytes = rows.shape[1] * rows.element_size()
@@ -230,6 +242,12 @@ def main() -> None:
         if dtype == "bf16":
             ceilings = [read_ceiling(rows, c, a.reps) for c in counts]
         busy[dtype] = contended(best[dtype, win], layout, rows, a.reps)
+        for c in busy_counts:
+            got = contended({**best[dtype, win], "threads": c}, layout, rows, a.reps)
+            if got is not None:
+                sweep.append(got)
+                print(f"{dtype:>4} {win:>8} threads {c:>3}  1 tok x  8 exp while streaming  {got['us']:9.0f} us"
+                      f"  {got['GBps']:6.1f} GB/s  (host-to-GPU {got['h2d_GBps_meanwhile']:.1f} GB/s)", flush=True)
         del rows
     print()
     if ceilings:
@@ -258,7 +276,8 @@ def main() -> None:
         "cores": cores, "compiled": {"available": ok, "reason": why, "build_s": build_s}, "results": results,
         "ceilings": ceilings, "best": {f"{d}/{n}": b for (d, n), b in best.items()},
         "fit": {f"{d}/{n}": f for (d, n), f in fits.items()}, "winner": winners[main_dtype], "winners": winners,
-        "contended": busy.get(main_dtype), "contended_by_dtype": busy, "blocks": blocks, "table": table})
+        "contended": busy.get(main_dtype), "contended_by_dtype": busy, "contended_sweep": sweep,
+        "blocks": blocks, "table": table})
     if a.out:
         with open(a.out, "w") as f:
             json.dump(data, f, indent=2)
