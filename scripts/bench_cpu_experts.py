@@ -126,10 +126,12 @@ def fit(by_case: dict, row_bytes: int) -> dict:
 
 
 def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> dict | None:
-    """A config's 1 x 8 row while another thread keeps the copy engine streaming 256 MiB host->GPU. That
-    thread waits for each copy in cudaStreamSynchronize, which spins (the default schedule with fewer
-    GPUs than cores) and so holds a core, as the hybrid layer's thread does while it waits for a layer's
-    misses: `threads` host threads then compete with one busy thread, as in the engine."""
+    """A config's 1 x 8 row while another thread keeps the copy engine streaming 256 MiB host->GPU.
+    NOTE: that thread must not hold the GIL while a copy runs: a wait in cudaStreamSynchronize keeps it
+    (torch does not release it there), and the timing thread, back from the kernel's ctypes call (which
+    releases it), then waits for the copy, 5 ms at 55 GB/s. (The 4b7b6ff and a786368 runs did so: their
+    3.1 and 6.3 GB/s at 8 to 16 threads were that wait.) So it keeps two copies queued and polls the
+    older one's event, sleeping 0.2 ms between polls."""
     if not torch.cuda.is_available():
         return None
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
@@ -138,12 +140,20 @@ def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> d
 
     def stream() -> None:
         s = torch.cuda.Stream()
+        queued: list[torch.cuda.Event] = []
         t0 = time.perf_counter()
         with torch.cuda.stream(s):
             while not stop.is_set():
-                dst.copy_(src, non_blocking=True)
-                s.synchronize()
-                moved[0] += src.numel()
+                while len(queued) < 2:
+                    dst.copy_(src, non_blocking=True)
+                    queued.append(torch.cuda.Event())
+                    queued[-1].record(s)
+                if queued[0].query():
+                    queued.pop(0)
+                    moved[0] += src.numel()
+                else:
+                    time.sleep(2e-4)
+            s.synchronize()
         moved[1] = time.perf_counter() - t0
     th = threading.Thread(target=stream)
     th.start()

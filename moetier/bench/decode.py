@@ -100,6 +100,8 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
         "batch": batch, "timed_tokens": made, "timed_steps": llm.steps - steps0,
         "graph_steps": llm.runner.graph_steps - graphs0, "seconds": seconds,
         "tok_s": made / seconds, "step_ms_median": statistics.median(step_times) * 1e3,
+        # the slow tail: steps a GC pause, a switch's window read or a probe made longer than the median
+        "step_ms_p90": sorted(step_times)[int(0.9 * (len(step_times) - 1))] * 1e3, "step_ms_max": max(step_times) * 1e3,
         "step_ms_mean": seconds / len(step_times) * 1e3,
         "expert_stats": delta, "hit_rate": hit_rate(delta),
         "expert_stats_per_rank": per_rank, "hit_rate_per_rank": [hit_rate(d) for d in per_rank],
