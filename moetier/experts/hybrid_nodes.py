@@ -7,8 +7,9 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k, all buffers at 
      (read before this step's bookkeeping), the misses, their tokens and the host set, exactly as
      CostModel.split chooses it; out: dev_ids (host pairs -> -1), the host job (n, tokens, experts), the
      host pairs' positions, and the device counters of host experts and pairs (stats() reads them).
-  2. fork to a side stream (an event): down copies of the job and the hidden state (fp32, the compiled
-     kernel's input) into pinned buffers; a host node (cuLaunchHostFunc: captured as a graph host node)
+  2. down copies of the job and the hidden state (fp32, the compiled kernel's input) into pinned buffers,
+     on the main stream before the fills; then fork to a side stream (an event): a host node
+     (cuLaunchHostFunc: captured as a graph host node)
      calling csrc/host_node.cpp's moetier_host_node(job), which runs the compiled kernel over the host
      pairs into a pinned [P, H] fp32 buffer (compacted: row i is host pair i); an up copy of it.
   3. main stream meanwhile: the slots step over dev_ids as P rows of one pair each (bookkeeping, fills,
@@ -153,10 +154,14 @@ class HybridNodesExperts(HybridExperts):
         job = self._job(hidden.dtype)
         main = torch.cuda.current_stream(self.device)
         plan_kernel(topk_ids, self.cache.expert_slot, self.rates_table, b.plan, self.counters)
+        # NOTE: the down copies run on the main stream, BEFORE the fills: on the side stream they queued
+        # behind the fill kernel (which holds every SM reading the link), so the node started when the
+        # fills ended, not beside them (H200, batch 1: x's conversion 170 us instead of 2, the node's
+        # start 370 us late; scripts/profile_hybrid.py)
+        b.job.copy_(b.plan.job, non_blocking=True)
+        b.x[:t].copy_(hidden.to(compute_dtype(self.host, hidden.dtype)).float(), non_blocking=True)
         b.side.wait_stream(main)
-        with torch.cuda.stream(b.side):  # the host's share: down, the node, up
-            b.job.copy_(b.plan.job, non_blocking=True)
-            b.x[:t].copy_(hidden.to(compute_dtype(self.host, hidden.dtype)).float(), non_blocking=True)
+        with torch.cuda.stream(b.side):  # the host's share: the node, the outputs up
             launch_host_func(b.side.cuda_stream, self._fn, ctypes.addressof(job))
             b.out_dev[:p].copy_(b.out[:p], non_blocking=True)
         # the device's share meanwhile: every pair its own row, host pairs (-1) skipped
