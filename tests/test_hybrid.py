@@ -317,7 +317,8 @@ def test_gpu_engine_hybrid_piecewise_and_eager(tiny_ckpt):
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         return llm, outs
     _, want = run(ExpertOptions("resident"))
-    link = ExpertOptions("hybrid", slots=4, rates=PathRates(1e6, {"float32": 1e-3}))
+    # hybrid_nodes=False: the pieces (the CUDA default is the nodes mode: tests/test_hybrid_nodes.py)
+    link = ExpertOptions("hybrid", slots=4, rates=PathRates(1e6, {"float32": 1e-3}), hybrid_nodes=False)
     for engine in (dict(graph_switch=False), dict(graph_switch=True), dict(piecewise_graphs=False)):
         llm, got = run(link, **engine)
         assert got == want, engine
@@ -326,7 +327,7 @@ def test_gpu_engine_hybrid_piecewise_and_eager(tiny_ckpt):
         if engine.get("graph_switch"):
             assert sum(graphs.switch.counts.values()) == llm.runner.graph_steps
             assert all(s >= 0 for s in graphs.overhead_s.values())
-    split = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}))
+    split = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}), hybrid_nodes=False)
     llm, batch = run(split)
     assert llm.runner.graph_steps > 0 and llm.metrics()["expert_stats"]["host"] > 0
     assert [len(t) for t in batch] == [12] * len(prompts)

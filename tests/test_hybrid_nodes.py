@@ -296,9 +296,11 @@ def test_gpu_nodes_step_has_no_host_sync():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
-    """The engine captures the whole step (no pieces, no switch); all over the link it gives resident's
-    tokens; with a split, batched equals alone (tiny_ckpt's fp32 rows: host and device pairs differ in
-    rounding only, so a greedy choice could in principle flip: then this fails and says so)."""
+    """Without the switch the engine captures the whole step as one graph (no pieces); all over the link
+    it gives resident's tokens; with a split, batched equals alone (tiny_ckpt's fp32 rows: host and device
+    pairs differ in rounding only, so a greedy choice could in principle flip: then this fails and says
+    so). With the switch (the default) it also captures the slots-step graph per size and replays one of
+    the two every step."""
     from moetier.engine import LLM
     from moetier.sampling_params import SamplingParams
 
@@ -309,7 +311,7 @@ def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
     want = [o.outputs[0].token_ids for o in LLM(tiny_ckpt, device="cuda").generate(prompts, params)]
     for rates in (PathRates(1e6, {"float32": 1e-3}), PathRates(50.0, {"float32": 50.0})):
         opts = ExpertOptions("hybrid", slots=4, rates=rates, hybrid_nodes=True)
-        llm = LLM(tiny_ckpt, device="cuda", experts=opts)
+        llm = LLM(tiny_ckpt, device="cuda", experts=opts, graph_switch=False)
         graphs = llm.runner.graphs
         assert graphs is not None and not graphs.piecewise and graphs.switch is None
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -320,3 +322,12 @@ def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
             alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
             assert got == alone and llm.metrics()["expert_stats"]["host"] > 0
         llm.close()
+    # the default: nodes (on CUDA with the compiled kernel) and the switch between its graph and the
+    # slots step's; both variants' tokens are resident's when every miss goes over the link
+    llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptions("hybrid", slots=4, rates=PathRates(1e6, {"float32": 1e-3})))
+    graphs = llm.runner.graphs
+    assert isinstance(llm.model.moe_blocks()[0].experts, HybridNodesExperts) and graphs.switch is not None
+    assert set(graphs.whole) == set(graphs.graphs) and all(s >= 0 for s in graphs.overhead_s.values())
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert sum(graphs.switch.counts.values()) == llm.runner.graph_steps > 0
+    llm.close()

@@ -24,7 +24,7 @@ def backend() -> HybridExperts:
 
 def test_switch_replays_pieces_only_while_misses_pay_for_them():
     b = backend()  # a real cost model (link 50, host 50 GB/s); the counters are set by hand
-    fake = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_experts=0,
+    fake = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_count=lambda: 0,
                            host_only_steps=0, host_saving_s=b.host_saving_s)
     sw = Switch([fake, fake], window=4, clock=StepClock().now)  # both variants equally fast: the model decides
     saving_at_4 = 2 * b.host_saving_s(4.0)
@@ -63,7 +63,7 @@ def test_switch_keeps_the_whole_graph_where_the_pieces_measure_slower():
     twice as long: after one window of each the switch stays whole, trying pieces one window in `probe`;
     when the pieces become faster, the next probe keeps them."""
     b = backend()
-    fake = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_experts=0,
+    fake = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_count=lambda: 0,
                            host_only_steps=0, host_saving_s=b.host_saving_s)
     clock = StepClock()
     sw = Switch([fake], window=4, probe=3, clock=clock.now)
@@ -85,3 +85,23 @@ def test_switch_keeps_the_whole_graph_where_the_pieces_measure_slower():
     assert windows(3) == [False, True, True]
     assert windows(2) == [True, True]
     assert sw.choose(0.0, 16) is True  # another size has no whole-graph figure yet: the model decides
+
+
+def test_switch_reads_a_device_counter_of_host_experts_with_the_cache_counters():
+    """The nodes mode counts its host experts on the device (a tensor of one element): the switch's m sums
+    them with the misses and overflow of every backend, eager backends' int counts included."""
+    b = backend()
+    nodes = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)),
+                            counters=torch.zeros(2, dtype=torch.int64), host_only_steps=0,
+                            host_saving_s=b.host_saving_s)
+    nodes.host_count = lambda: nodes.counters[:1]
+    eager = SimpleNamespace(cache=SimpleNamespace(stats=torch.zeros(4, dtype=torch.int64)), host_count=lambda: 3,
+                            host_only_steps=1, host_saving_s=b.host_saving_s)
+    sw = Switch([nodes, eager], window=2, clock=StepClock().now)
+    for _ in range(2):
+        nodes.cache.stats += torch.tensor([5, 1, 1, 1])
+        nodes.counters += torch.tensor([2, 4])
+        eager.cache.stats += torch.tensor([5, 2, 0, 1])
+        sw.choose(0.0)
+    # over the window: misses 2 + 4, overflow 2, host 4 (device) + 3 - 3 (the int did not move); steps 2 + 2
+    assert sw.last_misses_per_layer_step == pytest.approx((2 + 4 + 2 + 4) / 4)

@@ -148,12 +148,13 @@ def bench_decode(
                                                help="hybrid rows: host threads (default: the usable cores "
                                                     "less one; with --host-profile at most its winner's)."),
     hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
-                                      help="hybrid rows: comma-separated decode modes: auto (piecewise graphs and "
-                                           "the whole graph, switched per step by the recent misses), "
-                                           "piecewise (CUDA graphs split "
-                                           "at MoE layers), eager (no graphs) and/or nodes (the whole step one "
-                                           "graph, the host's share a host-function node; needs the compiled "
-                                           "host kernel)."),
+                                      help="hybrid rows: comma-separated decode modes: eager (no graphs), "
+                                           "piecewise (CUDA graphs split at MoE layers), nodes (the whole step "
+                                           "one graph, the host's share a host-function node; needs the "
+                                           "compiled host kernel), pieces-auto or nodes-auto (that graph and "
+                                           "the whole slots-step graph, switched per step by the recent misses "
+                                           "and the clock) and/or auto (the engine's default: nodes-auto on "
+                                           "CUDA with the compiled kernel, else pieces-auto)."),
     hybrid_order: str = typer.Option("host-first", "--hybrid-order",
                                      help="hybrid rows: comma-separated ways a layer hands the host its pairs: "
                                           "host-first (the host call starts before the device launches, on the "
@@ -218,7 +219,7 @@ def bench_decode(
 
         modes = [m.strip() for m in hybrid_graphs.split(",") if m.strip()]
         if not modes or set(modes) - set(HYBRID_GRAPH_MODES):
-            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give auto, piecewise, eager and/or nodes "
+            raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give {', '.join(HYBRID_GRAPH_MODES)} "
                                "(comma-separated)")
         orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]
         if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):

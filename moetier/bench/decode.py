@@ -35,7 +35,10 @@ from moetier.traces.format import Trace
 
 # hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a piecewise
 # capture that fails on a machine may leave the CUDA context unusable
-HYBRID_GRAPH_MODES = ("eager", "piecewise", "auto", "nodes")
+# capture that fails on a machine may leave the CUDA context unusable. eager: no graphs; piecewise: the
+# pieces alone; nodes: the nodes graph alone; pieces-auto / nodes-auto: that graph and the whole slots-step
+# graph, switched per step (engine/switch.py); auto: the engine's default (auto_mode)
+HYBRID_GRAPH_MODES = ("eager", "piecewise", "pieces-auto", "nodes", "nodes-auto", "auto")
 
 
 def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
@@ -153,23 +156,25 @@ def warm_all(model: CausalLM) -> None:
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
                  args: dict, bw: dict, mode: str = "auto", order: str | None = None,
                  device_graphs: bool = False) -> list[dict]:
-    """mode (hybrid rows): auto (piecewise graphs and the whole-graph variant, switched per step),
-    piecewise (the pieces always), eager (no graphs) or nodes (experts/hybrid_nodes.py: the whole step one
-    graph, the host's share a host-function node; host experts read from its device counters); order: how
+    """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs), piecewise (the pieces always), nodes
+    (experts/hybrid_nodes.py: the whole step one graph, the host's share a host-function node; host experts
+    read from its device counters), pieces-auto or nodes-auto (that and the whole slots-step graph,
+    switched per step), auto (the engine's default, auto_mode: the row's `graphs` says which); order: how
     a hybrid layer hands the host its pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
     CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
     hybrid = backend == "hybrid"
+    mode = auto_mode(bed.model.device, args.get("host_kernel", "auto")) if hybrid and mode == "auto" else mode
+    nodes = mode in ("nodes", "nodes-auto")
     opts = host_options(args, bw, order) if hybrid else {}
-    if mode == "nodes":  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
+    if nodes:  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
         opts["host_kernel"] = "compiled"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **({**opts, "device_graphs": device_graphs,
-                            "hybrid_nodes": mode == "nodes"} if hybrid else {}))
+                        **({**opts, "device_graphs": device_graphs, "hybrid_nodes": nodes} if hybrid else {}))
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          piecewise_graphs=mode != "eager", graph_switch=mode == "auto")
+                          piecewise_graphs=mode != "eager", graph_switch=mode.endswith("auto"))
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
@@ -204,12 +209,20 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_threads": hp.kernel.threads, "device_graphs": hp.device_graphs,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
-                         "slots": slots, "graphs": "nodes" if hybrid and mode == "nodes" else graph_mode(llm),
+                         "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
     finally:
         llm.close()
     return rows
+
+
+def auto_mode(device: torch.device, host_kernel: str = "auto") -> str:
+    """What `auto` runs: the engine's default for a hybrid backend (ExpertOptions.hybrid_nodes None: the
+    nodes graph on CUDA where the compiled host kernel builds), with the switch (EngineConfig.graph_switch)."""
+    from moetier.experts.placement import nodes_by_default
+
+    return "nodes-auto" if nodes_by_default(device, host_kernel) else "pieces-auto"
 
 
 def graph_mode(llm: LLM) -> str:

@@ -17,7 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moetier.engine.piecewise import Pieces, capture_pieces, capture_whole, needs_pieces, replay_seconds
+from moetier.engine.piecewise import (
+    Pieces,
+    capture_pieces,
+    capture_whole,
+    needs_pieces,
+    replay_seconds,
+    switchable,
+)
 from moetier.engine.switch import Switch
 from moetier.engine.step import SeqStep
 from moetier.layers.attention import AttnBatch
@@ -34,9 +41,10 @@ class DecodeGraphs:
                  piecewise: bool = False, switching: bool = True):
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
-        # with piecewise: also the whole step in one graph (hybrid on its slots step), replayed when the
-        # recent misses do not pay for the pieces' syncs (engine/switch.Switch)
-        self.switching = piecewise and switching
+        # with hybrid backends (pieces, or nodes: one graph with host-function nodes): also the whole step
+        # in one graph with every hybrid backend on its slots step, replayed when the recent misses do not
+        # pay for the host path's cost (engine/switch.Switch)
+        self.switching = switching and bool(switchable(model))
         self.whole: dict[int, torch.cuda.CUDAGraph] = {}
         self.overhead_s: dict[int, float] = {}  # per size: pieces replay - whole replay, at no misses
         self.switch: Switch | None = None
@@ -110,19 +118,19 @@ class DecodeGraphs:
                     self._sampler(n, mode)
             torch.cuda.current_stream().wait_stream(side)
             self.model.reset_experts()
+            def run(n=n, batch=batch):
+                return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
             if self.piecewise:
-                def run(n=n, batch=batch):
-                    return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
                 self.graphs[n], self.logits[n] = capture_pieces(self.model, run, pool)
-                if self.switching:
-                    self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
-                    self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
-                                             - replay_seconds(self.whole[n].replay))
             else:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+                    self.logits[n] = run()
                 self.graphs[n] = graph
+            if self.switching:
+                self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
+                self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
+                                         - replay_seconds(self.whole[n].replay))
             for mode in MODES:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -130,7 +138,7 @@ class DecodeGraphs:
                 self.samplers[n, mode] = graph
         self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
         if self.switching:
-            self.switch = Switch([b.experts for b in self.model.moe_blocks() if not b.experts.graph_safe])
+            self.switch = Switch(switchable(self.model))
 
     def release(self) -> None:
         """Destroy every captured graph now (not whenever the collector gets to them). NOTE: under

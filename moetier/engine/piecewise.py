@@ -80,6 +80,11 @@ def needs_pieces(model: CausalLM) -> bool:
     return not all(getattr(b.experts, "graph_safe", True) for b in model.moe_blocks())
 
 
+def switchable(model: CausalLM) -> list:
+    """The backends a Switch can turn to their slots step (hybrid, eager or nodes: a `host_enabled` flag)."""
+    return [b.experts for b in model.moe_blocks() if hasattr(b.experts, "host_enabled")]
+
+
 def capture_pieces(model: CausalLM, run: Callable[[], torch.Tensor], pool) -> tuple[Pieces, torch.Tensor]:
     """Capture run() (the model's forward and logits, after its warm-up) split at every MoE block whose
     backend is not graph-safe. -> (pieces, the logits tensor the last graph writes)."""

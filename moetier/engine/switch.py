@@ -1,6 +1,7 @@
-"""Per decode step, which graph of a hybrid engine to replay: the pieces (engine/piecewise.py: the host
-path in play, a sync per hybrid layer) or the whole step (every hybrid backend on its slots step
-alone, graph-safe).
+"""Per decode step, which graph of a hybrid engine to replay: the host path's (the pieces of
+engine/piecewise.py, a sync per hybrid layer; or, in the nodes mode, one graph whose host share runs as
+host-function nodes, experts/hybrid_nodes.py) or the whole step with every hybrid backend on its slots
+step alone. Below, "pieces" names the first, whichever mode made it.
 
 Two judges, per window of `window` steps:
   - the cost model: one host read of the counters gives
@@ -23,8 +24,9 @@ are never filled, so starting on pieces left a realistic trace's cache colder th
 as the whole graph ran after (96cd92a: 88.8% hits against 91.0% at b1). The first window's counters
 then decide.
 
-backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_experts, host_only_steps
-and host_saving_s(m) (experts/hybrid.HybridExperts).
+backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_count() (the experts served
+on the host so far: an int, or a device tensor of one element), host_only_steps and host_saving_s(m)
+(experts/hybrid.HybridExperts, experts/hybrid_nodes.HybridNodesExperts).
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ class Switch:
         self._last = self._read()
 
     def _read(self) -> tuple[int, int]:
-        hits, misses, overflow, steps = torch.stack([b.cache.stats for b in self.backends]).sum(0).tolist()
-        host = sum(b.host_experts for b in self.backends)
-        return misses + overflow + host, steps + sum(b.host_only_steps for b in self.backends)
+        host = [b.host_count() for b in self.backends]  # nodes: a device counter; eager or pieces: an int
+        dev = [h.view(1) for h in host if isinstance(h, torch.Tensor)]
+        got = torch.cat([torch.stack([b.cache.stats for b in self.backends]).sum(0), *dev]).tolist()  # one read
+        hits, misses, overflow, steps = got[:4]
+        host_total = sum(got[4:]) + sum(h for h in host if not isinstance(h, torch.Tensor))
+        return misses + overflow + host_total, steps + sum(b.host_only_steps for b in self.backends)
 
     def _time(self) -> None:
         """The step since the last call ran on self._at: keep its time (not a gap)."""

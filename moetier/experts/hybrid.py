@@ -296,6 +296,10 @@ class HybridExperts(SlotExperts):
         if on and self.cuda and not hasattr(self, "_ev_dev"):
             self._ev_dev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
+    def host_count(self) -> int:
+        """Experts served on the host so far (engine/switch.Switch): counted here, the choice is the host's."""
+        return self.host_experts
+
     def host_saving_s(self, misses: float) -> float:
         """Seconds per layer-step the host path should save at `misses` misses a step (one token each):
         all over the link against the cost model's split. For the engine's choice of graphs."""

@@ -196,6 +196,11 @@ class HybridNodesExperts(HybridExperts):
         y[b.plan.pos[:nh]] = b.out[:nh].to(y.dtype)
         return combine(y.view(t, k, -1), topk_weights)
 
+    def host_count(self) -> torch.Tensor:
+        """Experts served on the host so far: the plan's device counter (one element; the Switch reads it
+        with the cache counters in one transfer)."""
+        return self.counters[:1]
+
     @staticmethod
     def _check(job: NodeJob) -> None:
         if job.status != 0:

@@ -71,8 +71,9 @@ class ExpertOptions:
     # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
     device_graphs: bool | None = None
     # hybrid: the host's share as a host-function node of the engine's one decode graph (graph-safe, no
-    # host sync; experts/hybrid_nodes.py, the bench's --hybrid-graphs nodes); needs the compiled host kernel
-    hybrid_nodes: bool = False
+    # host sync; experts/hybrid_nodes.py, the bench's --hybrid-graphs nodes); needs the compiled host
+    # kernel. None: nodes_by_default()
+    hybrid_nodes: bool | None = None
     # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
     # auto is the default: on two H200s columns measured 1.09x one GPU at batch 1 where replicate was
@@ -173,10 +174,13 @@ class ExpertPlacement:
             from moetier.experts.hybrid import HostPath, HybridExperts
             from moetier.experts.hybrid_nodes import HybridNodesExperts
 
+            nodes = o.hybrid_nodes
+            if nodes is None:  # NOTE: one rank only: several ranks' nodes graphs were never run
+                nodes = self.par.tp * self.par.ep == 1 and nodes_by_default(self.device, o.host_kernel)
             if self._hostpath is None:  # nodes: no per-layer device graphs (the whole step is one graph)
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
-                                          False if o.hybrid_nodes else o.device_graphs)
-            kind = HybridNodesExperts if o.hybrid_nodes else HybridExperts
+                                          False if nodes else o.device_graphs)
+            kind = HybridNodesExperts if nodes else HybridExperts
             hybrid = kind(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy, o.gemm,
                           self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
@@ -194,3 +198,22 @@ def read_slots_file(path: str | Path) -> dict[int, int]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise MoetierError(f"--expert-slots-file {path}: not a slots file ({e}); make one with "
                            "`moetier trace plan-slots`") from None
+
+
+# NOTE: the nodes mode is the default where it can run: on CUDA, with the compiled host kernel (which the
+# node calls; a torch kernel named by --host-kernel keeps the pieces). MOETIER_HYBRID_NODES=0 keeps the
+# pieces, =1 asks for nodes everywhere (the CPU path included).
+NODES_DEFAULT = True
+
+
+def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "auto") -> bool:
+    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode."""
+    import os
+
+    from moetier.experts import host_ext
+
+    env = os.environ.get("MOETIER_HYBRID_NODES")
+    if env in ("0", "1"):
+        return env == "1"
+    return (NODES_DEFAULT and torch.device(device).type == "cuda" and host_kernel in ("auto", "compiled")
+            and host_ext.available()[0])

@@ -195,6 +195,8 @@ def count(req: PlanRequest) -> Plan:
                                                                  slots.get(layer, 0))[1:]]
         if backend == "hybrid":  # experts/hybrid_graphs.py: static inputs and pair outputs, one set per model
             state += r.hybrid_graph_statics(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
+            # and the nodes mode's (the CUDA default; counted either way, as the device graphs below)
+            state += r.hybrid_node_buffers(req.decode_tokens, shape.top_k, shape.hidden, shape.num_experts)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
         # NOTE: counted whether or not the device graphs are on (ExpertOptions.device_graphs, off by default):

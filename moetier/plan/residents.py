@@ -185,6 +185,15 @@ def hybrid_graph_statics(tokens: int, top_k: int, hidden: int, itemsize: int) ->
             4 * p * hidden]
 
 
+def hybrid_node_buffers(tokens: int, top_k: int, hidden: int, num_experts: int) -> list[int]:
+    """The nodes mode's device buffers, one set per model (experts/hybrid_nodes.NodeBuffers and the plan's
+    PlanBuffers): host outputs' twin [P, H], y [P+1, H] and the GEMM's output [P, H] fp32, positions [P]
+    int64; dev_ids [P], job [1+2P] and pos [P] int64, first and count [E] int32 (P = T x top_k)."""
+    p = tokens * top_k
+    return [4 * p * hidden, 4 * (p + 1) * hidden, 4 * p * hidden, 8 * p, 8 * p, 8 * (1 + 2 * p), 8 * p,
+            4 * num_experts, 4 * num_experts]
+
+
 def hybrid_graph_pool(tokens: int, top_k: int, hidden: int, itemsize: int) -> list[int]:
     """What one device-path graph allocates in the hybrid graphs' pool at the largest size (the gathered
     ids, weights, token indices and hidden rows); one pool per model, shared by every layer and size
