@@ -143,6 +143,23 @@ def test_nodes_equal_the_eager_hybrid_path_bits(link, host):
 
 
 @needs_ext
+def test_link_only_sends_nothing_to_the_host_and_restores_the_choice():
+    """link_only (the engine times the host path's own cost inside it): both modes serve every miss over
+    the link, with the same bits; after it the nodes plan's rates are back and the host takes its share."""
+    lay, rows, g = setup(seed=3)
+    eager, nodes = pair(lay, rows, 1e-3, 1e6)  # outside link_only: every miss to the host
+    table = nodes.rates_table.clone()
+    with eager.link_only(), nodes.link_only():
+        for x, ids, w in steps(g, n=4, t=3):
+            assert torch.equal(nodes.forward(x, ids, w), eager.forward(x, ids, w))
+    assert eager.stats()["host"] == nodes.stats()["host"] == 0 and eager.stats()["misses"] > 0
+    assert torch.equal(nodes.rates_table, table)
+    for x, ids, w in steps(g, n=2, t=3):
+        assert torch.equal(nodes.forward(x, ids, w), eager.forward(x, ids, w))
+    assert eager.stats()["host"] == nodes.stats()["host"] > 0
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nodes_equal_resident_within_tolerance(dtype):
     lay, rows, g = setup(dtype, seed=4)

@@ -21,6 +21,7 @@ from moetier.engine.piecewise import (
     Pieces,
     capture_pieces,
     capture_whole,
+    link_only,
     needs_pieces,
     replay_seconds,
     switchable,
@@ -129,8 +130,9 @@ class DecodeGraphs:
                 self.graphs[n] = graph
             if self.switching:
                 self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
-                self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
-                                         - replay_seconds(self.whole[n].replay))
+                with link_only(self.model):  # the host path's own cost, at no misses and no host work
+                    self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
+                                             - replay_seconds(self.whole[n].replay))
             for mode in MODES:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -19,6 +19,7 @@ on the current stream, after the graph before them and before the graph after th
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -78,6 +79,15 @@ class _Splitter:
 
 def needs_pieces(model: CausalLM) -> bool:
     return not all(getattr(b.experts, "graph_safe", True) for b in model.moe_blocks())
+
+
+@contextmanager
+def link_only(model: CausalLM):
+    """Every hybrid backend sends every miss over the link while inside (HybridExperts.link_only)."""
+    with ExitStack() as stack:
+        for b in switchable(model):
+            stack.enter_context(b.link_only())
+        yield
 
 
 def switchable(model: CausalLM) -> list:

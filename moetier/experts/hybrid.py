@@ -38,6 +38,8 @@ position list, its y row zero on the CPU and skipped by the combine on CUDA.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import time
 
 import torch
@@ -77,6 +79,7 @@ class HybridExperts(SlotExperts):
         self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
         # steps served all on the host (no cache step); the cache counts the others, graph replays included
         self.host_only_steps = 0
+        self._link_only = False  # link_only(): the choice sends nothing to the host
         # False: forward is the slots step alone (graph-safe); the engine's whole-graph variant is
         # captured so, for steps where the host path is not worth its sync (engine/switch.Switch)
         self.host_enabled = True
@@ -187,8 +190,20 @@ class HybridExperts(SlotExperts):
             marks["host_start"] = time.perf_counter()
         return job
 
+    @contextmanager
+    def link_only(self):
+        """Every miss over the link while inside: the engine times the host path's own cost so (its sync
+        and choice here; the plan, the node and the copies in the nodes mode), at no host work."""
+        self._link_only = True
+        try:
+            yield
+        finally:
+            self._link_only = False
+
     def choose(self, ids: list[int], slot_now: list[int], t: int) -> set[int]:
         """The host set: misses in order of first appearance, tokens per miss, the cost model's split."""
+        if self._link_only:
+            return set()
         tokens: dict[int, int] = {}
         for e, s in zip(ids, slot_now):
             if s < 0 <= e:  # a negative id is no expert of this layer (experts/ep.NOT_MINE)

@@ -31,6 +31,7 @@ Needs the compiled host kernel (the node has no torch to call): the backend refu
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 
 import torch
 
@@ -195,6 +196,17 @@ class HybridNodesExperts(HybridExperts):
         self._device_cpu(hidden, topk_ids, gpu_pos, y)
         y[b.plan.pos[:nh]] = b.out[:nh].to(y.dtype)
         return combine(y.view(t, k, -1), topk_weights)
+
+    @contextmanager
+    def link_only(self):
+        """Every miss over the link while inside, captured graphs included: the plan reads its rates from
+        this tensor at every replay, and an infinite host cost never chooses the host (as a host rate of 0)."""
+        saved = self.rates_table.clone()
+        self.rates_table[2:] = float("inf")
+        try:
+            yield
+        finally:
+            self.rates_table.copy_(saved)
 
     def host_count(self) -> torch.Tensor:
         """Experts served on the host so far: the plan's device counter (one element; the Switch reads it
