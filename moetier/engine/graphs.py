@@ -23,7 +23,7 @@ from moetier.engine.piecewise import (
     capture_whole,
     link_only,
     needs_pieces,
-    replay_seconds,
+    replay_overhead_s,
     switchable,
 )
 from moetier.engine.switch import Switch
@@ -131,8 +131,7 @@ class DecodeGraphs:
             if self.switching:
                 self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
                 with link_only(self.model):  # the host path's own cost, at no misses and no host work
-                    self.overhead_s[n] = max(0.0, replay_seconds(self.graphs[n].replay)
-                                             - replay_seconds(self.whole[n].replay))
+                    self.overhead_s[n] = replay_overhead_s(self.graphs[n].replay, self.whole[n].replay)
             for mode in MODES:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
