@@ -29,6 +29,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from moetier.bench.common import record
 from moetier.bench.decode import host_options, warm_all
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
@@ -170,7 +171,7 @@ def main() -> None:
     cfg = preset(a.preset, a.layers, "bfloat16")
     rows = [run_variant(v, a, cfg) for v in variants]
     with open(os.path.join(a.out, "profile-hybrid.json"), "w") as f:
-        json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+        json.dump(record("profile-hybrid", {"args": vars(a), "rows": rows}), f, indent=1)
     for r in rows:
         print(f"\n== {r['variant']}: wall {r['wall_ms_per_step']:.2f} ms/step, GPU span {r['gpu_span_ms_per_step']:.2f}"
               f", busy {r['gpu_busy_ms_per_step']:.2f} ms/step; fill kernels {r['fill_kernels_per_step']:.1f}/step "

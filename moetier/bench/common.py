@@ -45,7 +45,14 @@ def commit() -> str:
 
 def record(kind: str, results: dict) -> dict:
     return {"benchmark": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
-            "commit": commit(), "command": " ".join(["moetier", *sys.argv[1:]]), **results}
+            "commit": commit(), "command": " ".join([*program(), *sys.argv[1:]]), **results}
+
+
+def program() -> list[str]:
+    """How this process was started, for a record's command: `python scripts/X.py` for a script of the
+    repository, else the CLI's `moetier`."""
+    prog = Path(sys.argv[0])
+    return ["python", f"scripts/{prog.name}"] if prog.parent.name == "scripts" else ["moetier"]
 
 
 def write_json(path: str | Path, data: dict) -> None:
