@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from moetier.bench.common import record
 from moetier.bench.decode import host_options, warm_all
 from moetier.checkpoint.random_bed import random_bed, use_backend
-from moetier.engine import EngineConfig, LLM
+from moetier.engine import LLM, EngineConfig
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
 

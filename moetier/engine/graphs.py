@@ -26,8 +26,8 @@ from moetier.engine.piecewise import (
     replay_overhead_s,
     switchable,
 )
-from moetier.engine.switch import Switch
 from moetier.engine.step import SeqStep
+from moetier.engine.switch import Switch
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import mode_of, sample_rows

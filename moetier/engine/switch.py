@@ -60,7 +60,7 @@ class Switch:
         host = [b.host_count() for b in self.backends]  # nodes: a device counter; eager or pieces: an int
         dev = [h.view(1) for h in host if isinstance(h, torch.Tensor)]
         got = torch.cat([torch.stack([b.cache.stats for b in self.backends]).sum(0), *dev]).tolist()  # one read
-        hits, misses, overflow, steps = got[:4]
+        _hits, misses, overflow, steps = got[:4]
         host_total = sum(got[4:]) + sum(h for h in host if not isinstance(h, torch.Tensor))
         return misses + overflow + host_total, steps + sum(b.host_only_steps for b in self.backends)
 

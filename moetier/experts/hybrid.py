@@ -38,9 +38,8 @@ position list, its y row zero on the CPU and skipped by the combine on CUDA.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import time
+from contextlib import contextmanager
 
 import torch
 
