@@ -168,7 +168,8 @@ def test_gpu_engine_device_graphs_on_and_off_give_the_same_tokens(tiny_ckpt):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     outs = {}
     for dg in (True, False):
-        opts = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}), device_graphs=dg)
+        opts = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"float32": 50.0}), device_graphs=dg,
+                             hybrid_nodes=False)  # the pieces' device path (the CUDA default is nodes)
         llm = LLM(tiny_ckpt, device="cuda", experts=opts, graph_switch=False)
         outs[dg] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.metrics()["expert_stats"]["host"] > 0

@@ -143,6 +143,32 @@ def test_nodes_equal_the_eager_hybrid_path_bits(link, host):
 
 
 @needs_ext
+def test_the_default_mode_is_nodes_on_cuda_only_where_it_ran(monkeypatch):
+    """hybrid_nodes None: nodes on CUDA with the compiled kernel (not on the CPU, not with a torch host
+    kernel); MOETIER_HYBRID_NODES overrides; FP8 rows keep the pieces (never run in a nodes graph)."""
+    from moetier.experts.placement import ExpertPlacement, nodes_by_default
+    from moetier.experts.shape import MoeShape
+
+    monkeypatch.delenv("MOETIER_HYBRID_NODES", raising=False)
+    assert nodes_by_default("cuda") and not nodes_by_default("cpu") and not nodes_by_default("cuda", "grouped")
+    lay, rows, _ = setup()
+    rates = PathRates(50.0, {"bfloat16": 50.0, "fp8": 50.0})
+
+    def built(quant=None, **opts):
+        shape = MoeShape(E, K, H, I, quant)
+        placement = ExpertPlacement(shape, torch.bfloat16, [0], ExpertOptions("hybrid", slots=S, rates=rates,
+                                                                              **opts), "cpu", 16)
+        host = rows if quant is None else torch.zeros(E, shape.layout.row_bytes(torch.bfloat16), dtype=torch.uint8)
+        return type(placement.build(0, host))
+    assert built() is HybridExperts  # the CPU: the eager path
+    monkeypatch.setenv("MOETIER_HYBRID_NODES", "1")
+    assert nodes_by_default("cpu") and built() is HybridNodesExperts
+    assert built("fp8") is HybridExperts and built(hybrid_nodes=False) is HybridExperts
+    monkeypatch.setenv("MOETIER_HYBRID_NODES", "0")
+    assert not nodes_by_default("cuda") and built() is HybridExperts and built(hybrid_nodes=True) is HybridNodesExperts
+
+
+@needs_ext
 def test_link_only_sends_nothing_to_the_host_and_restores_the_choice():
     """link_only (the engine times the host path's own cost inside it): both modes serve every miss over
     the link, with the same bits; after it the nodes plan's rates are back and the host takes its share."""

@@ -37,7 +37,7 @@ from moetier.traces.format import Trace
 # capture that fails on a machine may leave the CUDA context unusable
 # capture that fails on a machine may leave the CUDA context unusable. eager: no graphs; piecewise: the
 # pieces alone; nodes: the nodes graph alone; pieces-auto / nodes-auto: that graph and the whole slots-step
-# graph, switched per step (engine/switch.py); auto: the engine's default (auto_mode)
+# graph, switched per step (engine/switch.py); auto: the engine's default (a row says which it made)
 HYBRID_GRAPH_MODES = ("eager", "piecewise", "pieces-auto", "nodes", "nodes-auto", "auto")
 
 
@@ -159,17 +159,18 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs), piecewise (the pieces always), nodes
     (experts/hybrid_nodes.py: the whole step one graph, the host's share a host-function node; host experts
     read from its device counters), pieces-auto or nodes-auto (that and the whole slots-step graph,
-    switched per step), auto (the engine's default, auto_mode: the row's `graphs` says which); order: how
+    switched per step), auto (the engine's default: the row's `graphs` says which it made); order: how
     a hybrid layer hands the host its pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
     CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
     hybrid = backend == "hybrid"
-    mode = auto_mode(bed.model.device, args.get("host_kernel", "auto")) if hybrid and mode == "auto" else mode
-    nodes = mode in ("nodes", "nodes-auto")
+    nodes = None if mode == "auto" else mode in ("nodes", "nodes-auto")  # None: the engine's default
     opts = host_options(args, bw, order) if hybrid else {}
     if nodes:  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
         opts["host_kernel"] = "compiled"
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
                         **({**opts, "device_graphs": device_graphs, "hybrid_nodes": nodes} if hybrid else {}))
+    if hybrid and mode == "auto":  # what the default made of it
+        mode = "nodes-auto" if getattr(bed.model.moe_blocks()[0].experts, "graph_safe", False) else "pieces-auto"
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
@@ -215,14 +216,6 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     finally:
         llm.close()
     return rows
-
-
-def auto_mode(device: torch.device, host_kernel: str = "auto") -> str:
-    """What `auto` runs: the engine's default for a hybrid backend (ExpertOptions.hybrid_nodes None: the
-    nodes graph on CUDA where the compiled host kernel builds), with the switch (EngineConfig.graph_switch)."""
-    from moetier.experts.placement import nodes_by_default
-
-    return "nodes-auto" if nodes_by_default(device, host_kernel) else "pieces-auto"
 
 
 def graph_mode(llm: LLM) -> str:

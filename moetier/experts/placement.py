@@ -175,8 +175,10 @@ class ExpertPlacement:
             from moetier.experts.hybrid_nodes import HybridNodesExperts
 
             nodes = o.hybrid_nodes
-            if nodes is None:  # NOTE: one rank only: several ranks' nodes graphs were never run
-                nodes = self.par.tp * self.par.ep == 1 and nodes_by_default(self.device, o.host_kernel)
+            if nodes is None:  # NOTE: one rank and bf16/fp32 rows only: several ranks' nodes graphs and
+                # FP8 rows in them never ran on a GPU (the per-layer device graphs' FP8 capture failed there)
+                nodes = (self.par.tp * self.par.ep == 1 and self.layout.quant is None
+                         and nodes_by_default(self.device, o.host_kernel))
             if self._hostpath is None:  # nodes: no per-layer device graphs (the whole step is one graph)
                 self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
                                           False if nodes else o.device_graphs)
@@ -200,14 +202,11 @@ def read_slots_file(path: str | Path) -> dict[int, int]:
                            "`moetier trace plan-slots`") from None
 
 
-# NOTE: the nodes mode is the default where it can run: on CUDA, with the compiled host kernel (which the
-# node calls; a torch kernel named by --host-kernel keeps the pieces). MOETIER_HYBRID_NODES=0 keeps the
-# pieces, =1 asks for nodes everywhere (the CPU path included).
-NODES_DEFAULT = True
-
-
 def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "auto") -> bool:
-    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode."""
+    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode (the caller
+    also asks for one rank and unquantized rows): on CUDA with the compiled host kernel, which the node
+    calls (a torch kernel named by --host-kernel keeps the pieces); it measured the fastest there
+    (docs/hybrid.md). MOETIER_HYBRID_NODES=0 keeps the pieces, =1 asks for nodes on the CPU too."""
     import os
 
     from moetier.experts import host_ext
@@ -215,5 +214,4 @@ def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "au
     env = os.environ.get("MOETIER_HYBRID_NODES")
     if env in ("0", "1"):
         return env == "1"
-    return (NODES_DEFAULT and torch.device(device).type == "cuda" and host_kernel in ("auto", "compiled")
-            and host_ext.available()[0])
+    return torch.device(device).type == "cuda" and host_kernel in ("auto", "compiled") and host_ext.available()[0]
