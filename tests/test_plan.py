@@ -94,6 +94,28 @@ def test_qwen3_30b_slots_host_store_exact():
     assert item(plan, "expert workspaces") == gemm + 48 * per_layer_state
 
 
+def test_qwen3_30b_hybrid_counts_both_modes_buffers():
+    """hybrid over slots: the device graphs' statics and the nodes mode's buffers in the workspaces (one set
+    per model, both counted), and its host staging, pinned by torch's allocator, on the host."""
+    cfg = presets.preset("qwen3-30b-a3b")
+    slots = dict.fromkeys(cfg.moe_layers, 32)
+
+    def plan(backend):
+        return count(PlanRequest(cfg, BF16, "cuda", backend=backend, slots_per_layer=slots, max_model_len=4096))
+    hybrid, plain = plan("hybrid"), plan("slots")
+    p, h = 64 * 8, 2048  # pairs of 64 decode tokens of top-8; hidden
+    statics = [8 * (p + 1), 2 * (p + 1), 2 * 65 * h, 16 * p, 4 * (p + 1) * h, 4 * p * h]
+    nodes = [4 * p * h, 4 * (p + 1) * h, 4 * p * h, 8 * p, 8 * p, 8 * (1 + 2 * p), 8 * p, 4 * 128, 4 * 128]
+    blocks = sum(-(-n // 512) * 512 for n in statics + nodes)  # the allocator's 512-byte blocks
+    assert item(hybrid, "expert workspaces") - item(plain, "expert workspaces") == blocks
+    # pinned 2^n, the pieces' twice (a grown buffer's smaller blocks stay cached): ids 4 KiB, hidden bf16
+    # 256 KiB, positions 4 KiB, outputs 4 MiB; the nodes': hidden fp32 512 KiB, job 8,200 B -> 16 KiB,
+    # outputs 4 MiB; and h fp32 [512, 768] unpinned
+    want = 2 * (4 + 256 + 4 + 4096) * 1024 + (512 + 16 + 4096) * 1024 + 512 * 768 * 4
+    assert item(hybrid, "hybrid host staging") == want
+    assert not any(i.name == "hybrid host staging" for i in plain.host)
+
+
 def test_qwen3_235b_by_hand():
     cfg = presets.preset("qwen3-235b-a22b")
     plan = count(PlanRequest(cfg, BF16, "cuda", backend="resident", max_model_len=8192, max_num_seqs=4))

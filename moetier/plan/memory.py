@@ -285,6 +285,10 @@ def count(req: PlanRequest) -> Plan:
     if cuda and sizes:
         host.append(Item("decode graph input twins",
                          r.graph_host_inputs(sizes[-1], width), "host", "pinned by torch: 2^n"))
+    if cuda and backend == "hybrid":
+        host.append(Item("hybrid host staging", r.hybrid_host_staging(req.decode_tokens, shape.top_k, shape.hidden,
+                                                                     shape.inter, dt.itemsize), "host-capture",
+                         "hidden states down, host outputs up: pinned by torch (2^n, cached)"))
     biggest = max(dense.tensors + ((row * e // 3 * 2,) if layers else ()), default=0)
     host.append(Item("loader buffer", biggest, "host", "largest tensor read at once"))
     request = {"model_type": cfg.model_type, "layers": cfg.num_layers, "moe_layers": len(layers),

@@ -194,6 +194,21 @@ def hybrid_node_buffers(tokens: int, top_k: int, hidden: int, num_experts: int) 
             4 * num_experts, 4 * num_experts]
 
 
+def hybrid_host_staging(tokens: int, top_k: int, hidden: int, inter: int, itemsize: int) -> int:
+    """The hybrid backend's host buffers, one set per model: pinned by torch's allocator, which rounds a
+    block up to a power of two and keeps freed blocks cached; HostPath.buffer grows a buffer to the
+    largest step seen, so up to one freed block of each smaller power of two stays cached too (their sum
+    is less than the last): each pinned buffer counted twice its rounded size. The pieces' (HostPath):
+    ids int32 [2, P], hidden [T, H], positions int64 [P], host outputs fp32 [P, H]; the nodes mode's
+    (NodeBuffers, made once at full size): hidden fp32 [T, H], job int64 [1 + 2P], outputs fp32 [P, H],
+    and the kernel's scratch h fp32 [P, I] (not pinned). P = T x top_k. Both modes' are counted: the
+    plan does not know which runs."""
+    p = tokens * top_k
+    pieces = sum(2 * next_pow2(n) for n in (8 * p, itemsize * tokens * hidden, 8 * p, 4 * p * hidden))
+    nodes = sum(next_pow2(n) for n in (4 * tokens * hidden, 8 * (1 + 2 * p), 4 * p * hidden)) + 4 * p * inter
+    return pieces + nodes
+
+
 def hybrid_graph_pool(tokens: int, top_k: int, hidden: int, itemsize: int) -> list[int]:
     """What one device-path graph allocates in the hybrid graphs' pool at the largest size (the gathered
     ids, weights, token indices and hidden rows); one pool per model, shared by every layer and size
