@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from moetier.bench.common import record
 from moetier.bench.decode import host_options, warm_all
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import LLM, EngineConfig
+from moetier.errors import MoetierError
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
 
@@ -163,12 +165,22 @@ def main() -> None:
     variants = [v for v in a.variants.split(",") if v]
     if not variants or set(variants) - set(VARIANTS):
         ap.error(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
-    if min(a.batch, a.steps, a.layers) < 1 or not 0 < a.budget <= 1:
-        ap.error("--batch, --steps and --layers must be >= 1 and --budget in (0, 1]")
+    if min(a.batch, a.steps, a.layers) < 1 or a.warmup < 0 or not 0 < a.budget <= 1:
+        ap.error("--batch, --steps and --layers must be >= 1, --warmup >= 0 and --budget in (0, 1]")
+    if not 0 < a.link_GBps < math.inf:
+        ap.error(f"--link-GBps {a.link_GBps}: give a rate in GB/s above 0")
+    for path, name in ((a.trace, "--trace"), (a.host_profile, "--host-profile")):
+        if not os.path.isfile(path):
+            ap.error(f"{name} {path}: no such file")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        ap.error(f"--out {a.out}: a file, not a folder")
+    try:
+        cfg = preset(a.preset, a.layers, "bfloat16")
+    except MoetierError as e:
+        ap.error(f"--preset {a.preset}: {e}")
     if not torch.cuda.is_available():
         sys.exit("profile_hybrid.py needs CUDA")
     os.makedirs(a.out, exist_ok=True)
-    cfg = preset(a.preset, a.layers, "bfloat16")
     rows = [run_variant(v, a, cfg) for v in variants]
     with open(os.path.join(a.out, "profile-hybrid.json"), "w") as f:
         json.dump(record("profile-hybrid", {"args": vars(a), "rows": rows}), f, indent=1)

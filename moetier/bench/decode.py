@@ -34,7 +34,6 @@ from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace
 
 # hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a piecewise
-# capture that fails on a machine may leave the CUDA context unusable
 # capture that fails on a machine may leave the CUDA context unusable. eager: no graphs; piecewise: the
 # pieces alone; nodes: the nodes graph alone; pieces-auto / nodes-auto: that graph and the whole slots-step
 # graph, switched per step (engine/switch.py); auto: the engine's default (a row says which it made)

@@ -18,6 +18,7 @@ build() wraps the backend in ColumnExperts, which sums the ranks' partial output
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,8 +208,6 @@ def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "au
     also asks for one rank and unquantized rows): on CUDA with the compiled host kernel, which the node
     calls (a torch kernel named by --host-kernel keeps the pieces); it measured the fastest there
     (docs/hybrid.md). MOETIER_HYBRID_NODES=0 keeps the pieces, =1 asks for nodes on the CPU too."""
-    import os
-
     from moetier.experts import host_ext
 
     env = os.environ.get("MOETIER_HYBRID_NODES")
