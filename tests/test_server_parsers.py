@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moetier.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from moetier.server.tools import ToolCallParser, parse_block
+from moetier.server.tools import HermesToolParser, parse_block
 
 
 def stream_split(text: str, opened: bool, cuts: list[int]) -> tuple[str, str]:
@@ -54,7 +54,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def stream_tools(text: str, cuts: list[int]):
-    p, content, calls = ToolCallParser(), "", []
+    p, content, calls = HermesToolParser(), "", []
     for a, b in zip([0] + cuts, cuts + [len(text)]):
         c, got = p.push(text[a:b])
         content, calls = content + c, calls + got
@@ -73,7 +73,7 @@ def stream_tools(text: str, cuts: list[int]):
     ("a < b <tool", "a < b <tool", []),
 ])
 def test_tool_calls_whole_and_streamed(text, want_content, want_calls):
-    content, calls = ToolCallParser().parse(text)
+    content, calls = HermesToolParser().parse(text)
     assert content == want_content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
     for cuts in all_cuts(text):
