@@ -220,8 +220,7 @@ class Handlers:
             think, content = reasoning.split(out.outputs[0].text)
             calls = []
             if tools is not None:
-                content, calls = tools.parse(content)
-                content = content.strip() if calls else content
+                content, calls = tools.parse(content)  # the same text a stream sends, whitespace included
             message = {"role": "assistant", "content": content or None, "reasoning_content": think or None,
                        "reasoning": think or None, "tool_calls": [c.to_dict() for c in calls]}
             c = out.outputs[0]

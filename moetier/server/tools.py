@@ -4,7 +4,8 @@ the Hermes format Qwen3 writes.
 A format is a pair of markers around a block and a reading of the block's body into calls. The
 scanner finds the blocks in the content as it streams: text outside blocks is content; text that
 could be the start of an opening marker is held back until it cannot be; a block is read once its
-closing marker has arrived. A block whose body the format cannot read is not a call: it comes back
+closing marker has arrived; whitespace between the content and a call, or between calls, is not
+content (the OpenAI message holds the text and the calls apart). A block whose body the format cannot read is not a call: it comes back
 as plain content, exactly as written, so a malformed reply is never lost and never an error. An
 unclosed block at the end of the reply is content too. Because a block is read only whole, the
 calls and the content never depend on how the reply was cut into deltas.
@@ -72,6 +73,8 @@ class BlockToolParser:
         self.tools = tools or []
         self._held = ""  # a possible start of OPEN, or an open block's text (OPEN included)
         self._in_block = False
+        self._space = ""  # whitespace at the end of the content so far: it is dropped if a call follows
+        self._after_call = False  # the last thing read was a call: whitespace now is next to it
         self.calls: list[ToolCall] = []
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
@@ -87,10 +90,10 @@ class BlockToolParser:
                 start = text.find(self.OPEN)
                 if start < 0:
                     keep = partial_suffix(text, self.OPEN)
-                    content += text[:keep]
+                    content += self._text(text[:keep])
                     self._held = text[keep:]
                     break
-                content += text[:start]
+                content += self._text(text[:start])
                 text, self._in_block = text[start:], True
             else:
                 end = text.find(self.CLOSE, len(self.OPEN))
@@ -102,15 +105,33 @@ class BlockToolParser:
                 got = self.calls_in(block[len(self.OPEN):-len(self.CLOSE)])
                 if got:
                     calls += got
+                    self._space, self._after_call = "", True
                 else:  # malformed, or a block with no call in it: the text stays the reply's
-                    content += block
+                    content += self._text(block)
         self.calls += calls
         return content, calls
 
+    def _text(self, text: str) -> str:
+        """Content outside blocks, less the whitespace next to a call (held until what follows shows).
+
+        So "Checking.\n<call>\n<call>\n" gives the content "Checking.", however it was cut."""
+        text = self._space + text
+        body = text.rstrip()
+        if not body:
+            self._space = text
+            return ""
+        self._space = text[len(body):]
+        if self._after_call:
+            body, self._after_call = body.lstrip(), False
+        return body
+
     def flush(self) -> str:
-        """Text held at the end: a partial marker or an unclosed block, returned as content."""
+        """Text held at the end: a partial marker or an unclosed block, returned as content, and the
+        trailing whitespace unless a call came right before it."""
         held, self._held, self._in_block = self._held, "", False
-        return held
+        content = self._text(held) if held else ""
+        space, self._space = self._space, ""
+        return content + ("" if self._after_call else space)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole content at once: (content without the calls, the calls)."""
