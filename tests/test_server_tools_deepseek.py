@@ -78,6 +78,8 @@ def test_deepseek_call_bodies(body, want):
     CALLS_BEGIN + CALLS_END,  # no call in it
     CALLS_BEGIN + "junk" + v31("get_weather", PARIS) + CALLS_END,  # text that is not a call
     CALLS_BEGIN + BEGIN + f"get_weather{SEP}{PARIS}" + CALLS_END,  # a call never closed
+    CALLS_BEGIN + v31("get_weather", PARIS) + "and more" + CALLS_END,  # text after a good call
+    CALLS_BEGIN + v31("get_weather", PARIS) + BEGIN + f"get_weather{SEP}{OSLO}" + CALLS_END,  # the second unclosed
 ])
 def test_deepseek_malformed_sections_are_content(section):
     assert whole_tools(DeepSeekToolParser, section) == (section, [])
