@@ -7,8 +7,9 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
              the hidden state [T, H] go to pinned host buffers; one event wait.
              NOTE: this is the layer's one host sync, by nature: the choice needs the miss list on the
              host. The copies are small (2P int32 and T x H: 128 KiB at T = 32, H = 2048 in bf16). The
-             weights stay on the device: host pairs come back unweighted. A decode step of this backend therefore runs eagerly (no CUDA graph: the engine
-             reads ExpertBackend.graph_safe); docs/hybrid.md says what else was and was not tried.
+             weights stay on the device: host pairs come back unweighted. So this layer runs eagerly
+             between the engine's graph pieces (engine/piecewise.py reads ExpertBackend.graph_safe);
+             hybrid_nodes.py makes the choice on the device instead (the CUDA default).
   2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
              counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
              do not cross the link); the cache sees only the other pairs.
@@ -43,13 +44,7 @@ from moetier.experts.backends import SlotExperts
 from moetier.experts.cost_model import CostModel, rate_key
 from moetier.experts.cpu_experts import compute_dtype
 from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.host_path import (  # noqa: F401
-    HostPath,
-    _Job,
-    _timed,
-    default_host_threads,
-    measure_rates,
-)
+from moetier.experts.host_path import HostPath, _Job, _timed
 from moetier.experts.reference import combine, expert_pairs
 from moetier.experts.shape import RowLayout
 
