@@ -33,11 +33,11 @@ from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace
 
-# hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a piecewise
-# capture that fails on a machine may leave the CUDA context unusable. eager: no graphs; piecewise: the
-# pieces alone; nodes: the nodes graph alone; pieces-auto / nodes-auto: that graph and the whole slots-step
-# graph, switched per step (engine/switch.py); auto: the engine's default (a row says which it made)
-HYBRID_GRAPH_MODES = ("eager", "piecewise", "pieces-auto", "nodes", "nodes-auto", "auto")
+# hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a capture
+# that fails on a machine may leave the CUDA context unusable. eager: no CUDA graphs (EngineConfig.cuda_graphs
+# off); auto: the engine's default, its host path's graph and the whole slots-step graph switched per step
+# (engine/switch.py; a row says which it made: nodes-auto or pieces-auto)
+HYBRID_GRAPH_MODES = ("eager", "auto")
 
 
 def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
@@ -153,28 +153,19 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto", order: str | None = None,
-                 device_graphs: bool = False) -> list[dict]:
-    """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs), piecewise (the pieces always), nodes
-    (experts/hybrid_nodes.py: the whole step one graph, the host's share a host-function node; host experts
-    read from its device counters), pieces-auto or nodes-auto (that and the whole slots-step graph,
-    switched per step), auto (the engine's default: the row's `graphs` says which it made); order: how
-    a hybrid layer hands the host its pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
-    CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
+                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+    """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
+    row's `graphs` says which it made, nodes-auto or pieces-auto)."""
     hybrid = backend == "hybrid"
-    nodes = None if mode == "auto" else mode in ("nodes", "nodes-auto")  # None: the engine's default
-    opts = host_options(args, bw, order) if hybrid else {}
-    if nodes:  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
-        opts["host_kernel"] = "compiled"
-    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **({**opts, "device_graphs": device_graphs, "hybrid_nodes": nodes} if hybrid else {}))
+    opts = host_options(args, bw) if hybrid else {}
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"], **opts)
     if hybrid and mode == "auto":  # what the default made of it
         mode = "nodes-auto" if getattr(bed.model.moe_blocks()[0].experts, "graph_safe", False) else "pieces-auto"
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          piecewise_graphs=mode != "eager", graph_switch=mode.endswith("auto"))
+                          cuda_graphs=mode != "eager")
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
@@ -205,8 +196,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                 hp = bed.model.moe_blocks()[0].experts.hostpath
                 r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
-                               "rates": hybrid_rates(bed.model), "variant": order, "order": hp.order,
-                               "host_threads": hp.kernel.threads, "device_graphs": hp.device_graphs,
+                               "rates": hybrid_rates(bed.model), "host_threads": hp.kernel.threads,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
                          "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
@@ -224,39 +214,27 @@ def graph_mode(llm: LLM) -> str:
     return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
 
 
-def host_options(args: dict, bw: dict, variant: str | None = None) -> dict:
-    """ExpertOptions fields of the hybrid rows: the host kernel, threads and order, and the rates: from a
+def host_options(args: dict, bw: dict) -> dict:
+    """ExpertOptions fields of the hybrid rows: the host kernel and threads, and the rates: from a
     scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
-    backend when it is built. variant: "ORDER" or "ORDER:THREADS" (--hybrid-order). Threads: the
-    variant's, else --host-threads, else with a profile its winner's (the legacy order: as before issue
-    17's overlap work) or at most the cores less one (the other orders: the launching thread keeps a
-    core), else the backend's default (cores less one). With a profile, the rates are its fit at those
-    threads where it measured them (rates_from_bench)."""
+    backend when it is built. Threads: --host-threads, else with a profile its winner's but at most the
+    cores less one (the launching thread keeps a core), else the backend's default (cores less one).
+    With a profile, the rates are its fit at those threads where it measured them (rates_from_bench)."""
     import json
 
     from moetier.experts.cost_model import rates_from_bench
     from moetier.experts.host_path import default_host_threads
 
-    order, threads = parse_variant(variant)
-    out = {"host_kernel": args.get("host_kernel", "auto"), "host_order": order,
-           "host_threads": threads or args.get("host_threads")}
+    out = {"host_kernel": args.get("host_kernel", "auto"), "host_threads": args.get("host_threads")}
     if args.get("host_profile"):
         with open(args["host_profile"]) as f:
             data = json.load(f)
         out["host_kernel"] = data["winner"]["kernel"]
         if out["host_threads"] is None:
             won = data["winner"]["threads"]
-            out["host_threads"] = won if order == "legacy" else min(won, default_host_threads())
+            out["host_threads"] = min(won, default_host_threads())
         out["rates"] = rates_from_bench(data, bw["link_GBps"], out["host_threads"])
     return out
-
-
-def parse_variant(variant: str | None) -> tuple[str | None, int | None]:
-    """--hybrid-order's "ORDER[:THREADS]" -> (order, threads or None)."""
-    if not variant:
-        return None, None
-    order, _, threads = variant.partition(":")
-    return order, int(threads) if threads else None
 
 
 def hybrid_rates(model: CausalLM) -> dict | None:
@@ -362,20 +340,17 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=HYBRID_GRAPH_MODES.index)
-    orders = args.get("hybrid_order") or [None]
-    dgraphs = sorted(args.get("hybrid_device_graphs") or [False])  # off first, as eager: a failed capture
-    plan = [(b, budget, "auto", None, True) for b, budget in plan]
-    plan += [("hybrid", b, mode, order, dg) for mode in modes for order in orders for dg in dgraphs for b in budgets
-             if "hybrid" in backends]
-    for backend, budget, mode, order, dg in plan:
+    plan = [(b, budget, "auto") for b, budget in plan]
+    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
+    for backend, budget, mode in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, order, dg)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "graphs": mode, "order": order, "device_graphs": dg,
-                           "dtype": bed_dtype(bed), "error": repr(e)})
-            print(f"hybrid {budget:.0%} graphs={mode} order={order} device_graphs={dg} failed: {e!r}", flush=True)
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
+                           "error": repr(e)})
+            print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
         print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
     if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only

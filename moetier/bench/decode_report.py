@@ -19,10 +19,6 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
             name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
-            if r.get("hybrid", {}).get("variant"):
-                name += "/" + r["hybrid"]["variant"]
-            if r.get("hybrid", {}).get("device_graphs") is False:
-                name += "/dg-off"
             key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
             key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
             out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
@@ -61,8 +57,7 @@ def table(rows: list[dict]) -> str:
 def phases_line(hyb: dict) -> str:
     """One hybrid row's mean phase offsets (experts/hybrid_phases.py) in microseconds from a layer's entry."""
     p = hyb["phases_us"]
-    dg = {True: " device graphs on", False: " device graphs off"}.get(hyb.get("device_graphs"), "")
-    out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}{dg}:"
+    out = f"host threads {hyb.get('host_threads')}:"
     if p.get("layers"):
         out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} "
                 f"args {p.get('host_args', 0):.0f} host_start "

@@ -1,6 +1,6 @@
 """Grouped Triton expert GEMM for every decode step (T tokens x k experts): each distinct row read once.
 
-The per-pair GEMV (pair_gemv.py) reads an expert's row once per (token, expert) pair; with T tokens many
+A per-pair GEMV would read an expert's row once per (token, expert) pair; with T tokens many
 pairs share a row (batch 8 of Qwen3-30B: 64 pairs on 29 distinct experts per layer under the
 qwen3-30b-like trace, 52 under uniform routing), so it reads up to 2.2x the bytes the step needs.
 Here the pairs are grouped by the row they read (key: the slot id when >= 0, else the host expert
