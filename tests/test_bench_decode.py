@@ -76,3 +76,37 @@ def test_plot_writes_png(tmp_path):
     cfg = {"layers": 2, "hidden": 64, "experts": 32, "top_k": 4}
     decode.plot({"rows": rows, "config": cfg}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_reference_falls_back_to_slots_and_a_row_that_differs_is_marked(tiny_trace, monkeypatch):
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0}
+    real = decode.bench_engine
+
+    def broken_uva(bed, trace, path, backend, *a, **kw):  # a uva row whose request 0 reads a wrong logit at step 2
+        rows = real(bed, trace, path, backend, *a, **kw)
+        for r in rows if backend == "uva" else []:
+            r["logits"][0][2, 7] += 100.0
+            r["tokens"][0][2] = 7
+        return rows
+
+    monkeypatch.setattr(decode, "bench_engine", broken_uva)
+    data = decode.run(cfg, tiny_trace, [0.5, 0.25], [1, 2], ["uva", "slots"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    rows = data["rows"]
+    # no resident row: the first slots row runs first and is every batch's reference, named in the record
+    assert [(r["backend"], r["budget"]) for r in rows[:2]] == [("slots", 0.5)] * 2
+    assert data["output_references"] == {"float32/1": "slots@0.5/b1", "float32/2": "slots@0.5/b2"}
+    assert data["greedy_tokens_equal_to_resident"] == {}
+    checks = data["output_checks"]
+    assert checks["slots@0.5/b1"] == "reference" and checks["slots@0.25/b2"] == "exact"
+    bad = [r for r in rows if r["backend"] == "uva"]
+    for r in bad:
+        c = r["check"]
+        assert c["verdict"].startswith("MISMATCH") and c["diverged_at"] == {"request": 0, "step": 2}
+        assert c["logits_rel_err"] > 1 and c["reference"] == f"slots@0.5/b{r['batch']}"
+        assert "logits" not in r and "tokens" not in r  # the record keeps the verdict, not the arrays
+    text = decode.table(rows)
+    assert text.count("<<< OUTPUTS DIFFER") == 2 and text.count("check exact vs slots@0.5") == 2

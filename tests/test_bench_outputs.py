@@ -1,0 +1,71 @@
+"""The output check of bench rows (bench/outputs.py) on made-up logits: exact, rounding within the
+tolerance (a divergence on a near-tie), and the defects it must flag."""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.bench import outputs
+
+
+def sequences(g, steps=5, vocab=50):
+    logits = torch.randn(steps, vocab, generator=g) * 4
+    return logits.argmax(dim=1).tolist(), logits
+
+
+def test_equal_outputs_are_exact():
+    g = torch.Generator().manual_seed(0)
+    t, l = sequences(g)
+    c = outputs.compare([t], [l], [list(t)], [l.clone()], exact_by_design=True)
+    assert c["verdict"] == "exact" and c["logits_rel_err"] == 0 and c["tokens_equal"]
+    assert not outputs.flagged(c)
+
+
+def test_rounding_is_within_tolerance_and_a_near_tie_flip_is_rounding():
+    g = torch.Generator().manual_seed(1)
+    t, ref = sequences(g)
+    row = ref + 1e-3 * torch.randn(ref.shape, generator=g)
+    c = outputs.compare([row.argmax(1).tolist()], [row], [t], [ref], exact_by_design=False)
+    assert c["verdict"].startswith("within tolerance") and 0 < c["logits_rel_err"] < 1e-3
+    # step 3 is a near-tie in the reference; the row's rounding flips it
+    ref[3, :2] = torch.tensor([20.0, 19.999])
+    row = ref.clone()
+    row[3, 1] += 0.002
+    rt, tt = row.argmax(1).tolist(), ref.argmax(1).tolist()
+    c = outputs.compare([rt], [row], [tt], [ref], exact_by_design=False)
+    assert c["diverged_at"] == {"request": 0, "step": 3} and c["gap_at_divergence"] < 2e-3
+    assert c["verdict"].startswith("within tolerance") and "near-tie gap" in c["verdict"]
+
+
+def test_defects_are_flagged():
+    g = torch.Generator().manual_seed(2)
+    t, ref = sequences(g)
+    tiny = ref + 1e-6
+    c = outputs.compare([t], [tiny], [t], [ref], exact_by_design=True)  # any bit off where none may be
+    assert c["verdict"].startswith("MISMATCH") and "bit-exact by design" in c["verdict"]
+    wrong = ref.clone()
+    wrong[1] = torch.randn(ref.shape[1], generator=g) * 4  # one step's logits from elsewhere
+    c = outputs.compare([wrong.argmax(1).tolist()], [wrong], [t], [ref], exact_by_design=False)
+    assert c["verdict"].startswith("MISMATCH") and c["logits_rel_err"] > outputs.LOGITS_RTOL
+    row = {"check": {**c, "reference": "resident/b1"}}
+    assert outputs.flagged(row["check"]) and "<<< OUTPUTS DIFFER" in outputs.column(row["check"])
+    c = outputs.compare([[1, 2, 3]], None, [[1, 2, 4]], None, exact_by_design=False)  # tokens only
+    assert c["verdict"].startswith("DIFFERS") and c["diverged_at"]["step"] == 2
+    # the transformers peer makes fewer steps: compared over the steps both made
+    assert outputs.compare([[1, 2]], None, [[1, 2, 4]], None, False)["verdict"] == "tokens equal"
+
+
+def test_kept_logits_follow_each_request():
+    class Runner:
+        keep_logits, kept_logits = 0, []
+
+    class Engine:
+        runner = Runner()
+
+    kept = outputs.KeptLogits(Engine())
+    with kept:
+        assert Engine.runner.keep_logits == outputs.KEPT_REQUESTS
+        Engine.runner.kept_logits += [(["a", "b"], torch.tensor([[1.0], [2.0]])), (["b", "a"], torch.tensor([[3.0], [4.0]]))]
+    assert Engine.runner.keep_logits == 0
+    a, b, c = kept.per_request(["a", "b", "c"], [2, 2, 1])
+    assert a.flatten().tolist() == [1.0, 4.0] and b.flatten().tolist() == [2.0, 3.0] and c is None
