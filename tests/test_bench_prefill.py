@@ -114,3 +114,32 @@ def test_rows_per_stream_mode_count_each_missing_row_once_in_the_ring(bed_and_tr
     assert r.exit_code == 2 and "--prefill-stream 'pipe'" in r.stderr
     r = CliRunner().invoke(app, ["bench", "prefill", "--ring-depth", "1"])
     assert r.exit_code == 2 and "--ring-depth" in r.stderr
+
+
+def test_rows_are_checked_against_the_first_slots_row_without_resident(bed_and_trace, monkeypatch):
+    bed, trace = bed_and_trace
+    args = {"chunk": 128, "reps": 2, "policy": "lfru", "decode_tokens": 16, "seed": 0, "decode_steps": 0,
+            "prefill_cache": ["bypass", "refresh"], "prefill_stream": ["uva"]}
+    bw = {"hbm_GBps": 100.0, "link_GBps": 10.0, "tflops": 1.0}
+    real = prefill.prefill_checked
+
+    def broken(llm, prompts):  # the uva rows' first prompt reads a wrong logit
+        tokens, logits = real(llm, prompts)
+        if llm.model.moe_blocks()[0].experts.__class__.__name__ == "UvaExperts":
+            logits[0][0, 3] += 1e3
+            tokens[0] = [3]
+        return tokens, logits
+
+    monkeypatch.setattr(prefill, "prefill_checked", broken)
+    data = prefill.run(bed, trace, [0.25], [96], [1, 2], ["slots", "uva"], args, {}, bw=bw)
+    checks = data["output_checks"]
+    assert checks["slots@0.25/bypass/uva/pp96x1"] == "reference"
+    assert data["output_references"]["bf16/96/2"] == "slots@0.25/bypass/uva/pp96x2"
+    assert checks["slots@0.25/refresh/uva/pp96x2"] == "exact"
+    assert checks["uva/pp96x1"].startswith("MISMATCH") and checks["uva/pp96x2"].startswith("MISMATCH")
+    text = prefill.table(data["rows"])
+    assert text.count("<<< OUTPUTS DIFFER") == 2
+    for r in data["rows"]:  # the median run, and the spread of the runs
+        assert r["runs"] == len(r["runs_s"]) >= 1 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert "tokens" not in r and "logits" not in r
+    assert f"over {data['rows'][0]['runs']})" in text
