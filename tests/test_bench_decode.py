@@ -66,6 +66,8 @@ def test_engine_rows_on_cpu(tiny_trace):
     assert slots[2]["hit_rate"] < slots[0]["hit_rate"]
     text = decode.table(rows)
     assert "tok/s" in text and "roofline" in text
+    assert len(data["trace_file"]["sha256"]) == 64 and data["trace_file"]["synth"]["seed"] == 3
+    assert all(v in ("reference", "exact") for v in data["output_checks"].values())
 
 
 def test_plot_writes_png(tmp_path):

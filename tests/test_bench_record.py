@@ -82,3 +82,28 @@ def test_command_is_the_real_command_line(monkeypatch, orig, argv, want):
 def test_no_environment_override(monkeypatch):
     monkeypatch.setenv("MOETIER_COMMIT", "hand-set")
     assert common.commit() != "hand-set"
+
+
+def test_trace_info_names_the_file_and_the_command_that_makes_it_again(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    first = tmp_path / "a" / "uniform.mtrace"
+    first.parent.mkdir()
+    args = ["trace", "synth", "--experts", "16", "--topk", "2", "--layers", "2", "--tokens", "64", "--skew", "0.5"]
+    assert CliRunner().invoke(app, [*args, "--out", str(first)]).exit_code == 0
+    info = common.trace_info(first)
+    assert info["synth"]["experts"] == 16 and info["bytes"] == first.stat().st_size
+    cmd = info["synth_command"].split()
+    assert cmd[:3] == ["moetier", "trace", "synth"] and cmd[cmd.index("--out") + 1] == "uniform.mtrace"
+    cmd[cmd.index("--out") + 1] = str(tmp_path / "again.mtrace")
+    assert CliRunner().invoke(app, cmd[1:]).exit_code == 0
+    assert common.trace_info(tmp_path / "again.mtrace")["sha256"] == info["sha256"]
+
+
+def test_the_committed_uniform_trace_is_its_synth_command():
+    info = common.trace_info(common.PACKAGE.parent / "data" / "traces" / "uniform.mtrace")
+    assert info["synth"] == {"experts": 128, "top_k": 8, "layers": 8, "tokens": 8192, "skew": 0.0, "reuse": 0.0,
+                             "window": 1, "layer_corr": 0.0, "seed": 0}
+    assert info["sha256"] == "7a51989274668ac1fffe08bc66e97eb72b1f59ae4c84962fd303eba9aee24967"

@@ -120,6 +120,29 @@ def record(kind: str, results: dict) -> dict:
             **results}
 
 
+def trace_info(path: str | Path) -> dict:
+    """What a replayed trace was, so a record can be rerun without the file it named: its path, bytes
+    and sha256; for a synthetic trace its parameters and the `moetier trace synth` command that makes
+    it again (synthesis is deterministic in its parameters)."""
+    import hashlib
+
+    from moetier.traces.format import read_trace
+
+    data = Path(path).read_bytes()
+    meta = read_trace(path).meta
+    out = {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+           "model": meta.get("model"), "source": meta.get("source")}
+    synth = meta.get("synth")
+    if synth:
+        flags = {"experts": "experts", "top_k": "topk", "layers": "layers", "tokens": "tokens", "skew": "skew",
+                 "reuse": "reuse", "window": "window", "layer_corr": "layer-corr", "seed": "seed"}
+        out["synth"] = synth
+        out["synth_command"] = shlex.join(["moetier", "trace", "synth", "--out", Path(path).name,
+                                           *(f for k, flag in flags.items() if k in synth
+                                             for f in (f"--{flag}", str(synth[k])))])
+    return out
+
+
 def write_json(path: str | Path, data: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, links
+from moetier.bench.common import GB, links, trace_info
 from moetier.bench.decode_report import check_tokens, plot, ratios, row_name, table  # noqa: F401 -- cli's names
 from moetier.bench.outputs import KeptLogits, References, strip
 from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
@@ -368,7 +368,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
                        "top_k": cfg.top_k, "moe_inter": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
                        "dtype": ",".join(configs), **first, "by_dtype": configs},
-            "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
+            "trace": str(trace_path), "trace_file": trace_info(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
             "greedy_tokens_equal_to_resident": same, **refs.summary(rows, row_name), "errors": errors,
             "rows": strip(rows)}
 

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, batch_axes, finish_axis, save_figure, time_eager
+from moetier.bench.common import GB, batch_axes, finish_axis, save_figure, time_eager, trace_info
 from moetier.bench.decode import bed_dtype
 from moetier.bench.outputs import KeptLogits, References, column, strip
 from moetier.checkpoint.random_bed import Bed, use_backend
@@ -276,7 +276,7 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
                        "moe_inter": c.moe_intermediate_size, "dtype": bed_dtype(bed), "row_bytes": bed.row_bytes,
                        "dense_bytes": bed.dense_bytes, "large_block_m": GemmConfig().large_block_m},
-            "trace": trace_path, "links": link, "bandwidth": bw, "args": args, **refs.summary(rows, row_name),
+            "trace": trace_path, "trace_file": trace_info(trace_path), "links": link, "bandwidth": bw, "args": args, **refs.summary(rows, row_name),
             "rows": strip(rows)}
 
 
