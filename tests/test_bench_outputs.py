@@ -69,3 +69,20 @@ def test_kept_logits_follow_each_request():
     assert Engine.runner.keep_logits == 0
     a, b, c = kept.per_request(["a", "b", "c"], [2, 2, 1])
     assert a.flatten().tolist() == [1.0, 4.0] and b.flatten().tolist() == [2.0, 3.0] and c is None
+
+
+def test_bench_serve_levels_are_checked_against_the_first():
+    from moetier.bench import serve
+
+    def level(c, texts):
+        return {"max_concurrency": c, "request_rate": "inf", "completed": 3, "failed": 0, "cancelled": 0,
+                "request_throughput": 1.0, "output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0,
+                "p99_itl_ms": 1.0, "median_e2el_ms": 1.0, "_texts": dict(enumerate(texts))}
+
+    rows = [level(1, ["a", "b", "c"]), level(2, ["a", "b", "c", "d"]), level(4, ["a", "x", "c"])]
+    serve.check_levels(rows)
+    assert [r["check"]["verdict"] for r in rows[:2]] == ["reference", "exact"] and rows[1]["check"]["compared"] == 3
+    assert rows[2]["check"]["verdict"].startswith("DIFFERS (1 of 3") and rows[2]["check"]["first_differing"] == [1]
+    assert all("_texts" not in r for r in rows)
+    text = serve.table({"results": rows})
+    assert text.count("<<< OUTPUTS DIFFER") == 1 and "exact vs concurrency 1" in text
