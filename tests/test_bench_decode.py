@@ -112,3 +112,30 @@ def test_reference_falls_back_to_slots_and_a_row_that_differs_is_marked(tiny_tra
         assert "logits" not in r and "tokens" not in r  # the record keeps the verdict, not the arrays
     text = decode.table(rows)
     assert text.count("<<< OUTPUTS DIFFER") == 2 and text.count("check exact vs slots@0.5") == 2
+
+
+def test_repeated_runs_report_the_median_and_spread_and_check_the_first():
+    rates = iter([30.0, 10.0, 20.0, 40.0])
+    calls = []
+
+    def run(first):
+        calls.append(first)
+        tok_s = next(rates)
+        return {"tok_s": tok_s, "step_ms_median": 1e3 / tok_s, "tokens": [[int(tok_s)]], "logits": ["kept"] if first else None}
+
+    r = decode.repeated(run, 4)
+    assert calls == [True, False, False, False]  # the first run's outputs are the ones checked
+    assert r["tok_s"] == 25.0 and (r["tok_s_min"], r["tok_s_max"]) == (10.0, 40.0) and r["runs"] == 4
+    assert r["step_ms_median"] == 1e3 / 20.0  # the lower middle run's own figures
+    assert r["tokens"] == [[30]] and r["logits"] == ["kept"] and r["runs_tok_s"] == [30.0, 10.0, 20.0, 40.0]
+    assert "(10.0-40.0 over 4)" in decode.table([{**r, "backend": "resident", "batch": 1, "roofline_tok_s": 1.0,
+                                                  "of_roofline": 1.0, "hbm_bytes_per_step": 0, "link_bytes_per_step": 0}])
+
+
+def test_bench_decode_refuses_zero_repeats():
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--repeats", "0"])
+    assert r.exit_code == 2 and "--repeats" in r.stderr

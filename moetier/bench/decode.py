@@ -24,6 +24,7 @@ import torch
 
 from moetier.bench.common import GB, links, trace_info
 from moetier.bench.decode_report import check_tokens, plot, ratios, row_name, table  # noqa: F401 -- cli's names
+from moetier.bench.hybrid_rows import host_options, hybrid_rates  # noqa: F401 -- scripts/profile_hybrid.py's
 from moetier.bench.outputs import KeptLogits, References, strip
 from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
 from moetier.config import ModelConfig
@@ -126,6 +127,19 @@ def _decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int
     }
 
 
+def repeated(run, repeats: int) -> dict:
+    """run(first) `repeats` times (first: the run whose outputs are checked, bench/outputs.py) -> the
+    median run's record (of an even count, the lower middle) with every run's tok/s, their median and
+    their spread (min-max). Each run decodes the same prompts from where the trace cursor stands, so
+    every row's n-th run replays the same routing as its reference's."""
+    runs = [run(i == 0) for i in range(repeats)]
+    rates = [x["tok_s"] for x in runs]
+    mid = {**sorted(runs, key=lambda x: x["tok_s"])[(repeats - 1) // 2]}
+    mid.update(tokens=runs[0]["tokens"], logits=runs[0].get("logits"), runs=repeats, runs_tok_s=rates,
+               tok_s=statistics.median(rates), tok_s_min=min(rates), tok_s_max=max(rates))
+    return mid
+
+
 def hit_rate(stats: dict) -> float | None:
     """Hits over lookups (None: no lookup, e.g. resident or uva)."""
     looked = stats["hits"] + stats["misses"] + stats["overflow"]
@@ -197,8 +211,8 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             counts0 = dict(switch.counts) if switch else {}
             # hybrid: a fresh phase clock (a few perf_counter calls per layer) as the timed window opens
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
-            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=timed,
-                            keep_logits=True)
+            r = repeated(lambda first: decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"],
+                                                   on_timed=timed, keep_logits=first), args.get("repeats", 1))
             if switch:  # steps of this run (warm-up included) on each variant, and what they cost
                 r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
                                "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
@@ -236,48 +250,6 @@ def graph_mode(llm: LLM) -> str:
     if g is None:
         return "eager"
     return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
-
-
-def host_options(args: dict, bw: dict, variant: str | None = None) -> dict:
-    """ExpertOptions fields of the hybrid rows: the host kernel, threads and order, and the rates: from a
-    scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
-    backend when it is built. variant: "ORDER" or "ORDER:THREADS" (--hybrid-order). Threads: the
-    variant's, else --host-threads, else with a profile its winner's (the legacy order: as before issue
-    17's overlap work) or at most the cores less one (the other orders: the launching thread keeps a
-    core), else the backend's default (cores less one). With a profile, the rates are its fit at those
-    threads where it measured them (rates_from_bench)."""
-    import json
-
-    from moetier.experts.cost_model import rates_from_bench
-    from moetier.experts.host_path import default_host_threads
-
-    order, threads = parse_variant(variant)
-    out = {"host_kernel": args.get("host_kernel", "auto"), "host_order": order,
-           "host_threads": threads or args.get("host_threads")}
-    if args.get("host_profile"):
-        with open(args["host_profile"]) as f:
-            data = json.load(f)
-        out["host_kernel"] = data["winner"]["kernel"]
-        if out["host_threads"] is None:
-            won = data["winner"]["threads"]
-            out["host_threads"] = won if order == "legacy" else min(won, default_host_threads())
-        out["rates"] = rates_from_bench(data, bw["link_GBps"], out["host_threads"])
-    return out
-
-
-def parse_variant(variant: str | None) -> tuple[str | None, int | None]:
-    """--hybrid-order's "ORDER[:THREADS]" -> (order, threads or None)."""
-    if not variant:
-        return None, None
-    order, _, threads = variant.partition(":")
-    return order, int(threads) if threads else None
-
-
-def hybrid_rates(model: CausalLM) -> dict | None:
-    b = model.moe_blocks()[0].experts
-    rates = getattr(getattr(b, "hostpath", None), "rates", None)
-    return None if rates is None else {"link_GBps": rates.link_GBps, "host_GBps": rates.host_GBps,
-                                       "host_overhead_s": rates.host_overhead_s, "host_token_s": rates.host_token_s}
 
 
 def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:

@@ -56,7 +56,8 @@ def table(rows: list[dict]) -> str:
                 host += f"  record {r['record_broadcast_ms_per_step']:.3f} ms/step ({r['step_record_group']})"
             if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
                 host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
-        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        spread = f" ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} over {r['runs']})" if r.get("runs", 1) > 1 else ""
+        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s{spread}  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
                      f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step  {column(r.get('check'))}{host}")
