@@ -139,3 +139,44 @@ def test_bench_decode_refuses_zero_repeats():
 
     r = CliRunner().invoke(app, ["bench", "decode", "--repeats", "0"])
     assert r.exit_code == 2 and "--repeats" in r.stderr
+
+
+def hybrid_against_resident(trace_path: str, monkeypatch) -> dict:
+    from moetier.experts.cost_model import PathRates
+
+    real = decode.host_options  # fixed rates, a slow link: every miss goes to the host (not the machine's load)
+    monkeypatch.setattr(decode, "host_options", lambda *a: {**real(*a), "rates": PathRates(0.001, {"bfloat16": 1e3})})
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16)
+    args = {"tokens": 12, "warmup": 4, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0, "host_kernel": "compiled"}
+    data = decode.run(cfg, trace_path, [0.25], [4], ["resident", "hybrid"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    (row,) = [r for r in data["rows"] if r["backend"] == "hybrid"]
+    assert row["hybrid"]["host_experts_per_layer_step"] > 1  # the host computes a real share
+    return row["check"]
+
+
+def test_hybrid_rounding_is_within_tolerance_and_a_wrong_host_expert_is_a_mismatch(tiny_trace, monkeypatch):
+    # bf16 on the CPU: the compiled host kernel (fp32 accumulation) against torch's bf16 ops, the CUDA
+    # case in small (docs/hybrid.md, "Output check")
+    from moetier.experts import host_ext, hybrid
+
+    if not host_ext.available()[0]:
+        pytest.skip("the compiled host kernel does not build here")
+    ok = hybrid_against_resident(tiny_trace, monkeypatch)
+    assert ok["verdict"].startswith("within tolerance") and 0 < ok["logits_rel_err"] < decode_outputs().LOGITS_RTOL
+    start = hybrid.HybridExperts._start_host
+
+    def wrong_expert(self, x, pos, experts, k, marks):  # a defect: each host pair computed with the next expert
+        return start(self, x, pos, [(e + 1) % self.host.shape[0] for e in experts], k, marks)
+
+    monkeypatch.setattr(hybrid.HybridExperts, "_start_host", wrong_expert)
+    bad = hybrid_against_resident(tiny_trace, monkeypatch)
+    assert bad["verdict"].startswith("MISMATCH") and bad["logits_rel_err"] > 2 * decode_outputs().LOGITS_RTOL
+
+
+def decode_outputs():
+    from moetier.bench import outputs
+
+    return outputs

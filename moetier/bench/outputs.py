@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 # The logits of a row not bit-exact by design against its reference (docs/hybrid.md, "Output check")
-LOGITS_RTOL = 2e-2
+LOGITS_RTOL = 3e-2
 KEPT_REQUESTS = 8  # requests per row whose logits are kept (the first of each step's batch)
 
 
