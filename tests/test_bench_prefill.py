@@ -143,3 +143,19 @@ def test_rows_are_checked_against_the_first_slots_row_without_resident(bed_and_t
         assert r["runs"] == len(r["runs_s"]) >= 1 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
         assert "tokens" not in r and "logits" not in r
     assert f"over {data['rows'][0]['runs']})" in text
+
+
+def test_median_of_runs_is_the_headline_with_its_spread(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
+    import median_of_runs
+
+    for i, t in enumerate((50.0, 70.0, 60.0)):
+        rec = {"benchmark": "prefill", "rows": [{**row("resident", None, 512, 1, t), "check": {"verdict": "reference"}}]}
+        (tmp_path / f"run{i}.json").write_text(json.dumps(rec))
+    assert median_of_runs.main([str(p) for p in sorted(tmp_path.glob("run*.json"))]) == 0
+    out = capsys.readouterr().out
+    assert "resident/pp512x1: median 60.0 tok/s (50.0 to 70.0 over 3 runs" in out and "checks: reference" in out
+    assert median_of_runs.main([str(tmp_path / "run0.json"), "--row", "uva/pp1x1"]) == 2

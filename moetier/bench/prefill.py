@@ -282,7 +282,9 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
 
 def row_name(r: dict) -> str:
     """resident/pp512x1, slots@0.5/bypass/ring/pp512x1, uva/pp512x4; FP8 rows end in /fp8 (or /fp8-dense)."""
-    name = r["backend"] if r["budget"] is None else f"{r['backend']}@{r['budget']}/{r['prefill_cache']}/{r['prefill_stream']}"
+    # records from before the policy and stream options ran bypass and uva, what the names then say
+    policy, stream = r.get("prefill_cache") or "bypass", r.get("prefill_stream") or "uva"
+    name = r["backend"] if r["budget"] is None else f"{r['backend']}@{r['budget']}/{policy}/{stream}"
     return f"{name}/pp{r['prompt_len']}x{r['batch']}" + (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "")
 
 
