@@ -51,6 +51,7 @@ def test_a_copy_inside_another_repository_never_records_that_head(tmp_path):
     (pkg / common.BUILD_INFO.name).write_text(json.dumps({"commit": "abc123", "dirty": True}))
     stamped = common.provenance(pkg)
     assert stamped["commit"] == "abc123" and stamped["dirty"] is True and stamped["commit_source"] == "stamp"
+    assert stamped["version"] == "0.1.0"  # the unpacked tree's own pyproject
     assert foreign not in json.dumps(stamped)
 
 

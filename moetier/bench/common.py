@@ -69,10 +69,19 @@ def git_state(root: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(changed), "dirty_paths": changed[:20]}
 
 
-def version() -> str:
+def version(package: Path = PACKAGE) -> str:
+    """The package version: this tree's pyproject.toml where it sits beside the package (a checkout or
+    an unpacked archive), else the installed distribution's."""
+    import tomllib
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
+    try:
+        project = tomllib.loads((package.parent / "pyproject.toml").read_text())["project"]
+        if project["name"] == "moetier":
+            return project["version"]
+    except (OSError, KeyError, ValueError):
+        pass
     try:
         return installed("moetier")
     except PackageNotFoundError:
@@ -83,7 +92,7 @@ def provenance(package: Path = PACKAGE) -> dict:
     """What code ran: the package version, the commit and whether the tree was dirty. From git when
     the package sits in the project's own checkout (source "git"), else from the stamp written when
     the tree was archived or installed (source "stamp"), else unknown (source "none")."""
-    out = {"version": version()}
+    out = {"version": version(package)}
     root = project_root(package)
     if root is not None:
         try:
