@@ -86,3 +86,12 @@ def test_bench_serve_levels_are_checked_against_the_first():
     assert all("_texts" not in r for r in rows)
     text = serve.table({"results": rows})
     assert text.count("<<< OUTPUTS DIFFER") == 1 and "exact vs concurrency 1" in text
+
+
+def test_a_divergence_without_its_logits_differs_not_judged():
+    g = torch.Generator().manual_seed(3)
+    (t0, l0), (t1, _) = sequences(g), sequences(g)
+    row1 = list(t1)
+    row1[2] = (row1[2] + 1) % 50
+    c = outputs.compare([t0, row1], [l0 + 1e-4, None], [t0, t1], [l0, None], exact_by_design=False)
+    assert c["verdict"].startswith("DIFFERS") and "not kept" in c["verdict"] and outputs.flagged(c)

@@ -18,7 +18,8 @@ Verdicts:
   share; a parallel row's all-reduce order) whose relative error is within LOGITS_RTOL and whose
   divergence, if any, is on a near-tie;
 - "MISMATCH (...)": anything else, including any difference in a row that is bit-exact by design;
-- "tokens equal" / "DIFFERS (...)": a row without logits (the transformers peer): tokens only.
+- "tokens equal" / "DIFFERS (...)": a row without logits (the transformers peer), or a divergence in
+  a request past the first KEPT_REQUESTS of a batch (whose logits are not kept): tokens only.
 
 The logits are copied on the device as each step samples (engine/runner.ModelRunner.keep_logits:
 no host read in the step) and brought to the host after the row's timed window.
@@ -112,8 +113,8 @@ def verdict(c: dict) -> str:
     if at is None:
         return f"within tolerance ({rel})"
     gap = c["gap_at_divergence"]
-    if gap is None:  # the diverging request's logits were not kept
-        return f"MISMATCH ({rel}; {where}, its logits not kept)"
+    if gap is None:  # the diverging request's logits were not kept: tokens alone cannot say which
+        return f"DIFFERS ({rel} where kept; {where}, whose logits were not kept: judge it at batch <= {KEPT_REQUESTS})"
     if gap > 2 * c["moved_at_divergence"]:
         return f"MISMATCH ({rel}; {where} on a gap {gap:.3g} the rounding could not close)"
     return f"within tolerance ({rel}, {where} on a near-tie gap {gap:.3g})"
