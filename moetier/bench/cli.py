@@ -135,6 +135,8 @@ def bench_decode(
     backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
     tokens: int = typer.Option(64, "--tokens", help="Timed decode steps per run."),
     warmup: int = typer.Option(32, "--warmup", help="Untimed decode steps first (they also fill the cache)."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per one-GPU row: the row reports their median "
+                                "tok/s and spread (min-max)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
     hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
     policy: opt.CachePolicy = "lfru",
@@ -211,6 +213,7 @@ def bench_decode(
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
             opt.at_least(value, 1, name)
         opt.at_least(warmup, 0, "--warmup")
+        opt.at_least(repeats, 1, "--repeats")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if "hf" in names:
             need_modules("transformers", "accelerate", why="the transformers + accelerate peer (--backends hf)")
@@ -241,7 +244,7 @@ def bench_decode(
     from moetier.bench import decode
     from moetier.bench.common import record, write_json
 
-    args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
+    args = {"tokens": tokens, "warmup": warmup, "repeats": repeats, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
@@ -256,6 +259,9 @@ def bench_decode(
     for line in decode.ratios(data["rows"]):
         typer.echo(line)
     typer.echo(f"greedy tokens equal to resident: {data['greedy_tokens_equal_to_resident']}")
+    differ = [name for name, v in data["output_checks"].items() if v.startswith(("MISMATCH", "DIFFERS"))]
+    typer.echo(f"outputs against {', '.join(sorted(set(data['output_references'].values())))}: "
+               + (f"{len(differ)} row(s) DIFFER: {', '.join(differ)}" if differ else "every row exact or within tolerance"))
 
 
 @app.command("batch")
