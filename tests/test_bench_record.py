@@ -38,6 +38,26 @@ def test_own_checkout_records_its_commit_and_dirty_tree(tmp_path):
     assert dirty["commit"] == head and dirty["dirty"] is True and dirty["dirty_paths"] == ["moetier/x.py"]
 
 
+def test_a_stamp_wins_over_an_older_git_and_loses_to_a_newer_one(tmp_path):
+    """The GPU machine's copy carries an older .git than its tree: the stamp (a commit that git does
+    not know) is what ran. A stamp left behind in a checkout that moved on is stale: git wins."""
+    root = tmp_path / "proj"
+    pkg = make_project(root)
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-qm", "one")
+    first = git(root, "rev-parse", "HEAD")
+    (pkg / common.BUILD_INFO.name).write_text(json.dumps({"commit": "f" * 40, "dirty": False}))
+    shipped = common.provenance(pkg)
+    assert shipped["commit"] == "f" * 40 and shipped["commit_source"] == "stamp"
+    (pkg / common.BUILD_INFO.name).write_text(json.dumps({"commit": first, "dirty": False}))
+    (pkg / "y.py").write_text("B = 1\n")
+    git(root, "add", "moetier/y.py")
+    git(root, "commit", "-qm", "two")
+    moved_on = common.provenance(pkg)
+    assert moved_on["commit"] == git(root, "rev-parse", "HEAD") != first and moved_on["commit_source"] == "git"
+
+
 def test_a_copy_inside_another_repository_never_records_that_head(tmp_path):
     git(tmp_path, "init", "-q")
     (tmp_path / "other.txt").write_text("x\n")

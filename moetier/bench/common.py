@@ -93,18 +93,34 @@ def provenance(package: Path = PACKAGE) -> dict:
     the package sits in the project's own checkout (source "git"), else from the stamp written when
     the tree was archived or installed (source "stamp"), else unknown (source "none")."""
     out = {"version": version(package)}
+    try:
+        stamp = json.loads((package / BUILD_INFO.name).read_text())
+        stamped = {**out, "commit": stamp["commit"], "dirty": stamp["dirty"],
+                   "dirty_paths": stamp.get("dirty_paths", []), "commit_source": "stamp"}
+    except (OSError, KeyError, ValueError):
+        stamped = None
     root = project_root(package)
     if root is not None:
         try:
-            return {**out, **git_state(root), "commit_source": "git"}
+            state = git_state(root)
+            if stamped is None or not stamp_is_newer(root, state["commit"], stamped["commit"]):
+                return {**out, **state, "commit_source": "git"}
         except (OSError, subprocess.CalledProcessError):
             pass
-    try:
-        stamp = json.loads((package / BUILD_INFO.name).read_text())
-        return {**out, "commit": stamp["commit"], "dirty": stamp["dirty"],
-                "dirty_paths": stamp.get("dirty_paths", []), "commit_source": "stamp"}
-    except (OSError, KeyError, ValueError):
-        return {**out, "commit": "unknown", "dirty": None, "commit_source": "none"}
+    return stamped or {**out, "commit": "unknown", "dirty": None, "commit_source": "none"}
+
+
+def stamp_is_newer(root: Path, head: str, stamp: str) -> bool:
+    """Whether a stamp names newer code than the checkout's git: its commit is unknown to this git (a
+    tree shipped with an older copy of .git) or descends from HEAD. A stamp left behind in a checkout
+    that moved on (its commit an ancestor of HEAD, or HEAD itself) is not."""
+    if stamp == head:
+        return False
+    known = subprocess.run(["git", "cat-file", "-e", f"{stamp}^{{commit}}"], cwd=root, capture_output=True)
+    if known.returncode != 0:
+        return True
+    return subprocess.run(["git", "merge-base", "--is-ancestor", head, stamp], cwd=root,
+                          capture_output=True).returncode == 0
 
 
 def commit() -> str:
