@@ -37,9 +37,10 @@ import time
 import torch
 
 from moetier.bench.common import GB, record
-from moetier.experts import fp8, host_ext
+from moetier.experts import host_ext
 from moetier.experts.cpu_experts import KERNELS, host_kernel
 from moetier.experts.shape import RowLayout
+from moetier.quant import fp8_block as fp8
 
 CASES = ((1, 1, 1), (1, 8, 8), (8, 8, 8), (8, 29, 8), (32, 8, 8))  # tokens, distinct experts, k per token
 POOL = 64

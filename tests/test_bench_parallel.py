@@ -12,7 +12,7 @@ from moetier.bench.decode_parallel import label, parse_layouts
 from moetier.checkpoint.random_bed import RandomModel, random_bed, slots_for
 from moetier.dist.timing import CollectiveTimer
 from moetier.errors import MoetierError
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 from moetier.presets import preset
 from tests.test_bench_decode import tiny_trace  # noqa: F401 -- the fixture
 

@@ -14,12 +14,13 @@ import warnings
 import pytest
 import torch
 
-from moetier.experts import fp8, host_ext
+from moetier.experts import host_ext
 from moetier.experts.backends import ResidentExperts, SlotExperts
 from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import GroupedKernel, host_kernel, reference
 from moetier.experts.hybrid import HostPath, HybridExperts
 from moetier.experts.shape import RowLayout
+from moetier.quant import fp8_block as fp8
 
 H, I = 200, 72  # ragged: neither a multiple of 128 nor of any SIMD width
 

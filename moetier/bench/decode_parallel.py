@@ -34,7 +34,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
-from moetier.layers.parallel import layout_problems
+from moetier.parallel import layout_problems
 from moetier.traces.format import Trace
 
 BACKENDS = ("resident", "uva", "slots")  # hybrid is refused under EP; the transformers peer is one GPU

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moetier.errors import MoetierError
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 
 @dataclass(frozen=True)

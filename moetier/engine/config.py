@@ -15,7 +15,7 @@ from typing import Any
 from moetier.errors import MoetierError
 from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.prefill_ring import PREFILL_STREAMS
-from moetier.layers.parallel import layout_problems
+from moetier.parallel import layout_problems
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
 

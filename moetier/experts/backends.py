@@ -7,7 +7,7 @@
     uva        every expert in pinned host memory, read across the link on every use: what vLLM's
                --cpu-offload-gb does. The baseline to beat.
 
-An expert's weights are one row [gate_up (2I x H) | down (H x I)] (shape.RowLayout; FP8 rows append
+An expert's weights are one row [gate_up (2I x H) | down (H x I)] (quant/rows.RowLayout; FP8 rows append
 the block scales, and the CPU path dequantizes a row before the same torch ops). Every backend
 computes each (token, expert) pair with the same ops and sums the k outputs in slot order, so the
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
@@ -39,9 +39,9 @@ from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_
 from moetier.experts.prefill_ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
                                           ring_forward, ring_large)
 from moetier.experts.reference import combine, expert_pairs, row_fetch
-from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer
+from moetier.quant.rows import RowLayout
 
 class ExpertBackend(ABC):
     """Computes one MoE layer's routed experts for the tokens of a step."""

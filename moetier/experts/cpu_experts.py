@@ -40,9 +40,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from moetier.activation import silu_mul
 from moetier.experts import host_ext
-from moetier.experts.shape import RowLayout
-from moetier.layers.activation import silu_mul
+from moetier.quant.rows import RowLayout
 
 KERNELS = ("compiled", "grouped")  # the implementations
 CHOICES = ("auto", *KERNELS)  # what an option may name (auto: compiled where it builds, else grouped)

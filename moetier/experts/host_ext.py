@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from moetier.experts.shape import RowLayout
+from moetier.quant.rows import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
 # the hybrid nodes mode's host-function node (hybrid_nodes.py), linked into the same library

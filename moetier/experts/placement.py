@@ -34,7 +34,7 @@ from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.prefill_ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 POLICIES = ("lru", "lfru")
 

@@ -303,8 +303,8 @@ def count(req: PlanRequest) -> Plan:
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
     """One rank's KV bytes per token under tensor parallelism tp (GQA: its kv heads; MLA: all of it)."""
-    from moetier.layers.parallel import Parallel
     from moetier.models.registry import model_class
+    from moetier.parallel import Parallel
 
     # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
     cls = model_class(cfg)

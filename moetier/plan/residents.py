@@ -87,8 +87,8 @@ def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
     kept) is not counted. With cfg.dense_quant "fp8" the weights the model holds in FP8 count their
     float8 bytes plus their float32 block scales, exactly (which ones: fp8_held)."""
-    from moetier.experts import fp8
     from moetier.models.registry import model_class
+    from moetier.quant import fp8_block as fp8
 
     held, largest = fp8_held(cfg)
     head, rest, sizes = 0, 0, []
@@ -130,7 +130,7 @@ def fp8_held(cfg: ModelConfig) -> tuple[frozenset[str], int]:
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
-    """One routed expert's row (experts/shape.RowLayout), exact: the weights in the model dtype, or
+    """One routed expert's row (quant/rows.RowLayout), exact: the weights in the model dtype, or
     for FP8 experts (shape.quant) the float8 weights and their block scales in one byte row, so the
     slots and the store carry the scales with the weights."""
     return shape.layout.row_bytes(dtype)
