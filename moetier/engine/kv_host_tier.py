@@ -41,8 +41,8 @@ class HostTierMetrics:
     engine knows and this bookkeeping does not)."""
 
     hits: int = 0  # pages a prefix match found on the host tier (and brought back)
-    pages_to_host: int = 0  # GPU -> host copies planned
-    pages_to_gpu: int = 0  # host -> GPU copies planned
+    pages_to_host: int = 0  # GPU -> host copies handed to the runner (take_copies)
+    pages_to_gpu: int = 0  # host -> GPU copies handed to the runner
     evictions: int = 0  # pages dropped from the host tier to make room
     rejected: int = 0  # GPU evictions the host could not take (every slot pinned): dropped
 
@@ -97,7 +97,6 @@ class KVHostTier:
         self._slot_of[page_hash], self._hash_of[slot] = slot, page_hash
         self._lru[slot] = None
         self._to_host[slot] = gpu_page
-        self.metrics.pages_to_host += 1
         return slot
 
     def _evict_one(self) -> bool:
@@ -126,7 +125,6 @@ class KVHostTier:
         self._pinned.add(slot)
         self._to_gpu.append((slot, gpu_page))
         self.metrics.hits += 1
-        self.metrics.pages_to_gpu += 1
         return slot
 
     def cancel_load(self, gpu_page: int) -> None:
@@ -141,6 +139,8 @@ class KVHostTier:
         plan = CopyPlan(sorted((p, s) for s, p in self._to_host.items()), self._to_gpu)
         self._to_host, self._to_gpu = {}, []
         self._pinned.clear()
+        self.metrics.pages_to_host += len(plan.to_host)
+        self.metrics.pages_to_gpu += len(plan.to_gpu)
         return plan
 
     def take_dropped(self) -> list[bytes]:

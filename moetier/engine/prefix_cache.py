@@ -246,7 +246,7 @@ class PrefixCache:
             out.append(p)
         if self.host is not None:
             for h in self.host.take_dropped():
-                if h not in self._page_of:
+                if h not in self._page_of and h not in self.host:  # it may have come back this call
                     self._drop_checkpoint(h)
         self.pool.free(out, OWNER)
         self.metrics.evictions += len(out)
