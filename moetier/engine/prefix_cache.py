@@ -118,6 +118,15 @@ class PrefixCache:
         """Pages allocate() can hand out now: the empty ones and the evictable ones."""
         return self.pool.num_free + len(self._lru)
 
+    @property
+    def num_in_use(self) -> int:
+        """Pages held by running requests (a shared page counts once): the pool's real usage."""
+        return len(self._refs)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_available
 
