@@ -84,14 +84,21 @@ def test_a_match_continues_from_the_gpu_into_the_host_tier():
     assert cache.metrics.host_hits == 4
 
 
-def test_host_copy_is_kept_after_a_load():
+def two_pages_on_the_host():
+    """A 4-page pool whose two cached pages (of a, 8 tokens) were pushed to the host; pool all empty."""
     cache, dev = PrefixCache(PagePool(4), PS, host=KVHostTier(8)), FakeDevice()
     a = list(range(1, 9))
     fill(cache, dev, "a", a + [0])
     cache.release("a")
     cache.allocate("x", 4)
-    dev.run(cache.take_copies())
     cache.release("x")
+    dev.run(cache.take_copies())
+    assert cache.match(a + [0]).gpu_pages == [None, None] and cache.pool.num_free == 4
+    return cache, dev, a
+
+
+def test_host_copy_is_kept_after_a_load():
+    cache, dev, a = two_pages_on_the_host()
     fill(cache, dev, "a2", a + [0])  # back from the host
     cache.release("a2")
     cache.allocate("y", 4)  # evicted again: the host still holds both pages, so nothing is copied
@@ -100,13 +107,7 @@ def test_host_copy_is_kept_after_a_load():
 
 
 def test_a_load_is_cancelled_when_its_request_ends_first():
-    cache, dev = PrefixCache(PagePool(4), PS, host=KVHostTier(8)), FakeDevice()
-    a = list(range(1, 9))
-    fill(cache, dev, "a", a + [0])
-    cache.release("a")
-    cache.allocate("x", 4)
-    cache.release("x")
-    dev.run(cache.take_copies())
+    cache, dev, a = two_pages_on_the_host()
     cache.acquire("a2", cache.match(a + [0]))
     cache.release("a2")  # aborted in the same step, before its copies ran
     cache.check()
