@@ -112,6 +112,17 @@ def test_eviction_never_takes_a_page_in_use():
     cache.check()
 
 
+def test_a_stale_hit_is_refused():
+    cache = PrefixCache(PagePool(4), PS)
+    prompt = list(range(1, 10))
+    admit(cache, "a", prompt)
+    cache.release("a")
+    hit = cache.match(prompt)
+    cache.allocate("x", 4)  # evicts the hit's pages
+    with pytest.raises(RuntimeError, match="stale"):
+        cache.acquire("b", hit)
+
+
 def test_a_request_keeps_its_pages_when_its_cached_prefix_is_evicted_elsewhere():
     cache = PrefixCache(PagePool(6), PS)
     system = list(range(1, 9))

@@ -173,6 +173,10 @@ class PrefixCache:
         pages get a reference, host pages get fresh GPU pages and a planned copy. Counts the query."""
         if request_id in self._pages_of:
             raise RuntimeError(f"request {request_id!r} already holds pages; release it first")
+        if not all(self._page_of.get(h) == p if p is not None else
+                   h not in self._page_of and self.host is not None and h in self.host
+                   for h, p in zip(hit.hashes, hit.gpu_pages)):
+            raise RuntimeError("the hit is stale (pages moved since match); match again")
         if not self.can_acquire(hit, 0):
             raise RuntimeError("the hit's host pages do not fit; call can_acquire first")
         for p in hit.gpu_pages:
