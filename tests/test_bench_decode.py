@@ -9,7 +9,9 @@ import torch
 
 from moetier.bench import decode
 from moetier.bench.cli import parse_budget
-from moetier.checkpoint.random_bed import random_bed
+from moetier.checkpoint.random_bed import random_bed, use_backend
+from moetier.engine.config import EngineConfig
+from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
 from moetier.presets import preset
 from moetier.traces.format import read_trace, write_trace
@@ -180,3 +182,28 @@ def decode_outputs():
     from moetier.bench import outputs
 
     return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_time_replays_leave_the_trace_cursor_and_later_runs_exact(tiny_trace):
+    """replay_ms replays the decode graphs, whose trace replayer advances its cursor in the graph: it
+    must put the cursor back, or the next batch of an engine routes by other trace rows than another
+    row's engine (a hybrid row, which also replays its whole-step graph, then differed from resident
+    from its second batch on, at every step)."""
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cuda", dtype=torch.float32)
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0}
+    bw = {"hbm_GBps": 1000.0, "link_GBps": 50.0}
+    data = decode.run(cfg, tiny_trace, [0.5], [1, 4], ["resident", "slots"], args, bed=bed, bw=bw)
+    assert all(v in ("reference", "exact") for v in data["output_checks"].values()), data["output_checks"]
+    use_backend(bed, "slots", 0.5)
+    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace=tiny_trace, max_num_seqs=4,
+                                                                decode_tokens=16, kv_tokens=256))
+    try:
+        decode.decode_once(llm, 1, 5, 2, 2, 0)
+        before = int(llm.replayer.cursor)
+        assert decode.replay_ms(llm, 1) is not None and int(llm.replayer.cursor) == before
+    finally:
+        llm.close()

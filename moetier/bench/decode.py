@@ -157,6 +157,10 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> floa
     graph = graphs.whole.get(batch) if whole else graphs.graphs[batch]
     if graph is None:
         return None
+    # The trace replayer's cursor advances inside the graph: put it back, or the next run of this
+    # engine would route its tokens by other trace rows than the same run of another row's engine
+    # (rows with and without a whole-step graph replay a different number of times here)
+    cursor = llm.replayer.cursor.clone() if llm.replayer else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
@@ -165,6 +169,8 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> floa
         graphs.samplers[batch, "greedy"].replay()
     end.record()
     end.synchronize()
+    if cursor is not None:
+        llm.replayer.cursor.copy_(cursor)
     return start.elapsed_time(end) / reps
 
 

@@ -67,6 +67,7 @@ def compare(tokens: list[list[int]], logits: list | None, ref_tokens: list[list[
            "logits_equal": None, "logits_rel_err": None, "logits_max_abs_err": None, "diverged_at": None,
            "gap_at_divergence": None, "requests_with_logits": 0}
     rel, bit_equal, first = 0.0, True, None
+    by_step: list[float] = []  # per step: the largest relative error over the requests still comparable
     for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
         n = min(len(t), len(r))
         d = next((j for j in range(n) if t[j] != r[j]), None)
@@ -80,6 +81,9 @@ def compare(tokens: list[list[int]], logits: list | None, ref_tokens: list[list[
         diff = (a[:upto] - b[:upto]).abs().amax(dim=1)  # [steps]
         scale = b[:upto].abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
         rel = max(rel, float((diff / scale).max())) if upto else rel
+        for j, e in enumerate((diff / scale).tolist()):
+            by_step += [0.0] * (j + 1 - len(by_step))
+            by_step[j] = max(by_step[j], e)
         bit_equal &= torch.equal(a[:upto], b[:upto])
         out["requests_with_logits"] += 1
         out["logits_max_abs_err"] = max(out["logits_max_abs_err"] or 0.0, float(diff.max()) if upto else 0.0)
@@ -90,6 +94,7 @@ def compare(tokens: list[list[int]], logits: list | None, ref_tokens: list[list[
     out["tokens_equal"] = first is None and len(tokens) == len(ref_tokens)
     if out["requests_with_logits"]:
         out["logits_equal"], out["logits_rel_err"] = bit_equal, rel
+        out["logits_rel_err_by_step"] = [float(f"{e:.3g}") for e in by_step]
     if first is not None:
         out["diverged_at"] = {"request": first["request"], "step": first["step"]}
         out["gap_at_divergence"] = first.get("gap")
