@@ -146,13 +146,31 @@ def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int,
     if max_model_len is not None:
         at_least(max_model_len, 2, "--max-model-len")
     limit = config_from_dir(model_dir).max_position_embeddings
-    length = min(max_model_len or limit, limit)
+    if max_model_len is not None and max_model_len > limit:
+        raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is {limit:,} tokens "
+                           "(max_position_embeddings in its config.json); give at most that, or leave the option "
+                           "out to use it")
+    length = max_model_len or limit
     page = options.get("page_size", 16)
     return EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=length,
                            kv_tokens=max_num_seqs * -(-length // page) * page, **options)
 
 
 # -- checks -------------------------------------------------------------------------------------------
+API_KEY_ENV = "MOETIER_API_KEY"
+
+
+def api_key(key: str | None) -> None:
+    """An empty key would serve without one: refused. NOTE: click drops an empty environment variable
+    (the option reads None), so the environment is looked at here too."""
+    import os
+
+    if key is not None and not key.strip():
+        raise MoetierError("--api-key is empty: give a key, or leave the option out to serve without one")
+    if key is None and API_KEY_ENV in os.environ and not os.environ[API_KEY_ENV].strip():
+        raise MoetierError(f"{API_KEY_ENV} is set but empty: set it to a key, or unset it to serve without one")
+
+
 def positive(value: float, option: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise MoetierError(f"{option} {value}: it must be a positive number")
@@ -176,6 +194,10 @@ def output_file(path: Path, option: str) -> Path:
     """A file path that can be written (its folder is made), checked before any work is done."""
     if path.is_dir():
         raise MoetierError(f"{option} {path} is a directory; give a file name")
+    above = next((p for p in path.parents if p.exists()), None)  # the nearest existing folder (or file)
+    if above is not None and not above.is_dir():
+        raise MoetierError(f"{option} {path}: {above} is a file, not a directory (Not a directory); "
+                           "choose a path in a directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists()

@@ -30,7 +30,7 @@ from moetier.engine.step import SeqStep
 from moetier.engine.switch import Switch
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
-from moetier.layers.sampler import mode_of, sample_rows
+from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -187,6 +187,10 @@ class DecodeGraphs:
         graph.replay()
         if not sample:
             return None
+        bias = bias_of([s.params for s in seqs], self.logits[size].device)
+        if bias is not None:  # a batch with logit_bias: its sampler runs eagerly on the biased logits
+            return sample_rows(add_bias(self.logits[size][:n], bias), self.temperature[:n], self.top_k[:n],
+                               self.top_p[:n], self.seeds[:n], self.steps[:n], mode)
         self.samplers[size, mode].replay()
         return self.tokens[size, mode][:n]
 
