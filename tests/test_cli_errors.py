@@ -33,7 +33,7 @@ def refuse(*args: str) -> str:
     (("--expert-backend", "slots", "--expert-slots-file", "/etc"), "--expert-slots-file /etc is a directory"),
     (("--expert-backend", "slots", "--expert-slots-file", "/no/file.json"), "no such file"),
     (("--record-trace", "/proc/x/run.mtrace"), "--record-trace /proc/x/run.mtrace: cannot write there"),
-    (("--record-trace", "/etc/passwd/x"), "cannot write there"),
+    (("--record-trace", "/etc/passwd/x"), "/etc/passwd is a file, not a directory"),
     (("--replay-trace", "/no/t.mtrace"), "--replay-trace /no/t.mtrace: no such file"),
     (("--decode-tokens", "0"), "decode_tokens must be a positive integer"),
     (("--device", "tpu"), "--device 'tpu': choose auto, cuda or cpu"),

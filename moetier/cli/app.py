@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., metavar="PROMPT", help="The prompt text."),
+    prompt: str = typer.Argument(..., help="The prompt text."),
     model: opt.Model = None,
     max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
@@ -29,8 +29,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
-    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", help="System message, with --chat."),
-    stop: list[str] = typer.Option([], "--stop", metavar="TEXT",
+    system: Optional[str] = typer.Option(None, "--system", metavar="<text>", help="System message, with --chat."),
+    stop: list[str] = typer.Option([], "--stop", metavar="<text>",
                                    help="Stop string; not printed. Repeat the option for several."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
     dtype: opt.Dtype = "auto",
@@ -52,9 +52,9 @@ def generate(
     expert_split: opt.ExpertSplit = "auto",
     ep: opt.ExpertParallel = 1,
     distributed_executor: opt.DistributedExecutor = "mp",
-    record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="FILE",
+    record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="<file>",
                                                 help="Write the routing of this run."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
                                                 help="Route by this trace's experts instead of the router's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     verbose: bool = typer.Option(False, "--verbose", help="Also print the run's choices (the prefill chunk and why)."),
@@ -137,10 +137,10 @@ def serve(
     model: opt.Model = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="KEY",
-                                          help="Require 'Authorization: Bearer KEY' on every route but /health "
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="<key>",
+                                          help="Require 'Authorization: Bearer <key>' on every route but /health "
                                                "(or set MOETIER_API_KEY)."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="NAME",
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="<name>",
                                                     help="Model id clients send (default: the directory name)."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -156,10 +156,10 @@ def serve(
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE",
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share>",
                                                 help="With --preset and --expert-backend slots: share of the "
                                                      "routed experts in HBM slots, like 50%."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
                                                 help="Route by this trace's experts instead of the router's."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests running at once."),
     kv_tokens: int = typer.Option(32768, "--kv-tokens", help="Tokens the KV pool holds, over all requests."),
@@ -231,7 +231,7 @@ def serve(
 @app.command("make-checkpoint")
 def make_checkpoint_cmd(
     preset: str = typer.Option(..., "--preset", help=f"Shape: {', '.join(presets.names())}."),
-    out: str = typer.Option(..., "--out", metavar="DIR", help="Directory to write (must be empty or absent)."),
+    out: str = typer.Option(..., "--out", metavar="<dir>", help="Directory to write (must be empty or absent)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers of the preset."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, in [0, 2^63)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, or fp8 (block-scaled float8 e4m3 with "

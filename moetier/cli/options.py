@@ -21,7 +21,7 @@ def fail(e: Exception | str) -> NoReturn:
 
 # -- the model and where it runs ------------------------------------------------------------------
 Model = Annotated[Optional[Path], typer.Option(
-    "--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
+    "--model", metavar="<dir>", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
     "shipped with moetier).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
@@ -35,7 +35,7 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
-    "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+    "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
 ExpertSplit = Annotated[str, typer.Option(
     "--expert-split", help="Routed experts under --tp: auto (the default: columns whenever valid), replicate "
     "(every rank holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
@@ -45,10 +45,10 @@ CachePolicy = Annotated[str, typer.Option(
 
 # -- memory budgets (moetier/plan) -------------------------------------------------------------------
 GpuMemory = Annotated[Optional[str], typer.Option(
-    "--gpu-memory", metavar="SIZE", help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
+    "--gpu-memory", metavar="<size>", help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
     "(default: the card's free memory).")]
 HostMemory = Annotated[Optional[str], typer.Option(
-    "--host-memory", metavar="SIZE", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
+    "--host-memory", metavar="<size>", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
     "least of MemAvailable and the cgroup's room).")]
 
 # -- engine -----------------------------------------------------------------------------------------
@@ -165,10 +165,9 @@ def api_key(key: str | None) -> None:
     (the option reads None), so the environment is looked at here too."""
     import os
 
-    if key is not None and not key.strip():
-        raise MoetierError("--api-key is empty: give a key, or leave the option out to serve without one")
-    if key is None and API_KEY_ENV in os.environ and not os.environ[API_KEY_ENV].strip():
-        raise MoetierError(f"{API_KEY_ENV} is set but empty: set it to a key, or unset it to serve without one")
+    if (key is not None and not key.strip()) or (key is None and not os.environ.get(API_KEY_ENV, "x").strip()):
+        raise MoetierError(f"the API key is empty (--api-key or {API_KEY_ENV}): give a key, or leave both out "
+                           "(unset the variable) to serve without one")
 
 
 def positive(value: float, option: str) -> None:

@@ -79,7 +79,7 @@ def predict(plan, cfg, trace, policy: str) -> dict:
 
 def plan_cmd(
     model: opt.Model = None,
-    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="A named shape instead of --model."),
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="<name>", help="A named shape instead of --model."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -93,9 +93,9 @@ def plan_cmd(
                                        help="auto (fit the budget: resident, else slots), resident, slots or uva."),
     expert_slots: opt.ExpertSlots = None,
     expert_slots_file: opt.ExpertSlotsFile = None,
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE|SIZE",
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share|size>",
                                                 help="Slots as a share of the experts (50%) or a size (40GiB)."),
-    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
