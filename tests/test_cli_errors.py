@@ -94,4 +94,4 @@ def test_bench_refuses(args, says):
 def test_help_shows_flags_as_flags():
     text = CliRunner().invoke(app, ["generate", "--help"]).stdout
     assert "<bool>" not in text and "list[str]" not in text
-    assert "--chat " in text and "--stop TEXT" in text and "Repeat the option" in text
+    assert "--chat " in text and "--stop <text>" in text and "Repeat the option" in text
