@@ -52,6 +52,9 @@ def test_generate_refuses(args, says):
     (("--layers", "999"), "--layers 999: preset tiny has 4 layers; keep 1 to 4 of them"),
     (("--layers", "0"), "keep 1 to 4 of them"),
     (("--dtype", "int4"), "unsupported --dtype 'int4'"),
+    (("--seed", "-1"), "--seed -1: it must be in [0, 2^63)"),  # as generate's
+    (("--out", ""), "--out is empty"),
+    (("--out", "  "), "--out is empty"),
 ])
 def test_make_checkpoint_refuses(args, says, tmp_path):
     args = ("--out", str(tmp_path / "ck"), *args) if "--out" not in args else args
