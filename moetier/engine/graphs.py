@@ -181,13 +181,13 @@ class DecodeGraphs:
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
         self._upload()
         mode = mode_of([s.params for s in seqs])
+        bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
         graph = self.graphs[size]
         if self.switch is not None and not self.switch.choose(self.overhead_s[size], size):
             graph = self.whole[size]
         graph.replay()
         if not sample:
             return None
-        bias = bias_of([s.params for s in seqs], self.logits[size].device)
         if bias is not None:  # a batch with logit_bias: its sampler runs eagerly on the biased logits
             return sample_rows(add_bias(self.logits[size][:n], bias), self.temperature[:n], self.top_k[:n],
                                self.top_p[:n], self.seeds[:n], self.steps[:n], mode)

@@ -77,13 +77,18 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 def bias_of(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...] | None:
     """The batch's logit_bias as (rows, token ids, biases) device tensors for add_bias, or None when no
-    row has one; built from host data and copied up (no host read of device values)."""
+    row has one. Built from host data: one pinned block copied up without waiting (a pageable copy
+    would wait for the stream, a host sync inside the step)."""
     entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
     if not entries:
         return None
     rows, ids, biases = zip(*entries)
-    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
+    host = torch.tensor([rows, ids], dtype=torch.int64)
+    values = torch.tensor(biases, dtype=torch.float32)
+    if device.type == "cuda":
+        host, values = host.pin_memory(), values.pin_memory()
+    host, values = host.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    return host[0], host[1], values
 
 
 def add_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
