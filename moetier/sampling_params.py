@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from moetier.errors import MoetierError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+LOGIT_BIAS_MAX = 100.0  # |bias| at most this, as OpenAI's API allows
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SamplingParams:
     # log-probabilities of each sampled token and of this many most likely alternatives (None = off,
     # 0 = the sampled token's only), from the model's distribution before temperature and filters
     logprobs: int | None = None
+    # token id -> bias added to its logit before sampling (temperature, filters), as OpenAI and vLLM do;
+    # not to the logprobs, which stay the model's (raw) distribution
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> SamplingParams:
         problems = []
@@ -40,6 +44,10 @@ class SamplingParams:
             problems.append(f"seed must be in [0, 2^63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not (isinstance(token, int) and token >= 0 and -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+                problems.append(f"logit_bias {{{token}: {bias}}}: keys are token ids >= 0, biases in [-100, 100]")
+                break
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
         if problems:

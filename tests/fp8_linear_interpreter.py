@@ -5,9 +5,11 @@ that in a subprocess. Each case checks:
   - fp8_mm against the torch reference (fp8.dequantize into x.dtype, then F.linear in float64):
     fp32 1e-5, bf16 1e-2 relative; with one K split and with several (the fixed-order second pass);
   - the prefill path's dequantize kernel equal, bit for bit, to fp8.dequantize;
-  - a row's result without its batch: row i of M rows equal to the M = 1 call on row i. Claimed
-    bitwise here only where the interpreter's BLAS keeps it (see tests/interpreter.py): the case
-    prints whether it held, and tests/test_fp8_linear.py's GPU test holds the compiled kernel to it.
+  - a row's result without its batch: row i of M rows against the M = 1 call on row i, within the
+    dtype's tolerance (the launches differ in shape, and the interpreter's tl.dot is numpy's matmul,
+    whose summation order depends on the CPU's BLAS kernel: tests/interpreter.py); bit-equal only
+    where the launch is the very same (M = 1 twice). tests/test_fp8_linear.py's GPU test holds the
+    compiled kernel to bit-equality.
 Shapes are ragged on purpose: N and K not multiples of 128, so tiles cross scale blocks' edges.
 """
 
@@ -46,8 +48,14 @@ def case(m: int, n: int, k: int, dtype: torch.dtype, programs: int, seed: int, b
     ref = oracle(x, q, s, b)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert y.dtype == dtype and y.shape == (m, n) and err <= TOL[dtype], (m, n, k, dtype, split, err)
-    rows = all(torch.equal(kernels.fp8_mm(x[i:i + 1], q, s, b, programs=programs)[0], y[i]) for i in range(m))
-    return f"fp8_mm m={m} n={n} k={k} {str(dtype)[6:]} split={split} err={err:.2e} rows_alone_equal={rows}"
+    alone = torch.stack([kernels.fp8_mm(x[i:i + 1], q, s, b, programs=programs)[0] for i in range(m)])
+    if m == 1:  # the very same launch on the same bytes: bit-equal under any BLAS
+        assert torch.equal(alone, y), (n, k, dtype)
+        return f"fp8_mm m={m} n={n} k={k} {str(dtype)[6:]} split={split} err={err:.2e} rows_alone=exact"
+    # another tile shape: numpy's matmul may sum in another order (tests/interpreter.py), so within rounding
+    rows_err = ((alone.double() - y.double()).norm() / y.double().norm()).item()
+    assert rows_err <= TOL[dtype], (m, n, k, dtype, split, rows_err)
+    return f"fp8_mm m={m} n={n} k={k} {str(dtype)[6:]} split={split} err={err:.2e} rows_alone_err={rows_err:.2e}"
 
 
 def dequantize_case(n: int, k: int, dtype: torch.dtype) -> str:

@@ -33,7 +33,7 @@ def refuse(*args: str) -> str:
     (("--expert-backend", "slots", "--expert-slots-file", "/etc"), "--expert-slots-file /etc is a directory"),
     (("--expert-backend", "slots", "--expert-slots-file", "/no/file.json"), "no such file"),
     (("--record-trace", "/proc/x/run.mtrace"), "--record-trace /proc/x/run.mtrace: cannot write there"),
-    (("--record-trace", "/etc/passwd/x"), "cannot write there"),
+    (("--record-trace", "/etc/passwd/x"), "/etc/passwd is a file, not a directory"),
     (("--replay-trace", "/no/t.mtrace"), "--replay-trace /no/t.mtrace: no such file"),
     (("--decode-tokens", "0"), "decode_tokens must be a positive integer"),
     (("--device", "tpu"), "--device 'tpu': choose auto, cuda or cpu"),
@@ -52,6 +52,9 @@ def test_generate_refuses(args, says):
     (("--layers", "999"), "--layers 999: preset tiny has 4 layers; keep 1 to 4 of them"),
     (("--layers", "0"), "keep 1 to 4 of them"),
     (("--dtype", "int4"), "unsupported --dtype 'int4'"),
+    (("--seed", "-1"), "--seed -1: it must be in [0, 2^63)"),  # as generate's
+    (("--out", ""), "--out is empty"),
+    (("--out", "  "), "--out is empty"),
 ])
 def test_make_checkpoint_refuses(args, says, tmp_path):
     args = ("--out", str(tmp_path / "ck"), *args) if "--out" not in args else args
@@ -94,4 +97,4 @@ def test_bench_refuses(args, says):
 def test_help_shows_flags_as_flags():
     text = CliRunner().invoke(app, ["generate", "--help"]).stdout
     assert "<bool>" not in text and "list[str]" not in text
-    assert "--chat " in text and "--stop TEXT" in text and "Repeat the option" in text
+    assert "--chat " in text and "--stop <text>" in text and "Repeat the option" in text

@@ -37,21 +37,49 @@ SUBSTITUTE = {
 SERVE_URL = "http://127.0.0.1:8000"
 
 
-def commands() -> list[tuple[str, str]]:
+def commands() -> list[tuple[str, str, str | None]]:
+    """(where, command, the output the doc shows or None). A doc shows a command's output as a plain
+    fenced block right after a command written outside any fence (docs/tiny-stdlib.md's samples)."""
     out = []
     for doc in DOCS:
         lines = doc.read_text().splitlines()
-        i = 0
+        i, fenced = 0, False
         while i < len(lines):
             line = lines[i].strip()
+            if line.startswith("```"):
+                fenced = not fenced
             while line.endswith("\\") and i + 1 < len(lines):
                 i += 1
                 line = line[:-1] + " " + lines[i].strip()
             i += 1
             if line.startswith("moetier "):
                 line = re.sub(r"\s+#.*$", "", line).replace(" ...", ' "def f():"')  # "...": the rest
-                out.append((f"{doc.name}: {line}", line))
+                shown = None if fenced else shown_output(lines, i)
+                out.append((f"{doc.name}: {line}", line, shown))
     return out
+
+
+def shown_output(lines: list[str], i: int) -> str | None:
+    """The plain fenced block starting at lines[i] (after blank lines), or None."""
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    if i >= len(lines) or lines[i].strip() != "```":
+        return None
+    end = lines.index("```", i + 1)
+    return "\n".join(lines[i + 1:end])
+
+
+def prompt_of(args: list[str]) -> str:
+    """generate's prompt: its one positional argument (every option but these flags takes a value)."""
+    i = 1
+    while args[i].startswith("--"):
+        i += 1 if args[i] in ("--chat", "--ignore-eos", "--json", "--verbose") else 2
+    return args[i]
+
+
+def same_text(a: str) -> str:
+    # Markdown keeps no trailing blanks: compare lines without them, and without blank lines at the end
+    return "\n".join(line.rstrip() for line in a.rstrip().splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +99,8 @@ def workdirs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("where,line", commands(), ids=[w for w, _ in commands()])
-def test_documented_command_runs(where, line, workdirs, tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("where,line,shown", commands(), ids=[w for w, _, _ in commands()])
+def test_documented_command_runs(where, line, shown, workdirs, tiny_ckpt, monkeypatch):
     from moetier.default_model import default_model_dir
 
     cwd = workdirs(where.split(":")[0])
@@ -94,6 +122,9 @@ def test_documented_command_runs(where, line, workdirs, tiny_ckpt, monkeypatch):
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.stderr, (args, r.output)
         return
     assert r.exit_code == 0, (args, r.output, r.exception)
+    if shown is not None:  # the doc shows what it prints: a generate block is the prompt, then the output
+        printed = (prompt_of(args) if args[0] == "generate" else "") + r.stdout
+        assert same_text(printed) == same_text(shown), (where, printed)
 
 
 _live = []

@@ -75,7 +75,8 @@ def test_rows_are_independent_of_batch():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                 dict(max_tokens=-1), dict(stop=[""])])
+                                 dict(max_tokens=-1), dict(stop=[""]), dict(logit_bias={5: 101.0}),
+                                 dict(logit_bias={-1: 1.0}), dict(logit_bias={5: float("nan")})])
 def test_invalid_params(bad):
     with pytest.raises(MoetierError, match="invalid sampling parameters"):
         SamplingParams(**bad).validate()
@@ -123,3 +124,25 @@ def test_token_logprobs_are_log_softmax_of_the_raw_logits():
     assert ids[0].tolist() == [3, 2] and torch.allclose(top[0], torch.tensor([3.0, 2.0]) - z[0])
     assert set(ids[1].tolist()) == {0, 1} and torch.allclose(top[1], (5.0 - z[1]).expand(2))
     assert token_logprobs(logits, torch.tensor([0, 0]), 0)[1].shape == (2, 0)
+
+
+def test_logit_bias_is_added_per_row_before_sampling():
+    logits = torch.randn(3, 50)
+    biased = SamplingParams(logit_bias={7: 100.0, 3: -100.0})
+    plain = SamplingParams()
+    got = sample(logits, [biased, plain, biased], [0] * 3, [0] * 3)
+    assert got.tolist() == [7, int(logits[1].argmax()), 7]
+    hot = SamplingParams(temperature=1.0, top_k=5, logit_bias={11: 100.0})
+    assert draw(logits[0], hot, 20) == [11] * 20  # before the filters too: the biased token is in the top-k
+    ban = SamplingParams(temperature=1.0, logit_bias={int(logits[0].argmax()): -100.0})
+    assert int(logits[0].argmax()) not in draw(logits[0] * 0, ban, 200)  # a flat distribution, one id banned
+
+
+def test_llm_refuses_a_logit_bias_outside_the_vocabulary():
+    from moetier.engine.llm import LLM
+
+    llm = LLM(None, device="cpu")
+    with pytest.raises(MoetierError, match="below the vocabulary size 448"):
+        llm.add_request("x", SamplingParams(logit_bias={448: 1.0}))
+    out = llm.generate(["def f():"], SamplingParams(max_tokens=4, logit_bias={llm.encode("x")[0]: 100.0}))
+    assert out[0].outputs[0].text == "xxxx"

@@ -85,7 +85,7 @@ def test_serve_binds_loopback_needs_the_key_and_ctrl_c_drains():
     (["--model", "/no/such/dir"], "no such directory"),
     (["--preset", "nope"], "unknown preset"),
     (["--layers", "2"], "go with --preset"),
-    (["--preset", "tiny", "--expert-budget", "50%"], "needs --expert-backend slots"),
+    (["--preset", "tiny", "--expert-backend", "resident", "--expert-budget", "50%"], "needs --expert-backend slots"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--replay-trace", "/no/file"], "no such file"),
     (["--tool-call-parser", "glm4"], "--tool-call-parser 'glm4' is not a parser moetier has; choose one of auto, hermes, glm45"),

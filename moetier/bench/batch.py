@@ -4,6 +4,7 @@ on the same engine, same weights and same prompts. Works on the CPU and on CUDA.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,18 +22,25 @@ def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
 
 
 def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, experts: ExpertOptions,
-        seed: int = 0, plan=None) -> dict:
-    """plan: the memory plan preflight made (moetier/plan/preflight.py); audited and recorded."""
+        seed: int = 0, plan=None, progress: Callable[[str], None] = lambda text: None) -> dict:
+    """plan: the memory plan preflight made (moetier/plan/preflight.py); audited and recorded.
+    progress: told each phase (and each quarter of the requests one after another), one short line each."""
     from moetier.engine.llm import pick_device
 
     llm = LLM(model, device=pick_device(device), experts=experts, plan=plan)
     prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
+    progress("warm-up")
     llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures
 
     t0 = time.perf_counter()
-    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    alone = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if i % max(1, n // 4) == 0:
+            progress(f"one after another: request {i + 1} of {n}")
+        alone.append(llm.generate([p], sp)[0])
     t_alone = time.perf_counter() - t0
     steps0 = llm.steps
+    progress(f"continuous batch: {n} requests at once")
     t0 = time.perf_counter()
     batch = llm.generate(prompts, params)
     t_batch = time.perf_counter() - t0

@@ -78,7 +78,7 @@ def parse_budget(text: str) -> float:
 
 @app.command("layer")
 def bench_layer(
-    preset: list[str] = typer.Option(["qwen3-30b-a3b", "glm-5"], "--preset", metavar="NAME",
+    preset: list[str] = typer.Option(["qwen3-30b-a3b", "glm-5"], "--preset", metavar="<name>",
                                      help="MoE shape; repeat the option for several."),
     steps: int = typer.Option(200, "--steps", help="Layer calls per graph replay."),
     hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows, comma-separated."),
@@ -88,7 +88,7 @@ def bench_layer(
     extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
     dtype: str = typer.Option("bf16", "--dtype", help="Expert formats, comma-separated: bf16, fp8 or bf16,fp8 "
                                                       "(every row for each, side by side)."),
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:
     """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
     from moetier.presets import moe_shape
@@ -125,12 +125,12 @@ def bench_decode(
     preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
     model: opt.Model = None,
-    budget: list[str] = typer.Option(["100%", "50%", "25%"], "--expert-budget", metavar="SHARE",
+    budget: list[str] = typer.Option(["100%", "50%", "25%"], "--expert-budget", metavar="<share>",
                                      help="Share of routed-expert bytes in HBM; repeat the option for several."),
-    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: the repository's "
                                               "data/traces/qwen3-30b-like.mtrace)."),
-    batch: list[int] = typer.Option([1, 8], "--batch", metavar="N",
+    batch: list[int] = typer.Option([1, 8], "--batch", metavar="<int>",
                                     help="Decode batch size; repeat the option for several."),
     backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
     tokens: int = typer.Option(64, "--tokens", help="Timed decode steps per run."),
@@ -153,13 +153,13 @@ def bench_decode(
                                            "and/or auto (the engine's default: the host path's graph, nodes "
                                            "on CUDA with the compiled kernel, else pieces, and the whole "
                                            "slots-step graph, switched per step)."),
-    host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
+    host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="<file>",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats of the random weights, comma-separated: "
                                                       "bf16, fp8 (FP8 experts), fp8-dense (FP8 experts and dense "
                                                       "projections); every row for each, side by side."),
-    parallel: str = typer.Option("1", "--parallel", metavar="ROWS",
+    parallel: str = typer.Option("1", "--parallel", metavar="<rows>",
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "
                                       "is per GPU; parallel rows run resident, uva and slots."),
@@ -168,8 +168,8 @@ def bench_decode(
                                           "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
                                           "worker)."),
     expert_split: opt.ExpertSplit = "auto",
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
 ) -> None:
     """Decode tok/s through the engine for resident, slots, uva, hybrid and transformers+accelerate (CUDA)."""
@@ -275,7 +275,7 @@ def bench_batch(
     expert_slots: opt.ExpertSlots = None,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:
     """The same requests one after another and as one continuous batch (CPU or CUDA)."""
     from moetier.bench.batch import run, table
@@ -293,7 +293,8 @@ def bench_batch(
         experts = opt.expert_options(expert_backend, expert_slots)
         dev = pick_device(device)
         plan, experts = preflight(model_dir_of(model), "auto", dev, experts, EngineConfig(), gpu_memory, host_memory)
-        data = run(str(model) if model else None, requests, prompt_len, max_tokens, dev, experts, plan=plan)
+        data = run(str(model) if model else None, requests, prompt_len, max_tokens, dev, experts, plan=plan,
+                   progress=lambda text: typer.echo(f"bench batch: {text} ...", err=True))
     except MoetierError as e:
         opt.fail(e)
     if out:
@@ -304,7 +305,7 @@ def bench_batch(
 @app.command("serve")
 def bench_serve(
     url: str = typer.Option(..., "--url", help="The server, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="KEY",
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="<key>",
                                           help="Bearer token (or set MOETIER_API_KEY)."),
     concurrency: str = typer.Option("1,2,4,8,16,32,64", "--concurrency",
                                     help="Comma-separated concurrency levels, one measurement each."),
@@ -320,8 +321,8 @@ def bench_serve(
     seed: int = typer.Option(0, "--seed"),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a request counts as cancelled."),
     num_gpus: int = typer.Option(1, "--num-gpus", help="GPUs of the server, for throughput per GPU in the plot."),
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of throughput per GPU against interactivity."),
 ) -> None:
     """Load an OpenAI-compatible server: concurrency sweep or request rate, vLLM bench-serve fields."""

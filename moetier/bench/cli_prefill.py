@@ -19,15 +19,15 @@ from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
 def bench_prefill(
     preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
     layers: Optional[int] = typer.Option(8, "--layers", help="Cut the preset to its first N layers."),
-    budget: list[str] = typer.Option(["50%", "25%"], "--expert-budget", metavar="SHARE",
+    budget: list[str] = typer.Option(["50%", "25%"], "--expert-budget", metavar="<share>",
                                      help="Share of routed-expert bytes in HBM for the slots rows; repeat the "
                                           "option for several."),
-    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: the repository's "
                                               "data/traces/qwen3-30b-like.mtrace)."),
-    length: list[int] = typer.Option([128, 512, 2048, 8192], "--prompt-len", metavar="N",
+    length: list[int] = typer.Option([128, 512, 2048, 8192], "--prompt-len", metavar="<int>",
                                      help="Prompt tokens; repeat the option for several."),
-    batch: list[int] = typer.Option([1, 4], "--batch", metavar="N", help="Prompts at once; repeat for several."),
+    batch: list[int] = typer.Option([1, 4], "--batch", metavar="<int>", help="Prompts at once; repeat for several."),
     backends: str = typer.Option("resident,slots,uva", "--backends", help="Comma-separated rows to run."),
     chunk: int = typer.Option(2048, "--chunk", help="Tokens per engine step (the prefill chunk)."),
     reps: int = typer.Option(5, "--reps", help="Timed runs per row (the median); fewer past 2 s a row."),
@@ -47,8 +47,8 @@ def bench_prefill(
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
                                                       "fp8-dense (FP8 experts and dense projections)."),
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of tok/s by prompt length."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>", help="Write a PNG of tok/s by prompt length."),
 ) -> None:
     """Prefill tok/s through the engine: resident, slots at each budget (per prefill cache policy and
     stream mode), uva, with link and HBM/compute bounds measured in the same run (CUDA)."""
@@ -117,20 +117,20 @@ def bench_prefill(
 def bench_chunk(
     preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape of the random weights."),
     layers: Optional[int] = typer.Option(8, "--layers", help="Cut the preset to its first N layers."),
-    budget: list[str] = typer.Option(["50%"], "--expert-budget", metavar="SHARE",
+    budget: list[str] = typer.Option(["50%"], "--expert-budget", metavar="<share>",
                                      help="Share of routed-expert bytes in HBM for the slots rows; repeatable."),
     backends: str = typer.Option("resident,slots", "--backends", help="Comma-separated rows: resident, slots."),
     chunks: str = typer.Option("512,1024,2048,4096,8192", "--chunks", help="Tokens per step to compare."),
     prompt_len: int = typer.Option(8192, "--prompt-len", help="The long prompt's tokens."),
     streams: int = typer.Option(4, "--decode-streams", help="Requests decoding when the prompt arrives."),
     before: int = typer.Option(16, "--before", help="Timed decode-only steps before the prompt comes."),
-    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
     policy: opt.CachePolicy = "lfru",
     prefill_cache: opt.PrefillCache = "bypass",
     decode_tokens: opt.DecodeTokens = 64,
     seed: int = typer.Option(0, "--seed"),
-    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE", help="Write the JSON record here."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:
     """The prefill chunk under offload: a long prompt's TTFT against the inter-token latency of the
     requests decoding beside it, per chunk size (CUDA)."""

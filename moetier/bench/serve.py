@@ -179,7 +179,11 @@ async def run_async(url: str, api_key: str | None, concurrencies: list[int], rat
     limits = httpx.Limits(max_connections=max(concurrencies + [64]) + 8)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         try:
-            models = (await client.get(url + "/v1/models")).raise_for_status().json()["data"]
+            answer = await client.get(url + "/v1/models")
+            if answer.status_code == 401:  # a server that wants a key is there: say so, not "no server"
+                fix = "the given --api-key was refused" if api_key else "give --api-key KEY"
+                raise MoetierError(f"--url {url}: the server there wants an API key ({fix})")
+            models = answer.raise_for_status().json()["data"]
         except (httpx.HTTPError, ValueError, KeyError) as e:
             raise MoetierError(f"--url {url}: no OpenAI server answers there ({e})") from None
         model = models[0]["id"]

@@ -55,7 +55,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dty
         return torch.ones(shape, dtype=dtype)  # as transformers initialises RMSNorm
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=dtype)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    # modulo 2^64 (what manual_seed takes): the same weights as before for every seed below 2^44
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     return (torch.randn(shape, generator=g) * INIT_STD).to(dtype)
 
 

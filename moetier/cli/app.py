@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., metavar="PROMPT", help="The prompt text."),
+    prompt: str = typer.Argument(..., help="The prompt text."),
     model: opt.Model = None,
     max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
@@ -29,8 +29,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
-    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", help="System message, with --chat."),
-    stop: list[str] = typer.Option([], "--stop", metavar="TEXT",
+    system: Optional[str] = typer.Option(None, "--system", metavar="<text>", help="System message, with --chat."),
+    stop: list[str] = typer.Option([], "--stop", metavar="<text>",
                                    help="Stop string; not printed. Repeat the option for several."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
     dtype: opt.Dtype = "auto",
@@ -52,11 +52,12 @@ def generate(
     expert_split: opt.ExpertSplit = "auto",
     ep: opt.ExpertParallel = 1,
     distributed_executor: opt.DistributedExecutor = "mp",
-    record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="FILE",
+    record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="<file>",
                                                 help="Write the routing of this run."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
                                                 help="Route by this trace's experts instead of the router's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print the run's choices (the prefill chunk and why)."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     from moetier.cli.progress import ByteBar
@@ -97,7 +98,7 @@ def generate(
         with ByteBar("loading") as bar:
             llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
                       on_audit=None if as_json else lambda text: typer.echo(text, err=True), rank_plans=rank_plans)
-        if not as_json and llm.chunk_reason:
+        if verbose and not as_json and llm.chunk_reason:
             typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)
         gen = Generator(llm)
         ids = gen.prompt_ids(prompt, chat=chat, system=system)
@@ -136,14 +137,14 @@ def serve(
     model: opt.Model = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="KEY",
-                                          help="Require 'Authorization: Bearer KEY' on every route but /health "
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOETIER_API_KEY", metavar="<key>",
+                                          help="Require 'Authorization: Bearer <key>' on every route but /health "
                                                "(or set MOETIER_API_KEY)."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="NAME",
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="<name>",
                                                     help="Model id clients send (default: the directory name)."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
-    expert_backend: opt.ExpertBackend = "resident",
+    expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     expert_slots_file: opt.ExpertSlotsFile = None,
     cache_policy: opt.CachePolicy = "lfru",
@@ -155,10 +156,10 @@ def serve(
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE",
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share>",
                                                 help="With --preset and --expert-backend slots: share of the "
                                                      "routed experts in HBM slots, like 50%."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="FILE",
+    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
                                                 help="Route by this trace's experts instead of the router's."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests running at once."),
     kv_tokens: int = typer.Option(32768, "--kv-tokens", help="Tokens the KV pool holds, over all requests."),
@@ -181,6 +182,7 @@ def serve(
     from moetier.tokenizer import TokenizerError
 
     try:
+        opt.api_key(api_key)
         if not 0 <= port <= 65535:
             raise MoetierError(f"--port {port}: it must be in 0..65535")
         opt.at_least(max_queue, 0, "--max-queue")
@@ -203,8 +205,10 @@ def serve(
                 raise MoetierError("give --model or --preset, not both")
             if expert_slots is not None or expert_slots_file is not None:
                 raise MoetierError("with --preset, size the slots with --expert-budget")
-            if expert_budget is not None and expert_backend != "slots":
+            if expert_budget is not None and expert_backend not in ("slots", "auto"):
                 raise MoetierError("--expert-budget needs --expert-backend slots")
+            if expert_backend == "auto":  # random weights have no plan to ask: slots when a budget is given
+                expert_backend = "slots" if expert_budget is not None else "resident"
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
                                  split=opt.expert_split(expert_split))
@@ -219,7 +223,7 @@ def serve(
                               experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
                                                          cache_policy, expert_split),
                               gpu_memory=gpu_memory, host_memory=host_memory)
-        run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name, parsers)
+        run_server(spec, host, port, api_key, max_queue, drain_seconds, served_model_name, parsers)
     except (MoetierError, TokenizerError) as e:
         opt.fail(e)
 
@@ -227,9 +231,9 @@ def serve(
 @app.command("make-checkpoint")
 def make_checkpoint_cmd(
     preset: str = typer.Option(..., "--preset", help=f"Shape: {', '.join(presets.names())}."),
-    out: Path = typer.Option(..., "--out", metavar="DIR", help="Directory to write (must be empty or absent)."),
+    out: str = typer.Option(..., "--out", metavar="<dir>", help="Directory to write (must be empty or absent)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers of the preset."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights, in [0, 2^63)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, or fp8 (block-scaled float8 e4m3 with "
                        "128 x 128 scales, quantized from random bf16; docs/fp8.md)."),
     fused_experts: bool = typer.Option(False, "--fused-experts",
@@ -244,7 +248,11 @@ def make_checkpoint_cmd(
     with ByteBar(f"{preset} ({layers or 'all'} layers)", force=True) as bar:
         try:
             opt.positive(shard_gib, "--shard-size-gib")
-            path = make_checkpoint(out, preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
+            if not out.strip():
+                raise MoetierError("--out is empty: give the directory to write the checkpoint into")
+            if not 0 <= seed < 2**63:  # as generate's --seed
+                raise MoetierError(f"--seed {seed}: it must be in [0, 2^63)")
+            path = make_checkpoint(Path(out), preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
                                    shard_bytes=int(shard_gib * 2**30), overwrite=overwrite, progress=bar)
         except MoetierError as e:
             bar.stop()

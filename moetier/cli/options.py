@@ -21,7 +21,7 @@ def fail(e: Exception | str) -> NoReturn:
 
 # -- the model and where it runs ------------------------------------------------------------------
 Model = Annotated[Optional[Path], typer.Option(
-    "--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
+    "--model", metavar="<dir>", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
     "shipped with moetier).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
@@ -35,7 +35,7 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
-    "--expert-slots-file", metavar="FILE", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+    "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
 ExpertSplit = Annotated[str, typer.Option(
     "--expert-split", help="Routed experts under --tp: auto (the default: columns whenever valid), replicate "
     "(every rank holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
@@ -45,10 +45,10 @@ CachePolicy = Annotated[str, typer.Option(
 
 # -- memory budgets (moetier/plan) -------------------------------------------------------------------
 GpuMemory = Annotated[Optional[str], typer.Option(
-    "--gpu-memory", metavar="SIZE", help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
+    "--gpu-memory", metavar="<size>", help="Device memory this run may use: 139GiB, 150GB or 90% of the card "
     "(default: the card's free memory).")]
 HostMemory = Annotated[Optional[str], typer.Option(
-    "--host-memory", metavar="SIZE", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
+    "--host-memory", metavar="<size>", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
     "least of MemAvailable and the cgroup's room).")]
 
 # -- engine -----------------------------------------------------------------------------------------
@@ -146,13 +146,30 @@ def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int,
     if max_model_len is not None:
         at_least(max_model_len, 2, "--max-model-len")
     limit = config_from_dir(model_dir).max_position_embeddings
-    length = min(max_model_len or limit, limit)
+    if max_model_len is not None and max_model_len > limit:
+        raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is {limit:,} tokens "
+                           "(max_position_embeddings in its config.json); give at most that, or leave the option "
+                           "out to use it")
+    length = max_model_len or limit
     page = options.get("page_size", 16)
     return EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=length,
                            kv_tokens=max_num_seqs * -(-length // page) * page, **options)
 
 
 # -- checks -------------------------------------------------------------------------------------------
+API_KEY_ENV = "MOETIER_API_KEY"
+
+
+def api_key(key: str | None) -> None:
+    """An empty key would serve without one: refused. NOTE: click drops an empty environment variable
+    (the option reads None), so the environment is looked at here too."""
+    import os
+
+    if (key is not None and not key.strip()) or (key is None and not os.environ.get(API_KEY_ENV, "x").strip()):
+        raise MoetierError(f"the API key is empty (--api-key or {API_KEY_ENV}): give a key, or leave both out "
+                           "(unset the variable) to serve without one")
+
+
 def positive(value: float, option: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise MoetierError(f"{option} {value}: it must be a positive number")
@@ -176,6 +193,10 @@ def output_file(path: Path, option: str) -> Path:
     """A file path that can be written (its folder is made), checked before any work is done."""
     if path.is_dir():
         raise MoetierError(f"{option} {path} is a directory; give a file name")
+    above = next((p for p in path.parents if p.exists()), None)  # the nearest existing folder (or file)
+    if above is not None and not above.is_dir():
+        raise MoetierError(f"{option} {path}: {above} is a file, not a directory (Not a directory); "
+                           "choose a path in a directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists()

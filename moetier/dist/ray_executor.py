@@ -62,8 +62,26 @@ def connect(ray) -> bool:
     try:
         ray.init(address="auto", log_to_driver=True)
     except ConnectionError:  # no cluster is running: a local one on this machine
-        ray.init(log_to_driver=True)
+        local_ray_init(ray)
     return True
+
+
+def local_ray_init(ray) -> None:
+    """Start a local Ray cluster with Ray's usage-stats reporting off. Ray reads its own switch,
+    RAY_USAGE_STATS_ENABLED, from the environment of the process that starts the cluster (ray.init
+    has no argument for it; docs.ray.io cluster/usage-stats): set for this call only, so the
+    processes it starts inherit it and the caller's environment is left as it was."""
+    import os
+
+    before = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    try:
+        ray.init(log_to_driver=True)
+    finally:
+        if before is None:
+            del os.environ["RAY_USAGE_STATS_ENABLED"]
+        else:
+            os.environ["RAY_USAGE_STATS_ENABLED"] = before
 
 
 class RayWorkers(WorkerGroup):

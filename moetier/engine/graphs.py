@@ -30,7 +30,7 @@ from moetier.engine.step import SeqStep
 from moetier.engine.switch import Switch
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
-from moetier.layers.sampler import mode_of, sample_rows
+from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -181,12 +181,16 @@ class DecodeGraphs:
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
         self._upload()
         mode = mode_of([s.params for s in seqs])
+        bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
         graph = self.graphs[size]
         if self.switch is not None and not self.switch.choose(self.overhead_s[size], size):
             graph = self.whole[size]
         graph.replay()
         if not sample:
             return None
+        if bias is not None:  # a batch with logit_bias: its sampler runs eagerly on the biased logits
+            return sample_rows(add_bias(self.logits[size][:n], bias), self.temperature[:n], self.top_k[:n],
+                               self.top_p[:n], self.seeds[:n], self.steps[:n], mode)
         self.samplers[size, mode].replay()
         return self.tokens[size, mode][:n]
 

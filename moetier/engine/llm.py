@@ -285,6 +285,10 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = (params or SamplingParams()).validate()
+        bad = [t for t in params.logit_bias or {} if t >= self.cfg.vocab_size]  # an index the sampler cannot add to
+        if bad:
+            raise MoetierError(f"logit_bias token ids must be below the vocabulary size {self.cfg.vocab_size}; "
+                               f"got {bad[:5]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
         req = Request(rid, self.encode(prompt), params, params.noise_seed(), prompt=text)

@@ -75,6 +75,30 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return torch.where(hot, picked, greedy)
 
 
+def bias_of(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """The batch's logit_bias as (rows, token ids, biases) device tensors for add_bias, or None when no
+    row has one. Built from host data: one pinned block copied up without waiting (a pageable copy
+    would wait for the stream, a host sync inside the step)."""
+    entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries)
+    host = torch.tensor([rows, ids], dtype=torch.int64)
+    values = torch.tensor(biases, dtype=torch.float32)
+    if device.type == "cuda":
+        host, values = host.pin_memory(), values.pin_memory()
+    host, values = host.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    return host[0], host[1], values
+
+
+def add_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """logits [B, V] float32 plus each row's logit_bias (a new tensor: the raw logits stay for logprobs)."""
+    if bias is None:
+        return logits
+    rows, ids, values = bias
+    return logits.index_put((rows, ids), values, accumulate=True)
+
+
 def mode_of(params: list[SamplingParams]) -> str:
     if any(p.filters for p in params):
         return "filter"
@@ -86,7 +110,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     steps: the index of the token each row samples (its output length so far)."""
     dev = logits.device
     return sample_rows(
-        logits,
+        add_bias(logits, bias_of(params, dev)),
         torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
         torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
         torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),

@@ -79,7 +79,7 @@ def predict(plan, cfg, trace, policy: str) -> dict:
 
 def plan_cmd(
     model: opt.Model = None,
-    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME", help="A named shape instead of --model."),
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="<name>", help="A named shape instead of --model."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to its first N layers."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -93,9 +93,9 @@ def plan_cmd(
                                        help="auto (fit the budget: resident, else slots), resident, slots or uva."),
     expert_slots: opt.ExpertSlots = None,
     expert_slots_file: opt.ExpertSlotsFile = None,
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="SHARE|SIZE",
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share|size>",
                                                 help="Slots as a share of the experts (50%) or a size (40GiB)."),
-    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
@@ -126,7 +126,10 @@ def plan_cmd(
             from moetier.config import config_from_dir
             from moetier.engine.llm import model_dir_of
 
+            from moetier.plan.preflight import check_shards
+
             cfg = config_from_dir(model_dir_of(model))
+            check_shards(model_dir_of(model), cfg)  # plan what generate would load: a truncated shard is refused
         else:
             cfg = presets.preset(preset, layers)
         tdtype = resolve_dtype(dtype, cfg)
@@ -144,7 +147,10 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
-        length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+            raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is "
+                               f"{cfg.max_position_embeddings:,} tokens; give at most that, or leave the option out")
+        length = max_model_len or cfg.max_position_embeddings
         # the pool: max_num_seqs requests of full length, as the engine is then configured
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
                                  decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)

@@ -11,7 +11,7 @@ import resource
 from pathlib import Path
 
 from moetier.errors import MoetierError
-from moetier.plan.units import parse_size
+from moetier.plan.units import GiB, parse_size
 
 PROC = Path("/proc")
 CGROUP = Path("/sys/fs/cgroup")
@@ -97,6 +97,8 @@ def gpu_budget(text: str | None, device: str) -> tuple[int | None, str, bool]:
     """The device budget: --gpu-memory (a size, or a share of the card) or the card's free memory.
     -> (bytes or None for cpu, where from, whether the CUDA context still has to be counted)."""
     if device == "cpu":
+        if text is not None:  # not used on the CPU, but nonsense is still refused (a share is checked as one)
+            parse_size(text, "--gpu-memory", total=GiB, what="the card's total memory")
         return None, "cpu: no device memory", False
     if text is not None and not str(text).strip().endswith("%"):
         return parse_size(text, "--gpu-memory"), "--gpu-memory", True

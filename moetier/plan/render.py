@@ -36,7 +36,8 @@ def table(plan: Plan) -> str:
     placement = plan.backend if plan.backend not in ("slots", "hybrid") else (
         f"{plan.backend} {min(slots.values())}..{max(slots.values())} per layer" if slots else plan.backend)
     con.print(f"memory plan: {q['model_type']}, {q['layers']} layers ({q['moe_layers']} MoE), {q['dtype']}, "
-              f"experts {'FP8 ' if q.get('experts_quant') == 'fp8' else ''}{placement}; {q['max_num_seqs']} x {q['max_model_len']:,} tokens of KV, "
+              f"experts {'FP8 ' if q.get('experts_quant') == 'fp8' else ''}{placement}; KV of {q['kv_tokens']:,} tokens "
+              f"({q['max_num_seqs']} requests, each up to {q['max_model_len']:,}), "
               f"steps of {q['max_num_tokens']} tokens on {q['device']}", markup=False)
     if plan.device:
         t = Table(title=f"device ({q['gpu_budget_source'] or 'no budget given'})", title_justify="left",

@@ -128,6 +128,10 @@ def suggestions(req: PlanRequest, plan: Plan) -> list[str]:
     if plan.host_available is not None and plan.host_total > plan.host_available - plan.host_margin:
         if plan.backend != "resident":
             out.append("--expert-backend resident, if the device can hold every expert (no host store)")
-        out.append(f"free {gib(plan.host_total + plan.host_margin - plan.host_available)} of host memory "
-                   "(other processes, page cache held by tmpfs) or run on a larger host")
+        short = gib(plan.host_total + plan.host_margin - plan.host_available)
+        if req.host_source.startswith("--host-memory"):  # the limit is the user's own flag, not the machine
+            out.append(f"raise --host-memory by at least {short} (or leave it out to use what the host has)")
+        else:
+            out.append(f"free {short} of host memory (other processes, page cache held by tmpfs) or run on a "
+                       "larger host")
     return out

@@ -17,7 +17,8 @@ KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
 
 UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB, "KB": KB, "MB": MB, "GB": GB, "TB": TB}
 _LOWER = {k.lower(): v for k, v in UNITS.items()}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
+_SIZE = re.compile(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
+MAX_SIZE = 2**50  # 1 PiB: above any machine's memory, so a larger size is a typo
 
 
 def parse_size(text: str, option: str, total: int | None = None, what: str = "the total") -> int:
@@ -29,7 +30,7 @@ def parse_size(text: str, option: str, total: int | None = None, what: str = "th
         raise MoetierError(f"{option} {text!r}: give a size with its unit, like 139GiB, 600GB or 80%")
     value, unit = float(m.group(1)), m.group(2)
     if not math.isfinite(value) or value <= 0:
-        raise MoetierError(f"{option} {text!r}: the size must be above zero")
+        raise MoetierError(f"{option} {text!r}: a size must be above zero, like 139GiB")
     if unit == "%":
         if total is None:
             raise MoetierError(f"{option} {text!r}: a percentage needs {what}, which is unknown here; "
@@ -47,6 +48,9 @@ def parse_size(text: str, option: str, total: int | None = None, what: str = "th
     if unit.lower() in ("gb", "mb", "kb", "tb") and unit not in UNITS and unit.upper() != unit:
         # 'Gb' reads as gigabits: refuse rather than guess by a factor of 8
         raise MoetierError(f"{option} {text!r}: {unit!r} is ambiguous (bits?); write GB or GiB")
+    if value * scale > MAX_SIZE:
+        raise MoetierError(f"{option} {text!r}: {value * scale / GiB:,.0f} GiB is more memory than any machine has "
+                           f"(at most {MAX_SIZE // TiB:,} TiB); check the number and its unit")
     return int(value * scale)
 
 

@@ -1,7 +1,7 @@
 """The fastapi app: routes, the API key, and errors in OpenAI's shape.
 
     POST /v1/completions, /v1/chat/completions   (handlers.py)
-    GET  /v1/models, /health, /version, /metrics
+    GET  /v1/models, /v1/models/{id}, /health (and HEAD), /version, /metrics
     POST /tokenize, /detokenize
 
 With an API key, every route but /health needs `Authorization: Bearer KEY`; a missing or wrong one
@@ -12,8 +12,10 @@ a streaming response and the client's disconnect).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -27,6 +29,8 @@ from moetier.server.metrics import ServerMetrics, engine_snapshot
 from moetier.server.parsers import Parsers
 from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from moetier.tokenizer import TokenizerError
+
+log = logging.getLogger("moetier.server")
 
 
 class ApiKey:
@@ -79,10 +83,16 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queue: in
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), e.status_code)
 
     @app.exception_handler(Exception)
-    async def bug(_, e: Exception):  # a bug in moetier, not the request: still an error object
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), 500)
+    async def bug(request: Request, e: Exception):
+        # a bug in moetier, not the request: the exception goes to the server's log under an id, the
+        # client gets that id and nothing of the exception (its text can carry paths or prompts).
+        # NOTE: starlette re-raises after this handler, so uvicorn logs the traceback right after this line
+        rid = f"err-{uuid.uuid4().hex[:16]}"
+        log.error("internal error %s on %s %s: %s: %s", rid, request.method, request.url.path, type(e).__name__, e)
+        return JSONResponse(ApiError(500, f"internal server error (request id {rid}; the server's log has the "
+                                          "details)").body(), 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return Response(status_code=200)
 
@@ -90,11 +100,18 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queue: in
     async def version():
         return {"version": moetier.__version__}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "moetier",
+                "root": str(llm.model_dir or model_name), "max_model_len": llm.scheduler.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "moetier",
-            "root": str(llm.model_dir or model_name), "max_model_len": llm.scheduler.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):  # the openai client's models.retrieve
+        handlers.check_model(name)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus():

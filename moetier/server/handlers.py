@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moetier.engine.output import RequestOutput
 from moetier.errors import MoetierError
@@ -30,6 +31,8 @@ from moetier.server.parsers import Parsers
 from moetier.tokenizer import TokenizerError
 
 DISCONNECT_POLL_S = 0.25
+CLIENT_GONE = 499  # nginx's "client closed request": what the (absent) client would have been sent
+log = logging.getLogger("moetier.server")
 
 
 def sse(data: dict | str) -> bytes:
@@ -68,7 +71,7 @@ class Handlers:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {context}, "
                                 "output included; shorten the prompt", "messages" if isinstance(req, ChatRequest)
                            else "prompt")
-        params = req.sampling(default_max=context - len(ids))
+        params = req.sampling(default_max=context - len(ids), vocab=self.llm.cfg.vocab_size)
         if len(ids) + params.max_tokens > context:
             raise ApiError(400, f"max_tokens {params.max_tokens} plus the prompt's {len(ids)} tokens exceed the "
                                 f"context of {context} tokens; ask for at most {context - len(ids)}", "max_tokens")
@@ -99,17 +102,24 @@ class Handlers:
 
     async def _outputs(self, ids, params, rid, release) -> AsyncIterator[RequestOutput]:
         gen = self.engine.generate(ids, params, rid)
+        last = None
         try:
             async for out in gen:
+                last = out
                 if out.finished:
                     self.metrics.finished(out.metrics, out.outputs[0].finish_reason)
                 yield out
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: normal, one line, no traceback
+            if last is None or not last.finished:
+                self.metrics.finished(last.metrics if last is not None else {}, "abort")
+                log.info("request %s aborted: the client disconnected", rid)
+            raise
         finally:
             release()
             await gen.aclose()  # aborts an unfinished request: its pages are freed now
 
-    async def last_output(self, outputs: AsyncIterator[RequestOutput], http: HttpRequest) -> RequestOutput:
-        """The final output, or the request aborted when the client disconnects first."""
+    async def last_output(self, outputs: AsyncIterator[RequestOutput], http: HttpRequest) -> RequestOutput | None:
+        """The final output, or None with the request aborted when the client disconnects first."""
 
         async def drain() -> RequestOutput:
             last = None
@@ -124,7 +134,7 @@ class Handlers:
                 if done:
                     return task.result()
                 if await http.is_disconnected():
-                    raise asyncio.CancelledError
+                    return None  # the finally below aborts it (_outputs logs and counts the abort)
         finally:
             if not task.done():
                 task.cancel()
@@ -178,6 +188,8 @@ class Handlers:
 
         if not req.stream:
             out = await self.last_output(outputs, http)
+            if out is None:
+                return Response(status_code=CLIENT_GONE)
             return JSONResponse({**head, "choices": [choice(out.outputs[0].text, out)], "usage": usage(out)})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -194,11 +206,15 @@ class Handlers:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             kwargs["tools"] = req.tools
+        tok = self.llm.tokenizer
+        if not tok.has_chat_template:
+            raise ApiError(400, f"the model {self.model_name!r} has no chat template, so chat requests cannot be "
+                                "rendered; send a plain prompt to /v1/completions instead", "messages")
+        messages = req.template_messages()
         try:
-            return self.llm.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
-                                                          **kwargs)
-        except TokenizerError as e:
-            raise ApiError(400, str(e), "messages") from None
+            return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        except TokenizerError as e:  # the tokenizer's advice is the command line's: not the client's to follow
+            raise ApiError(400, str(e).replace(" or drop --chat", ""), "messages") from None
 
     async def chat(self, req: ChatRequest, http: HttpRequest):
         self.check_model(req.model)
@@ -217,6 +233,8 @@ class Handlers:
 
         if not req.stream:
             out = await self.last_output(outputs, http)
+            if out is None:
+                return Response(status_code=CLIENT_GONE)
             think, content = reasoning.split(out.outputs[0].text)
             calls = []
             if tools is not None:

@@ -68,7 +68,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(P + "generation_tokens", "Generation tokens processed.", lab, registry=reg)
         self.preemptions = Counter(P + "num_preemptions", "Cumulative preemptions from the engine.", lab,
                                    registry=reg)
-        self.success = Counter(P + "request_success", "Successfully processed requests.",
+        self.success = Counter(P + "request_success", "Requests that ended, by finished_reason (stop, length, abort).",
                                lab + ["finished_reason"], registry=reg)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token in seconds.", lab,
                               buckets=TTFT_BUCKETS, registry=reg)
@@ -86,7 +86,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(name).inc(metrics.get("prompt_tokens", 0))
         self.generation_tokens.labels(name).inc(metrics.get("output_tokens", 0))
         self.preemptions.labels(name).inc(metrics.get("preemptions", 0))
-        if finish_reason in ("stop", "length"):
+        if finish_reason in ("stop", "length", "abort"):  # vLLM's finished reasons; abort: the client left
             self.success.labels(name, finish_reason).inc()
         for key, hist in (("ttft_s", self.ttft), ("e2e_s", self.e2e), ("queue_s", self.queue)):
             if metrics.get(key) is not None:

@@ -10,14 +10,25 @@ than silently ignored.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationError)
 
 from moetier.errors import MoetierError
-from moetier.sampling_params import SamplingParams
+from moetier.sampling_params import LOGIT_BIAS_MAX, SamplingParams
 
-Number = Union[StrictInt, StrictFloat]
+
+
+def _number(value: Any) -> Any:
+    # one message for a number field ("abc" is not "a valid integer", as a union's first member says)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("should be a number")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -31,7 +42,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.status}}
 
 
@@ -55,6 +67,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = None  # token id (a JSON key: a string) -> bias
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -68,8 +81,28 @@ class _Common(BaseModel):
                 raise ApiError(400, f"{name} is not supported yet; leave it out or send 0", name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
+        self.token_bias()
 
-    def sampling(self, default_max: int) -> SamplingParams:
+    def token_bias(self, vocab: int | None = None) -> dict[int, float] | None:
+        """logit_bias as {token id: bias}, checked: ids whole numbers (in [0, vocab) when vocab is
+        given), biases in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if token < 0 or (vocab is not None and token >= vocab):
+                where = "a token id" if vocab is None else f"a token id in [0, {vocab})"
+                raise ApiError(400, f"logit_bias key {key!r} is not {where}", "logit_bias")
+            if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:  # NaN fails this too
+                raise ApiError(400, f"logit_bias[{key!r}] = {bias}: a bias must be in [-100, 100]", "logit_bias")
+            out[token] = float(bias)
+        return out
+
+    def sampling(self, default_max: int, vocab: int | None = None) -> SamplingParams:
         """SamplingParams, checked; OpenAI's defaults (temperature 1) where a field is absent."""
         limit = self.output_limit()
         if limit is not None and limit < 1:
@@ -82,7 +115,8 @@ class _Common(BaseModel):
             max_tokens=limit if limit is not None else default_max,
             temperature=float(self.temperature if self.temperature is not None else 1.0),
             top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.wanted_logprobs())
+            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.wanted_logprobs(),
+            logit_bias=self.token_bias(vocab))
         try:
             return params.validate()
         except MoetierError as e:
@@ -163,8 +197,13 @@ class ChatRequest(_Common):
         for i, m in enumerate(self.messages):
             if not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] needs a string 'role'", "messages")
+            if m["role"] not in ROLES:
+                raise ApiError(400, f"messages[{i}].role {m['role']!r}: choose one of {', '.join(ROLES)}", "messages")
             m = dict(m)
             content = m.get("content")
+            if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+                raise ApiError(400, f"messages[{i}].content is missing or null: only an assistant message with "
+                                    "tool_calls may leave it out", "messages")
             if isinstance(content, list):
                 texts = []
                 for part in content:
@@ -204,7 +243,8 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
-        raise ApiError(400, f"{where}: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})",
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {msg} (got {json.dumps(err.get('input'), default=str)[:80]})",
                        where.split(".")[0] or None) from None
     if hasattr(req, "check"):
         req.check()

@@ -7,6 +7,7 @@ On Ctrl-C uvicorn stops accepting connections and lets running requests finish (
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import time
@@ -110,6 +111,12 @@ def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue
     from moetier.server.parsers import Parsers
 
     sock = bind(host, port)
+    log = logging.getLogger("moetier.server")  # request lines (aborts, internal errors), one each, on stderr
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("moetier serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     start = time.perf_counter()
     _log(f"moetier serve: planning {spec.model or (spec.random and spec.random.preset) or 'the default model'} ...")
     llm, default_name = build_llm(spec)

@@ -124,19 +124,19 @@ def _progress():
 def synth(
     out: Path = typer.Option(..., "--out", help="Trace file to write."),
     preset: Optional[str] = typer.Option(None, "--preset", help="glm-5.3-like or qwen3-30b-like."),
-    experts: Optional[int] = typer.Option(None, "--experts", parser=_whole("--experts"), metavar="INTEGER"),
-    topk: Optional[int] = typer.Option(None, "--topk", parser=_whole("--topk"), metavar="INTEGER"),
-    layers: Optional[int] = typer.Option(None, "--layers", parser=_whole("--layers"), metavar="INTEGER"),
-    tokens: Optional[int] = typer.Option(None, "--tokens", parser=_whole("--tokens"), metavar="INTEGER"),
-    skew: Optional[float] = typer.Option(None, "--skew", parser=_real("--skew"), metavar="FLOAT",
+    experts: Optional[int] = typer.Option(None, "--experts", parser=_whole("--experts"), metavar="<int>"),
+    topk: Optional[int] = typer.Option(None, "--topk", parser=_whole("--topk"), metavar="<int>"),
+    layers: Optional[int] = typer.Option(None, "--layers", parser=_whole("--layers"), metavar="<int>"),
+    tokens: Optional[int] = typer.Option(None, "--tokens", parser=_whole("--tokens"), metavar="<int>"),
+    skew: Optional[float] = typer.Option(None, "--skew", parser=_real("--skew"), metavar="<float>",
                                          help="Zipf exponent of expert popularity (0: uniform)."),
-    reuse: Optional[float] = typer.Option(None, "--reuse", parser=_real("--reuse"), metavar="FLOAT",
+    reuse: Optional[float] = typer.Option(None, "--reuse", parser=_real("--reuse"), metavar="<float>",
                                           help="Chance a choice repeats a recent token's expert."),
-    window: Optional[int] = typer.Option(None, "--window", parser=_whole("--window"), metavar="INTEGER",
+    window: Optional[int] = typer.Option(None, "--window", parser=_whole("--window"), metavar="<int>",
                                          help="Recent tokens that reuse draws from."),
-    layer_corr: Optional[float] = typer.Option(None, "--layer-corr", parser=_real("--layer-corr"), metavar="FLOAT",
+    layer_corr: Optional[float] = typer.Option(None, "--layer-corr", parser=_real("--layer-corr"), metavar="<float>",
                                                help="Chance a choice follows the layer before."),
-    seed: Optional[int] = typer.Option(None, "--seed", parser=_whole("--seed"), metavar="INTEGER"),
+    seed: Optional[int] = typer.Option(None, "--seed", parser=_whole("--seed"), metavar="<int>"),
 ) -> None:
     """Write a synthetic trace with stated parameters (a preset, overridden by any flag given)."""
     from moetier.traces.format import write_trace
@@ -179,6 +179,7 @@ def synth(
             p = preset_params(preset, **given)
         else:
             p = SynthParams(**{k: v for k, v in given.items() if v is not None}).check()
+        _check_synth_size(p)
         write_trace(out, synthesize(p), meta_of(p, preset))
     except MoetierError as e:
         _fail(e)
@@ -187,10 +188,27 @@ def synth(
     typer.echo(f"wrote {out}: {p.tokens} tokens, {p.layers} layers, top-{p.top_k} of {p.experts}")
 
 
+def _check_synth_size(p) -> None:
+    """Sizes that cannot be made are refused before anything is allocated: a layer count beyond any
+    model's, more tokens than a trace record holds, or ids that would not fit the host's memory."""
+    from moetier.plan.machine import host_available
+    from moetier.plan.units import gib
+    from moetier.traces.synth import MAX_LAYERS, MAX_TOKENS, synth_bytes
+
+    _check(p.layers <= MAX_LAYERS, f"--layers {p.layers:,}: at most {MAX_LAYERS:,} (more than any model has; each "
+                                   "layer is drawn token by token)")
+    need = synth_bytes(p)
+    avail, source = host_available()
+    _check(need <= avail, f"--tokens {p.tokens:,} x --layers {p.layers} x top-{p.top_k} needs {gib(need)} of memory "
+                          f"({need:,} bytes) but {source} has {gib(avail)}; give fewer --tokens or --layers")
+    _check(p.tokens <= MAX_TOKENS, f"--tokens {p.tokens:,}: at most {MAX_TOKENS:,} (a trace record counts tokens "
+                                   "in 32 bits)")
+
+
 @app.command()
 def stats(
     trace: Path = typer.Argument(..., help="Trace file."),
-    slots: list[int] = typer.Option([], "--slots", parser=_whole("--slots"), metavar="INTEGER",
+    slots: list[int] = typer.Option([], "--slots", parser=_whole("--slots"), metavar="<int>",
                                     help="Also LRU hit rate at these slot counts."),
 ) -> None:
     """Popularity skew (share of experts covering 90% of routing), reuse, LRU hit rates."""
@@ -210,14 +228,14 @@ def stats(
 @app.command()
 def simulate(
     trace: Path = typer.Argument(..., help="Trace file."),
-    slots: list[int] = typer.Option([], "--slots", parser=_whole("--slots"), metavar="INTEGER",
+    slots: list[int] = typer.Option([], "--slots", parser=_whole("--slots"), metavar="<int>",
                                     help="Slots per layer (repeatable)."),
     slots_file: Optional[Path] = typer.Option(None, "--slots-file", help="Per-layer slots (plan-slots output)."),
     policy: list[str] = typer.Option(list(POLICIES), "--policy", help="Policies (repeatable)."),
     preset: str = typer.Option("qwen3-30b-a3b", "--preset", help="Model shape for bytes (row size, dense bytes)."),
-    hbm_gbps: Optional[float] = typer.Option(None, "--hbm-GBps", parser=_real("--hbm-GBps"), metavar="FLOAT",
+    hbm_gbps: Optional[float] = typer.Option(None, "--hbm-GBps", parser=_real("--hbm-GBps"), metavar="<float>",
                                              help="HBM bandwidth, GB/s."),
-    link_gbps: Optional[float] = typer.Option(None, "--link-GBps", parser=_real("--link-GBps"), metavar="FLOAT",
+    link_gbps: Optional[float] = typer.Option(None, "--link-GBps", parser=_real("--link-GBps"), metavar="<float>",
                                               help="Host-to-GPU bandwidth, GB/s."),
     measured: Optional[Path] = typer.Option(None, "--measured",
                                             help="JSON of `moetier bench layer` to read both bandwidths from."),
@@ -285,9 +303,10 @@ def simulate(
 @app.command("plan-slots")
 def plan_slots(
     trace: Path = typer.Argument(..., help="Trace file."),
-    budget: int = typer.Option(..., "--budget", parser=_whole("--budget"), metavar="INTEGER",
+    budget: int = typer.Option(..., "--budget", parser=_whole("--budget"), metavar="<int>",
                                help="Total slots over all MoE layers."),
-    policy: str = typer.Option("lru", "--policy"),
+    policy: str = typer.Option("lfru", "--policy", help="The slot cache's victim policy the curves are simulated "
+                               "with: lfru (frequency-weighted LRU, the engine's default) or lru."),
     out: Path = typer.Option(..., "--out", help="Slots file for `moetier generate --expert-slots-file`."),
 ) -> None:
     """Slots per layer that save the most transfer bytes per HBM byte, from simulated curves."""
@@ -317,7 +336,7 @@ def calibrate(out: Optional[Path] = typer.Option(None, "--json")) -> None:
     from moetier.traces.synth import calibrate as fit
 
     _output_file(out, "--json", "calibration.json")
-    result = fit()
+    result = fit(progress=lambda text: typer.echo(f"calibrate: {text} ...", err=True))
     if out:
         _write(out, json.dumps(result, indent=2) + "\n", "--json")
     typer.echo(json.dumps(result, indent=2))

@@ -60,7 +60,7 @@ def exchange(curves: list[list[int]], grid: list[int], start: int) -> list[int]:
         at[move[1]] += 1
 
 
-def plan(trace: Trace, budget: int, policy: str = "lru") -> dict:
+def plan(trace: Trace, budget: int, policy: str = "lfru") -> dict:
     layers = trace.layers
     even = budget // len(layers)
     if not 1 <= even <= trace.num_experts:

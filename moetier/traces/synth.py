@@ -54,6 +54,16 @@ class SynthParams:
         return self
 
 
+MAX_LAYERS = 1024  # above any published model's layer count (DeepSeek-V3 has 61, Qwen3-235B 94)
+MAX_TOKENS = 2**32 - 1  # a trace record's token count is a uint32
+
+
+def synth_bytes(p: SynthParams) -> int:
+    """Host bytes synthesize + write_trace hold at once: the int64 ids [T, L, k] and their uint16
+    copy (layer-major) for the record."""
+    return p.tokens * p.layers * p.top_k * (8 + 2)
+
+
 # Calibrated by `moetier trace calibrate` (8,192 tokens, 8 layers, seed 0); numbers in docs/traces.md.
 PRESETS: dict[str, dict] = {
     # GLM-5.3 (256 routed experts, top-8): LRU with 128 slots per layer hit 75% (reference 000).
@@ -112,8 +122,10 @@ def meta_of(p: SynthParams, preset: str | None = None) -> dict:
             "model": preset or "synthetic", "source": "moetier trace synth", "synth": asdict(p)}
 
 
-def _bisect(measure, lo: float, hi: float, target: float, increasing: bool, iters: int = 12) -> float:
-    for _ in range(iters):
+def _bisect(measure, lo: float, hi: float, target: float, increasing: bool, iters: int = 12,
+            progress=lambda i, n: None) -> float:
+    for i in range(iters):
+        progress(i + 1, iters)
         mid = (lo + hi) / 2
         if (measure(mid) < target) == increasing:
             lo = mid
@@ -122,12 +134,13 @@ def _bisect(measure, lo: float, hi: float, target: float, increasing: bool, iter
     return round((lo + hi) / 2, 3)
 
 
-def calibrate(tokens: int = 8192, layers: int = 8, seed: int = 0) -> dict:
+def calibrate(tokens: int = 8192, layers: int = 8, seed: int = 0, progress=lambda text: None) -> dict:
     """Fit the presets' free parameter to the published figures (docs/traces.md).
 
     qwen3-30b-like: skew such that the most popular experts covering 90% of routing are 48% of
     them (the published range is 45 to 51%). glm-5.3-like: reuse such that LRU with 128 of 256
-    slots per layer hits 75%. The other parameters are fixed by hand and stated."""
+    slots per layer hits 75%. The other parameters are fixed by hand and stated. progress: told
+    each bisection step, one short line."""
     from moetier.traces.stats import coverage
     from moetier.traces.simulate import simulate
 
@@ -141,8 +154,11 @@ def calibrate(tokens: int = 8192, layers: int = 8, seed: int = 0) -> dict:
         ids = synthesize(SynthParams(256, 8, skew=0.6, reuse=reuse, **fixed))
         return float(np.mean([simulate(ids[:, i], 256, 128, "lru", 8).hit_rate for i in range(layers)]))
 
-    skew = _bisect(qwen_cov, 1.0, 2.0, 0.48, increasing=False)
-    reuse = _bisect(glm_lru, 0.1, 0.6, 0.75, increasing=True, iters=10)
+    skew = _bisect(qwen_cov, 1.0, 2.0, 0.48, increasing=False,
+                   progress=lambda i, n: progress(f"qwen3-30b-like skew, step {i} of {n}"))
+    reuse = _bisect(glm_lru, 0.1, 0.6, 0.75, increasing=True, iters=10,
+                    progress=lambda i, n: progress(f"glm-5.3-like reuse, step {i} of {n}"))
+    progress("checking the fitted presets")
     return {
         "qwen3-30b-like": {"skew": skew, "reuse": 0.3, **fixed, "coverage90": qwen_cov(skew)},
         "glm-5.3-like": {"skew": 0.6, "reuse": reuse, **fixed, "lru_128_of_256": glm_lru(reuse)},
