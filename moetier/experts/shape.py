@@ -28,10 +28,11 @@ class MoeShape:
     hidden: int
     inter: int  # the intermediate size of one expert
     quant: str | None = None  # None: experts in the model dtype; "fp8": block-scaled float8 rows
+    swiglu_limit: float | None = None  # the clamped SwiGLU (GLM-5.3-Flash, layers/activation.py)
 
     @property
     def layout(self) -> RowLayout:
-        return RowLayout(self.hidden, self.inter, self.quant)
+        return RowLayout(self.hidden, self.inter, self.quant, self.swiglu_limit)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class RowLayout:
     hidden: int
     inter: int
     quant: str | None = None
+    # not where bytes sit but what a row computes: the SwiGLU clamp every path applies (None: none);
+    # carried here because every backend and kernel holds the layout
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
