@@ -1,18 +1,17 @@
 """GLM-5.3-Flash (glm5_next) against transformers' Glm5NextForConditionalGeneration: float32 logits
-to 1e-5 relative over a whole prompt longer than a KDA chunk (64) and than index_topk (16), at 20
-decode steps, greedy tokens identical to generate(do_sample=False). Weights go through
-save_pretrained (with its tiny vision tower, which we skip) and our loader."""
+to 1e-5 relative over a whole prompt longer than a KDA chunk (64) and than index_topk (16). Weights
+go through save_pretrained (with its tiny vision tower, which we skip) and our loader. Decode steps,
+greedy generate() and the engine: tests/test_glm5_next_engine.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moetier.engine.generate import Generator
 from moetier.engine.llm import LLM
 from tests.conftest import hf_glm5_next_checkpoint
 from tests.helpers import Sequence
-from tests.test_parity import assert_matches_transformers, rel_err
+from tests.test_parity import rel_err
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +26,10 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 def test_prefill_logits_match_transformers(checkpoint):
     path, ref = checkpoint
     model = LLM(path, dtype="float32", device="cpu").model
-    ids = prompt(150, 1)  # three KDA chunks (64, 64, 22), ~37 kpool groups against a budget of 4
+    ids = prompt(140, 1)  # three KDA chunks (64, 64, 12), 35 kpool groups against a budget of 4
     with torch.no_grad():
         want = ref(ids[None]).logits[0].float()
-    assert rel_err(model.logits(Sequence(model, 160, page_size=8).forward(ids)), want) <= 1e-5
+    assert rel_err(model.logits(Sequence(model, 144, page_size=8).forward(ids)), want) <= 1e-5
 
 
 def test_vision_tower_is_known_and_skipped(checkpoint):
@@ -46,12 +45,6 @@ def test_vision_tower_is_known_and_skipped(checkpoint):
     weights = Model.checkpoint_weights(cfg, set(ckpt.tensors))
     assert vision <= {w.name for w in weights if w.skipped}
     assert not vision & {w.name for w in validate(cfg, ckpt, weights)}  # validated, never read
-
-
-def test_logits_and_greedy_match_transformers(checkpoint):
-    path, ref = checkpoint
-    gen = Generator(LLM(path, dtype="float32", device="cpu"))
-    assert_matches_transformers(gen, ref, prompt(70, 2), page_size=8, max_len=96)
 
 
 def test_clamp_and_sparse_selection_are_what_matches(checkpoint):
