@@ -32,10 +32,13 @@ class KdaStateSpec:
     k_dim: int
     v_dim: int
 
+    def tensor_bytes(self, dtype: torch.dtype, slots: int) -> list[int]:
+        """Bytes of the pool's two tensors (conv, recurrent) for `slots` slots."""
+        n = len(self.layers) * slots
+        return [n * self.conv_dim * (self.conv_width - 1) * dtype.itemsize, n * self.heads * self.k_dim * self.v_dim * 4]
+
     def bytes_per_seq(self, dtype: torch.dtype) -> int:
-        conv = self.conv_dim * (self.conv_width - 1) * dtype.itemsize
-        rec = self.heads * self.k_dim * self.v_dim * 4
-        return len(self.layers) * (conv + rec)
+        return sum(self.tensor_bytes(dtype, 1))
 
 
 class KdaStateCache:
