@@ -90,6 +90,13 @@ class MlaAttention(nn.Module):
         self.o_bias = opt_bias(hidden)
         self.indexer = indexer
 
+    def part(self, name: str) -> torch.Tensor | None:
+        """Where checkpoint tensor self_attn.<name> goes (the indexer's are its own)."""
+        return {"q_a_proj.weight": self.q_a, "q_a_proj.bias": self.q_a_bias, "q_a_layernorm.weight": self.q_a_norm,
+                "q_b_proj.weight": self.q_b, "q_proj.weight": self.q_proj, "kv_a_proj_with_mqa.weight": self.kv_a,
+                "kv_a_proj_with_mqa.bias": self.kv_a_bias, "kv_a_layernorm.weight": self.kv_a_norm,
+                "kv_b_proj.weight": self.kv_b, "o_proj.weight": self.o, "o_proj.bias": self.o_bias}.get(name)
+
     @property
     def w_uk(self) -> torch.Tensor:
         # [Hq, nope, R]: head h's key = W_UK[h] @ c_kv

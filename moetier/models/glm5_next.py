@@ -37,6 +37,7 @@ from moetier.layers.state_cache import HybridKVCache, HybridKVSpec, KdaStateSpec
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.glm5_next_config import Glm5NextConfig
 from moetier.models.mla_model import _swiglu_weights as _swiglu
+from moetier.models.mla_model import mlp_param
 
 PREFIX = "model.language_model."
 _LAYER = re.compile(re.escape(PREFIX) + r"layers\.(\d+)\.(.+)")
@@ -191,18 +192,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
                 return a.part(rest)
             if rest.startswith("indexer."):
                 return a.indexer.part(rest[len("indexer."):]) if a.indexer is not None else None
-            return {"q_a_proj.weight": a.q_a, "q_a_proj.bias": a.q_a_bias, "q_a_layernorm.weight": a.q_a_norm,
-                    "q_b_proj.weight": a.q_b, "kv_a_proj_with_mqa.weight": a.kv_a,
-                    "kv_a_proj_with_mqa.bias": a.kv_a_bias, "kv_a_layernorm.weight": a.kv_a_norm,
-                    "kv_b_proj.weight": a.kv_b, "o_proj.weight": a.o, "o_proj.bias": a.o_bias}.get(rest)
-        mlp = layer.mlp
-        if rest == "mlp.gate.weight":
-            return mlp.router.weight
-        if rest == "mlp.gate.e_score_correction_bias":
-            return mlp.router.bias
-        if rest.startswith("mlp.shared_experts."):
-            mlp, rest = mlp.shared, "mlp." + rest[len("mlp.shared_experts."):]
-        return mlp.part(rest[len("mlp."):].removesuffix(".weight"))
+            return a.part(rest)
+        return mlp_param(layer.mlp, rest)
 
     # -- runtime --
 
