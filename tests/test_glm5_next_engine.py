@@ -53,7 +53,7 @@ def greedy(n: int) -> SamplingParams:
 
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    lens = [70, 3, 1, 25, 66, 9]  # past a KDA chunk, short, one token
+    lens = [70, 3, 1, 25, 9]  # past a KDA chunk, short, one token
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
 
 
@@ -87,7 +87,7 @@ def test_engine_logits_and_greedy_match_transformers(checkpoint):
 
 @pytest.mark.parametrize("engine", [
     dict(max_num_tokens=16, page_size=4),  # prompts split over several steps, next to decode
-    dict(kv_tokens=96, page_size=8, max_num_tokens=64),  # 12 pages for six requests: preemption
+    dict(kv_tokens=96, page_size=8, max_num_tokens=64),  # 12 pages for five requests: preemption
     dict(max_num_seqs=2),  # two state slots: requests wait for one
 ], ids=["chunked", "preempting", "two-slots"])
 def test_batch_equals_each_alone(checkpoint, alone, engine):
@@ -112,13 +112,14 @@ def test_chunked_prefill_equals_one_step(checkpoint, alone):
 
 
 def test_backends_bit_exact(checkpoint):
-    """resident, slots and uva over 60 engine steps (prefill and decode, two sequences): equal bits."""
+    """resident, slots and uva over 20 engine steps (prefill past a KDA chunk, then decode, two
+    sequences sampled so that the routing churns): equal bits."""
     runs = {}
     for name, opts in {"resident": ExpertOptions("resident"), "slots": ExpertOptions("slots", slots=4),
                        "uva": ExpertOptions("uva")}.items():
         llm = LLM(checkpoint[0], dtype="float32", device="cpu", experts=opts)
         rows = captured(llm)
-        params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)  # routing churns
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True)  # routing churns
         outs = llm.generate(prompts()[:2], params)
         runs[name] = ([o.outputs[0].token_ids for o in outs], torch.stack(rows), llm)
     for name in ("slots", "uva"):
