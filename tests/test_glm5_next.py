@@ -45,6 +45,27 @@ def test_vision_tower_is_known_and_skipped(checkpoint):
     weights = Model.checkpoint_weights(cfg, set(ckpt.tensors))
     assert vision <= {w.name for w in weights if w.skipped}
     assert not vision & {w.name for w in validate(cfg, ckpt, weights)}  # validated, never read
+    # an MTP layer after the decoder layers (GLM-5's layout) is known and skipped the same way
+    mtp = {f"model.language_model.layers.{cfg.num_layers}.eh_proj.weight",
+           f"model.language_model.layers.{cfg.num_layers}.shared_head.head.weight"}
+    weights = Model.checkpoint_weights(cfg, set(ckpt.tensors) | mtp)
+    assert mtp <= {w.name for w in weights if w.skipped}
+    assert Model(cfg, torch.float32).param(next(iter(mtp))) is None
+
+
+def test_config_problems_are_one_error():
+    from moetier.config import config_from_dict
+    from moetier.errors import ConfigError
+    from moetier.presets import preset_dict
+
+    d = preset_dict("tiny-glm5-next")
+    d["text_config"] = {**d["text_config"], "qk_rope_head_dim": 8, "index_topk": 18,
+                        "layer_types": ["linear_attention"] * 4 + ["indexed_attention"],
+                        "indexer_types": ["full"] * 4 + ["shared"]}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(d)
+    msg = str(e.value)
+    assert "NoPE" in msg and "multiple of index_kpool" in msg and "layer 4 is a 'shared' indexed layer" in msg
 
 
 def test_clamp_and_sparse_selection_are_what_matches(checkpoint):
