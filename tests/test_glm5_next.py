@@ -92,3 +92,17 @@ def test_clamp_and_sparse_selection_are_what_matches(checkpoint):
     for block in model.moe_blocks():
         block.shared.swiglu_limit = None
     assert err() > 1e-3
+
+
+def test_bfloat16_tracks_transformers(checkpoint):
+    """bfloat16 on the CPU in both engines (the conv, A_log, dt_bias, mHC base and scale, router gate
+    and bias float32 in both): logits close at bf16 precision."""
+    path, ref = checkpoint
+    ref = type(ref).from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = LLM(path, dtype="bfloat16", device="cpu").model
+    kda = model.layers[0].attn
+    assert model.embed.dtype == torch.bfloat16 and kda.conv.dtype == kda.A_log.dtype == torch.float32
+    ids = prompt(70, 4)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    assert rel_err(model.logits(Sequence(model, 80).forward(ids)), want) <= 2e-2
