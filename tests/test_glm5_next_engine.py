@@ -127,3 +127,19 @@ def test_backends_bit_exact(checkpoint):
         assert torch.equal(runs[name][1], runs["resident"][1]), name
     stats = runs["slots"][2].metrics()["expert_stats"]
     assert stats["misses"] > 100
+
+
+def test_routing_trace_records_and_replays(checkpoint, tmp_path):
+    """The engine records GLM-5.3-Flash's routing (the MoE layers after the dense first one) and a
+    replay of it reproduces a sampled run."""
+    from moetier.traces.format import read_trace
+
+    path = checkpoint[0]
+    prompt, sp = [prompts()[3]], SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    llm = LLM(path, dtype="float32", device="cpu", record_trace=tmp_path / "t.mtrace")
+    first = llm.generate(prompt, sp)[0].outputs[0].token_ids
+    llm.close()
+    t = read_trace(tmp_path / "t.mtrace")
+    assert t.layers == [1, 2, 3, 4] and t.top_k == 4 and t.num_tokens == 25 + 7
+    replay = LLM(path, dtype="float32", device="cpu", replay_trace=tmp_path / "t.mtrace")
+    assert replay.generate(prompt, sp)[0].outputs[0].token_ids == first
