@@ -61,11 +61,12 @@ def test_config_problems_are_one_error():
     d = preset_dict("tiny-glm5-next")
     d["text_config"] = {**d["text_config"], "qk_rope_head_dim": 8, "index_topk": 18,
                         "layer_types": ["linear_attention"] * 4 + ["indexed_attention"],
-                        "indexer_types": ["full"] * 4 + ["shared"]}
+                        "indexer_types": ["full"] * 4 + ["shared"], "index_kpool_always_select_tail": False}
     with pytest.raises(ConfigError) as e:
         config_from_dict(d)
     msg = str(e.value)
     assert "NoPE" in msg and "multiple of index_kpool" in msg and "layer 4 is a 'shared' indexed layer" in msg
+    assert "index_kpool_always_select_tail" in msg
 
 
 def test_clamp_and_sparse_selection_are_what_matches(checkpoint):

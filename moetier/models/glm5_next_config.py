@@ -109,6 +109,9 @@ class Glm5NextConfig(MlaMoeConfig):
         kpool = t.positive_int("index_kpool", default=16)
         if topk and kpool and topk % kpool:
             t.problems.append(f"index_topk {topk} must be a multiple of index_kpool {kpool}")
+        if t.get("index_kpool_always_select_tail", default=True) is not True:
+            t.problems.append("index_kpool_always_select_tail false is not supported (the indexer always adds the "
+                              "query's incomplete kpool group); remove the field")
         limit = t.get("swiglu_limit", default=10.0)
         if limit is not None and (not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0):
             t.problems.append(f"swiglu_limit must be a positive number or null (no clamp), got {limit!r}")
