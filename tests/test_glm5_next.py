@@ -107,3 +107,17 @@ def test_bfloat16_tracks_transformers(checkpoint):
     with torch.no_grad():
         want = ref(ids[None]).logits[0].float()
     assert rel_err(model.logits(Sequence(model, 80).forward(ids)), want) <= 2e-2
+
+
+def test_linear_attn_config_is_read_as_transformers_reads_it():
+    from transformers import Glm5NextTextConfig
+
+    from moetier.config import config_from_dict
+    from moetier.presets import preset_dict
+
+    d = preset_dict("tiny-glm5-next")
+    lac = {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 3, "gate_lower_bound": None, "safe_gate": True}
+    d["text_config"] = {**d["text_config"], "linear_attn_config": lac}
+    ours, hf = config_from_dict(d), Glm5NextTextConfig(**d["text_config"])
+    assert (ours.linear_head_dim, ours.linear_heads, ours.linear_conv_width, ours.linear_lower_bound) == (
+        hf.linear_head_dim, hf.linear_num_heads, hf.linear_conv_kernel_dim, hf.linear_lower_bound) == (8, 2, 3, -5.0)

@@ -13,7 +13,8 @@ with the DeepSeek-V3 family's MLA and routing fields (models/mla_config.py) plus
     index_kpool       the indexer's key group size (index_topk must be a multiple of it)
 
 Defaults are transformers' Glm5NextTextConfig defaults. A flat config.json (text fields at the top
-level, no text_config) is read the same way.
+level, no text_config) is read the same way, and so is the original checkpoints' linear_attn_config
+(head_dim, num_heads, short_conv_kernel_size, gate_lower_bound, safe_gate) over the linear_* fields.
 """
 
 from __future__ import annotations
@@ -76,8 +77,17 @@ class Glm5NextConfig(MlaMoeConfig):
             text = None
         # the top level's fields (dtype, quantization_config) under text_config's own
         top = {k: v for k, v in f.d.items() if k not in ("text_config", "vision_config")}
-        t = Fields({**top, **(text or {}), "model_type": f.d.get("model_type")},
-                   f.source + (" text_config" if text is not None else ""))
+        fields = {**top, **(text or {}), "model_type": f.d.get("model_type")}
+        lac = fields.get("linear_attn_config")
+        if isinstance(lac, dict):  # the original checkpoints' form of the KDA fields (transformers reads it too)
+            for key, name in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                              ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                              ("gate_lower_bound", "linear_lower_bound")):
+                if key in lac:
+                    fields[name] = lac[key]
+            if lac.get("safe_gate", True) and fields.get("linear_lower_bound", -5.0) is None:
+                fields["linear_lower_bound"] = -5.0
+        t = Fields(fields, f.source + (" text_config" if text is not None else ""))
         out = cls.parse_mla(t, first_k_dense_default=3, layer_types_field=True)
         layers = out["num_layers"]
         if out["qk_rope_head_dim"]:
