@@ -121,3 +121,14 @@ def test_linear_attn_config_is_read_as_transformers_reads_it():
     ours, hf = config_from_dict(d), Glm5NextTextConfig(**d["text_config"])
     assert (ours.linear_head_dim, ours.linear_heads, ours.linear_conv_width, ours.linear_lower_bound) == (
         hf.linear_head_dim, hf.linear_num_heads, hf.linear_conv_kernel_dim, hf.linear_lower_bound) == (8, 2, 3, -5.0)
+
+
+def test_softplus_gate_matches_transformers(tmp_path):
+    """linear_lower_bound null: the softplus forget gate (A_log from transformers' init then matters)."""
+    path, ref = hf_glm5_next_checkpoint(tmp_path / "ckpt", seed=5, linear_lower_bound=None)
+    model = LLM(path, dtype="float32", device="cpu").model
+    assert model.cfg.linear_lower_bound is None
+    ids = prompt(70, 5)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    assert rel_err(model.logits(Sequence(model, 80).forward(ids)), want) <= 1e-5

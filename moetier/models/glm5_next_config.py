@@ -122,11 +122,9 @@ class Glm5NextConfig(MlaMoeConfig):
         if t.get("index_kpool_always_select_tail", default=True) is not True:
             t.problems.append("index_kpool_always_select_tail false is not supported (the indexer always adds the "
                               "query's incomplete kpool group); remove the field")
-        limit = t.get("swiglu_limit", default=10.0)
-        if limit is not None and (not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit <= 0):
-            t.problems.append(f"swiglu_limit must be a positive number or null (no clamp), got {limit!r}")
-            limit = None
-        lower = t.get("linear_lower_bound", default=-5.0)
+        limit = t.number("swiglu_limit", default=10.0)  # as transformers: a positive number, no null
+        # null is meaningful here (the softplus gate), not "absent": Fields.get would read it as the default
+        lower = t.get("linear_lower_bound", default=-5.0) if t.d.get("linear_lower_bound", 0) is not None else None
         if lower is not None and (not isinstance(lower, (int, float)) or lower >= 0):
             t.problems.append(f"linear_lower_bound must be a negative number or null, got {lower!r}")
             lower = -5.0
@@ -137,7 +135,7 @@ class Glm5NextConfig(MlaMoeConfig):
             layer_types=tuple(types), indexer_types=tuple(itypes), index_topk=topk,
             index_head_dim=t.positive_int("index_head_dim", default=128),
             index_n_heads=t.positive_int("index_n_heads", default=32), index_kpool=kpool,
-            swiglu_limit=None if limit is None else float(limit),
+            swiglu_limit=limit,
             linear_heads=t.positive_int("linear_num_heads", default=64),
             linear_head_dim=t.positive_int("linear_head_dim", default=128), linear_conv_width=conv,
             linear_lower_bound=None if lower is None else float(lower),
