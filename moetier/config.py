@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import torch
 
 from moetier.errors import ConfigError, problem_list
-from moetier.experts.fp8 import quant_problems
 from moetier.experts.shape import MoeShape
+from moetier.quant.fp8_block import quant_problems
 
 REQUIRED = object()
 
@@ -80,7 +80,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype as config.json states it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # config.json quantization_config: None, or "fp8" (block-scaled float8 weights, experts/fp8.py:
+    # config.json quantization_config: None, or "fp8" (block-scaled float8 weights, quant/fp8_block.py:
     # routed experts stay FP8 in their rows, other FP8 weights are dequantized at load)
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written

@@ -7,7 +7,7 @@ Cases (tokens x distinct experts, each token using k of them):
     top-8 over 29 distinct experts, 2 to 3 tokens each: the misses of a uniform step), 32 x 8
 Each call reads experts rotated over a pool of 64 (604 MB in bf16), so every weight comes from DRAM,
 as a cold miss does. Rows:
-    bf16  every kernel (compiled, grouped, split, pair) at every thread count
+    bf16  both kernels (compiled, grouped) at every thread count
     fp8   compiled at every thread count; grouped (which dequantizes each expert into bf16 scratch)
           at grouped's best bf16 thread count
 It prints, per row, the median us per call and GB/s of weights (distinct experts x row bytes / time;
@@ -37,9 +37,10 @@ import time
 import torch
 
 from moetier.bench.common import GB, record
-from moetier.experts import fp8, host_ext
+from moetier.experts import host_ext
 from moetier.experts.cpu_experts import KERNELS, host_kernel
 from moetier.experts.shape import RowLayout
+from moetier.quant import fp8_block as fp8
 
 CASES = ((1, 1, 1), (1, 8, 8), (8, 8, 8), (8, 29, 8), (32, 8, 8))  # tokens, distinct experts, k per token
 POOL = 64
@@ -85,8 +86,6 @@ def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, r
     row_bytes = rows.shape[1] * rows.element_size()
     out = []
     for tokens, n, k in cases:
-        if name == "pair" and tokens > 8:
-            continue  # 256 GEMVs of 9.4 MB: the reference's point is made at 8 tokens
         x, pairs, weights, which = case_inputs(tokens, n, k, layout.hidden)
         rot = Rotation(n, rows.shape[0])
 
@@ -96,8 +95,6 @@ def run_kernel(name: str, threads: int, layout: RowLayout, rows: torch.Tensor, r
         out.append({"kernel": name, "dtype": dtype, "threads": threads, "tokens": tokens, "experts": n, "k": k,
                     "ms": s * 1e3, "us": s * 1e6, "GBps": n * row_bytes / GB / s,
                     **({"block_kb": block_kb} if block_kb else {})})
-    if hasattr(kernel, "close"):
-        kernel.close()
     return out
 
 
@@ -213,6 +210,9 @@ def main() -> None:
     ok, why = host_ext.available()  # the first call builds (or loads the cached build)
     build_s = time.perf_counter() - t0
     print(f"compiled kernel: {'built/loaded in %.1f s' % build_s if ok else 'unavailable: ' + why}", flush=True)
+    unknown = sorted(set(k for k in a.kernels.split(",") if k) - set(KERNELS))
+    if unknown:
+        ap.error(f"--kernels {a.kernels!r}: {', '.join(unknown)} unknown; choose from {', '.join(KERNELS)}")
     kernels = [k for k in a.kernels.split(",") if k in KERNELS and (ok or k != "compiled")]
     if not kernels:
         raise SystemExit(f"--kernels {a.kernels!r}: none of {', '.join(KERNELS)} (that can run here)")
@@ -220,7 +220,7 @@ def main() -> None:
     for dtype in dtypes:
         layout, rows = make_rows(dtype, hidden, inter)
         row_bytes = rows.shape[1] * rows.element_size()
-        names = kernels if dtype == "bf16" else [k for k in kernels if k in ("compiled", "grouped")]
+        names = kernels
         for name in names:
             tc = counts if dtype == "bf16" or name == "compiled" else [best.get(("bf16", name), {}).get("threads",
                                                                                                       counts[-1])]

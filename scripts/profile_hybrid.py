@@ -116,13 +116,14 @@ def run_variant(variant: str, a, cfg) -> dict:
     opts = {}
     backend = "slots" if variant == "slots" else "hybrid"
     if backend == "hybrid":
-        opts = host_options({"host_profile": a.host_profile}, {"link_GBps": a.link_GBps}, None)
+        opts = host_options({"host_profile": a.host_profile}, {"link_GBps": a.link_GBps})
         opts["host_kernel"] = "compiled"
         opts["hybrid_nodes"] = variant == "nodes"
     use_backend(bed, backend, a.budget, **opts)
-    config = EngineConfig(replay_trace=a.trace, max_num_seqs=a.batch, kv_tokens=a.batch * 512,
-                          piecewise_graphs=True, graph_switch=False)
+    config = EngineConfig(replay_trace=a.trace, max_num_seqs=a.batch, kv_tokens=a.batch * 512)
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.switch = None  # the variant's own graph on every step, never the whole slots step
     warm_all(bed.model)
     try:
         g = torch.Generator().manual_seed(0)

@@ -1,6 +1,5 @@
-"""Times the expert kernels at decode on the GPU: the per-pair GEMV (pair_gemv.py, bf16 only) against the
-grouped GEMM (grouped_gemm.py) over a sweep of block sizes, tuned kernel by kernel (gate_up with the
-default down, then down with the best gate_up), for bf16 and FP8 rows of a Qwen3-30B-shaped layer,
+"""Times the expert kernel at decode on the GPU: the grouped GEMM (grouped_gemm.py) over a sweep of
+block sizes, tuned kernel by kernel (gate_up with the default down, then down with the best gate_up), for bf16 and FP8 rows of a Qwen3-30B-shaped layer,
 resident rows, random routing, CUDA-graph replayed (20 calls on different ids per replay, so the
 50 MB L2 holds little). Prints us per call and GB/s of distinct rows read; writes JSON.
 
@@ -16,7 +15,6 @@ import torch
 
 from moetier.bench.common import GB, record, time_graph
 from moetier.checkpoint.random_bed import fill_fp8_rows
-from moetier.experts import pair_gemv
 from moetier.experts.gemm_config import SWEEP, GemmConfig
 from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
 from moetier.experts.shape import RowLayout
@@ -82,11 +80,6 @@ def main() -> None:
                         grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t, cfg, quant)
                 return call
 
-            if quant is None:
-                def gemv():
-                    for n in range(CALLS):
-                        pair_gemv.expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.h, out_t)
-                timed("gemv", gemv)
             default = GemmConfig()
             base = timed("default", grouped(default), default.decode_blocks(quant))
             if not (quant and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks

@@ -21,13 +21,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import fp8  # noqa: E402
 from moetier.experts import grouped_gemm as grouped  # noqa: E402
 from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.backends import ResidentExperts  # noqa: E402
 from moetier.experts.gemm_config import GemmConfig  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
+from moetier.quant import fp8_block as fp8  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LARGE = GemmConfig(large_block_m=16, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))

@@ -19,8 +19,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import fp8  # noqa: E402
 from moetier.layers import fp8_linear_triton as kernels  # noqa: E402
+from moetier.quant import fp8_block as fp8  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

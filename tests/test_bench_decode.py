@@ -66,6 +66,8 @@ def test_engine_rows_on_cpu(tiny_trace):
     assert slots[2]["hit_rate"] < slots[0]["hit_rate"]
     text = decode.table(rows)
     assert "tok/s" in text and "roofline" in text
+    assert len(data["trace_file"]["sha256"]) == 64 and data["trace_file"]["synth"]["seed"] == 3
+    assert all(v in ("reference", "exact") for v in data["output_checks"].values())
 
 
 def test_plot_writes_png(tmp_path):
@@ -76,3 +78,105 @@ def test_plot_writes_png(tmp_path):
     cfg = {"layers": 2, "hidden": 64, "experts": 32, "top_k": 4}
     decode.plot({"rows": rows, "config": cfg}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_reference_falls_back_to_slots_and_a_row_that_differs_is_marked(tiny_trace, monkeypatch):
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0}
+    real = decode.bench_engine
+
+    def broken_uva(bed, trace, path, backend, *a, **kw):  # a uva row whose request 0 reads a wrong logit at step 2
+        rows = real(bed, trace, path, backend, *a, **kw)
+        for r in rows if backend == "uva" else []:
+            r["logits"][0][2, 7] += 100.0
+            r["tokens"][0][2] = 7
+        return rows
+
+    monkeypatch.setattr(decode, "bench_engine", broken_uva)
+    data = decode.run(cfg, tiny_trace, [0.5, 0.25], [1, 2], ["uva", "slots"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    rows = data["rows"]
+    # no resident row: the first slots row runs first and is every batch's reference, named in the record
+    assert [(r["backend"], r["budget"]) for r in rows[:2]] == [("slots", 0.5)] * 2
+    assert data["output_references"] == {"float32/1": "slots@0.5/b1", "float32/2": "slots@0.5/b2"}
+    assert data["greedy_tokens_equal_to_resident"] == {}
+    checks = data["output_checks"]
+    assert checks["slots@0.5/b1"] == "reference" and checks["slots@0.25/b2"] == "exact"
+    bad = [r for r in rows if r["backend"] == "uva"]
+    for r in bad:
+        c = r["check"]
+        assert c["verdict"].startswith("MISMATCH") and c["diverged_at"] == {"request": 0, "step": 2}
+        assert c["logits_rel_err"] > 1 and c["reference"] == f"slots@0.5/b{r['batch']}"
+        assert "logits" not in r and "tokens" not in r  # the record keeps the verdict, not the arrays
+    text = decode.table(rows)
+    assert text.count("<<< OUTPUTS DIFFER") == 2 and text.count("check exact vs slots@0.5") == 2
+
+
+def test_repeated_runs_report_the_median_and_spread_and_check_the_first():
+    rates = iter([30.0, 10.0, 20.0, 40.0])
+    calls = []
+
+    def run(first):
+        calls.append(first)
+        tok_s = next(rates)
+        return {"tok_s": tok_s, "step_ms_median": 1e3 / tok_s, "tokens": [[int(tok_s)]], "logits": ["kept"] if first else None}
+
+    r = decode.repeated(run, 4)
+    assert calls == [True, False, False, False]  # the first run's outputs are the ones checked
+    assert r["tok_s"] == 25.0 and (r["tok_s_min"], r["tok_s_max"]) == (10.0, 40.0) and r["runs"] == 4
+    assert r["step_ms_median"] == 1e3 / 20.0  # the lower middle run's own figures
+    assert r["tokens"] == [[30]] and r["logits"] == ["kept"] and r["runs_tok_s"] == [30.0, 10.0, 20.0, 40.0]
+    assert "(10.0-40.0 over 4)" in decode.table([{**r, "backend": "resident", "batch": 1, "roofline_tok_s": 1.0,
+                                                  "of_roofline": 1.0, "hbm_bytes_per_step": 0, "link_bytes_per_step": 0}])
+
+
+def test_bench_decode_refuses_zero_repeats():
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--repeats", "0"])
+    assert r.exit_code == 2 and "--repeats" in r.stderr
+
+
+def hybrid_against_resident(trace_path: str, monkeypatch) -> dict:
+    from moetier.experts.cost_model import PathRates
+
+    real = decode.host_options  # fixed rates, a slow link: every miss goes to the host (not the machine's load)
+    monkeypatch.setattr(decode, "host_options", lambda *a: {**real(*a), "rates": PathRates(0.001, {"bfloat16": 1e3})})
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16)
+    args = {"tokens": 12, "warmup": 4, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0, "host_kernel": "compiled"}
+    data = decode.run(cfg, trace_path, [0.25], [4], ["resident", "hybrid"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    (row,) = [r for r in data["rows"] if r["backend"] == "hybrid"]
+    assert row["hybrid"]["host_experts_per_layer_step"] > 1  # the host computes a real share
+    return row["check"]
+
+
+def test_hybrid_rounding_is_within_tolerance_and_a_wrong_host_expert_is_a_mismatch(tiny_trace, monkeypatch):
+    # bf16 on the CPU: the compiled host kernel (fp32 accumulation) against torch's bf16 ops, the CUDA
+    # case in small (docs/hybrid.md, "Output check")
+    from moetier.experts import host_ext, hybrid
+
+    if not host_ext.available()[0]:
+        pytest.skip("the compiled host kernel does not build here")
+    ok = hybrid_against_resident(tiny_trace, monkeypatch)
+    assert ok["verdict"].startswith("within tolerance") and 0 < ok["logits_rel_err"] < decode_outputs().LOGITS_RTOL
+    start = hybrid.HybridExperts._start_host
+
+    def wrong_expert(self, x, pos, experts, k, marks):  # a defect: each host pair computed with the next expert
+        return start(self, x, pos, [(e + 1) % self.host.shape[0] for e in experts], k, marks)
+
+    monkeypatch.setattr(hybrid.HybridExperts, "_start_host", wrong_expert)
+    bad = hybrid_against_resident(tiny_trace, monkeypatch)
+    assert bad["verdict"].startswith("MISMATCH") and bad["logits_rel_err"] > 2 * decode_outputs().LOGITS_RTOL
+
+
+def decode_outputs():
+    from moetier.bench import outputs
+
+    return outputs

@@ -12,7 +12,7 @@ from moetier.bench.decode_parallel import label, parse_layouts
 from moetier.checkpoint.random_bed import RandomModel, random_bed, slots_for
 from moetier.dist.timing import CollectiveTimer
 from moetier.errors import MoetierError
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 from moetier.presets import preset
 from tests.test_bench_decode import tiny_trace  # noqa: F401 -- the fixture
 
@@ -91,6 +91,14 @@ def test_parallel_rows_beside_one_process(tiny_trace):  # noqa: F811
     tp_slots = [r for r in rows if r.get("parallel") == "tp2" and r["backend"] == "slots"]
     # columns: a rank's rows are half an expert, so 25% of the model's expert bytes are 16 of its 32 rows
     assert all(r["slots"] == 16 for r in tp_slots)
+    from moetier.bench.outputs import flagged
+
+    for r in rows:  # EP rows against the one-GPU reference; TP rows (their own random shards) their layout's
+        par = r.get("parallel", "1")
+        want = f"resident/b{r['batch']}" + ("/tp2" if par == "tp2" else "")
+        assert r["check"]["verdict"] == "reference" if r["backend"] == "resident" and par != "ep2" else (
+            r["check"]["reference"] == want and not flagged(r["check"])), r["check"]
+    assert data["output_references"]["float32/4/tp2"] == "resident/b4/tp2"
     same = data["greedy_tokens_equal_to_resident"]
     assert same["slots@0.25/b4/ep2"] and same["slots@0.25/b1"] and not any("tp2" in k for k in same)
     for r in rows:  # every rank's counters over the timed window, rank 0's first (one GPU: a list of one)

@@ -114,3 +114,48 @@ def test_rows_per_stream_mode_count_each_missing_row_once_in_the_ring(bed_and_tr
     assert r.exit_code == 2 and "--prefill-stream 'pipe'" in r.stderr
     r = CliRunner().invoke(app, ["bench", "prefill", "--ring-depth", "1"])
     assert r.exit_code == 2 and "--ring-depth" in r.stderr
+
+
+def test_rows_are_checked_against_the_first_slots_row_without_resident(bed_and_trace, monkeypatch):
+    bed, trace = bed_and_trace
+    args = {"chunk": 128, "reps": 2, "policy": "lfru", "decode_tokens": 16, "seed": 0, "decode_steps": 0,
+            "prefill_cache": ["bypass", "refresh"], "prefill_stream": ["uva"]}
+    bw = {"hbm_GBps": 100.0, "link_GBps": 10.0, "tflops": 1.0}
+    real = prefill.prefill_checked
+
+    def broken(llm, prompts):  # the uva rows' first prompt reads a wrong logit
+        tokens, logits = real(llm, prompts)
+        if llm.model.moe_blocks()[0].experts.__class__.__name__ == "UvaExperts":
+            logits[0][0, 3] += 1e3
+            tokens[0] = [3]
+        return tokens, logits
+
+    monkeypatch.setattr(prefill, "prefill_checked", broken)
+    data = prefill.run(bed, trace, [0.25], [96], [1, 2], ["slots", "uva"], args, {}, bw=bw)
+    checks = data["output_checks"]
+    assert checks["slots@0.25/bypass/uva/pp96x1"] == "reference"
+    assert data["output_references"]["bf16/96/2"] == "slots@0.25/bypass/uva/pp96x2"
+    assert checks["slots@0.25/refresh/uva/pp96x2"] == "exact"
+    assert checks["uva/pp96x1"].startswith("MISMATCH") and checks["uva/pp96x2"].startswith("MISMATCH")
+    text = prefill.table(data["rows"])
+    assert text.count("<<< OUTPUTS DIFFER") == 2
+    for r in data["rows"]:  # the median run, and the spread of the runs
+        assert r["runs"] == len(r["runs_s"]) >= 1 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert "tokens" not in r and "logits" not in r
+    assert f"over {data['rows'][0]['runs']})" in text
+
+
+def test_median_of_runs_is_the_headline_with_its_spread(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
+    import median_of_runs
+
+    for i, t in enumerate((50.0, 70.0, 60.0)):
+        rec = {"benchmark": "prefill", "rows": [{**row("resident", None, 512, 1, t), "check": {"verdict": "reference"}}]}
+        (tmp_path / f"run{i}.json").write_text(json.dumps(rec))
+    assert median_of_runs.main([str(p) for p in sorted(tmp_path.glob("run*.json"))]) == 0
+    out = capsys.readouterr().out
+    assert "resident/pp512x1: median 60.0 tok/s (50.0 to 70.0 over 3 runs" in out and "checks: reference" in out
+    assert median_of_runs.main([str(tmp_path / "run0.json"), "--row", "uva/pp1x1"]) == 2

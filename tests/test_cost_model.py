@@ -106,7 +106,7 @@ def test_fixed_costs_on_both_paths_do_not_move_the_split():
     base = m.split(tokens)
     both = m.split(tokens, queued_link_s=3e-4, queued_host_s=3e-4)
     assert both.host == base.host and both.seconds == pytest.approx(base.seconds + 3e-4)
-    assert m.split(tokens, queued_host_s=3e-4).num_host <= base.num_host  # e.g. device-first's launches
+    assert m.split(tokens, queued_host_s=3e-4).num_host <= base.num_host  # e.g. work queued on the host
 
 
 def test_bad_rates_are_refused():

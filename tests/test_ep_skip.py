@@ -20,7 +20,7 @@ from moetier.experts.hybrid import HostPath, HybridExperts
 from moetier.experts.prefill_cache import rows_consistent
 from moetier.experts.shape import RowLayout
 from moetier.experts.slots import STATE
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 E, K, S = 32, 8, 12
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

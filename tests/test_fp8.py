@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import pytest
 
-from moetier.experts import fp8
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.reference import combine, expert_pairs, row_fetch
 from moetier.experts.shape import RowLayout
 from moetier.experts.store import HostStore
+from moetier.quant import fp8_block as fp8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

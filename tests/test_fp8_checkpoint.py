@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.experts import fp8
+from moetier.quant import fp8_block as fp8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,9 +17,9 @@ QE, QH, QI, QK = 64, 2048, 768, 8  # Qwen3-30B-A3B's expert shape, half its expe
 
 def fp8_store(e=QE, h=QH, i=QI, seed=0):
     """Pinned FP8 rows of e experts, each projection quantized from random bf16 by the block rule."""
-    from moetier.experts import fp8
     from moetier.experts.shape import RowLayout
     from moetier.experts.store import HostStore
+    from moetier.quant import fp8_block as fp8
 
     layout = RowLayout(h, i, "fp8")
     store = HostStore([0], e, layout, torch.bfloat16, pin=True)

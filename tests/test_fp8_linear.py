@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetier.experts import fp8
 from moetier.layers.fp8_linear import Fp8Weight, fusable, linear, linear_reference
+from moetier.quant import fp8_block as fp8
 
 from tests.test_fp8_checkpoint import RAGGED, logits_of
 
@@ -78,8 +78,8 @@ def test_which_weights_are_held_in_fp8(aligned):
     from moetier import presets
     from moetier.checkpoint.fp8_weights import with_dense
     from moetier.layers.mlp import SwigluMLP
-    from moetier.layers.parallel import Parallel
     from moetier.models.registry import model_class
+    from moetier.parallel import Parallel
 
     def held(preset):
         cfg = with_dense(dataclasses.replace(presets.preset(preset), quant="fp8"), "fp8")
@@ -98,8 +98,8 @@ def test_which_weights_are_held_in_fp8(aligned):
 def test_tensor_parallel_shard_of_a_scale_grid():
     from moetier.checkpoint.loader import shard
     from moetier.errors import MoetierError
-    from moetier.layers.parallel import Parallel
     from moetier.models.base import Weight
+    from moetier.parallel import Parallel
 
     w = Weight("o_proj.weight", (256, 512), split=1)
     grid = torch.arange(8.0).view(2, 4)

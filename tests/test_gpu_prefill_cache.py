@@ -21,12 +21,15 @@ def backends(seed: int, policy: str = "lfru"):
     dev = host.cuda()
     resident = ResidentExperts(dev, layout, QK)
     out = {"resident": resident, "store": store, "host": host}
-    for prefill in ("bypass", "refresh"):
-        s = SlotExperts(host, layout, QK, num_slots=QE // 2, device="cuda", policy=policy, prefill=prefill)
+    # bypass with the uva prefill stream: the ring (the default) reads its miss list on the host
+    # (experts/prefill_ring.py), and these tests hold the path to no host sync; "ring" is held to its bits
+    for name, prefill, stream in (("bypass", "bypass", "uva"), ("refresh", "refresh", "uva"), ("ring", "bypass", "ring")):
+        s = SlotExperts(host, layout, QK, num_slots=QE // 2, device="cuda", policy=policy, prefill=prefill,
+                        prefill_stream=stream)
         s.cache.warm(list(range(0, QE, 2)))  # every other expert in a slot
         s.cache.stats.zero_()
         s.slots.copy_(dev[s.cache.slot_expert.long()])
-        out[prefill] = s
+        out[name] = s
     return out
 
 
@@ -57,6 +60,7 @@ def test_refresh_exact_consistent_and_without_host_sync(t, dup, policy):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(got_r, got_b) and torch.equal(got_b, want)
+    assert torch.equal(b["ring"].forward(x, ids, w), want)
     miss = refresh_reference(ref, ids.cpu())
     for k in STATE:  # the kernel path leaves the cache as the torch reference does
         assert torch.equal(getattr(refresh.cache, k).cpu(), getattr(ref, k)), k

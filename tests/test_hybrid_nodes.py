@@ -143,14 +143,16 @@ def test_nodes_equal_the_eager_hybrid_path_bits(link, host):
 
 
 @needs_ext
-def test_the_default_mode_is_nodes_on_cuda_only_where_it_ran(monkeypatch):
-    """hybrid_nodes None: nodes on CUDA with the compiled kernel (not on the CPU, not with a torch host
-    kernel); MOETIER_HYBRID_NODES overrides; FP8 rows keep the pieces (never run in a nodes graph)."""
+def test_the_default_mode_is_nodes_on_cuda_only_where_it_ran():
+    """hybrid_nodes None: nodes on CUDA with the compiled kernel, one rank and unquantized rows (not on
+    the CPU, not with a torch host kernel, not over several ranks, not FP8 rows: never run in a nodes
+    graph); hybrid_nodes True / False force a mode."""
     from moetier.experts.placement import ExpertPlacement, nodes_by_default
     from moetier.experts.shape import MoeShape
 
-    monkeypatch.delenv("MOETIER_HYBRID_NODES", raising=False)
-    assert nodes_by_default("cuda") and not nodes_by_default("cpu") and not nodes_by_default("cuda", "grouped")
+    assert nodes_by_default("cuda") and nodes_by_default("cuda", "compiled")
+    assert not nodes_by_default("cpu") and not nodes_by_default("cuda", "grouped")
+    assert not nodes_by_default("cuda", ranks=2) and not nodes_by_default("cuda", quant="fp8")
     lay, rows, _ = setup()
     rates = PathRates(50.0, {"bfloat16": 50.0, "fp8": 50.0})
 
@@ -161,11 +163,8 @@ def test_the_default_mode_is_nodes_on_cuda_only_where_it_ran(monkeypatch):
         host = rows if quant is None else torch.zeros(E, shape.layout.row_bytes(torch.bfloat16), dtype=torch.uint8)
         return type(placement.build(0, host))
     assert built() is HybridExperts  # the CPU: the eager path
-    monkeypatch.setenv("MOETIER_HYBRID_NODES", "1")
-    assert nodes_by_default("cpu") and built() is HybridNodesExperts
-    assert built("fp8") is HybridExperts and built(hybrid_nodes=False) is HybridExperts
-    monkeypatch.setenv("MOETIER_HYBRID_NODES", "0")
-    assert not nodes_by_default("cuda") and built() is HybridExperts and built(hybrid_nodes=True) is HybridNodesExperts
+    assert built(hybrid_nodes=True) is HybridNodesExperts and built(hybrid_nodes=False) is HybridExperts
+    assert built("fp8") is HybridExperts
 
 
 @needs_ext
@@ -227,7 +226,7 @@ def test_engine_batch_equals_alone_with_nodes(tiny_ckpt):
 
 
 @needs_ext
-def test_bench_decode_nodes_rows_on_cpu(tmp_path):
+def test_bench_decode_nodes_rows_on_cpu(tmp_path, monkeypatch):
     import json
 
     from moetier.bench import decode
@@ -244,13 +243,19 @@ def test_bench_decode_nodes_rows_on_cpu(tmp_path):
     profile.write_text(json.dumps({"shape": {"dtype": "fp32"}, "winner": {"kernel": "grouped", "threads": 1,
                                    "GBps": 10.0, "overhead_s": 0.0}, "results": []}))
     bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    # the nodes mode on the CPU, as nodes_by_default picks it on CUDA (the bench's rows use the default)
+    use = decode.use_backend
+    monkeypatch.setattr(decode, "use_backend", lambda *a, **kw: use(*a, **{**kw, "host_kernel": "compiled",
+                                                                           "hybrid_nodes": True}))
     args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
-            "seed": 0, "host_profile": str(profile), "hybrid_graphs": ["nodes", "eager"]}
+            "seed": 0, "host_profile": str(profile), "hybrid_graphs": ["auto", "eager"]}
     data = decode.run(cfg, str(trace), [0.5], [1, 4], ["hybrid"], args, bed=bed,
                       bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
     rows = data["rows"]
     assert not data["errors"], data["errors"]
-    assert [(r["graphs"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 4), ("nodes", 1), ("nodes", 4)]
+    # the CPU captures no graphs: the auto rows are eager too, and say which mode the default made
+    assert [(r["graphs"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 4), ("nodes-auto", 1),
+                                                         ("nodes-auto", 4)]
     for r in rows:
         assert r["timed_tokens"] == r["batch"] * args["tokens"]
         assert r["hybrid"]["host_experts_per_layer_step"] > 0
@@ -267,7 +272,7 @@ def _gpu_layers(n: int, link: float = 50.0, host: float = 50.0):
     rows = store.rows(0)
     rows.copy_((torch.randn(32, lay.numel, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16))
     rates = PathRates(link, {"bfloat16": host})
-    out = [HybridExperts(rows, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None, rates, device_graphs=False))]
+    out = [HybridExperts(rows, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None, rates))]
     out += [HybridNodesExperts(rows, lay, 8, 12, 32, "cuda", host=HostPath(lay, "compiled", None, rates))
             for _ in range(n)]
     return store, out
@@ -339,7 +344,8 @@ def test_gpu_nodes_step_has_no_host_sync():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
-    """Without the switch the engine captures the whole step as one graph (no pieces); all over the link
+    """Held to its host path's graph (switch None) the engine replays the whole step as one graph (no
+    pieces) on every step; all over the link
     it gives resident's tokens; with a split, batched equals alone (tiny_ckpt's fp32 rows: host and device
     pairs differ in rounding only, so a greedy choice could in principle flip: then this fails and says
     so). With the switch (the default) it also captures the slots-step graph per size and replays one of
@@ -354,9 +360,10 @@ def test_gpu_engine_nodes_one_graph_batch_equals_alone(tiny_ckpt):
     want = [o.outputs[0].token_ids for o in LLM(tiny_ckpt, device="cuda").generate(prompts, params)]
     for rates in (PathRates(1e6, {"float32": 1e-3}), PathRates(50.0, {"float32": 50.0})):
         opts = ExpertOptions("hybrid", slots=4, rates=rates, hybrid_nodes=True)
-        llm = LLM(tiny_ckpt, device="cuda", experts=opts, graph_switch=False)
+        llm = LLM(tiny_ckpt, device="cuda", experts=opts)
         graphs = llm.runner.graphs
-        assert graphs is not None and not graphs.piecewise and graphs.switch is None
+        assert graphs is not None and not graphs.piecewise and graphs.switch is not None
+        graphs.switch = None  # the nodes graph on every step
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.runner.graph_steps > 0
         if rates.link_GBps > 1e3:

@@ -9,8 +9,17 @@ import pytest
 
 ROOT = Path(__file__).parents[1] / "moetier"
 # package -> packages it must never import
+# quant/ sits below every room: from moetier it imports only itself and moetier.errors
+BELOW_ALL = ("quant", "errors")
+EVERY_ROOM = tuple(sorted(f"moetier.{p.stem}" for p in ROOT.iterdir()
+                          if (p.is_dir() and (p / "__init__.py").exists() or p.suffix == ".py")
+                          and p.stem not in BELOW_ALL and p.stem != "__init__"))
 FORBIDDEN = {
-    "experts": ("moetier.models", "moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint"),
+    "quant": EVERY_ROOM,
+    # experts/ and layers/ never import each other but for the MoE block's use of the backend
+    # interface (layers/moe.py -> experts/backends.py, test_layers_reach_experts_only_from_the_moe_block)
+    "experts": ("moetier.models", "moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint",
+                "moetier.layers"),
     "layers": ("moetier.models", "moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint"),
     "models": ("moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint"),
     "checkpoint": ("moetier.engine", "moetier.cli", "moetier.server"),
@@ -28,14 +37,37 @@ def imports(path: Path) -> set[str]:
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
+            if node.module == "moetier":  # `from moetier import presets` imports moetier.presets
+                out |= {f"moetier.{a.name}" for a in node.names}
     return out
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_point_down(package):
     bad = [f"{f.relative_to(ROOT)} imports {m}" for f in sorted((ROOT / package).rglob("*.py"))
-           for m in sorted(imports(f)) if m.startswith(FORBIDDEN[package])]
+           for m in sorted(imports(f)) if _forbidden(m, FORBIDDEN[package])]
     assert not bad, bad
+
+
+def _forbidden(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in rooms)
+
+
+def test_rooms_match_whole_names():
+    # a room forbids itself and its modules, not another name that starts with the same letters
+    assert _forbidden("moetier.layers.mlp", ("moetier.layers",))
+    assert not _forbidden("moetier.layersx", ("moetier.layers",))
+
+
+def test_layers_reach_experts_only_from_the_moe_block():
+    bad = [f"{f.relative_to(ROOT)} imports {m}" for f in sorted((ROOT / "layers").rglob("*.py"))
+           if f.name != "moe.py" for m in sorted(imports(f)) if _forbidden(m, ("moetier.experts",))]
+    assert not bad, bad
+
+
+def test_quant_has_a_room_below_every_other():
+    assert "moetier.experts" in EVERY_ROOM and "moetier.layers" in EVERY_ROOM and "moetier.config" in EVERY_ROOM
+    assert "moetier.errors" not in EVERY_ROOM and "moetier.quant" not in EVERY_ROOM
 
 
 def test_modules_stay_small():

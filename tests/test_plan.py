@@ -95,7 +95,7 @@ def test_qwen3_30b_slots_host_store_exact():
 
 
 def test_qwen3_30b_hybrid_counts_both_modes_buffers():
-    """hybrid over slots: the device graphs' statics and the nodes mode's buffers in the workspaces (one set
+    """hybrid over slots: the pieces' pair outputs and the nodes mode's buffers in the workspaces (one set
     per model, both counted), and its host staging, pinned by torch's allocator, on the host."""
     cfg = presets.preset("qwen3-30b-a3b")
     slots = dict.fromkeys(cfg.moe_layers, 32)
@@ -104,7 +104,7 @@ def test_qwen3_30b_hybrid_counts_both_modes_buffers():
         return count(PlanRequest(cfg, BF16, "cuda", backend=backend, slots_per_layer=slots, max_model_len=4096))
     hybrid, plain = plan("hybrid"), plan("slots")
     p, h = 64 * 8, 2048  # pairs of 64 decode tokens of top-8; hidden
-    statics = [8 * (p + 1), 2 * (p + 1), 2 * 65 * h, 16 * p, 4 * (p + 1) * h, 4 * p * h]
+    statics = [4 * p * h]  # the pieces' pair outputs
     nodes = [4 * p * h, 4 * (p + 1) * h, 4 * p * h, 8 * p, 8 * p, 8 * (1 + 2 * p), 8 * p, 4 * 128, 4 * 128]
     blocks = sum(-(-n // 512) * 512 for n in statics + nodes)  # the allocator's 512-byte blocks
     assert item(hybrid, "expert workspaces") - item(plain, "expert workspaces") == blocks

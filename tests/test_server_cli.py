@@ -88,6 +88,8 @@ def test_serve_binds_loopback_needs_the_key_and_ctrl_c_drains():
     (["--preset", "tiny", "--expert-budget", "50%"], "needs --expert-backend slots"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--replay-trace", "/no/file"], "no such file"),
+    (["--tool-call-parser", "glm4"], "--tool-call-parser 'glm4' is not a parser moetier has; choose one of auto, hermes, glm45"),
+    (["--reasoning-parser", "r1"], "--reasoning-parser 'r1'"),
 ])
 def test_serve_bad_options_one_line_exit_2(args, message):
     code, _, err = cli("serve", *args)

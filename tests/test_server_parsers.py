@@ -7,8 +7,11 @@ import json
 
 import pytest
 
+from moetier.errors import MoetierError
+from moetier.server.parsers import TOOL_CALL_PARSERS, Parsers, tool_call_parser_names
 from moetier.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from moetier.server.tools import ToolCallParser, parse_block
+from moetier.server.tools import HermesToolParser, parse_block
+from parser_helpers import all_cuts, stream_tools
 
 
 def stream_split(text: str, opened: bool, cuts: list[int]) -> tuple[str, str]:
@@ -18,13 +21,6 @@ def stream_split(text: str, opened: bool, cuts: list[int]) -> tuple[str, str]:
         r, c = r + dr, c + dc
     dr, dc = s.flush()
     return r + dr, c + dc
-
-
-def all_cuts(text: str):
-    yield []
-    yield list(range(1, len(text)))  # one character at a time
-    for i in range(1, len(text)):
-        yield [i]
 
 
 @pytest.mark.parametrize("text,opened,want", [
@@ -53,17 +49,9 @@ def test_prompt_opens_reasoning():
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def stream_tools(text: str, cuts: list[int]):
-    p, content, calls = ToolCallParser(), "", []
-    for a, b in zip([0] + cuts, cuts + [len(text)]):
-        c, got = p.push(text[a:b])
-        content, calls = content + c, calls + got
-    return content + p.flush(), calls
-
-
 @pytest.mark.parametrize("text,want_content,want_calls", [
     (CALL, "", [("get_weather", {"city": "Paris"})]),
-    ("Let me look.\n" + CALL + CALL.replace("Paris", "Oslo"), "Let me look.\n",
+    ("Let me look.\n" + CALL + CALL.replace("Paris", "Oslo"), "Let me look.",
      [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", {"a": 1})]),
     ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),  # malformed: content
@@ -71,18 +59,50 @@ def stream_tools(text: str, cuts: list[int]):
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
     ('text <tool_call>{"name": "f"', 'text <tool_call>{"name": "f"', []),  # unclosed at the end: content
     ("a < b <tool", "a < b <tool", []),
+    # whitespace next to a call is not content; other text around the calls is
+    (" \n" + CALL + "\n\n" + CALL + "\n", "", [("get_weather", {"city": "Paris"})] * 2),
+    ("Sure. " + CALL + "\nDone.  ", "Sure.Done.  ", [("get_weather", {"city": "Paris"})]),
+    (CALL + "\n<tool_call>{bad}</tool_call> ", "<tool_call>{bad}</tool_call> ", [("get_weather", {"city": "Paris"})]),
 ])
 def test_tool_calls_whole_and_streamed(text, want_content, want_calls):
-    content, calls = ToolCallParser().parse(text)
+    content, calls = HermesToolParser().parse(text)
     assert content == want_content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
     for cuts in all_cuts(text):
-        content, calls = stream_tools(text, cuts)
-        assert content == want_content, cuts
-        assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls, cuts
+        assert stream_tools(HermesToolParser, text, cuts) == (want_content, want_calls), cuts
 
 
 def test_call_ids_are_unique_and_openai_shaped():
     a, b = parse_block('{"name": "f", "arguments": {}}'), parse_block('{"name": "f", "arguments": {}}')
     assert a.id != b.id and a.id.startswith("call_")
     assert a.to_dict() == {"id": a.id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+# -- the registry ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type,want", [
+    ("qwen3_moe", ("hermes", "qwen3")), ("glm_moe_dsa", ("glm45", "glm45")), ("glm5_next", ("glm45", "glm45")),
+    ("deepseek_v3", ("deepseek_v3", "deepseek_v3")), ("something_else", ("hermes", "qwen3")), (None, ("hermes", "qwen3")),
+])
+def test_auto_is_the_family_default(model_type, want):
+    chosen = Parsers().for_family(model_type)
+    assert (chosen.tool_call, chosen.reasoning) == want
+
+
+def test_explicit_choices_win_and_names_are_checked():
+    chosen = Parsers("deepseek_v31", "none").for_family("qwen3_moe")
+    assert (chosen.tool_call, chosen.reasoning) == ("deepseek_v31", "none")
+    assert set(TOOL_CALL_PARSERS) <= set(tool_call_parser_names()) and "auto" in tool_call_parser_names()
+    with pytest.raises(MoetierError, match="--tool-call-parser 'glm4'.*glm45"):
+        Parsers("glm4")
+    with pytest.raises(MoetierError, match="--reasoning-parser 'r1'.*deepseek_r1"):
+        Parsers(reasoning="r1")
+    with pytest.raises(ValueError):  # `auto` must be resolved against the family first
+        Parsers().tool_parser([{}])
+
+
+def test_none_turns_each_parser_off():
+    off = Parsers("none", "none")
+    assert off.tool_parser([{"type": "function", "function": {"name": "f"}}]) is None
+    assert off.splitter("<|assistant|><think>").split("plan</think>answer") == ("", "plan</think>answer")
+    assert Parsers("glm45", "glm45").tool_parser(None) is None  # a request without tools is not searched
+    assert Parsers("glm45", "glm45").tool_parser([]) is None

@@ -18,7 +18,7 @@ from moetier.engine.step import SeqStep, StepInput
 from moetier.errors import MoetierError
 from moetier.experts.ep import local_ids, owned_experts
 from moetier.experts.placement import ExpertOptions
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 from moetier.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [77, 2, 401], [9, 9, 130, 64, 211, 8]]

@@ -19,7 +19,7 @@ from moetier.errors import MoetierError
 from moetier.experts.columns import ColumnExperts, column_part, resolve
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.shape import MoeShape
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 from moetier.presets import preset
 from tests.helpers import batch_and_alone
 from tests.test_tp import ENGINE, GREEDY, PROMPTS, close_enough, logits_of

@@ -17,7 +17,7 @@ from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
 from moetier.layers.fp8_linear import Fp8Weight
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 from tests.helpers import batch_and_alone
 
 from tests.test_tp import ENGINE, GREEDY, PROMPTS, close_enough, logits_of

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from moetier.bench.common import trace_info
 from moetier.bench.prefill import warm_slots
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
@@ -99,7 +100,7 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
     c = bed.cfg
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
                        "moe_inter": c.moe_intermediate_size, "dtype": "bf16"},
-            "trace": trace_path, "args": args, "rows": rows}
+            "trace": trace_path, "trace_file": trace_info(trace_path), "args": args, "rows": rows}
 
 
 def table(rows: list[dict]) -> str:

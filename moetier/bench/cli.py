@@ -4,7 +4,6 @@ dependencies before any work, and writes its JSON record (machine, commit, comma
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -136,6 +135,8 @@ def bench_decode(
     backends: str = typer.Option("resident,uva,slots,hf", "--backends", help="Comma-separated rows to run."),
     tokens: int = typer.Option(64, "--tokens", help="Timed decode steps per run."),
     warmup: int = typer.Option(32, "--warmup", help="Untimed decode steps first (they also fill the cache)."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per one-GPU row: the row reports their median "
+                                "tok/s and spread (min-max)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
     hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
     policy: opt.CachePolicy = "lfru",
@@ -143,29 +144,15 @@ def bench_decode(
     seed: int = typer.Option(0, "--seed"),
     host_kernel: str = typer.Option("auto", "--host-kernel",
                                     help="hybrid rows: host expert kernel (auto: compiled where it builds, else "
-                                         "grouped; compiled, grouped, split or pair)."),
+                                         "grouped; compiled or grouped)."),
     host_threads: Optional[int] = typer.Option(None, "--host-threads",
                                                help="hybrid rows: host threads (default: the usable cores "
                                                     "less one; with --host-profile at most its winner's)."),
     hybrid_graphs: str = typer.Option("auto", "--hybrid-graphs",
-                                      help="hybrid rows: comma-separated decode modes: eager (no graphs), "
-                                           "piecewise (CUDA graphs split at MoE layers), nodes (the whole step "
-                                           "one graph, the host's share a host-function node; needs the "
-                                           "compiled host kernel), pieces-auto or nodes-auto (that graph and "
-                                           "the whole slots-step graph, switched per step by the recent misses "
-                                           "and the clock) and/or auto (the engine's default: nodes-auto on "
-                                           "CUDA with the compiled kernel, else pieces-auto)."),
-    hybrid_order: str = typer.Option("host-first", "--hybrid-order",
-                                     help="hybrid rows: comma-separated ways a layer hands the host its pairs: "
-                                          "host-first (the host call starts before the device launches, on the "
-                                          "compiled kernel's own thread), device-first (launches, then the host "
-                                          "call on the same thread) and/or legacy (the order before the "
-                                          "overlap work), each optionally with :THREADS (host threads of "
-                                          "that variant, e.g. host-first:16); one row set each."),
-    hybrid_device_graphs: str = typer.Option("off", "--hybrid-device-graphs",
-                                             help="hybrid rows: comma-separated on and/or off: a layer's device "
-                                                  "path as CUDA graph replays (on) or launched kernel by kernel "
-                                                  "(off); one row set each."),
+                                      help="hybrid rows: comma-separated decode modes: eager (no CUDA graphs) "
+                                           "and/or auto (the engine's default: the host path's graph, nodes "
+                                           "on CUDA with the compiled kernel, else pieces, and the whole "
+                                           "slots-step graph, switched per step)."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="FILE",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -221,18 +208,12 @@ def bench_decode(
         if not modes or set(modes) - set(HYBRID_GRAPH_MODES):
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give {', '.join(HYBRID_GRAPH_MODES)} "
                                "(comma-separated)")
-        orders = [m.strip() for m in hybrid_order.split(",") if m.strip()]
-        if not orders or not all(re.fullmatch(r"(host-first|device-first|legacy)(:[1-9][0-9]*)?", o) for o in orders):
-            raise MoetierError(f"--hybrid-order {hybrid_order!r}: give host-first, device-first and/or legacy, "
-                               "each optionally with :THREADS (comma-separated)")
-        dgraphs = [m.strip() for m in hybrid_device_graphs.split(",") if m.strip()]
-        if not dgraphs or set(dgraphs) - {"on", "off"}:
-            raise MoetierError(f"--hybrid-device-graphs {hybrid_device_graphs!r}: give on and/or off (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
             opt.at_least(value, 1, name)
         opt.at_least(warmup, 0, "--warmup")
+        opt.at_least(repeats, 1, "--repeats")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if "hf" in names:
             need_modules("transformers", "accelerate", why="the transformers + accelerate peer (--backends hf)")
@@ -263,10 +244,9 @@ def bench_decode(
     from moetier.bench import decode
     from moetier.bench.common import record, write_json
 
-    args = {"tokens": tokens, "warmup": warmup, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
+    args = {"tokens": tokens, "warmup": warmup, "repeats": repeats, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
-            "hybrid_order": orders, "hybrid_device_graphs": [d == "on" for d in dgraphs],
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
@@ -279,6 +259,9 @@ def bench_decode(
     for line in decode.ratios(data["rows"]):
         typer.echo(line)
     typer.echo(f"greedy tokens equal to resident: {data['greedy_tokens_equal_to_resident']}")
+    differ = [name for name, v in data["output_checks"].items() if v.startswith(("MISMATCH", "DIFFERS"))]
+    typer.echo(f"outputs against {', '.join(sorted(set(data['output_references'].values())))}: "
+               + (f"{len(differ)} row(s) DIFFER: {', '.join(differ)}" if differ else "every row exact or within tolerance"))
 
 
 @app.command("batch")

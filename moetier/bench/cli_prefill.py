@@ -99,7 +99,8 @@ def bench_prefill(
         bed = make_bed(cfg, d, seed)
         link = link or links(row_bytes=bed.row_bytes)
         part = prefill.run(bed, str(trace), budgets, sorted(length), sorted(batch), names, args, link)
-        data = part if data is None else {**data, "rows": data["rows"] + part["rows"]}
+        data = part if data is None else {**data, "rows": data["rows"] + part["rows"],
+                                          **{k: {**data[k], **part[k]} for k in ("output_checks", "output_references")}}
         for block in bed.model.moe_blocks():
             block.experts = None  # this bed's device rows go before the next is built
         del bed, part

@@ -1,11 +1,12 @@
 """Timing and bookkeeping shared by the benchmarks: event-timed CUDA graphs, link measurements,
-and the JSON record (machine, commit, command) every result carries."""
+and the JSON record (machine, commit and dirty flag, the command as run) every result carries."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,26 +34,138 @@ def machine() -> dict:
     return info
 
 
-def commit() -> str:
-    if os.environ.get("MOETIER_COMMIT"):
-        return os.environ["MOETIER_COMMIT"]
+PACKAGE = Path(__file__).parents[1]  # the moetier package directory
+BUILD_INFO = PACKAGE / "_build_info.json"  # scripts/stamp_version.py writes it
+
+
+def project_root(package: Path = PACKAGE) -> Path | None:
+    """The git toplevel of this package's directory when it is the project's own checkout (its
+    pyproject.toml names moetier); None for a copy that is not (an archive unpacked inside another
+    repository, a wheel): that repository's HEAD says nothing about this code."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             cwd=package)
     except OSError:
+        return None
+    root = Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+    if root is None or root.resolve() != package.resolve().parent:
+        return None
+    try:
+        import tomllib
+
+        name = tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]
+    except (OSError, KeyError, ValueError):
+        return None
+    return root if name == "moetier" else None
+
+
+def git_state(root: Path) -> dict:
+    """{"commit", "dirty", "dirty_paths"} of a checkout: HEAD, and whether `git status --porcelain`
+    lists anything (the first 20 paths it lists)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, check=True).stdout
+
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line.strip()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(changed), "dirty_paths": changed[:20]}
+
+
+def version(package: Path = PACKAGE) -> str:
+    """The package version: this tree's pyproject.toml where it sits beside the package (a checkout or
+    an unpacked archive), else the installed distribution's."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        project = tomllib.loads((package.parent / "pyproject.toml").read_text())["project"]
+        if project["name"] == "moetier":
+            return project["version"]
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        return installed("moetier")
+    except PackageNotFoundError:
         return "unknown"
 
 
+def provenance(package: Path = PACKAGE) -> dict:
+    """What code ran: the package version, the commit and whether the tree was dirty. From git when
+    the package sits in the project's own checkout (source "git"), else from the stamp written when
+    the tree was archived or installed (source "stamp"), else unknown (source "none")."""
+    out = {"version": version(package)}
+    try:
+        stamp = json.loads((package / BUILD_INFO.name).read_text())
+        stamped = {**out, "commit": stamp["commit"], "dirty": stamp["dirty"],
+                   "dirty_paths": stamp.get("dirty_paths", []), "commit_source": "stamp"}
+    except (OSError, KeyError, ValueError):
+        stamped = None
+    root = project_root(package)
+    if root is not None:
+        try:
+            state = git_state(root)
+            if stamped is None or not stamp_is_newer(root, state["commit"], stamped["commit"]):
+                return {**out, **state, "commit_source": "git"}
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return stamped or {**out, "commit": "unknown", "dirty": None, "commit_source": "none"}
+
+
+def stamp_is_newer(root: Path, head: str, stamp: str) -> bool:
+    """Whether a stamp names newer code than the checkout's git: its commit is unknown to this git (a
+    tree shipped with an older copy of .git) or descends from HEAD. A stamp left behind in a checkout
+    that moved on (its commit an ancestor of HEAD, or HEAD itself) is not."""
+    if stamp == head:
+        return False
+    known = subprocess.run(["git", "cat-file", "-e", f"{stamp}^{{commit}}"], cwd=root, capture_output=True)
+    if known.returncode != 0:
+        return True
+    return subprocess.run(["git", "merge-base", "--is-ancestor", head, stamp], cwd=root,
+                          capture_output=True).returncode == 0
+
+
+def commit() -> str:
+    return provenance()["commit"]
+
+
+def command() -> tuple[str, list[str]]:
+    """The command line as it was run -> (a readable line, the exact argv). The moetier CLI (its
+    console script) reads `moetier ...`; anything else `python ...` with the interpreter's own
+    arguments (`python -m pytest ...`, `python scripts/x.py ...`)."""
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    if Path(sys.argv[0]).name == "moetier":
+        return shlex.join(["moetier", *sys.argv[1:]]), argv
+    return shlex.join(["python", *argv[1:]]), argv
+
+
 def record(kind: str, results: dict) -> dict:
+    line, argv = command()
+    prov = provenance()
     return {"benchmark": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
-            "commit": commit(), "command": " ".join([*program(), *sys.argv[1:]]), **results}
+            "commit": prov["commit"], "dirty": prov["dirty"], "provenance": prov, "command": line, "argv": argv,
+            **results}
 
 
-def program() -> list[str]:
-    """How this process was started, for a record's command: `python scripts/X.py` for a script of the
-    repository, else the CLI's `moetier`."""
-    prog = Path(sys.argv[0])
-    return ["python", f"scripts/{prog.name}"] if prog.parent.name == "scripts" else ["moetier"]
+def trace_info(path: str | Path) -> dict:
+    """What a replayed trace was, so a record can be rerun without the file it named: its path, bytes
+    and sha256; for a synthetic trace its parameters and the `moetier trace synth` command that makes
+    it again (synthesis is deterministic in its parameters)."""
+    import hashlib
+
+    from moetier.traces.format import read_trace
+
+    data = Path(path).read_bytes()
+    meta = read_trace(path).meta
+    out = {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+           "model": meta.get("model"), "source": meta.get("source")}
+    synth = meta.get("synth")
+    if synth:
+        flags = {"experts": "experts", "top_k": "topk", "layers": "layers", "tokens": "tokens", "skew": "skew",
+                 "reuse": "reuse", "window": "window", "layer_corr": "layer-corr", "seed": "seed"}
+        out["synth"] = synth
+        out["synth_command"] = shlex.join(["moetier", "trace", "synth", "--out", Path(path).name,
+                                           *(f for k, flag in flags.items() if k in synth
+                                             for f in (f"--{flag}", str(synth[k])))])
+    return out
 
 
 def write_json(path: str | Path, data: dict) -> None:

@@ -15,14 +15,17 @@ steps that also fill the slot cache; graph capture and kernel compilation happen
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, links
-from moetier.bench.decode_report import check_tokens, plot, ratios, table  # noqa: F401 -- bench/cli.py's names
+from moetier.bench.common import GB, links, trace_info
+from moetier.bench.decode_report import check_tokens, plot, ratios, row_name, table  # noqa: F401 -- cli's names
+from moetier.bench.hybrid_rows import host_options, hybrid_rates  # noqa: F401 -- scripts/profile_hybrid.py's
+from moetier.bench.outputs import KeptLogits, References, strip
 from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
@@ -33,11 +36,11 @@ from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace
 
-# hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a piecewise
-# capture that fails on a machine may leave the CUDA context unusable. eager: no graphs; piecewise: the
-# pieces alone; nodes: the nodes graph alone; pieces-auto / nodes-auto: that graph and the whole slots-step
-# graph, switched per step (engine/switch.py); auto: the engine's default (a row says which it made)
-HYBRID_GRAPH_MODES = ("eager", "piecewise", "pieces-auto", "nodes", "nodes-auto", "auto")
+# hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a capture
+# that fails on a machine may leave the CUDA context unusable. eager: no CUDA graphs (EngineConfig.cuda_graphs
+# off); auto: the engine's default, its host path's graph and the whole slots-step graph switched per step
+# (engine/switch.py; a row says which it made: nodes-auto or pieces-auto)
+HYBRID_GRAPH_MODES = ("eager", "auto")
 
 
 def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
@@ -66,9 +69,20 @@ def roofline(bed: Bed, batch: int, step_experts: float, link_experts: float, hbm
 
 
 def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int,
-                on_timed=None) -> dict:
+                on_timed=None, keep_logits: bool = False) -> dict:
     """Greedy decode of `batch` random prompts; times the steps after every request has `warmup` tokens
-    (on_timed() is called as the timed window opens: the collective timer of parallel rows starts)."""
+    (on_timed() is called as the timed window opens: the collective timer of parallel rows starts).
+    keep_logits: every step's logits of the first requests copied on the device, brought to the host
+    after the timed window (bench/outputs.py: the row's output check)."""
+    with KeptLogits(llm) if keep_logits else contextlib.nullcontext() as kept:
+        r = _decode_once(llm, batch, prompt_len, warmup, tokens, seed, on_timed)
+    ids = r.pop("request_ids")
+    if keep_logits:
+        r["logits"] = kept.per_request(ids, [len(t) for t in r["tokens"]])
+    return r
+
+
+def _decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int, seed: int, on_timed) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = llm.tokenizer.vocab_size
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
@@ -109,8 +123,21 @@ def decode_once(llm: LLM, batch: int, prompt_len: int, warmup: int, tokens: int,
         "expert_stats_per_rank": per_rank, "hit_rate_per_rank": [hit_rate(d) for d in per_rank],
         "cursor": [cursor0, int(llm.replayer.cursor) if llm.replayer else 0],
         "gpu_replay_ms": gpu_ms, "gpu_replay_whole_ms": whole_ms,
-        "tokens": [r.output_ids for r in reqs],
+        "tokens": [r.output_ids for r in reqs], "request_ids": [r.id for r in reqs],
     }
+
+
+def repeated(run, repeats: int) -> dict:
+    """run(first) `repeats` times (first: the run whose outputs are checked, bench/outputs.py) -> the
+    median run's record (of an even count, the lower middle) with every run's tok/s, their median and
+    their spread (min-max). Each run decodes the same prompts from where the trace cursor stands, so
+    every row's n-th run replays the same routing as its reference's."""
+    runs = [run(i == 0) for i in range(repeats)]
+    rates = [x["tok_s"] for x in runs]
+    mid = {**sorted(runs, key=lambda x: x["tok_s"])[(repeats - 1) // 2]}
+    mid.update(tokens=runs[0]["tokens"], logits=runs[0].get("logits"), runs=repeats, runs_tok_s=rates,
+               tok_s=statistics.median(rates), tok_s_min=min(rates), tok_s_max=max(rates))
+    return mid
 
 
 def hit_rate(stats: dict) -> float | None:
@@ -153,28 +180,19 @@ def warm_all(model: CausalLM) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto", order: str | None = None,
-                 device_graphs: bool = False) -> list[dict]:
-    """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs), piecewise (the pieces always), nodes
-    (experts/hybrid_nodes.py: the whole step one graph, the host's share a host-function node; host experts
-    read from its device counters), pieces-auto or nodes-auto (that and the whole slots-step graph,
-    switched per step), auto (the engine's default: the row's `graphs` says which it made); order: how
-    a hybrid layer hands the host its pairs (experts/host_path.ORDERS; None: the default); device_graphs: a hybrid layer's device path as
-    CUDA graph replays (experts/hybrid_graphs.py) or launched kernel by kernel."""
+                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+    """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
+    row's `graphs` says which it made, nodes-auto or pieces-auto)."""
     hybrid = backend == "hybrid"
-    nodes = None if mode == "auto" else mode in ("nodes", "nodes-auto")  # None: the engine's default
-    opts = host_options(args, bw, order) if hybrid else {}
-    if nodes:  # the node runs the compiled kernel (a profile's rates stand, whichever kernel won)
-        opts["host_kernel"] = "compiled"
-    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **({**opts, "device_graphs": device_graphs, "hybrid_nodes": nodes} if hybrid else {}))
+    opts = host_options(args, bw) if hybrid else {}
+    slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"], **opts)
     if hybrid and mode == "auto":  # what the default made of it
         mode = "nodes-auto" if getattr(bed.model.moe_blocks()[0].experts, "graph_safe", False) else "pieces-auto"
     prompt_len = args["prompt_len"]
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          piecewise_graphs=mode != "eager", graph_switch=mode.endswith("auto"))
+                          cuda_graphs=mode != "eager")
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     rows = []
@@ -184,7 +202,8 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             counts0 = dict(switch.counts) if switch else {}
             # hybrid: a fresh phase clock (a few perf_counter calls per layer) as the timed window opens
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
-            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=timed)
+            r = repeated(lambda first: decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"],
+                                                   on_timed=timed, keep_logits=first), args.get("repeats", 1))
             if switch:  # steps of this run (warm-up included) on each variant, and what they cost
                 r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
                                "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
@@ -205,8 +224,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                 hp = bed.model.moe_blocks()[0].experts.hostpath
                 r["hybrid"] = {"host_experts_per_layer_step": host_experts, "host_pairs": st.get("host_pairs", 0),
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
-                               "rates": hybrid_rates(bed.model), "variant": order, "order": hp.order,
-                               "host_threads": hp.kernel.threads, "device_graphs": hp.device_graphs,
+                               "rates": hybrid_rates(bed.model), "host_threads": hp.kernel.threads,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
             rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
                          "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
@@ -224,48 +242,6 @@ def graph_mode(llm: LLM) -> str:
     return "whole" if not g.piecewise else "auto" if g.switching else "piecewise"
 
 
-def host_options(args: dict, bw: dict, variant: str | None = None) -> dict:
-    """ExpertOptions fields of the hybrid rows: the host kernel, threads and order, and the rates: from a
-    scripts/bench_cpu_experts.py JSON with this run's link bandwidth when given, else measured by the
-    backend when it is built. variant: "ORDER" or "ORDER:THREADS" (--hybrid-order). Threads: the
-    variant's, else --host-threads, else with a profile its winner's (the legacy order: as before issue
-    17's overlap work) or at most the cores less one (the other orders: the launching thread keeps a
-    core), else the backend's default (cores less one). With a profile, the rates are its fit at those
-    threads where it measured them (rates_from_bench)."""
-    import json
-
-    from moetier.experts.cost_model import rates_from_bench
-    from moetier.experts.host_path import default_host_threads
-
-    order, threads = parse_variant(variant)
-    out = {"host_kernel": args.get("host_kernel", "auto"), "host_order": order,
-           "host_threads": threads or args.get("host_threads")}
-    if args.get("host_profile"):
-        with open(args["host_profile"]) as f:
-            data = json.load(f)
-        out["host_kernel"] = data["winner"]["kernel"]
-        if out["host_threads"] is None:
-            won = data["winner"]["threads"]
-            out["host_threads"] = won if order == "legacy" else min(won, default_host_threads())
-        out["rates"] = rates_from_bench(data, bw["link_GBps"], out["host_threads"])
-    return out
-
-
-def parse_variant(variant: str | None) -> tuple[str | None, int | None]:
-    """--hybrid-order's "ORDER[:THREADS]" -> (order, threads or None)."""
-    if not variant:
-        return None, None
-    order, _, threads = variant.partition(":")
-    return order, int(threads) if threads else None
-
-
-def hybrid_rates(model: CausalLM) -> dict | None:
-    b = model.moe_blocks()[0].experts
-    rates = getattr(getattr(b, "hostpath", None), "rates", None)
-    return None if rates is None else {"link_GBps": rates.link_GBps, "host_GBps": rates.host_GBps,
-                                       "host_overhead_s": rates.host_overhead_s, "host_token_s": rates.host_token_s}
-
-
 def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:
     from moetier.bench.peer_hf import build_hf_peer
 
@@ -274,8 +250,8 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
     peer.replay(trace.ids)
     rows = []
     try:
-        g = torch.Generator().manual_seed(args["seed"])
         for b in batches:
+            g = torch.Generator().manual_seed(args["seed"])  # decode_once's prompts: the output check's
             prompts = torch.randint(0, bed.tokenizer.vocab_size, (b, args["prompt_len"]), generator=g).tolist()
             r = peer.decode(prompts, args["hf_tokens"], warmup=2)
             # The peer streams every offloaded layer's experts, all of them, at every forward.
@@ -319,7 +295,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
     if bed is not None and len(dtypes) > 1:
         raise ValueError("one bed runs one expert format; pass beds={dtype: bed} for several")
     trace = read_trace(trace_path)
-    link, rows, configs, build_s, errors = {}, [], {}, 0.0, []
+    link, rows, configs, build_s, errors, refs = {}, [], {}, 0.0, [], References()
     for dtype in dtypes:
         t0 = time.perf_counter()
         if beds is not None:
@@ -336,50 +312,62 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         configs[label] = {"row_bytes": b.row_bytes, "dense_bytes": b.dense_bytes,
                           "expert_bytes": b.row_bytes * cfg.num_experts * len(b.host)}
         if (1, 1) in layouts:
-            rows += [{**r, "dtype": label} for r in run_bed(b, trace, trace_path, budgets, batches, backends,
-                                                             args, bw, errors)]
+            rows += run_bed(b, trace, trace_path, budgets, batches, backends, args, bw, errors, refs)
         for block in b.model.moe_blocks():
             block.experts = None  # let this bed's device rows go before the next is built
         del b
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         for tp, ep in (lay for lay in layouts if lay != (1, 1)):
-            rows += [{**r, "dtype": label} for r in parallel_rows(cfg, trace, trace_path, tp, ep, budgets, batches,
-                                                                  backends, args, bw, dtype)]
+            par = [{**r, "dtype": label} for r in parallel_rows(cfg, trace, trace_path, tp, ep, budgets, batches,
+                                                                backends, args, bw, dtype)]
+            for r in par:  # EP: the one-GPU row of the run (else the layout's first); TP: its own first row
+                group = (label, r["batch"]) + ((r["parallel"],) if tp > 1 else ())
+                refs.check(r, group, row_name(r), exact_by_design=tp > 1 and ep == 1)
+            rows += par
     same = check_tokens(rows)
     first = next(iter(configs.values()))
     return {"config": {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "experts": cfg.num_experts,
                        "top_k": cfg.top_k, "moe_inter": cfg.moe_intermediate_size, "vocab": cfg.vocab_size,
                        "dtype": ",".join(configs), **first, "by_dtype": configs},
-            "trace": str(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
-            "greedy_tokens_equal_to_resident": same, "errors": errors,
-            "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
+            "trace": str(trace_path), "trace_file": trace_info(trace_path), "links": link, "bandwidth": bw, "build_s": build_s, "args": args,
+            "greedy_tokens_equal_to_resident": same, **refs.summary(rows, row_name), "errors": errors,
+            "rows": strip(rows)}
 
 
 def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batches: list[int],
-            backends: list[str], args: dict, bw: dict, errors: list[dict]) -> list[dict]:
-    rows: list[dict] = []
-    plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
+            backends: list[str], args: dict, bw: dict, errors: list[dict], refs: References | None = None
+            ) -> list[dict]:
+    """The one-GPU rows of one bed, each checked against the reference (bench/outputs.py): resident, or
+    without it the first slots row (which then runs first), else the first row that ran."""
+    refs = refs if refs is not None else References()
+    label, rows = bed_dtype(bed), []
+    plan = [("resident", 1.0)] * ("resident" in backends)
     plan += [("slots", b) for b in budgets if "slots" in backends]
+    plan[1:1] = [("uva", 0.0)] * ("uva" in backends)  # after the reference
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=HYBRID_GRAPH_MODES.index)
-    orders = args.get("hybrid_order") or [None]
-    dgraphs = sorted(args.get("hybrid_device_graphs") or [False])  # off first, as eager: a failed capture
-    plan = [(b, budget, "auto", None, True) for b, budget in plan]
-    plan += [("hybrid", b, mode, order, dg) for mode in modes for order in orders for dg in dgraphs for b in budgets
-             if "hybrid" in backends]
-    for backend, budget, mode, order, dg in plan:
+    plan = [(b, budget, "auto") for b, budget in plan]
+    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
+    for backend, budget, mode in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, order, dg)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if backend != "hybrid":
                 raise
-            errors.append({"backend": backend, "budget": budget, "graphs": mode, "order": order, "device_graphs": dg,
-                           "dtype": bed_dtype(bed), "error": repr(e)})
-            print(f"hybrid {budget:.0%} graphs={mode} order={order} device_graphs={dg} failed: {e!r}", flush=True)
+            errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
+                           "error": repr(e)})
+            print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
-        print(table([{**r, "dtype": bed_dtype(bed)} for r in rows[-len(batches):]]), flush=True)
+        for r in rows[-len(batches):]:
+            r["dtype"] = label
+            refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=backend != "hybrid")
+        print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
         for budget in budgets:
-            rows += bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
-            print(table(rows[-1:]), flush=True)
+            got = bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
+            for r in got:
+                r["dtype"] = label
+                refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=False)
+            rows += got
+            print(table(got), flush=True)
     return rows

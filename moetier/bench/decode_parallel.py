@@ -6,8 +6,9 @@ Row syntax (each row says its world size): `1` one GPU (the ordinary rows), `tpN
 parallelism over N GPUs, `epN` expert parallelism over N GPUs, `tpNepN` both over the same N.
 Every parallel row is an engine of its own: random weights of the preset made by every rank for its
 share (checkpoint/random_bed.RandomModel; EP ranks together hold exactly the one-GPU experts, so
-their greedy tokens are compared with one GPU's; TP ranks draw their own dense shards, so theirs
-are not), the same replayed trace on every rank, the same prompts. The expert budget is per GPU: a
+their outputs are checked against the one-GPU reference row of the run; TP ranks draw their own dense
+shards, so theirs are checked against the first row of their own layout: bench/outputs.py), the same
+replayed trace on every rank, the same prompts. The expert budget is per GPU: a
 rank's slots hold that share of the *model's* experts, capped at the experts it owns, so `ep2` at
 50% holds every expert it owns in HBM and `tp2` at 50% the same slots as one GPU.
 
@@ -33,7 +34,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
-from moetier.layers.parallel import layout_problems
+from moetier.parallel import layout_problems
 from moetier.traces.format import Trace
 
 BACKENDS = ("resident", "uva", "slots")  # hybrid is refused under EP; the transformers peer is one GPU
@@ -103,7 +104,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     try:
         for b in batches:  # NOTE: back to back as one GPU's rows, so each starts at the same trace step
             sent = (llm.runner.broadcast_s, llm.runner.broadcasts)
-            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"])
+            r = decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], keep_logits=True)
             # rank 0's wall time in the step record's broadcast, per step (dist/executor.DistributedRunner)
             r["record_broadcast_ms_per_step"] = ((llm.runner.broadcast_s - sent[0]) * 1e3
                                                  / max(1, llm.runner.broadcasts - sent[1]))

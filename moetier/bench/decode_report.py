@@ -4,28 +4,31 @@ greedy-token check against resident, the table, the format ratios and the tok/s 
 from __future__ import annotations
 
 from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
+from moetier.bench.outputs import column
+
+
+def row_name(r: dict) -> str:
+    """A row's name in the record's checks: resident/b1, slots@0.5/b1, uva/b8, hybrid/nodes-auto@0.5/b8;
+    FP8 rows end in /fp8 (or /fp8-dense), parallel rows in /tp2, /ep2."""
+    par = r.get("parallel", "1")
+    name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+    key = f"{name}@{r['budget']}/b{r['batch']}" if r.get("budget") is not None else f"{name}/b{r['batch']}"
+    return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
     """Greedy tokens of every engine row against resident's at the same batch and expert format (same
-    trace, same prompts). Keys: slots@0.5/b1, uva/b8; FP8 rows end in /fp8 (or /fp8-dense)."""
+    trace, same prompts); empty without a resident row (the record's output_checks then name the
+    reference that ran: bench/outputs.py)."""
     ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"
            and r.get("parallel", "1") == "1"}
     out = {}
     for r in rows:
-        par = r.get("parallel", "1")  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
-        if "tp" in par:
+        if "tp" in r.get("parallel", "1"):  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
             continue
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
         if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
-            name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
-            if r.get("hybrid", {}).get("variant"):
-                name += "/" + r["hybrid"]["variant"]
-            if r.get("hybrid", {}).get("device_graphs") is False:
-                name += "/dg-off"
-            key = f"{name}@{r['budget']}/b{r['batch']}" if r["budget"] is not None else f"uva/b{r['batch']}"
-            key += (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
-            out[key] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
+            out[row_name(r)] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
 
@@ -49,10 +52,11 @@ def table(rows: list[dict]) -> str:
                 host += f"  record {r['record_broadcast_ms_per_step']:.3f} ms/step ({r['step_record_group']})"
             if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
                 host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
-        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s  "
+        spread = f" ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} over {r['runs']})" if r.get("runs", 1) > 1 else ""
+        lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s{spread}  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
                      f"{r['of_roofline']:6.1%} of it  hit {hit:>6}  HBM {r['hbm_bytes_per_step'] / GB:6.2f} GB  "
-                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step{host}")
+                     f"link {r['link_bytes_per_step'] / GB:6.3f} GB per step  {column(r.get('check'))}{host}")
         if hyb and hyb.get("phases_us"):
             lines.append(" " * 14 + phases_line(hyb))
     return "\n".join(lines)
@@ -61,8 +65,7 @@ def table(rows: list[dict]) -> str:
 def phases_line(hyb: dict) -> str:
     """One hybrid row's mean phase offsets (experts/hybrid_phases.py) in microseconds from a layer's entry."""
     p = hyb["phases_us"]
-    dg = {True: " device graphs on", False: " device graphs off"}.get(hyb.get("device_graphs"), "")
-    out = f"order {hyb.get('order')} threads {hyb.get('host_threads')}{dg}:"
+    out = f"host threads {hyb.get('host_threads')}:"
     if p.get("layers"):
         out += (f" host layers {p['layers']}: sync {p['sync']:.0f} choose {p['choose']:.0f} "
                 f"args {p.get('host_args', 0):.0f} host_start "

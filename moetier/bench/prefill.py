@@ -6,7 +6,8 @@ A row is (backend, expert budget, prompt length, prompts in the batch): the prom
 with max_tokens 1 and the engine steps until all are done (chunks of --chunk tokens; the one sampled
 token per prompt is part of the step that ends its prompt). Untimed first: one prefill of the same
 length (kernel compilation, allocator growth); then the median of --reps runs (fewer once the runs
-of a row pass 2 s), each with the same routing. Bytes over the link are counted on an untimed repeat
+of a row pass 2 s), each with the same routing; a row reports the median run's tok/s and the
+spread (min-max) of its runs. Bytes over the link are counted on an untimed repeat
 with the same routing (the replay cursor is set back): the large-step kernel reads a host row once
 per chunk of up to large_block_m of its pairs, so per step and layer link rows = sum over the experts
 not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured host-to-device
@@ -22,6 +23,10 @@ Slots rows under bypass also run once per prefill stream mode (--prefill-stream:
 misses over the link in the kernel, ring stages them by the copy engine; experts/prefill_ring.py).
 A ring row's link rows are the rows the ring copied (each missing expert once per step and layer,
 counted by the backends), and the staged rows are read from HBM once per chunk like slots.
+
+Every row's outputs (each prompt's sampled token and its logits, from the untimed logged repeat)
+are checked against the first row of the same format, length and batch: resident, or the first slots
+row where resident was not asked for (bench/outputs.py).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import time
 import numpy as np
 import torch
 
-from moetier.bench.common import GB, batch_axes, finish_axis, save_figure, time_eager
+from moetier.bench.common import GB, batch_axes, finish_axis, save_figure, time_eager, trace_info
 from moetier.bench.decode import bed_dtype
+from moetier.bench.outputs import KeptLogits, References, column, strip
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
@@ -139,6 +145,19 @@ def prefill_once(llm: LLM, prompts: list[list[int]]) -> float:
     return time.perf_counter() - t0
 
 
+def prefill_checked(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list]:
+    """An untimed prefill of the prompts -> (each prompt's sampled token, as a list of one, and the
+    logits that chose it: [1, V]), for the row's output check (bench/outputs.py)."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    with KeptLogits(llm) as kept:
+        ids = [llm.add_request(p, params) for p in prompts]
+        while llm.has_unfinished():
+            got.update({out.request_id: list(out.outputs[0].token_ids) for out in llm.step()})
+        tokens = [got[i] for i in ids]
+        return tokens, kept.per_request(ids, [len(t) for t in tokens])
+
+
 def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, lengths: list[int], batches: list[int],
                   args: dict, bw: dict, prefill: str = "bypass", stream: str = "uva") -> list[dict]:
     cfg, gemm = bed.cfg, GemmConfig()
@@ -189,7 +208,7 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 warm()
                 log = RouteLog(bed.model)
                 streamed = ring_rows(blocks)
-                prefill_once(llm, prompts)
+                sampled, logits = prefill_checked(llm, prompts)
                 streamed = ring_rows(blocks) - streamed
                 log.close()
                 if prefill == "refresh" and backend == "slots":
@@ -216,13 +235,14 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                              "prefill_stream": stream if backend == "slots" else None,
                              **({"ring": [ring["ring_group"], ring["ring_depth"]]} if ringed else {}), **after,
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
-                             "runs_s": times,
-                             "ms": seconds * 1e3, "tok_s": tokens / seconds, "link_bytes": link_bytes,
+                             "runs_s": times, "runs": len(times),
+                             "ms": seconds * 1e3, "tok_s": tokens / seconds,  # the median run's
+                             "tok_s_min": tokens / max(times), "tok_s_max": tokens / min(times), "link_bytes": link_bytes,
                              "hbm_bytes": hbm_bytes, "flops": flops,
                              "link_bound_tok_s": tokens / link_s if link_s else None,
                              "work_bound_tok_s": tokens / work_s,
-                             "of_link_bound": (tokens / seconds) / (tokens / link_s) if link_s else None})
-                print(table(rows[-1:]), flush=True)
+                             "of_link_bound": (tokens / seconds) / (tokens / link_s) if link_s else None,
+                             "tokens": sampled, "logits": logits})
     finally:
         llm.close()
     return rows
@@ -234,8 +254,9 @@ def ring_rows(blocks) -> int:
 
 
 def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], batches: list[int], backends: list[str],
-        args: dict, link: dict) -> dict:
-    bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
+        args: dict, link: dict, bw: dict | None = None) -> dict:
+    """bw: bandwidths and matmul rate already measured (tests on the CPU); else from `link` and a matmul."""
+    bw = bw or {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
     policies = args.get("prefill_cache", ["bypass"])
     streams = args.get("prefill_stream", ["uva"])
     plan = [("resident", 1.0, "bypass", "uva")] * ("resident" in backends)
@@ -244,13 +265,27 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
              if "slots" in backends]
     plan += [("uva", 0.0, "bypass", "uva")] * ("uva" in backends)
     rows: list[dict] = []
+    refs = References()  # the first row of each (format, length, batch): resident, else the first slots row
     for backend, budget, policy, stream in plan:
-        rows += bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw, policy, stream)
+        for r in bench_backend(bed, trace_path, backend, budget, lengths, batches, args, bw, policy, stream):
+            # every backend computes the same pairs with the same kernel: bit-exact by design
+            refs.check(r, (r["dtype"], r["prompt_len"], r["batch"]), row_name(r), exact_by_design=True)
+            print(table([r]), flush=True)
+            rows.append(r)
     c = bed.cfg
     return {"config": {"layers": c.num_layers, "hidden": c.hidden_size, "experts": c.num_experts, "top_k": c.top_k,
                        "moe_inter": c.moe_intermediate_size, "dtype": bed_dtype(bed), "row_bytes": bed.row_bytes,
                        "dense_bytes": bed.dense_bytes, "large_block_m": GemmConfig().large_block_m},
-            "trace": trace_path, "links": link, "bandwidth": bw, "args": args, "rows": rows}
+            "trace": trace_path, "trace_file": trace_info(trace_path), "links": link, "bandwidth": bw, "args": args, **refs.summary(rows, row_name),
+            "rows": strip(rows)}
+
+
+def row_name(r: dict) -> str:
+    """resident/pp512x1, slots@0.5/bypass/ring/pp512x1, uva/pp512x4; FP8 rows end in /fp8 (or /fp8-dense)."""
+    # records from before the policy and stream options ran bypass and uva, what the names then say
+    policy, stream = r.get("prefill_cache") or "bypass", r.get("prefill_stream") or "uva"
+    name = r["backend"] if r["budget"] is None else f"{r['backend']}@{r['budget']}/{policy}/{stream}"
+    return f"{name}/pp{r['prompt_len']}x{r['batch']}" + (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "")
 
 
 def table(rows: list[dict]) -> str:
@@ -266,9 +301,11 @@ def table(rows: list[dict]) -> str:
         if r.get("decode_tok_s") is not None:
             hit = "-" if r.get("decode_hit_rate") is None else f"{r['decode_hit_rate']:.1%}"
             dec = f"  then decode {r['decode_tok_s']:8.1f} tok/s, hits {hit:>6}"
+        spread = "" if r.get("tok_s_min") is None else f" ({r['tok_s_min']:.0f}-{r['tok_s_max']:.0f} over {r['runs']})"
         out.append(f"{r['backend']:>9} {r.get('dtype', ''):>9} {budget:>4} {policy:>8} pp{r['prompt_len']:<5} x{r['batch']} {r['tok_s']:9.0f} "
-                   f"tok/s {r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
-                   f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s{dec}")
+                   f"tok/s{spread} {r['ms']:9.1f} ms  link {r['link_bytes'] / GB:7.2f} GB  link bound {lb} tok/s {of:>12}  "
+                   f"HBM/compute bound {r['work_bound_tok_s']:9.0f} tok/s{dec}"
+                   + (f"  {column(r['check'])}" if r.get("check") else ""))
     return "\n".join(out)
 
 

@@ -8,6 +8,8 @@ ones. A request's TTFT is its first chunk, ITL the gaps between chunks (a server
 that brings tokens, text or not, as vLLM's does), TPOT its decode time over its output tokens after
 the first, E2EL the whole request. Failures (an HTTP error, a
 broken stream) and cancellations (the client timed out, or the server aborted) are counted apart.
+Outputs: requests are greedy and the levels share their prompts, so each level's completions are
+compared with the first level's (`check`); a level whose completions differ is marked.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Result:
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     e2el: float = 0.0
+    text: str = ""  # the completion (greedy: the output check compares it across levels)
 
 
 def lengths(dataset: str, n: int, input_len: int, output_len: int, seed: int) -> list[tuple[int, int]]:
@@ -86,6 +89,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                     if chunk.get("usage"):
                         res.output_tokens = chunk["usage"]["completion_tokens"]
                     for choice in chunk.get("choices") or []:
+                        res.text += choice.get("text") or ""
                         # every chunk with a choice is a step that brought tokens (text or not); the
                         # usage chunk has none
                         now = time.perf_counter()
@@ -118,7 +122,7 @@ async def level(client, url: str, model: str, prompts: list[tuple[list[int], int
         async with limit:
             return await one(client, url, model, p, n, timeout)
 
-    await asyncio.gather(*(limited(p, n) for p, n in prompts[:warmup]))
+    warm = await asyncio.gather(*(limited(p, n) for p, n in prompts[:warmup]))
     rng = np.random.default_rng(seed)
     tasks, start = [], time.perf_counter()
     for p, n in prompts[warmup:]:
@@ -126,7 +130,25 @@ async def level(client, url: str, model: str, prompts: list[tuple[list[int], int
         if rate:  # Poisson arrivals
             await asyncio.sleep(rng.exponential(1.0 / rate))
     results = await asyncio.gather(*tasks)
-    return summarize(results, time.perf_counter() - start, concurrency, rate)
+    out = summarize(results, time.perf_counter() - start, concurrency, rate)
+    out["_texts"] = {i: r.text for i, r in enumerate([*warm, *results]) if r.ok}  # by prompt index
+    return out
+
+
+def check_levels(rows: list[dict]) -> None:
+    """Each level's completions against the first level's for the same prompts (temperature 0, the
+    same server): rows get "check", a level whose completions differ is marked. Drops the texts."""
+    ref = rows[0].pop("_texts") if rows else {}
+    name = f"concurrency {rows[0]['max_concurrency']}" if rows else ""
+    if rows:
+        rows[0]["check"] = {"verdict": "reference", "reference": name}
+    for r in rows[1:]:
+        texts = r.pop("_texts")
+        both = sorted(set(texts) & set(ref))
+        differ = [i for i in both if texts[i] != ref[i]]
+        r["check"] = {"reference": name, "compared": len(both), "differ": len(differ), "first_differing": differ[:5],
+                      "verdict": "exact" if not differ and both else "not compared" if not both else
+                      f"DIFFERS ({len(differ)} of {len(both)} completions; greedy, same prompts)"}
 
 
 def stats_ms(name: str, values: list[float]) -> dict:
@@ -174,6 +196,7 @@ async def run_async(url: str, api_key: str | None, concurrencies: list[int], rat
         for c in levels:
             n = (num_prompts or max(16, 4 * (c or 16))) + warmup
             rows.append(await level(client, url, model, prompts[:n], warmup, c, rate, seed, timeout))
+        check_levels(rows)
         return {"url": url, "model": model, "dataset": dataset, "input_len": input_len, "output_len": output_len,
                 "warmup": warmup, "seed": seed, "results": rows}
 
@@ -184,13 +207,22 @@ def run(*args, **kw) -> dict:
 
 def table(data: dict) -> str:
     lines = [f"{'conc':>5} {'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT ms':>8} "
-             f"{'TPOT ms':>8} {'p99 ITL':>8} {'E2EL ms':>8}"]
+             f"{'TPOT ms':>8} {'p99 ITL':>8} {'E2EL ms':>8}  outputs"]
     for r in data["results"]:
         lines.append(f"{str(r['max_concurrency']):>5} {str(r['request_rate']):>6} {r['completed']:>5} "
                      f"{r['failed'] + r['cancelled']:>4} {r['request_throughput']:7.2f} {r['output_throughput']:9.1f} "
                      f"{r['median_ttft_ms']:8.1f} {r['median_tpot_ms']:8.2f} {r['p99_itl_ms']:8.1f} "
-                     f"{r['median_e2el_ms']:8.0f}")
+                     f"{r['median_e2el_ms']:8.0f}  {check_text(r.get('check'))}")
     return "\n".join(lines)
+
+
+def check_text(check: dict | None) -> str:
+    if check is None:
+        return "-"
+    if check["verdict"] == "reference":
+        return "(reference)"
+    mark = "  <<< OUTPUTS DIFFER" if check["verdict"].startswith("DIFFERS") else ""
+    return f"{check['verdict']} vs {check['reference']}{mark}"
 
 
 def plot(data: dict, path: str, num_gpus: int = 1) -> None:

@@ -1,5 +1,7 @@
-"""FP8 block-scaled checkpoints (experts/fp8.py has the block rule): which tensors carry scales, the
-scale tensors a checkpoint must hold, and how the loader reads an FP8 tensor.
+"""FP8 block-scaled checkpoints against a model's weight list: the scale tensors a checkpoint must
+hold, the FP8 problems validation names, and how the loader reads an FP8 tensor. The format's own
+rules (the block rule, the tensor names and dtype codes, what is quantized, the config.json it
+writes) are quant/fp8_block.py's; this file joins them to the model's Weights and the Checkpoint.
 
 A model's checkpoint_weights() lists weights as if unquantized; for a config.json with
 `quantization_config: {"quant_method": "fp8", ...}` the checkpoint also holds, for every weight
@@ -7,7 +9,7 @@ stored as float8_e4m3fn, `<name>_scale_inv` float32 [..., ceil(N/128), ceil(K/12
 
     routed experts   must be float8 (a bf16 expert in an FP8 checkpoint is an error naming it): the
                      weights and their scales are copied unchanged into the expert's FP8 row
-                     (experts/shape.RowLayout parts `gate`, ..., `gate_scale`, ...)
+                     (quant/rows.RowLayout parts `gate`, ..., `gate_scale`, ...)
     everything else  float8 weights are dequantized once at load into the model dtype (bf16 for
                      published checkpoints), or with fp8_dense "fp8" (with_dense) copied unchanged,
                      with their scales, into the model's Fp8Weights (layers/fp8_linear.py) where the
@@ -23,10 +25,10 @@ import torch
 from moetier.checkpoint.index import Checkpoint
 from moetier.config import ModelConfig
 from moetier.errors import MoetierError
-from moetier.experts import fp8
 from moetier.models.base import ExpertTensor, Weight
+from moetier.quant import fp8_block as fp8
+from moetier.quant.fp8_block import FP8_CODE, scale_name
 
-FP8_CODE = "F8_E4M3"  # safetensors' dtype code of float8_e4m3fn
 FP8_DENSE = ("dequantize", "fp8")  # EngineConfig.fp8_dense: what the dense float8 weights become
 
 
@@ -40,27 +42,6 @@ def with_dense(cfg: ModelConfig, fp8_dense: str) -> ModelConfig:
                            "but this model is not FP8 (no quantization_config); use fp8_dense \"dequantize\" or an "
                            "FP8 checkpoint (moetier make-checkpoint --dtype fp8)")
     return dataclasses.replace(cfg, dense_quant="fp8" if fp8_dense == "fp8" else None)
-
-
-def scale_name(name: str) -> str:
-    return name + fp8.SCALE_SUFFIX
-
-
-def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """The tensors an FP8 checkpoint stores in float8 (what make-checkpoint --dtype fp8 quantizes):
-    projections of 2+ dimensions; not the embeddings, the LM head, norms or MoE routers (published
-    FP8 checkpoints keep those in bf16: quantization_config.modules_to_not_convert)."""
-    if len(shape) < 2 or name.endswith("_scale_inv"):
-        return False
-    return not ("embed_tokens" in name or name.startswith("lm_head") or "norm" in name
-                or name.endswith("mlp.gate.weight"))
-
-
-def not_converted(names: list[str]) -> list[str]:
-    """quantization_config.modules_to_not_convert for these checkpoint names (module names, as
-    Qwen3-FP8 writes them: lm_head and every router)."""
-    return sorted({n.removesuffix(".weight") for n in names
-                   if n.startswith("lm_head") or n.endswith("mlp.gate.weight")})
 
 
 def with_scales(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> tuple[list[Weight], list[str]]:
@@ -123,9 +104,3 @@ def read_fp8(read, ckpt: Checkpoint, name: str) -> tuple[torch.Tensor, torch.Ten
     """A non-expert float8 tensor and its block scale, unchanged (for an Fp8Weight destination)."""
     require_fp8(ckpt, name)
     return read(name), read(scale_name(name))
-
-
-def fp8_config(cfg_dict: dict, names: list[str]) -> dict:
-    """config.json fields of an FP8 checkpoint of these tensor names."""
-    return {**cfg_dict, "torch_dtype": "bfloat16",
-            "quantization_config": {**fp8.QUANT_CONFIG, "modules_to_not_convert": not_converted(names)}}

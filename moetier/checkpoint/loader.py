@@ -5,7 +5,7 @@ stream tensor by tensor.
     shard headers -> validated against the model's checkpoint_weights()
     model built (no expert memory), expert placement built (device rows or the pinned host store)
     each tensor read once and copied into its place, converting dtype on the way:
-        routed-expert tensors -> their expert's row (experts/shape.RowLayout.part); FP8 experts and
+        routed-expert tensors -> their expert's row (quant/rows.RowLayout.part); FP8 experts and
             their block scales unchanged into FP8 rows
         everything else -> model.param(name); FP8 weights dequantized with their scales first
             (checkpoint/fp8_weights.py), or with fp8_dense "fp8" copied with their scales into the
@@ -14,7 +14,7 @@ stream tensor by tensor.
 
 No second full copy of the model is ever held.
 
-Under a parallel layout (layers/parallel.Parallel; docs/parallel.md) each rank loads its share only:
+Under a parallel layout (moetier/parallel.Parallel; docs/parallel.md) each rank loads its share only:
 a dense tensor whose Weight.split names a dim gives this rank its contiguous 1/tp part of that dim
 (generic: any family declares its splits in checkpoint_weights()), the others whole; routed experts
 other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows;
@@ -38,13 +38,13 @@ from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
 from moetier.errors import MoetierError
-from moetier.experts import fp8
 from moetier.experts.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
-from moetier.layers.parallel import Parallel
 from moetier.models.base import CausalLM, Weight
 from moetier.models.registry import model_class
+from moetier.parallel import Parallel
+from moetier.quant import fp8_block as fp8
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

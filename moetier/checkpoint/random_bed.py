@@ -5,10 +5,10 @@ every MoE layer's expert backend over that store (resident: a device copy; slots
 so one model serves every row of a benchmark. loaded_bed() does the same for a checkpoint.
 
 quant="fp8": the routed experts are made as random bf16 and quantized by the block rule
-(experts/fp8.py) into FP8 rows, as make-checkpoint --dtype fp8 does; the dense weights stay random
+(quant/fp8_block.py) into FP8 rows, as make-checkpoint --dtype fp8 does; the dense weights stay random
 bf16 (what an FP8 checkpoint's dense weights become at load: dequantized to the model dtype).
 
-Under a parallel layout (par: layers/parallel.Parallel; docs/parallel.md) each rank makes its own
+Under a parallel layout (par: moetier/parallel.Parallel; docs/parallel.md) each rank makes its own
 share: an expert-parallel rank draws every expert in the same order as one process and keeps the
 rows it owns (e % ep == rank), so EP ranks together hold exactly the one-process experts; a
 tensor-parallel rank draws its dense shards with the same seed, which are valid shards of *a*
@@ -30,15 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from moetier.config import ModelConfig
-from moetier.experts import fp8
 from moetier.experts.columns import local_shape, resolve, slice_rows
 from moetier.experts.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.store import HostStore
-from moetier.layers.parallel import Parallel
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
+from moetier.parallel import Parallel
+from moetier.quant import fp8_block as fp8
 from moetier.tokenizer import Tokenizer
 from moetier.tokenizer.synthetic import write_tokenizer
 

@@ -10,11 +10,12 @@ import dataclasses
 import re
 from collections import Counter
 
-from moetier.checkpoint.fp8_weights import FP8_CODE, with_scales
+from moetier.checkpoint.fp8_weights import with_scales
 from moetier.checkpoint.index import Checkpoint
 from moetier.config import ModelConfig
 from moetier.errors import CheckpointError, problem_list
 from moetier.models.base import Weight
+from moetier.quant.fp8_block import FP8_CODE
 
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 # Tensors some exporters add that carry nothing we need.

@@ -5,7 +5,7 @@ shards, so a 60 GB preset needs one tensor's worth of RAM. The same seed gives t
 whatever the shard size or expert layout.
 
 --dtype fp8 writes a block-scaled FP8 checkpoint (checkpoint/fp8_weights.py): the same random bf16
-tensors, every projection quantized by the block rule of experts/fp8.py into float8_e4m3fn plus its
+tensors, every projection quantized by the block rule of quant/fp8_block.py into float8_e4m3fn plus its
 `_scale_inv`, written next to each other; embeddings, norms, routers and lm_head stay bf16; config.json
 gets torch_dtype bfloat16 and quantization_config.
 """
@@ -21,13 +21,14 @@ from typing import Callable, Iterator
 import torch
 
 from moetier import presets
-from moetier.checkpoint.fp8_weights import fp8_config, quantizable, scale_name
 from moetier.checkpoint.loader import DTYPES
 from moetier.checkpoint.safetensors_io import StreamingWriter
 from moetier.config import ModelConfig, config_from_dict
 from moetier.errors import MoetierError
-from moetier.experts import fp8
 from moetier.models.registry import model_class
+from moetier.quant import fp8_block as fp8
+from moetier.quant.fp8_block import checkpoint_config as fp8_config
+from moetier.quant.fp8_block import quantizable, scale_name
 from moetier.tokenizer import Tokenizer
 from moetier.tokenizer.synthetic import write_tokenizer
 

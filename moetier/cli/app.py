@@ -173,6 +173,8 @@ def serve(
     host_memory: opt.HostMemory = None,
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="On Ctrl-C, how long running requests "
                                         "may take to finish."),
+    tool_call_parser: opt.ToolCallParser = "auto",
+    reasoning_parser: opt.ReasoningParser = "auto",
 ) -> None:
     """Serve the OpenAI API (completions, chat, models, metrics) over HTTP; docs/server.md."""
     from moetier.server.run import EngineSpec, RandomModel, serve as run_server
@@ -183,6 +185,7 @@ def serve(
             raise MoetierError(f"--port {port}: it must be in 0..65535")
         opt.at_least(max_queue, 0, "--max-queue")
         opt.positive(drain_seconds, "--drain-seconds")
+        parsers = opt.parsers(tool_call_parser, reasoning_parser)
         if replay_trace is not None:
             opt.input_file(replay_trace, "--replay-trace")
         if max_num_tokens is not None:
@@ -216,7 +219,7 @@ def serve(
                               experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
                                                          cache_policy, expert_split),
                               gpu_memory=gpu_memory, host_memory=host_memory)
-        run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name)
+        run_server(spec, host, port, api_key or None, max_queue, drain_seconds, served_model_name, parsers)
     except (MoetierError, TokenizerError) as e:
         opt.fail(e)
 

@@ -11,6 +11,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from moetier.errors import MoetierError
+from moetier.server import parsers as _parsers
 
 
 def fail(e: Exception | str) -> NoReturn:
@@ -196,3 +197,20 @@ def int_list(text: str, option: str) -> list[int]:
     if not values:
         raise MoetierError(f"{option} {text!r}: give comma-separated whole numbers, like 512,2048")
     return values
+
+
+# -- serving: the reply parsers (moetier/server/parsers.py owns the names) ------------------------------
+def _parser_help(kind: str, names: list[str]) -> str:
+    return (f"How replies are split into {kind} (vLLM's names): {', '.join(names)}; auto (the default) is the "
+            "model family's format, none turns it off.")
+
+
+ToolCallParser = Annotated[str, typer.Option(
+    "--tool-call-parser", help=_parser_help("content and tool calls", _parsers.tool_call_parser_names()))]
+ReasoningParser = Annotated[str, typer.Option(
+    "--reasoning-parser", help=_parser_help("reasoning and content", _parsers.reasoning_parser_names()))]
+
+
+def parsers(tool_call: str, reasoning: str) -> _parsers.Parsers:
+    """The checked choice (an unknown name is one line naming the choices)."""
+    return _parsers.Parsers(tool_call, reasoning)

@@ -31,7 +31,7 @@ from moetier.dist.worker import WorkerSpec, main
 from moetier.engine.runner import ModelRunner
 from moetier.engine.step import RankQuery, StepInput, StepOutput
 from moetier.errors import MoetierError
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 
 class WorkerGroup:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from moetier.dist.executor import WorkerGroup
-from moetier.dist.group import local_rendezvous
+from moetier.dist.group import local_rendezvous, release
 from moetier.dist.worker import WorkerSpec
 from moetier.errors import MoetierError
 
@@ -77,7 +77,8 @@ class RayWorkers(WorkerGroup):
         self._holder = self._pg = None
         world, cuda = spec.rendezvous.world, spec.device == "cuda"
         try:
-            host = ray.util.get_node_ip_address()
+            host = ray.util.get_node_ip_address()  # the store listens there alone (dist/group.py)
+            release(spec.rendezvous)  # the local one spec_for made is not used across machines
             super().__init__(local_rendezvous(world, spec.device, spec.config.dist_timeout_s, host))
             spec = _with(spec, rendezvous=self.rendezvous)
             bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}

@@ -15,7 +15,7 @@ from typing import Any
 from moetier.errors import MoetierError
 from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.prefill_ring import PREFILL_STREAMS
-from moetier.layers.parallel import layout_problems
+from moetier.parallel import layout_problems
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
 
@@ -38,13 +38,11 @@ class EngineConfig:
     # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill_ring.py).
     # NOTE: "ring" is the default: on the H200 it prefilled 3-4% faster (docs/bench-prefill.md).
     prefill_stream: str = "ring"
+    # CUDA graphs of the decode step (False: every step eager). With hybrid backends the engine captures
+    # their host path's graph (the nodes graph, or the pieces of engine/piecewise.py where a backend
+    # cannot be captured) and the whole step on the slots path, and replays, step by step, whichever the
+    # recent misses say is faster (engine/switch.Switch).
     cuda_graphs: bool = True
-    # When an expert backend cannot be captured (hybrid): CUDA graphs split at its MoE layers, which then
-    # run eagerly between them (engine/piecewise.py); False: such decode steps run without graphs.
-    piecewise_graphs: bool = True
-    # With piecewise graphs: also capture the whole step in one graph (such backends on their graph-safe
-    # path) and replay, step by step, whichever the recent misses say is faster (engine/switch.Switch).
-    graph_switch: bool = True
     record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
     replay_trace: str | Path | None = None  # route by this trace instead of the router
     trace_meta: dict[str, Any] = field(default_factory=dict)

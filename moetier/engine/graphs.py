@@ -39,13 +39,14 @@ MODES = ("greedy", "sample", "filter")
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
-                 piecewise: bool = False, switching: bool = True):
+                 piecewise: bool = False):
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
         # with hybrid backends (pieces, or nodes: one graph with host-function nodes): also the whole step
         # in one graph with every hybrid backend on its slots step, replayed when the recent misses do not
-        # pay for the host path's cost (engine/switch.Switch)
-        self.switching = switching and bool(switchable(model))
+        # pay for the host path's cost (engine/switch.Switch). switch = None after capture replays the host
+        # path's graph on every step (scripts/profile_hybrid.py and tests look at one variant so)
+        self.switching = bool(switchable(model))
         self.whole: dict[int, torch.cuda.CUDAGraph] = {}
         self.overhead_s: dict[int, float] = {}  # per size: pieces replay - whole replay, at no misses
         self.switch: Switch | None = None
@@ -193,12 +194,11 @@ class DecodeGraphs:
 def captures(config, model: CausalLM, parallel: bool) -> bool:
     """Whether an engine of `config` (engine/config.EngineConfig) captures decode graphs: on CUDA, with
     graphs on and no trace recorder (it reads ids on the host every step); a backend that needs pieces
-    (hybrid: a host decision per MoE layer) only with piecewise graphs on and one rank (pieces decide
-    on one rank's host). NOTE: every rank of a parallel engine decides here, so the captures' warm-up
+    (hybrid: a host decision per MoE layer) only on one rank (pieces decide on one rank's host). NOTE: every rank of a parallel engine decides here, so the captures' warm-up
     collectives pair up."""
     pieces = needs_pieces(model)
     return (model.device.type == "cuda" and config.cuda_graphs and config.record_trace is None
-            and not (pieces and (parallel or not config.piecewise_graphs)))
+            and not (pieces and parallel))
 
 
 def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise: bool = False) -> DecodeGraphs:
@@ -209,4 +209,4 @@ def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise:
     cap = min(config.max_num_seqs, config.decode_tokens)  # steps above the decode limit run eagerly
     sizes = [n for n in SIZES if n <= cap] or [1]
     return DecodeGraphs(model, kv, scratch_page=config.num_pages, max_pages_per_seq=-(-max_len // config.page_size),
-                        sizes=sizes, piecewise=piecewise, switching=config.graph_switch)
+                        sizes=sizes, piecewise=piecewise)

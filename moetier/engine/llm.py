@@ -145,7 +145,7 @@ class LLM:
         so that threads other than this one (AsyncLLM's) allocate on the same GPU."""
         from moetier.checkpoint.loader import check_parallel
         from moetier.dist.executor import spec_for, start
-        from moetier.layers.parallel import Parallel
+        from moetier.parallel import Parallel
 
         check_parallel(cfg, experts, config.decode_tokens,
                        Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))

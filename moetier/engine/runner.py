@@ -19,6 +19,11 @@ class ModelRunner:
         self.model, self.kv, self.graphs = model, kv, graphs
         self.graph_steps = 0
         self.graphs_on = True  # False: every step eager with the graphs kept (bench decode --parallel)
+        # bench decode/prefill's output check (bench/outputs.py): each step, the logits of its first
+        # keep_logits sampled rows are copied on the device (no host read) into kept_logits as
+        # (request ids, [n, V] float32); 0 (the product): off
+        self.keep_logits = 0
+        self.kept_logits: list[tuple[list[str], torch.Tensor]] = []
 
     def replays(self, seqs: list[SeqStep]) -> bool:
         """Whether execute() replays the decode graph for these sequences."""
@@ -32,8 +37,9 @@ class ModelRunner:
         if self.replays(seqs):
             tokens = self.graphs.run(seqs)
             self.graph_steps += 1
-            logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) else None
-            return self._output(seqs, tokens, logits, len(seqs))
+            logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) or self.keep_logits else None
+            self._keep(seqs, logits)
+            return self._output(seqs, tokens, logits if _wants_logprobs(seqs) else None, len(seqs))
         dev = self.model.device
         hidden, batch, ids = self._forward(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
@@ -44,7 +50,13 @@ class ModelRunner:
         picked = [seqs[i] for i in rows]
         tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
                         [s.sample_index for s in picked])
+        self._keep(picked, logits)
         return self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+
+    def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:
+        if self.keep_logits:
+            n = min(self.keep_logits, len(seqs))
+            self.kept_logits.append(([s.request_id for s in seqs[:n]], logits[:n].float().clone()))
 
     @torch.inference_mode()
     def forward_only(self, step: StepInput) -> torch.Tensor:

@@ -7,7 +7,7 @@
     uva        every expert in pinned host memory, read across the link on every use: what vLLM's
                --cpu-offload-gb does. The baseline to beat.
 
-An expert's weights are one row [gate_up (2I x H) | down (H x I)] (shape.RowLayout; FP8 rows append
+An expert's weights are one row [gate_up (2I x H) | down (H x I)] (quant/rows.RowLayout; FP8 rows append
 the block scales, and the CPU path dequantizes a row before the same torch ops). Every backend
 computes each (token, expert) pair with the same ops and sums the k outputs in slot order, so the
 backends differ only in where a row's bytes are read from: slots and uva are bit-exact against
@@ -39,9 +39,9 @@ from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_
 from moetier.experts.prefill_ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
                                           ring_forward, ring_large)
 from moetier.experts.reference import combine, expert_pairs, row_fetch
-from moetier.experts.shape import RowLayout
 from moetier.experts.slots import SlotCache, policy_for
 from moetier.experts.store import DevicePointer
+from moetier.quant.rows import RowLayout
 
 class ExpertBackend(ABC):
     """Computes one MoE layer's routed experts for the tokens of a step."""
@@ -101,9 +101,8 @@ class ExpertBackend(ABC):
 
         # One kernel for every T and every backend: the backends stay bit-exact against each other,
         # and on the GPU a pair's result never depends on the other tokens of its step (a token gets
-        # the same bits alone or in a batch; see the NOTE in grouped_gemm._gate_up). At one token it is as fast as the per-pair GEMV (pair_gemv.py: 31.0
-        # vs 31.1 us per Qwen3-30B layer on the H200), 2.3x faster at 64 (scripts/tune_experts.py,
-        # bench/results/h200-tune-experts.json).
+        # the same bits alone or in a batch; see the NOTE in grouped_gemm._gate_up). At one token it is as fast as a per-pair GEMV, and
+        # faster with more tokens (docs/bench-decode.md).
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
                                   self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant)
 
@@ -170,15 +169,11 @@ class SlotExperts(ExpertBackend):
     name = "slots"
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
-                 decode_tokens: int = 64, device: torch.device | str = "cpu", fill: str = "kernel",
-                 policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
+                 decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
                  prefill_stream: str = "ring", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)):
         super().__init__(layout, top_k, decode_tokens, device, gemm)
-        if fill not in ("kernel", "copy"):
-            raise ValueError(f"fill must be 'kernel' or 'copy', got {fill!r}")
         num_experts = host_rows.shape[0]
         self.host = host_rows
-        self.fill = fill
         self.prefill = check_policy(prefill)  # what a large step does to the cache (prefill_cache.py)
         # how a bypass step's misses reach the GEMM: uva (in the kernel) or ring (prefill_ring.py)
         self.prefill_stream = check_stream(prefill_stream)
@@ -200,7 +195,6 @@ class SlotExperts(ExpertBackend):
                                                self.device)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._copy_programs = 2 * sms
-            self._copy_stream = torch.cuda.Stream(self.device)
 
     def forward(self, hidden, topk_ids, topk_weights):
         t = hidden.shape[0]
@@ -212,14 +206,12 @@ class SlotExperts(ExpertBackend):
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
             keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/ep.py)
-            return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit), topk_weights)
+            return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit),
+                           topk_weights)
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
         slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
-        if self.fill == "kernel":
-            copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
-        else:
-            self._fill_by_copy_engine()
+        copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
         return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
 
     def _fetcher(self, dtype: torch.dtype):
@@ -227,21 +219,6 @@ class SlotExperts(ExpertBackend):
         s = self.cache.num_slots
         slot, host = row_fetch(self.slots, self.layout, dtype), row_fetch(self.host, self.layout, dtype)
         return lambda key: slot(key) if key < s else host(key - s)
-
-    def _fill_by_copy_engine(self) -> None:
-        """Fill misses with cudaMemcpyAsync on a side stream. Reads the miss list on the host (a sync):
-        for eager steps and prefetching, not for graph-captured decode."""
-        sc = self._scratch
-        n = int(sc.miss_count)
-        if n == 0:
-            return
-        experts, slots = sc.miss_expert[:n].tolist(), sc.miss_slot[:n].tolist()
-        main = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(main)
-        with torch.cuda.stream(self._copy_stream):
-            for e, s in zip(experts, slots):
-                self.slots[s].copy_(self.host[e], non_blocking=True)
-        main.wait_stream(self._copy_stream)
 
     def _bypass(self, hidden, topk_ids, topk_weights) -> torch.Tensor:
         """Prefill: experts in slots are read from their slots, the rest from the host store across the

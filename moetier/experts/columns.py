@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from moetier.errors import MoetierError
-from moetier.experts import fp8
 from moetier.experts.backends import ExpertBackend
 from moetier.experts.ep import ReducedExperts
-from moetier.experts.shape import MoeShape, RowLayout
-from moetier.layers.parallel import Parallel
+from moetier.experts.shape import MoeShape
+from moetier.parallel import Parallel
+from moetier.quant import fp8_block as fp8
 
 SPLITS = ("auto", "replicate", "columns")
 

@@ -11,8 +11,8 @@ A missed expert can be served two ways, and both ways run at the same time:
 The layer waits for the slower path, so the choice minimizes max(link_s, host_s) (the GPU's own work
 on the hits overlaps both and is the same whichever way a miss goes). The two paths are concurrent,
 never summed: the layer's time is max(link_s, host_s) plus what both pay alike (the layer's sync, the
-choice, the combine), which changes no choice; a cost only one path pays (e.g. the host call waiting
-for the device launches in experts/host_path's device-first order) is its queued_* argument.
+choice, the combine), which changes no choice; a cost only one path pays (e.g. work already queued on
+the link or the host cores) is its queued_* argument.
 
 Every link miss costs the same and a host miss costs more the more tokens use it, so an optimal
 host set is always some n misses with the fewest tokens: the model sorts the misses by (tokens, order

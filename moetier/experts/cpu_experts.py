@@ -10,18 +10,11 @@ sum over those pairs only, per token, in fp32, summed in pair order j = 0..k-1 w
 contributing exact zeros: for a given set of pairs the sum order is fixed whichever kernel computed
 the pair outputs (the backend adds it to the device's partial sum of the other pairs).
 
-The torch kernels compute a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)),
-w2) in the compute dtype (the rows' dtype; the hidden state's for FP8 rows). They differ in how the
-work meets the cores:
+The torch kernel computes a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)),
+w2) in the compute dtype (the rows' dtype; the hidden state's for FP8 rows). Two kernels, and a choice:
 
-    pair      one F.linear per (token, expert) pair: the plain reference; an expert's weights are
-              read once per pair that uses it
-    grouped   one F.linear per distinct expert over all of its tokens (each weight read once per
-              call); torch's intra-op threads (oneDNN/MKL) split each GEMM
-    split     each distinct expert's gate_up rows, then its down rows, cut into `threads` slices that
-              a pool of Python threads computes at once (torch releases the GIL inside F.linear;
-              every worker runs torch single-threaded): for M = 1 GEMVs that one torch call does
-              not spread well over 16 cores
+    grouped   (torch) one F.linear per distinct expert over all of its tokens (each weight read once
+              per call); torch's intra-op threads (oneDNN/MKL) split each GEMM
     compiled  csrc/host_experts.cpp (host_ext.py builds it at first use): one OpenMP region per call,
               every distinct expert's gate_up rows, then its down rows, cut into ~64 KB items the
               threads take in turn; bf16 -> fp32 by a shift, FP8 decoded in registers, fp32 FMA with
@@ -43,16 +36,15 @@ are in addition independent of its thread count and of the other pairs of the ca
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
+from moetier.activation import silu_mul
 from moetier.experts import host_ext
-from moetier.experts.shape import RowLayout
-from moetier.layers.activation import silu_mul
+from moetier.quant.rows import RowLayout
 
-KERNELS = ("compiled", "grouped", "split", "pair")  # the implementations
+KERNELS = ("compiled", "grouped")  # the implementations
 CHOICES = ("auto", *KERNELS)  # what an option may name (auto: compiled where it builds, else grouped)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # rows of the model dtype; FP8 rows are uint8
 
@@ -119,20 +111,6 @@ class HostKernel:
         return list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
 
 
-class PairKernel(HostKernel):
-    """The reference: one GEMV pair at a time."""
-
-    name = "pair"
-
-    def pair_outputs(self, x, tokens, experts, rows):
-        lay = self.layout
-        out = x.new_empty(tokens.numel(), lay.hidden)
-        for i, (t, e) in enumerate(zip(tokens.tolist(), experts.tolist())):
-            w13, w2 = self.weights(rows, e, x.dtype)
-            out[i] = F.linear(silu_mul(F.linear(x[t:t + 1], w13)), w2)[0]
-        return out
-
-
 class GroupedKernel(HostKernel):
     """One GEMM per distinct expert over its tokens; torch's own threads (set to `threads`)."""
 
@@ -150,65 +128,6 @@ class GroupedKernel(HostKernel):
             w13, w2 = self.weights(rows, e, x.dtype)
             out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], w13)), w2)
         return out
-
-
-class SplitKernel(HostKernel):
-    """Every expert's output rows cut into one slice per worker of a pool of single-threaded workers:
-    worker w computes slice w of every expert of the call, gate_up then (after all have finished) down,
-    so a call costs two rounds of `threads` tasks whatever the number of experts."""
-
-    name = "split"
-
-    def __init__(self, layout: RowLayout, threads: int | None = None, min_rows: int = 16):
-        super().__init__(layout, threads)
-        self.min_rows = min_rows  # no slice thinner than this
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moetier-host-expert",
-                                        initializer=_one_thread)
-
-    def _slices(self, n: int) -> list[tuple[int, int]]:
-        parts = max(1, min(self.threads, n // self.min_rows))
-        bounds = [n * i // parts for i in range(parts + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
-
-    def pair_outputs(self, x, tokens, experts, rows):
-        lay = self.layout
-        i = lay.inter
-        groups = self.groups(experts)
-        xs = [x[tokens[idx]] for _, idx in groups]  # per expert its tokens' rows [n_e, H]
-        # views [2I, H] (gate rows, then up rows) and [H, I]; FP8 rows dequantized here, on the caller
-        ws = [self.weights(rows, e, x.dtype) for e, _ in groups]
-        w13, w2 = [w[0] for w in ws], [w[1] for w in ws]
-        hs = [x.new_empty(xe.shape[0], i) for xe in xs]  # SwiGLU [n_e, I]
-        ys = [x.new_empty(xe.shape[0], lay.hidden) for xe in xs]
-
-        # NOTE: inference mode is per thread; the workers enter it so that they may write into buffers
-        # the caller made under it (the engine runs the model under torch.inference_mode)
-        @torch.inference_mode()
-        def gate_up(a: int, b: int) -> None:
-            # gate rows [a, b) and the matching up rows: the slice's SwiGLU needs nothing else
-            for xe, w, h in zip(xs, w13, hs):
-                h[:, a:b] = F.silu(F.linear(xe, w[a:b])) * F.linear(xe, w[i + a:i + b])
-
-        @torch.inference_mode()
-        def down(a: int, b: int) -> None:
-            for h, w, y in zip(hs, w2, ys):
-                y[:, a:b] = F.linear(h, w[a:b])
-
-        list(self._pool.map(lambda ab: gate_up(*ab), self._slices(i)))
-        list(self._pool.map(lambda ab: down(*ab), self._slices(lay.hidden)))
-        out = x.new_empty(tokens.numel(), lay.hidden)
-        for (_, idx), y in zip(groups, ys):
-            out[idx] = y
-        return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
-
-def _one_thread() -> None:
-    # NOTE: under OpenMP the thread count is per calling thread: the pool's workers run torch with
-    # one thread each and leave the main thread's setting alone.
-    torch.set_num_threads(1)
 
 
 class CompiledKernel(HostKernel):
@@ -252,7 +171,7 @@ def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallba
             kernel = GroupedKernel(layout, threads)
             kernel.fallback_reason = str(e)
             return kernel
-    return {"grouped": GroupedKernel, "split": SplitKernel, "pair": PairKernel}[name](layout, threads)
+    return GroupedKernel(layout, threads)
 
 
 def compute_dtype(rows: torch.Tensor, x_dtype: torch.dtype) -> torch.dtype:

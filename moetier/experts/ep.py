@@ -18,7 +18,7 @@ import torch
 
 from moetier.errors import MoetierError
 from moetier.experts.backends import ExpertBackend
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 NOT_MINE = -1  # the topk id of a pair another rank computes (every backend path, CPU and CUDA, skips it)
 

@@ -1,6 +1,6 @@
 """Grouped Triton expert GEMM for every decode step (T tokens x k experts): each distinct row read once.
 
-The per-pair GEMV (pair_gemv.py) reads an expert's row once per (token, expert) pair; with T tokens many
+A per-pair GEMV would read an expert's row once per (token, expert) pair; with T tokens many
 pairs share a row (batch 8 of Qwen3-30B: 64 pairs on 29 distinct experts per layer under the
 qwen3-30b-like trace, 52 under uniform routing), so it reads up to 2.2x the bytes the step needs.
 Here the pairs are grouped by the row they read (key: the slot id when >= 0, else the host expert
@@ -28,17 +28,19 @@ starts leave at once, so a CUDA graph replays the step. No atomics: the k-sum ha
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moetier.experts import fp8
 from moetier.experts.fp8_gemv import expert_gemv
 from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.shape import RowLayout
+from moetier.quant import fp8_block as fp8
+from moetier.quant.dot import dot_type as _dot_type
+from moetier.quant.dot import mma as _mma
+from moetier.quant.fp8_block_triton import dequant_tile as _dequant
+from moetier.quant.rows import RowLayout
 
 BLOCK_M = 16  # tokens of a group per tl.dot (the smallest M tl.dot takes)
 PLAN_BLOCK = 64
@@ -80,37 +82,6 @@ def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, N_BLOCKS: tl.
     starts = ((before % BLOCK_M) == 0) & (ka != 2147483647)
     end = tl.minimum(pos + BLOCK_M, below + same)
     tl.store(chunk_end_ptr + pos, tl.where(starts, end, 0), mask=am)
-
-
-@triton.jit
-def _mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT
-    a = a.to(DOT)
-    b = b.to(DOT)
-    if EMULATE:  # Triton's interpreter multiplies the raw bits of bf16: round, then multiply in fp32
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _dequant(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    # w [BLOCK_N, BLOCK_K] float8 bytes of rows n, columns kk = k0 + [0, BLOCK_K) -> DOT: fp32(w) times
-    # its block's scale (float32 grid [ceil(N/128), K_BLOCKS] at byte pointer scale_ptr), rounded once.
-    # BLOCK_K divides 128: one scale per row (column k0 // 128); a multiple of 128: one per element.
-    sp = scale_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
-    if BLOCK_K <= 128:
-        s = tl.load(sp + (n // 128) * K_BLOCKS + k0 // 128, mask=nm, other=0.0)[:, None]
-    else:
-        s = tl.load(sp + (n // 128)[:, None] * K_BLOCKS + (kk // 128)[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0)
-    v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-    if EMULATE:
-        if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
-            b = v.to(tl.uint32, bitcast=True)
-            v = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return v.to(DOT)
 
 
 @triton.jit
@@ -282,17 +253,6 @@ class GemmScratch:
 
 
 _SHARED: dict[tuple, GemmScratch] = {}
-
-
-def _dot_type(dtype: torch.dtype) -> tuple[tl.dtype, str, bool]:
-    # 16-bit weights: tensor cores on 16-bit operands (x and h rounded to it, as torch's F.linear does);
-    # anything else: fp32 operands with IEEE products (no tf32).
-    if dtype not in (torch.bfloat16, torch.float16):
-        return tl.float32, "ieee", False
-    dot = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return dot, "ieee", True
-    return dot, "tf32", False  # the precision of 16-bit operands is their own; "tf32" is the default
 
 
 def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

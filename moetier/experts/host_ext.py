@@ -18,8 +18,8 @@ few seconds on 2 cores; the library is cached, never in the source tree:
 code from one machine must never be loaded on another that shares the home directory. Writes are
 atomic (a temporary file renamed into place), so concurrent first builds are safe.
 
-Environment: MOETIER_CXX (the compiler; else $CXX, else c++ / g++ on the PATH), MOETIER_HOST_EXT=0
-(never build or load it: the torch kernels serve). A failed build is remembered for the process (per
+Environment: MOETIER_CXX (the compiler; else $CXX, else c++ / g++ on the PATH) and MOETIER_CACHE_DIR
+(above) say where the compiler and the cache are, never what runs. A failed build is remembered for the process (per
 compiler and cache dir) and reported as one line, and the hybrid backend falls back to a torch kernel.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from moetier.experts.shape import RowLayout
+from moetier.quant.rows import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
 # the hybrid nodes mode's host-function node (hybrid_nodes.py), linked into the same library
@@ -122,8 +122,6 @@ def build(cxx: str, out_dir: Path) -> Path:
 
 def load() -> ctypes.CDLL:
     """The loaded library (built at first use); raises HostExtUnavailable, the same one each time."""
-    if os.environ.get("MOETIER_HOST_EXT", "1") in ("0", "off", "false", "no"):
-        raise HostExtUnavailable("the compiled host kernel is turned off (MOETIER_HOST_EXT=0)")
     cxx = compiler()
     key = (cxx, str(cache_dir()))
     got = _LOADED.get(key)

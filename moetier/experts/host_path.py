@@ -1,21 +1,9 @@
 """The host side of the `hybrid` backend (hybrid.py), shared by the layers of a model: the host kernel,
-how a layer hands it its pairs (ORDERS), the worker thread, pinned staging buffers and the measured
-rates (measure_rates).
+the worker thread, pinned staging buffers and the measured rates (measure_rates).
 
-    host-first    (the default) the host call is prepared on the layer's thread and started before the
-                  device path's launches: the compiled kernel on its own native thread (host_ext.start:
-                  no GIL needed to begin), a torch kernel on the worker thread
-    device-first  the device path is launched first, then the host call runs on the layer's thread itself
-                  (no second thread at all); the GPU works through the launches meanwhile
-    legacy        the order before issue 17's overlap work: the worker thread is submitted a job that
-                  builds its inputs and calls the kernel, before the launches; the worker must take the
-                  GIL from the launching thread first
-MOETIER_HYBRID_ORDER sets the default order (HostPath(order=...) and --hybrid-order take precedence).
-device_graphs (default off; MOETIER_HYBRID_DEVICE_GRAPHS=1 turns the default on): on CUDA, each layer's
-device path replays a CUDA graph per padded device-pair count (hybrid_graphs.py) instead of launching
-kernel by kernel; off: the eager launches (the same bits for the same choice). NOTE: off by default
-because on the H200 the replays were slower at batch 1 (109.2 against 122.7 tok/s, uniform routing,
-50%) though faster at batch 8 (326.8 against 307.2): docs/hybrid-graphs.md.
+A layer hands the host its pairs before it launches its device path: the call is prepared on the
+layer's thread and started on the compiled kernel's own native thread (host_ext.start: no GIL needed
+to begin; a torch kernel runs on the worker thread), then the device work is launched while it runs.
 Threads default to the usable cores less one (default_host_threads): the launching thread keeps a core.
 """
 
@@ -40,15 +28,7 @@ class HostPath:
     else grouped with a one-line warning (cpu_experts.host_kernel), never an error at serve time."""
 
     def __init__(self, layout: RowLayout, kernel: str = "auto", threads: int | None = None,
-                 rates: PathRates | None = None, order: str | None = None, device_graphs: bool | None = None):
-        if device_graphs is None:
-            device_graphs = os.environ.get("MOETIER_HYBRID_DEVICE_GRAPHS", "0") == "1"
-        self.device_graphs = device_graphs  # used on CUDA only (hybrid_graphs.py)
-        self.graph_statics: dict[tuple, object] = {}  # hybrid_graphs.Statics by device, shape and dtypes
-        self._pool = None
-        self.order = order or os.environ.get("MOETIER_HYBRID_ORDER") or "host-first"
-        if self.order not in ORDERS:
-            raise ValueError(f"hybrid order {self.order!r}: choose one of {', '.join(ORDERS)}")
+                 rates: PathRates | None = None):
         self.kernel: HostKernel = host_kernel(kernel, layout, threads or default_host_threads(), fallback=True)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="moetier-hybrid")
         self.rates = rates
@@ -71,21 +51,12 @@ class HostPath:
         view = self._views[key + (shape,)] = b[:math.prod(shape)].view(shape)
         return view
 
-    def graph_pool(self):
-        """The memory pool of every layer's device-path graphs (hybrid_graphs.py), made at first ask."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
-
     def calibrate(self, host_rows: torch.Tensor, slots: torch.Tensor) -> PathRates:
         """Measure once: the link (host rows into slots, which are empty at build) and the host kernel
         (1 and 4 experts at one token, 4 experts at 8 tokens; medians of 3)."""
         if self.rates is None:  # on the worker: the kernel sets the thread count of the thread it runs on
             self.rates = self.worker.submit(measure_rates, self.kernel, host_rows, slots).result()
         return self.rates
-
-
-ORDERS = ("host-first", "device-first", "legacy")
 
 
 def default_host_threads() -> int:
@@ -99,11 +70,11 @@ def default_host_threads() -> int:
 
 
 class _Job:
-    """A host call in flight: a native one (host_ext.Started), a future of the worker thread (of
-    _timed's (out, (start, end))) or, with neither, a result already computed (same shape)."""
+    """A host call in flight: a native one (host_ext.Started) or a future of the worker thread (of
+    _timed's (out, (start, end)))."""
 
-    def __init__(self, inner, done: tuple | None = None):
-        self.inner, self.done = inner, done
+    def __init__(self, inner):
+        self.inner, self.done = inner, None
         self.times: tuple[float, float] = (0.0, 0.0)
 
     def result(self) -> torch.Tensor:

@@ -7,22 +7,19 @@ One decode step of one MoE layer (T tokens x k pairs, P = T * k):
              the hidden state [T, H] go to pinned host buffers; one event wait.
              NOTE: this is the layer's one host sync, by nature: the choice needs the miss list on the
              host. The copies are small (2P int32 and T x H: 128 KiB at T = 32, H = 2048 in bf16). The
-             weights stay on the device: host pairs come back unweighted. A decode step of this backend therefore runs eagerly (no CUDA graph: the engine
-             reads ExpertBackend.graph_safe); docs/hybrid.md says what else was and was not tried.
+             weights stay on the device: host pairs come back unweighted. So this layer runs eagerly
+             between the engine's graph pieces (engine/piecewise.py reads ExpertBackend.graph_safe);
+             hybrid_nodes.py makes the choice on the device instead (the CUDA default).
   2. choose: misses (distinct experts not in a slot, in order of first appearance) with their token
              counts -> CostModel.split -> the host set. Host-set experts are never filled (their bytes
              do not cross the link); the cache sees only the other pairs.
   3. host:   the host kernel computes the host pairs' outputs (unweighted) from the host store while
              the device path runs: pairs compacted to [n, 1] (each pair its own "token" row of x), the
              cache step, fills, the grouped GEMM; the device pairs' outputs land in y [P, H] at their
-             pair positions. HostPath.order (host_path.py) says who runs what when: host-first (the
-             default) starts the host call before the device launches, the compiled kernel on its own
-             native thread (no GIL to take back), its threads one fewer than the cores so that this
-             thread keeps one to launch on; device-first launches first, then runs the host call here;
-             legacy is the order before issue 17's overlap work (a worker job that builds its inputs).
-             On CUDA the device path is launched kernel by kernel, or with HostPath.device_graphs one
-             CUDA graph replay per layer (hybrid_graphs.py: a graph per padded device-pair count, padding
-             pairs of id -1; the same bits for the same choice; off by default: host_path.py says why).
+             pair positions. The host call is started before the device launches (host_path.py): the
+             compiled kernel on its own native thread (no GIL to take back), its threads one fewer than
+             the cores so that this thread keeps one to launch on. On CUDA the device path is launched
+             kernel by kernel.
   4. combine: the host outputs go up into y at theirs; one fixed-order combine over k, the one the
              resident backend uses on this device (Triton on CUDA, reference.combine on the CPU).
 A pair's output depends only on its token and its row's bytes, whichever pairs share its step; so
@@ -47,14 +44,7 @@ from moetier.experts.backends import SlotExperts
 from moetier.experts.cost_model import CostModel, rate_key
 from moetier.experts.cpu_experts import compute_dtype
 from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.host_path import (  # noqa: F401
-    ORDERS,
-    HostPath,
-    _Job,
-    _timed,
-    default_host_threads,
-    measure_rates,
-)
+from moetier.experts.host_path import HostPath, _Job, _timed
 from moetier.experts.reference import combine, expert_pairs
 from moetier.experts.shape import RowLayout
 
@@ -70,7 +60,7 @@ class HybridExperts(SlotExperts):
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
                  gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
-        super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, "kernel", policy, gemm)
+        super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, policy, gemm)
         self.hostpath = host or HostPath(layout)
         rates = self.hostpath.calibrate(host_rows, self.slots)
         self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
@@ -84,17 +74,9 @@ class HybridExperts(SlotExperts):
         self.host_enabled = True
         self.host_us = 0.0  # wall time of the host kernel calls (on the thread that ran them)
         self.phases = None  # a hybrid_phases.PhaseClock while profile() has turned it on
-        self.device_graphs = None  # hybrid_graphs.DeviceGraphs: the device path as graph replays (CUDA)
         if self.cuda:
             self._ev = torch.cuda.Event()
             self._precompile()
-            # NOTE: FP8 rows keep the eager device path: their capture failed on the H200 (not diagnosed)
-            if self.hostpath.device_graphs and layout.quant is None:
-                from moetier.experts.hybrid_graphs import DeviceGraphs
-
-                xdt = compute_dtype(self.slots, torch.bfloat16)  # the hidden (and routing weights') dtype
-                self.device_graphs = DeviceGraphs(self)
-                self.device_graphs.capture_all(xdt, xdt)
 
     def forward(self, hidden, topk_ids, topk_weights):
         t, k = topk_ids.shape
@@ -124,9 +106,8 @@ class HybridExperts(SlotExperts):
         self.host_only_steps += not gpu_pos
         if marks is not None:
             marks["choose"] = time.perf_counter()
-        job = None
-        if self.hostpath.order != "device-first":  # the host call first: it runs while the device path launches
-            job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
+        # the host call first: it runs while the device path launches
+        job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
         try:
             if self.cuda:
                 y, hpos = self._device_cuda(hidden, topk_ids, topk_weights, gpu_pos, host_pos)
@@ -134,13 +115,10 @@ class HybridExperts(SlotExperts):
                 y = hidden.new_zeros(t * k, self.layout.hidden)  # pair outputs as expert_pairs keeps them (0: id < 0)
                 self._device_cpu(hidden, topk_ids, gpu_pos, y)
         except BaseException:
-            if job is not None:
-                job.result()  # the host call writes buffers of ours: never leave it running
+            job.result()  # the host call writes buffers of ours: never leave it running
             raise
         if marks is not None:
             marks["launched"] = time.perf_counter()
-        if job is None:  # device-first: the device path is queued; the host call runs here, on this thread
-            job = self._start_host(x, host_pos, [ids[p] for p in host_pos], k, marks)
         got = job.result()
         begin, end = job.times
         self.host_us += (end - begin) * 1e6
@@ -159,32 +137,23 @@ class HybridExperts(SlotExperts):
         return out
 
     def _start_host(self, x, host_pos: list[int], experts: list[int], k: int, marks: dict | None) -> _Job:
-        """Hand the host pairs to the host kernel (HostPath.order says how); -> a job whose result() is
-        [nh, H] (fp32 from the compiled kernel, the compute dtype from torch's) and whose times are the
-        kernel's (start, end) on the perf_counter clock."""
+        """Hand the host pairs to the host kernel, built here and started on another thread (the compiled
+        kernel's native one, else the worker); -> a job whose result() is [nh, H] (fp32 from the compiled
+        kernel, the compute dtype from torch's) and whose times are the kernel's (start, end) on the
+        perf_counter clock."""
         hp = self.hostpath
-        if hp.order == "legacy":  # as before: everything on the worker thread, which must take the GIL first
-            if marks is not None:
-                marks["host_args"] = time.perf_counter()
-            job = _Job(hp.worker.submit(self._host_outputs, x, host_pos, experts, k))
-        else:
-            cd = compute_dtype(self.host, x.dtype)
-            xs = x if x.dtype == cd else x.to(cd)
-            # one tensor of tokens then experts, the division in Python: fewer torch calls on this thread
-            both = torch.tensor([p // k for p in host_pos] + experts)
-            tok, exp = both[:len(host_pos)], both[len(host_pos):]
-            if hp.order == "device-first":
-                if marks is not None:
-                    marks["host_args"] = time.perf_counter()
-                job = _Job(None, _timed(hp.kernel.pair_outputs, xs, tok, exp, self.host))
-            else:
-                # compiled: its own native thread, no GIL; on CUDA straight into the pinned upload buffer
-                out = hp.buffer("y", (len(host_pos), self.layout.hidden), torch.float32, True) if self.cuda else None
-                if marks is not None:
-                    marks["host_args"] = time.perf_counter()  # host_start - host_args: the hand-over alone
-                native = hp.kernel.start(xs, tok, exp, self.host, out)
-                job = _Job(native) if native is not None else _Job(
-                    hp.worker.submit(_timed, hp.kernel.pair_outputs, xs, tok, exp, self.host))
+        cd = compute_dtype(self.host, x.dtype)
+        xs = x if x.dtype == cd else x.to(cd)
+        # one tensor of tokens then experts, the division in Python: fewer torch calls on this thread
+        both = torch.tensor([p // k for p in host_pos] + experts)
+        tok, exp = both[:len(host_pos)], both[len(host_pos):]
+        # compiled: its own native thread, no GIL; on CUDA straight into the pinned upload buffer
+        out = hp.buffer("y", (len(host_pos), self.layout.hidden), torch.float32, True) if self.cuda else None
+        if marks is not None:
+            marks["host_args"] = time.perf_counter()  # host_start - host_args: the hand-over alone
+        native = hp.kernel.start(xs, tok, exp, self.host, out)
+        job = _Job(native) if native is not None else _Job(
+            hp.worker.submit(_timed, hp.kernel.pair_outputs, xs, tok, exp, self.host))
         if marks is not None:
             marks["host_start"] = time.perf_counter()
         return job
@@ -228,12 +197,6 @@ class HybridExperts(SlotExperts):
         ids, slots = both.tolist()
         return ids, slots, x
 
-    @torch.inference_mode()
-    def _host_outputs(self, x: torch.Tensor, pos: list[int], experts: list[int], k: int):
-        """The legacy order's worker job: the inputs built on the worker, then the kernel (timed)."""
-        return _timed(self.hostpath.kernel.pair_outputs, x.to(compute_dtype(self.host, x.dtype)),
-                      torch.tensor(pos) // k, torch.tensor(experts), self.host)
-
     def _device_cpu(self, hidden, topk_ids, gpu_pos: list[int], y: torch.Tensor) -> None:
         if not gpu_pos:
             return
@@ -248,20 +211,15 @@ class HybridExperts(SlotExperts):
 
     def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):
         """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs
-        to come, host pair positions on the device). With device graphs: one replay (hybrid_graphs.py)."""
+        to come, host pair positions on the device)."""
         timed = self.phases is not None
-        if self.device_graphs is not None and gpu_pos and self.device_graphs.ready(hidden.dtype, topk_weights.dtype):
-            return self.device_graphs.run(hidden, topk_ids, topk_weights, gpu_pos, host_pos, timed)
         t, k = topk_ids.shape
         ng, nh = len(gpu_pos), len(host_pos)
         plan = self.hostpath.buffer("plan", (ng + nh,), torch.int64, True)
         plan.numpy()[:] = gpu_pos + host_pos  # straight into the pinned buffer (no tensor built first)
         perm = plan.to(self.device, non_blocking=True)  # one upload: device pairs, then host pairs
         gpos, hpos = perm[:ng], perm[ng:]
-        if self.device_graphs is not None:  # a host-only step: the graphs' y (no second [P, H] buffer)
-            y = self.device_graphs.statics(hidden.dtype, topk_weights.dtype).y[:t * k]
-        else:
-            y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
+        y = self.hostpath.buffer("pairs", (t * k, self.layout.hidden), torch.float32, device=self.device)
         if ng:
             if timed:
                 self._ev_dev[0].record()
@@ -274,8 +232,8 @@ class HybridExperts(SlotExperts):
         return y, hpos
 
     def device_pairs(self, x, g_ids, g_w, gpos, out, y) -> None:
-        """The device pairs' launches, eager (_device_cuda) or captured (hybrid_graphs.DeviceGraphs): the
-        cache's step over g_ids [n, 1], the fills, the grouped GEMM over x [n, H] (its weighted output to
+        """The device pairs' launches, eager (_device_cuda) or captured in the nodes graph (hybrid_nodes.py):
+        the cache's step over g_ids [n, 1], the fills, the grouped GEMM over x [n, H] (its weighted output to
         out [n, H], unused), each pair's unweighted fp32 output into y at its position gpos [n]."""
         from moetier.experts.grouped_gemm import grouped_expert_mlp
         from moetier.experts.slot_kernels import bookkeeping, copy_rows

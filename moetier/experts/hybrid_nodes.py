@@ -1,6 +1,7 @@
-"""The `hybrid` backend's `nodes` mode (`--hybrid-graphs nodes`): the whole decode step of a hybrid MoE
-layer as fixed-shape, capturable work, the host's share run by a host-function node, so the engine
-captures the decode step as ONE CUDA graph (graph_safe: no pieces, no switch, no host sync).
+"""The `hybrid` backend's `nodes` mode (the CUDA default: placement.nodes_by_default): the whole decode
+step of a hybrid MoE layer as fixed-shape, capturable work, the host's share run by a host-function
+node, so the engine captures the decode step as ONE CUDA graph (graph_safe: no pieces, no host sync; the engine's switch
+replays it or the whole slots-step graph, engine/switch.py).
 
 One decode step of one MoE layer (T tokens x k pairs, P = T * k, all buffers at fixed addresses):
   1. plan (main stream, one Triton launch, hybrid_plan.py): from the topk ids and the cache's expert_slot
@@ -114,7 +115,7 @@ class HybridNodesExperts(HybridExperts):
         kernel = self.hostpath.kernel
         if getattr(kernel, "lib", None) is None or host_ext.kind_of(self.host, self.layout) is None:
             why = getattr(kernel, "fallback_reason", "") or f"no compiled code for {self.host.dtype} rows"
-            raise ValueError(f"--hybrid-graphs nodes needs the compiled host kernel ({why})")
+            raise ValueError(f"the hybrid nodes mode needs the compiled host kernel ({why})")
         self.lib = kernel.lib
         p = self.decode_tokens * self.top_k
         key = ("nodes", self.device, self.cache.num_experts, p, self.layout.hidden, self.layout.inter)

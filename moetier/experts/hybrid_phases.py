@@ -9,10 +9,8 @@ host share ("layers") and, separately, over those that took the plain slots step
     sync        the ids, their slots and the hidden state are on the host (the layer's one host sync)
     choose      the cost model chose the host set and the pair lists are built
     host_args   the host call's inputs are built (tokens, experts, output buffer), just before the hand-over
-                (legacy: at once, the worker builds them; device-first: after the launches)
-    host_start  the host call was handed over (host-first: before the device launches; legacy: submitted
-                to the worker thread; device-first: run on the layer's thread after the launches, so
-                this mark comes once it has returned)
+    host_start  the host call was handed over (to the compiled kernel's native thread or the worker),
+                before the device launches
     launched    the device path's launches (bookkeeping, fills, grouped GEMM) have returned
     host_begin  the host kernel began computing (the native thread's or worker's clock)
     host_end    the host kernel ended

@@ -18,7 +18,6 @@ build() wraps the backend in ColumnExperts, which sums the ranks' partial output
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,15 +30,13 @@ from moetier.experts.cost_model import PathRates
 from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
 from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.host_path import ORDERS as HOST_ORDERS
 from moetier.experts.prefill_cache import PREFILL_POLICIES
 from moetier.experts.prefill_ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.shape import MoeShape
 from moetier.experts.store import HostStore
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 POLICIES = ("lru", "lfru")
-FILLS = ("kernel", "copy")
 
 
 @dataclass
@@ -47,7 +44,6 @@ class ExpertOptions:
     backend: str = "resident"
     slots: int | None = None  # slots per MoE layer (slots backend); default half the experts
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # overrides `slots` by layer
-    fill: str = "kernel"  # "kernel" (graph-safe) or "copy" (copy engine, eager)
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"
     # What a prefill step does to the slot cache (slots, hybrid): bypass or refresh (prefill_cache.py).
@@ -65,15 +61,10 @@ class ExpertOptions:
     host_kernel: str = "auto"
     host_threads: int | None = None
     rates: PathRates | None = None
-    # how a layer hands the host its pairs (experts/host_path.ORDERS; None: $MOETIER_HYBRID_ORDER, else
-    # host-first)
-    host_order: str | None = None
-    # hybrid on CUDA: the device path as CUDA graph replays (experts/hybrid_graphs.py; None: on unless
-    # $MOETIER_HYBRID_DEVICE_GRAPHS=0), or False: launched kernel by kernel
-    device_graphs: bool | None = None
     # hybrid: the host's share as a host-function node of the engine's one decode graph (graph-safe, no
-    # host sync; experts/hybrid_nodes.py, the bench's --hybrid-graphs nodes); needs the compiled host
-    # kernel. None: nodes_by_default()
+    # host sync; experts/hybrid_nodes.py; needs the compiled host kernel), or False: the pieces
+    # (engine/piecewise.py, a host sync per layer). None: nodes where nodes_by_default() says; True / False
+    # force one (tests and scripts/profile_hybrid.py compare the two)
     hybrid_nodes: bool | None = None
     # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
@@ -114,15 +105,11 @@ class ExpertOptions:
             out.append(f"host expert kernel {self.host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if self.host_threads is not None and self.host_threads < 1:
             out.append(f"host threads must be at least 1, got {self.host_threads}")
-        if self.host_order is not None and self.host_order not in HOST_ORDERS:
-            out.append(f"hybrid order {self.host_order!r}: choose one of {', '.join(HOST_ORDERS)}")
         if self.prefill not in PREFILL_POLICIES:
             out.append(f"prefill cache policy {self.prefill!r}: choose bypass or refresh")
         if self.prefill_stream not in PREFILL_STREAMS:
             out.append(f"prefill stream {self.prefill_stream!r}: choose uva or ring")
         out += check_geometry(self.ring_group, self.ring_depth)
-        if self.fill not in FILLS:
-            out.append(f"fill must be 'kernel' or 'copy', got {self.fill!r}")
         return out
 
 
@@ -182,21 +169,18 @@ class ExpertPlacement:
             from moetier.experts.hybrid_nodes import HybridNodesExperts
 
             nodes = o.hybrid_nodes
-            if nodes is None:  # NOTE: one rank and bf16/fp32 rows only: several ranks' nodes graphs and
-                # FP8 rows in them never ran on a GPU (the per-layer device graphs' FP8 capture failed there)
-                nodes = (self.par.tp * self.par.ep == 1 and self.layout.quant is None
-                         and nodes_by_default(self.device, o.host_kernel))
-            if self._hostpath is None:  # nodes: no per-layer device graphs (the whole step is one graph)
-                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates, o.host_order,
-                                          False if nodes else o.device_graphs)
+            if nodes is None:
+                nodes = nodes_by_default(self.device, o.host_kernel, self.par.tp * self.par.ep, self.layout.quant)
+            if self._hostpath is None:
+                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
             kind = HybridNodesExperts if nodes else HybridExperts
             hybrid = kind(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy, o.gemm,
                           self._hostpath)
             hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
             hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
             return hybrid
-        return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.fill,
-                           o.policy, o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth))
+        return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy,
+                           o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth))
 
 
 def read_slots_file(path: str | Path) -> dict[int, int]:
@@ -209,14 +193,13 @@ def read_slots_file(path: str | Path) -> dict[int, int]:
                            "`moetier trace plan-slots`") from None
 
 
-def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "auto") -> bool:
-    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode (the caller
-    also asks for one rank and unquantized rows): on CUDA with the compiled host kernel, which the node
-    calls (a torch kernel named by --host-kernel keeps the pieces); it measured the fastest there
-    (docs/hybrid.md). MOETIER_HYBRID_NODES=0 keeps the pieces, =1 asks for nodes on the CPU too."""
+def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "auto", ranks: int = 1,
+               quant: str | None = None) -> bool:
+    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode: on CUDA with
+    the compiled host kernel (which the node calls; a torch kernel named by host_kernel keeps the pieces),
+    one rank and unquantized rows; it measured the fastest there (docs/hybrid.md). NOTE: several ranks'
+    nodes graphs and FP8 rows in them never ran on a GPU: those keep the pieces."""
     from moetier.experts import host_ext
 
-    env = os.environ.get("MOETIER_HYBRID_NODES")
-    if env in ("0", "1"):
-        return env == "1"
-    return torch.device(device).type == "cuda" and host_kernel in ("auto", "compiled") and host_ext.available()[0]
+    return (ranks == 1 and quant is None and torch.device(device).type == "cuda"
+            and host_kernel in ("auto", "compiled") and host_ext.available()[0])

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moetier.experts.shape import RowLayout
-from moetier.layers.activation import silu_mul
+from moetier.activation import silu_mul
+from moetier.quant.rows import RowLayout
 
 Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2I, H], w2 [H, I])
 

@@ -10,7 +10,7 @@ State (device tensors, updated in place so a CUDA graph can replay the step):
     fepoch      [E] int32   the half-life epoch freq was last brought up to date in
 
 One step, given topk_ids [T, k] (semantics shared by the torch reference here and the fused Triton
-kernel in kernels.py, which tests hold to each other):
+kernel in slot_kernels.py, which tests hold to each other):
   1. needed = the distinct experts of the step, in order of first appearance.
   2. A needed expert already in a slot is a hit. The others are misses, ranked by first appearance.
   3. Victims are the slots no needed expert holds, in order of (key, slot): empty slots first

@@ -1,6 +1,6 @@
 """The host tier: every routed expert of every MoE layer, one contiguous row per expert.
 
-A row is one expert (shape.RowLayout). The loader fills rows straight from the checkpoint, so the
+A row is one expert (quant/rows.RowLayout). The loader fills rows straight from the checkpoint, so the
 experts exist once in RAM.
 
 On CUDA machines each layer's block is pinned at its exact size: page-aligned memory registered
@@ -15,7 +15,7 @@ import mmap
 import torch
 
 from moetier.errors import MoetierError
-from moetier.experts.shape import RowLayout
+from moetier.quant.rows import RowLayout
 
 PAGE = mmap.PAGESIZE
 

@@ -2,7 +2,7 @@
 FP8 (EngineConfig.fp8_dense = "fp8") instead of dequantized at load (docs/fp8.md).
 
     Fp8Weight      q float8_e4m3fn [N, K] and scale float32 [ceil(N/128), ceil(K/128)], the
-                   checkpoint's `weight` and `weight_scale_inv` unchanged (experts/fp8.py's block rule)
+                   checkpoint's `weight` and `weight_scale_inv` unchanged (quant/fp8_block.py's block rule)
     linear(x, w, bias)   y [M, N] = x [M, K] @ dequant(w)^T (+ bias), in x.dtype; the layers call it
                    instead of F.linear, whatever w is (a plain tensor goes to F.linear)
     dense_weight() a layer's weight: a parameter in the model dtype, or an Fp8Weight when FP8 dense
@@ -13,7 +13,7 @@ Every path computes with fp8.dequantize's weights exactly: fp32(q) * scale round
 
     CPU           linear_reference: dequantize, then F.linear (the test oracle)
     CUDA, M <= 64 (decode) _fp8_mm: programs (M block of 16 rows, N block, K split); each loads an
-                  FP8 tile, scales and rounds it in registers (grouped_gemm._dequant) and tl.dots it
+                  FP8 tile, scales and rounds it in registers (quant/fp8_block_triton) and tl.dots it
                   against x, accumulating in fp32. The K split is chosen from (N, K) alone so that
                   ~PROGRAMS programs fill the GPU whatever M; with more than one split the fp32
                   partials [S, M, N] are summed in split order by a second kernel (no atomics:
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.experts import fp8
 from moetier.layers.param import param
+from moetier.quant import fp8_block as fp8
 
 DECODE_MAX_M = 64  # up to this many rows: the FP8 kernel; above: dequantize + F.linear
 BLOCK_M = 16  # rows per tl.dot (its smallest M); fixed so that no row's bits depend on the batch

@@ -6,10 +6,10 @@
         bias and rounds. Several: fp32 partials [S, M, N], summed in split order by _sum_splits.
     dequantize(q, scale, dtype) -> [N, K]: the weight as fp8.dequantize makes it (the prefill path).
 
-Tiles reuse the grouped expert GEMM's helpers (experts/grouped_gemm.py): _dequant (fp32(q) * its
-block's scale, rounded once to the dot type; round-to-nearest-even emulated under the interpreter,
-which truncates) and _mma (tl.dot with fp32 accumulation; operands widened under the interpreter,
-which multiplies the raw bits of bf16). BLOCK_K divides 128, so each K tile reads one scale column.
+Tiles use the format's helpers, shared with the grouped expert GEMM: _dequant (quant/fp8_block_triton
+.dequant_tile: fp32(q) * its block's scale, rounded once to the dot type; round-to-nearest-even
+emulated under the interpreter, which truncates) and _mma (quant/dot.mma: tl.dot with fp32
+accumulation; operands widened under the interpreter, which multiplies the raw bits of bf16). BLOCK_K divides 128, so each K tile reads one scale column.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts import fp8
-from moetier.experts.grouped_gemm import _dequant, _dot_type, _mma
 from moetier.layers import fp8_linear as cfg
+from moetier.quant import fp8_block as fp8
+from moetier.quant.dot import dot_type as _dot_type
+from moetier.quant.dot import mma as _mma
+from moetier.quant.fp8_block_triton import dequant_tile as _dequant
 
 
 @triton.jit

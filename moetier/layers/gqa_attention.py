@@ -7,7 +7,7 @@ GQA cache (layers/kv_cache.GqaKVCache).
 On CUDA the norms, rotary and the KV write are one Triton launch (layers/fused.qk_norm_rope_kv);
 the CPU path and its oracle is qk_norm_rope_kv_reference.
 
-Tensor parallelism (layers/parallel.Parallel, tp ranks): rank r holds q heads
+Tensor parallelism (moetier/parallel.Parallel, tp ranks): rank r holds q heads
 [r Hq/tp, (r+1) Hq/tp) and kv heads [r Hkv/tp, (r+1) Hkv/tp) (contiguous, so each q head's GQA
 group stays on its rank), qkv column-split by those heads, o_proj row-split by the q heads; the
 partial o_proj outputs are summed by one all-reduce, and the o_proj bias is added once, after it.
@@ -28,9 +28,9 @@ from moetier.layers.attention import AttnBatch, paged_attention, write_kv
 from moetier.layers.fp8_linear import Fp8Rows, dense_weight, fusable, linear, rows_of
 from moetier.layers.kv_cache import GqaKVCache
 from moetier.layers.norm import rms_norm
-from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope
+from moetier.parallel import Parallel
 
 
 def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,

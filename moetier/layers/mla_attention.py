@@ -16,7 +16,7 @@ The arithmetic equals transformers' DeepseekV3Attention / GlmMoeDsaAttention up 
 reassociation: (q_nope W_UK) . c_kv instead of q_nope . (W_UK c_kv), and W_UV after the weighted sum
 instead of before. qk_rope_head_dim may be 0 (no position part: the latent is c_kv alone).
 
-Tensor parallelism (layers/parallel.Parallel, tp ranks; as DeepSeek's and vLLM's MLA): rank r holds
+Tensor parallelism (moetier/parallel.Parallel, tp ranks; as DeepSeek's and vLLM's MLA): rank r holds
 query heads [r Hq/tp, (r+1) Hq/tp): q_b (or q_proj) column-split by those heads, kv_b's rows (so
 W_UK and W_UV) by the same heads, o_proj row-split by them; the partial o_proj outputs are summed by
 one all-reduce and o_proj's bias is added once, after it. q_a, kv_a and their norms are replicated:
@@ -41,9 +41,9 @@ from moetier.layers.fp8_linear import dense_weight, fusable, linear
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.latent_attention import latent_attention, write_latent
 from moetier.layers.norm import rms_norm
-from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope, apply_rope_interleave
+from moetier.parallel import Parallel
 
 # q_a_layernorm and kv_a_layernorm are built without an eps argument in the reference (and in
 # DeepSeek's own code), so they use 1e-6 whatever rms_norm_eps says (GLM-5.3-Flash's use rms_norm_eps:

@@ -1,11 +1,11 @@
 """The dense SwiGLU MLP (dense layers, and the shared experts of the DeepSeek family); swiglu_limit:
-the clamped SwiGLU of GLM-5.3-Flash (layers/activation.py).
+the clamped SwiGLU of GLM-5.3-Flash (moetier/activation.py).
 
 FP8 dense (fp8_dense, layers/fp8_linear.py): w13 stays FP8 only when gate's rows end on a scale
 block (I a multiple of 128; under tensor parallelism every rank's I/tp), w2 unless tensor
 parallelism splits its columns off the blocks; otherwise that weight is dequantized at load.
 
-Tensor parallelism (layers/parallel.Parallel): rank r holds columns [r I/tp, (r+1) I/tp) of gate
+Tensor parallelism (moetier/parallel.Parallel): rank r holds columns [r I/tp, (r+1) I/tp) of gate
 and of up (w13 = [gate_r; up_r]) and the same rows of down's input dimension; each rank's output
 is a partial sum [T, H], summed by one all-reduce.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetier.layers.activation import silu_mul
+from moetier.activation import silu_mul
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight, dense_weight, fusable, linear, rows_of
-from moetier.layers.parallel import Parallel
+from moetier.parallel import Parallel
 
 
 class SwigluMLP(nn.Module):

@@ -30,7 +30,7 @@ COUNTERS = ("hits", "misses", "overflow", "steps", "bypassed")
 
 @dataclass(frozen=True)
 class ExpertTensor:
-    """A checkpoint tensor of routed experts: `part` (experts/shape.PARTS) of one expert of `layer`,
+    """A checkpoint tensor of routed experts: `part` (quant/rows.PARTS) of one expert of `layer`,
     or of all of them when expert is None (fused layouts)."""
 
     layer: int
@@ -75,7 +75,7 @@ class CausalLM(nn.Module, ABC):
     cfg: ModelConfig
     dtype: torch.dtype
     device: torch.device
-    # True: the constructor takes par (layers/parallel.Parallel) and its checkpoint_weights() give the
+    # True: the constructor takes par (moetier/parallel.Parallel) and its checkpoint_weights() give the
     # tensor-parallel splits; other families refuse tensor parallelism (expert parallelism lives in
     # the expert placement and needs nothing from the model).
     tensor_parallel: bool = False

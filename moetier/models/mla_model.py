@@ -32,12 +32,12 @@ from moetier.layers.mla_attention import MlaAttention
 from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
 from moetier.layers.norm import add_rms_norm
-from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
+from moetier.parallel import Parallel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 

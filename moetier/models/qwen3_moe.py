@@ -34,11 +34,11 @@ from moetier.layers.kv_cache import GqaKVCache, GqaKVSpec
 from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
 from moetier.layers.norm import add_rms_norm
-from moetier.layers.parallel import Parallel
 from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
 from moetier.layers.router import SoftmaxTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
+from moetier.parallel import Parallel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 

@@ -194,18 +194,17 @@ def count(req: PlanRequest) -> Plan:
         scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
         state = [n for layer in layers for n in r.backend_extras(backend, shape, dt, req.decode_tokens,
                                                                  slots.get(layer, 0))[1:]]
-        if backend == "hybrid":  # experts/hybrid_graphs.py: static inputs and pair outputs, one set per model
-            state += r.hybrid_graph_statics(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
-            # and the nodes mode's (the CUDA default; counted either way, as the device graphs below)
+        if backend == "hybrid":  # the pieces' pair outputs and the nodes mode's buffers, one set per model
+            # NOTE: both counted: the plan does not know which mode the backend builds (placement.nodes_by_default)
+            state += r.hybrid_piece_buffers(req.decode_tokens, shape.top_k, shape.hidden)
             state += r.hybrid_node_buffers(req.decode_tokens, shape.top_k, shape.hidden, shape.num_experts)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
-        # NOTE: counted whether or not the device graphs are on (ExpertOptions.device_graphs, off by default):
-        # a few MiB, so the plan errs on the safe side
-        if backend == "hybrid":  # its device-path graphs' own pool, captured at build
-            gathered = r.hybrid_graph_pool(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
-            dev.append(Item("hybrid device-path graph pool", r.segments(gathered), "load",
-                            f"{p} pairs' gathered rows, shared by every layer", sum(r.block(n) for n in gathered)))
+        if backend == "hybrid":  # an eager layer of the pieces: counted whichever mode runs, as above
+            gathered = r.hybrid_piece_transients(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
+            dev.append(Item("hybrid pieces' layer transients", r.segments(gathered), "load",
+                            f"{p} pairs' gathered rows and outputs, one layer at a time",
+                            sum(r.block(n) for n in gathered)))
         outs = [req.decode_tokens * shape.hidden * dt.itemsize] * len(layers)
         dev.append(_item("expert decode outputs", "capture", outs, f"[{req.decode_tokens}, {shape.hidden}] per layer"))
         tensors += scratch + state + outs
@@ -315,8 +314,8 @@ def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> in
 
 
 def _kv_spec(cfg: ModelConfig, tp: int = 1) -> KVSpec:
-    from moetier.layers.parallel import Parallel
     from moetier.models.registry import model_class
+    from moetier.parallel import Parallel
 
     # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
     cls = model_class(cfg)

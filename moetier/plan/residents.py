@@ -87,8 +87,8 @@ def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
     kept) is not counted. With cfg.dense_quant "fp8" the weights the model holds in FP8 count their
     float8 bytes plus their float32 block scales, exactly (which ones: fp8_held)."""
-    from moetier.experts import fp8
     from moetier.models.registry import model_class
+    from moetier.quant import fp8_block as fp8
 
     held, largest = fp8_held(cfg)
     head, rest, sizes = 0, 0, []
@@ -130,7 +130,7 @@ def fp8_held(cfg: ModelConfig) -> tuple[frozenset[str], int]:
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
-    """One routed expert's row (experts/shape.RowLayout), exact: the weights in the model dtype, or
+    """One routed expert's row (quant/rows.RowLayout), exact: the weights in the model dtype, or
     for FP8 experts (shape.quant) the float8 weights and their block scales in one byte row, so the
     slots and the store carry the scales with the weights."""
     return shape.layout.row_bytes(dtype)
@@ -176,13 +176,10 @@ def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
     return [8 * 6 * b, 4 * b * (3 + max_pages_per_seq), 4 * (b + 1)]
 
 
-def hybrid_graph_statics(tokens: int, top_k: int, hidden: int, itemsize: int) -> list[int]:
-    """The hybrid backend's device-path graph statics, one set per model (experts/hybrid_graphs.Statics):
-    flat ids [P+1] int64, weights [P+1], hidden [T+1, H], positions [2P] int64, pair outputs y [P+1, H]
-    and the GEMM's output [P, H] fp32 (P = T x top_k)."""
-    p = tokens * top_k
-    return [8 * (p + 1), itemsize * (p + 1), itemsize * (tokens + 1) * hidden, 16 * p, 4 * (p + 1) * hidden,
-            4 * p * hidden]
+def hybrid_piece_buffers(tokens: int, top_k: int, hidden: int) -> list[int]:
+    """The pieces' device buffer, one per model (experts/hybrid.HybridExperts._device_cuda, on the
+    HostPath): the pair outputs y [P, H] fp32 (P = T x top_k)."""
+    return [4 * tokens * top_k * hidden]
 
 
 def hybrid_node_buffers(tokens: int, top_k: int, hidden: int, num_experts: int) -> list[int]:
@@ -209,12 +206,13 @@ def hybrid_host_staging(tokens: int, top_k: int, hidden: int, inter: int, itemsi
     return pieces + nodes
 
 
-def hybrid_graph_pool(tokens: int, top_k: int, hidden: int, itemsize: int) -> list[int]:
-    """What one device-path graph allocates in the hybrid graphs' pool at the largest size (the gathered
-    ids, weights, token indices and hidden rows); one pool per model, shared by every layer and size
-    (their intermediates are dead when a replay ends)."""
+def hybrid_piece_transients(tokens: int, top_k: int, hidden: int, itemsize: int) -> list[int]:
+    """What one eager hybrid layer of the pieces allocates at the largest step, freed when it ends (layers
+    run one after another): the positions [P] int64, the device pairs' gathered hidden rows [P, H],
+    ids [P] int64 and weights [P], the GEMM's weighted output [P, H] fp32 and the host outputs' upload
+    [P, H] fp32."""
     p = tokens * top_k
-    return [8 * p, itemsize * p, 8 * p, itemsize * p * hidden]
+    return [8 * p, itemsize * p * hidden, 8 * p, itemsize * p, 4 * p * hidden, 4 * p * hidden]
 
 
 def graph_host_inputs(max_batch: int, max_pages_per_seq: int) -> int:

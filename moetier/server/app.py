@@ -24,6 +24,7 @@ import moetier
 from moetier.errors import MoetierError
 from moetier.server.handlers import Handlers
 from moetier.server.metrics import ServerMetrics, engine_snapshot
+from moetier.server.parsers import Parsers
 from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from moetier.tokenizer import TokenizerError
 
@@ -46,7 +47,8 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+def build_app(engine, model_name: str, api_key: str | None = None, max_queue: int = 256,
+              parsers: Parsers = Parsers()) -> FastAPI:
     """The app over an AsyncLLM; the engine is shut down with the app (after uvicorn has drained)."""
     llm = engine.llm
 
@@ -55,7 +57,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_queue: in
             return engine_snapshot(llm)
 
     metrics = ServerMetrics(snapshot, model_name)
-    handlers = Handlers(engine, model_name, metrics, max_queue)
+    handlers = Handlers(engine, model_name, metrics, max_queue, parsers)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -26,8 +26,7 @@ from moetier.sampling_params import SamplingParams
 from moetier.server.logprobs import LogprobFormatter
 from moetier.server.metrics import ServerMetrics
 from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest
-from moetier.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from moetier.server.tools import ToolCallParser
+from moetier.server.parsers import Parsers
 from moetier.tokenizer import TokenizerError
 
 DISCONNECT_POLL_S = 0.25
@@ -43,11 +42,12 @@ def usage(out: RequestOutput) -> dict:
 
 
 class Handlers:
-    def __init__(self, engine, model_name: str, metrics: ServerMetrics, max_queue: int):
+    def __init__(self, engine, model_name: str, metrics: ServerMetrics, max_queue: int, parsers: Parsers = Parsers()):
         self.engine, self.llm = engine, engine.llm
         self.model_name, self.metrics, self.max_queue = model_name, metrics, max_queue
         self.active = 0  # admitted requests not yet ended: running plus waiting in the engine
         self.logprob_text = LogprobFormatter(self.llm.tokenizer)
+        self.parsers = parsers.for_family(self.llm.cfg.model_type)  # `auto`: the model family's formats
 
     # -- checks before anything is sent ------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -207,8 +207,8 @@ class Handlers:
         params = self.params(req, ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        reasoning = ReasoningSplitter(prompt_opens_reasoning(prompt))
-        tools = ToolCallParser() if req.tools and req.tool_choice != "none" else None
+        reasoning = self.parsers.splitter(prompt)
+        tools = self.parsers.tool_parser(req.tools) if req.tool_choice != "none" else None
         outputs = self.outputs(ids, params, rid)
 
         def finish_reason(out: RequestOutput) -> str:
@@ -220,8 +220,7 @@ class Handlers:
             think, content = reasoning.split(out.outputs[0].text)
             calls = []
             if tools is not None:
-                content, calls = tools.parse(content)
-                content = content.strip() if calls else content
+                content, calls = tools.parse(content)  # the same text a stream sends, whitespace included
             message = {"role": "assistant", "content": content or None, "reasoning_content": think or None,
                        "reasoning": think or None, "tool_calls": [c.to_dict() for c in calls]}
             c = out.outputs[0]

@@ -31,9 +31,10 @@ def partial_suffix(text: str, tag: str) -> int:
 class ReasoningSplitter:
     """push(delta) -> (reasoning delta, content delta); flush() at the end of the reply."""
 
-    def __init__(self, opened_by_prompt: bool):
-        # "start": nothing seen yet (the reply may open <think>); "reasoning"; "content"
-        self.state = "reasoning" if opened_by_prompt else "start"
+    def __init__(self, opened_by_prompt: bool, enabled: bool = True):
+        # "start": nothing seen yet (the reply may open <think>); "reasoning"; "content".
+        # Not enabled (--reasoning-parser none): the whole reply is content, tags and all.
+        self.state = "content" if not enabled else "reasoning" if opened_by_prompt else "start"
         self._held = ""
         self._strip = False  # drop the newlines templates put after </think>
 

@@ -101,11 +101,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue: int, drain_s: float,
-          name: str | None = None) -> None:
+          name: str | None = None, parsers=None) -> None:
+    """parsers: the server's Parsers (server/parsers.py), None for the model family's defaults."""
     import uvicorn
 
     from moetier.engine.async_llm import AsyncLLM
     from moetier.server.app import build_app
+    from moetier.server.parsers import Parsers
 
     sock = bind(host, port)
     start = time.perf_counter()
@@ -116,7 +118,8 @@ def serve(spec: EngineSpec, host: str, port: int, api_key: str | None, max_queue
           f"{m['kv_pages_total']} KV pages of {llm.config.page_size} tokens, context "
           f"{llm.scheduler.max_model_len} tokens, up to {llm.config.max_num_seqs} requests at once",
           file=sys.stderr, flush=True)
-    app = build_app(AsyncLLM(llm), name or default_name, api_key=api_key, max_queue=max_queue)
+    app = build_app(AsyncLLM(llm), name or default_name, api_key=api_key, max_queue=max_queue,
+                    parsers=parsers or Parsers())
     bound = sock.getsockname()
     print(f"moetier serve: http://{bound[0]}:{bound[1]}/v1 (model {name or default_name!r}"
           f"{', API key required' if api_key else ''}); Ctrl-C drains and exits", file=sys.stderr, flush=True)

@@ -13,12 +13,18 @@ max |W|: S = amax / 448 (448 = the largest e4m3 value), Q = clamp(W / S) rounded
 all-zero block gets S = 1), as transformers' Fp8Quantize does.
 
 Nothing here is on the hot path: the loader, the random-weight writer and the CPU backends call it,
-and the tests hold the Triton kernels (grouped_gemm.py) to it.
+and the tests hold the Triton kernels (experts/grouped_gemm.py, experts/fp8_gemv.py,
+layers/fp8_linear_triton.py) to it. Also here: the format's checkpoint names (which tensors an FP8
+checkpoint stores in float8, what their scales are called, the config.json it writes and the rules it
+reads one by), the byte offsets of an expert's FP8 row (quant/rows.py lays it out) and FORMAT, this
+format's record in quant/registry.py. The Triton tile dequantize is quant/fp8_block_triton.py.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moetier.quant.format import Format
 
 BLOCK = 128  # weight_block_size [128, 128]
 FP8 = torch.float8_e4m3fn
@@ -27,6 +33,8 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448.0
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [BLOCK, BLOCK]}
 SCALE_SUFFIX = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`, fused `experts.down_proj` -> `..._scale_inv`
+FP8_CODE = "F8_E4M3"  # safetensors' dtype code of float8_e4m3fn
+ROW_ALIGN = 16  # FP8 expert rows: the scales start, and every row starts, on a 16-byte boundary
 
 
 def cdiv(a: int, b: int) -> int:
@@ -93,3 +101,49 @@ def quant_problems(qc: object) -> list[str]:
     if qc.get("scale_fmt") not in (None, "float32", "fp32"):
         out.append(f"quantization_config.scale_fmt {qc.get('scale_fmt')!r} is not supported (float32 scales only)")
     return out
+
+
+def scale_name(name: str) -> str:
+    """The checkpoint name of a float8 weight's block scale."""
+    return name + SCALE_SUFFIX
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors an FP8 checkpoint stores in float8 (what make-checkpoint --dtype fp8 quantizes):
+    projections of 2+ dimensions; not the embeddings, the LM head, norms or MoE routers (published
+    FP8 checkpoints keep those in bf16: quantization_config.modules_to_not_convert)."""
+    if len(shape) < 2 or name.endswith(SCALE_SUFFIX):
+        return False
+    return not ("embed_tokens" in name or name.startswith("lm_head") or "norm" in name
+                or name.endswith("mlp.gate.weight"))
+
+
+def not_converted(names: list[str]) -> list[str]:
+    """quantization_config.modules_to_not_convert for these checkpoint names (module names, as
+    Qwen3-FP8 writes them: lm_head and every router)."""
+    return sorted({n.removesuffix(".weight") for n in names
+                   if n.startswith("lm_head") or n.endswith("mlp.gate.weight")})
+
+
+def checkpoint_config(cfg_dict: dict, names: list[str]) -> dict:
+    """config.json fields of an FP8 checkpoint of these tensor names."""
+    return {**cfg_dict, "torch_dtype": "bfloat16",
+            "quantization_config": {**QUANT_CONFIG, "modules_to_not_convert": not_converted(names)}}
+
+
+def _align(n: int) -> int:
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+def row_offsets(hidden: int, inter: int) -> tuple[int, int, int]:
+    """(s13, s2, row bytes) of one expert's FP8 row (quant/rows.RowLayout has the picture): the
+    gate_up weights [2I, H] then down [H, I] at 0, float32 gate_up scales [2, nI, nH] at s13, down
+    scales [nH, nI] at s2, each start and the row's end padded to ROW_ALIGN bytes."""
+    ni, nh = cdiv(inter, BLOCK), cdiv(hidden, BLOCK)
+    s13 = _align(3 * inter * hidden)
+    s2 = s13 + 4 * 2 * ni * nh
+    return s13, s2, _align(s2 + 4 * nh * ni)
+
+
+FORMAT = Format(name="fp8", weight_code=FP8_CODE, scale_suffixes=(SCALE_SUFFIX,), dequantize=dequantize,
+                row_bytes=lambda hidden, inter: row_offsets(hidden, inter)[2], config_problems=quant_problems)

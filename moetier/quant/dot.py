@@ -1,0 +1,41 @@
+"""The dot of a weight-only GEMM, for every format: what type the products run in, and tl.dot with
+the operands rounded to it. The kernels that call these (experts/grouped_gemm.py, layers/
+fp8_linear_triton.py) dequantize a weight tile first (quant/<format>_triton.py), then mma it against
+the activations; bf16 rows skip the dequantize and share the same dot.
+
+    dot_type(dtype) -> (DOT, PRECISION, EMULATE): the constexprs the kernels take for a compute dtype
+    mma(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [N, K]^T in fp32
+
+Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) 16-bit products are emulated: the
+interpreter multiplies the raw bits of bf16, so the operands are rounded to DOT and widened to fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_type(dtype: torch.dtype) -> tuple[tl.dtype, str, bool]:
+    # 16-bit weights: tensor cores on 16-bit operands (x and h rounded to it, as torch's F.linear does);
+    # anything else: fp32 operands with IEEE products (no tf32).
+    if dtype not in (torch.bfloat16, torch.float16):
+        return tl.float32, "ieee", False
+    dot = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dot, "ieee", True
+    return dot, "tf32", False  # the precision of 16-bit operands is their own; "tf32" is the default
+
+
+@triton.jit
+def mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT
+    a = a.to(DOT)
+    b = b.to(DOT)
+    if EMULATE:  # Triton's interpreter multiplies the raw bits of bf16: round, then multiply in fp32
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)

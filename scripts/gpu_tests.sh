@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The whole GPU suite (`pytest -m gpu tests/`) on a CUDA machine, in one or two device calls, with its
+# log. Run from the repository root on the GPU machine:
+#
+#   bash scripts/gpu_tests.sh [--part 1/2|2/2] [--workers N] [--log FILE]
+#
+# --part: every other GPU test file (sorted), so the suite splits over two calls of the device's
+#   10-minute limit; without it, every file. --workers N: pytest-xdist processes sharing the one
+#   GPU, whole files per process (default 3: the whole suite ran in 117 s so on one H200; 1: in order). --log: default
+#   $OUT/h200-gpu-tests.log when $OUT is set, else gpu-tests.log. The wheels the GPU image lacks
+#   (fastapi, uvicorn, pydantic, openai: ../shared/tools/device-wheels.sh puts them in .whl/, carried
+#   with the call) are installed into /tmp/site first, so that every test file collects.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="" workers=3 log="${OUT:+$OUT/h200-gpu-tests.log}"
+log=${log:-gpu-tests.log}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --part) part="$2"; shift 2 ;;
+    --workers) workers="$2"; shift 2 ;;
+    --log) log="$2"; shift 2 ;;
+    *) echo "error: unknown argument $1 (--part 1/2|2/2, --workers N, --log FILE)" >&2; exit 2 ;;
+  esac
+done
+case "$part" in ""|1/2|2/2) ;; *) echo "error: --part takes 1/2 or 2/2, got $part" >&2; exit 2 ;; esac
+case "$workers" in ''|*[!0-9]*|0) echo "error: --workers takes a positive integer, got $workers" >&2; exit 2 ;; esac
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "error: the carried wheels in .whl/ did not install" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
+files=(tests/)
+if [ -n "$part" ]; then  # the files that hold gpu tests; every file is still collected below
+  n=${part%/2}
+  mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py | sort | awk -v n="$n" 'NR % 2 == n % 2')
+fi
+xdist=()
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
+{
+  echo "# moetier GPU suite: $(python3 -c 'import moetier.bench.common as c; print(c.commit())' 2>/dev/null || echo '?')" \
+       "part=${part:-all} workers=$workers"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  echo "# files: ${files[*]}"
+} > "$log"
+# every test file must import here (a missing package fails the run, not only its tests)
+python3 -m pytest --collect-only -q -p no:cacheprovider tests/ > /tmp/gpu-collect.log 2>&1 \
+  || { cat /tmp/gpu-collect.log | tail -30 | tee -a "$log"; echo "# collection failed" >> "$log"; exit 1; }
+tail -1 /tmp/gpu-collect.log | tee -a "$log"
+python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=20 "${xdist[@]}" "${files[@]}" 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+echo "# exit code $rc" >> "$log"
+exit "$rc"
