@@ -1,4 +1,9 @@
-"""Activations of the MLPs."""
+"""Activations of the MLPs.
+
+SwiGLU with clamps (GLM-5.3-Flash's swiglu_limit L): the gate is clamped above at L (silu of a
+very negative gate is already ~0, so it has no lower clamp) and the up projection to [-L, L],
+before silu(gate) * up. limit None: the plain SwiGLU of every other family, the same ops as before.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # gate_up: [..., 2I] with gate first, up second -> [..., I] (SwiGLU)
+def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    # gate_up: [..., 2I] with gate first, up second -> [..., I] (SwiGLU, clamped when limit is set)
     gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up

@@ -40,7 +40,13 @@ _GLM_COMMON: dict[str, Any] = {
     "attention_bias": False,
 }
 
-_COMMON = {"qwen3_moe": _QWEN3_COMMON, "deepseek_v3": _DEEPSEEK_COMMON, "glm_moe_dsa": _GLM_COMMON}
+_GLM5_NEXT_COMMON: dict[str, Any] = {
+    "model_type": "glm5_next",
+    "architectures": ["Glm5NextForConditionalGeneration"],
+}
+
+_COMMON = {"qwen3_moe": _QWEN3_COMMON, "deepseek_v3": _DEEPSEEK_COMMON, "glm_moe_dsa": _GLM_COMMON,
+           "glm5_next": _GLM5_NEXT_COMMON}
 
 # Shapes from the published config.json files of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B.
 _PUBLISHED = {
@@ -89,6 +95,26 @@ _PUBLISHED = {
         "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
         "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "bfloat16",
+    },
+    # zai-org/GLM-5.3-Flash: transformers' Glm5NextTextConfig defaults (the language model of the
+    # multimodal checkpoint; its vision tower is skipped): 45 layers, three KDA layers then one MLA
+    # layer (NoPE, kpool-16 DSA indexer), 288 experts top-8, mHC with 4 streams, SwiGLU clamped at 10.
+    "glm-5.3-flash": {
+        "model_type": "glm5_next", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "text_config": {
+            "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 256, "qk_rope_head_dim": 0,
+            "v_head_dim": 256, "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1,
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "pad_token_id": 154820,
+            "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 42,
+            "layer_types": ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
+            "indexer_types": ["full"] * 45,
+            "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 16,
+            "swiglu_limit": 10.0, "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20,
+        },
     },
 }
 
@@ -161,6 +187,29 @@ _TINY = {
         "indexer_types": ["full", "shared", "full", "shared"],
         "tie_word_embeddings": False, "torch_dtype": "float32",
     },
+    # GLM-5.3-Flash: KDA layers (heads 4 x 16, conv 4) around one indexed MLA layer (NoPE, index_topk
+    # 16 in pools of 4: 4 pools plus the tail, below the test prompts), hc_mult 4, a dense first layer,
+    # 16 experts top-4 with a shared one, swiglu_limit 0.15 (the random weights' gate and up values
+    # reach past it). A tiny vision tower, which the engine skips.
+    "tiny-glm5-next": {
+        "model_type": "glm5_next", "tie_word_embeddings": False, "torch_dtype": "float32",
+        "text_config": {
+            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 24, "qk_rope_head_dim": 0, "v_head_dim": 32,
+            "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1024, "pad_token_id": 0,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"],
+            "layer_types": ["linear_attention"] * 3 + ["indexed_attention", "linear_attention"],
+            "indexer_types": ["full"] * 5,
+            "index_topk": 16, "index_head_dim": 32, "index_n_heads": 4, "index_kpool": 4,
+            "swiglu_limit": 0.15, "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20,
+        },
+        "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                          "intermediate_size": 64, "projection_intermediate_size": 64},
+    },
 }
 
 
@@ -183,6 +232,19 @@ def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) 
     if name not in table:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(names())}")
     d = {**_COMMON[table[name].get("model_type", "qwen3_moe")], **table[name]}
+    if "text_config" in d:  # a multimodal config: the language model's fields sit in text_config
+        d["text_config"] = text = dict(d["text_config"])
+        if layers is not None:
+            full = text["num_hidden_layers"]
+            if not 1 <= layers <= full:
+                raise ConfigError(f"--layers {layers}: preset {name} has {full} layers; keep 1 to {full} of them")
+            text["num_hidden_layers"] = layers
+            for key in ("mlp_layer_types", "layer_types", "indexer_types"):
+                if key in text:
+                    text[key] = text[key][:layers]
+        if dtype is not None:
+            d["torch_dtype"] = dtype
+        return d
     if layers is not None:
         full = d["num_hidden_layers"]
         if not 1 <= layers <= full:

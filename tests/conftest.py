@@ -87,3 +87,46 @@ def hf_mla_checkpoint(out: Path, preset: str, seed: int, **overrides):
     model.save_pretrained(out)
     write_tokenizer(out)
     return out, model
+
+
+def hf_glm5_next_model(seed: int, preset: str = "tiny-glm5-next", **text_overrides):
+    """A random transformers Glm5NextForConditionalGeneration of a tiny preset, float32. What
+    transformers initialises to constants (norms, biases, mHC base and scale, the forget gate's
+    A_log, kpool's position embedding and gate) is randomised too, so parity sees every weight."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from moetier import presets
+
+    d = presets.preset_dict(preset, dtype="float32")
+    config = Glm5NextConfig(text_config={**d["text_config"], **text_overrides}, vision_config=d.get("vision_config"),
+                            tie_word_embeddings=d["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.bias") or name.endswith("hc.base"):
+                p.uniform_(-0.2, 0.2)
+            elif name.endswith("hc.scale"):
+                p.uniform_(0.5, 2.0)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith("index_kpool_compress_ape"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith("index_kpool_compress_gate"):
+                p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
+    return model
+
+
+def hf_glm5_next_checkpoint(out: Path, seed: int, **text_overrides):
+    """hf_glm5_next_model saved with save_pretrained, plus our tokenizer. -> (path, the model)."""
+    from moetier.tokenizer.synthetic import write_tokenizer
+
+    model = hf_glm5_next_model(seed, **text_overrides)
+    model.save_pretrained(out)
+    write_tokenizer(out)
+    return out, model

@@ -36,12 +36,13 @@ def hf_model(path):
     return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def assert_matches_transformers(gen: Generator, ref, prompt: torch.Tensor, page_size: int = 16) -> None:
+def assert_matches_transformers(gen: Generator, ref, prompt: torch.Tensor, page_size: int = 16,
+                                max_len: int = 64) -> None:
     """Logits to 1e-5 relative at prefill and DECODE_STEPS greedy decode steps (transformers
     recomputes the whole sequence each step, so our KV cache is checked too), and greedy generate()
     giving transformers' tokens."""
     model = gen.model
-    cache = Sequence(model, 64, page_size)
+    cache = Sequence(model, max_len, page_size)
     ours = model.logits(cache.forward(prompt))
     with torch.no_grad():
         want = ref(prompt[None]).logits[0].float()

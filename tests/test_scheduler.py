@@ -155,3 +155,33 @@ def test_refuses_what_can_never_fit():
     s.add(req("x", 2))
     with pytest.raises(MoetierError, match="already in use"):
         s.add(req("x", 2))
+
+
+def test_state_slots_follow_running_requests():
+    """Models with recurrent state (KDA): a request holds one state slot while it runs; finishing,
+    aborting or preemption gives it back (a preempted request recomputes), and the step record
+    carries it. Three slots for four requests: the fourth waits for one."""
+    s = Scheduler(PagePool(12), PAGE, max_num_tokens=64, max_num_seqs=3, states=PagePool(3))
+    for i, n in enumerate((9, 5, 7, 3)):
+        s.add(req(f"r{i}", n, max_tokens=12))
+    out = run_step(s)
+    assert [q.request.id for q in out.seqs] == ["r0", "r1", "r2"]
+    step = out.step()
+    assert sorted(q.state_slot for q in step.seqs) == [0, 1, 2] and s.states.num_free == 0
+    preempted = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        preempted += len(out.preempted)
+        for q in out.preempted:
+            assert q.state_slot is None and q.status is Status.WAITING
+        slots = [q.state_slot for q in out.step().seqs]
+        assert len(set(slots)) == len(slots) and min(slots) >= 0
+        s.update(out, {q.request.id: 7 for q in out.seqs if q.sample}, set())
+        s.check()
+    assert preempted > 0  # 12 pages of 4 tokens cannot hold three requests of up to 21 tokens
+    assert s.states.num_used == 0 and s.pages.num_used == 0
+    s.add(req("gone", 4))
+    run_step(s)
+    assert s.abort("gone") and s.states.num_used == 0
+    with pytest.raises(ValueError, match="state pool has 2 slots"):
+        Scheduler(PagePool(12), PAGE, max_num_seqs=3, states=PagePool(2))

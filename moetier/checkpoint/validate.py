@@ -69,7 +69,7 @@ def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[
     misshapen, dtypes = [], []
     for name in sorted(present & want.keys()):
         info = ckpt.tensors[name]
-        if info.shape != want[name].shape:
+        if info.shape != want[name].shape and not want[name].skipped:
             misshapen.append((name, want[name].shape, info.shape))
         if info.dtype not in FLOAT_DTYPES and not (info.dtype == FP8_CODE and cfg.quant == "fp8"):
             dtypes.append(f"{info.file}: {name} has dtype {info.dtype}; only float32, bfloat16 and float16 "
@@ -92,4 +92,4 @@ def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[
         count = len(missing) + len(unexpected) + len(misshapen) + len(dtypes)
         raise CheckpointError(problem_list(f"checkpoint {ckpt.path} does not match its config.json", problems, hint,
                                            count, causes))
-    return [w for w in weights if w.name in present]
+    return [w for w in weights if w.name in present and not w.skipped]

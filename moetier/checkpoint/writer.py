@@ -128,26 +128,27 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
         raise MoetierError(f"the shard size must be positive, got {shard_bytes} bytes")
     torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]  # fp8: quantized from random bf16
     d = presets.preset_dict(preset, layers, dtype=str(torch_dtype).removeprefix("torch."))
-    if quant and fused_experts and d["moe_intermediate_size"] % fp8.BLOCK:
+    text = d.get("text_config", d)  # a multimodal config keeps the language model's fields there
+    if quant and fused_experts and text["moe_intermediate_size"] % fp8.BLOCK:
         raise MoetierError(f"--dtype fp8 --fused-experts needs moe_intermediate_size a multiple of {fp8.BLOCK} "
-                           f"(preset {preset} has {d['moe_intermediate_size']}): a fused gate_up's block scales "
+                           f"(preset {preset} has {text['moe_intermediate_size']}): a fused gate_up's block scales "
                            "would mix gate and up rows; drop --fused-experts")
     out = Path(out)
     prepare_out(out, overwrite)
     vocab_needed = write_tokenizer(out)
     tok = Tokenizer.from_dir(out)
-    if d["vocab_size"] < vocab_needed:
-        raise MoetierError(f"preset {preset} has vocab_size {d['vocab_size']} < tokenizer size {vocab_needed}")
+    if text["vocab_size"] < vocab_needed:
+        raise MoetierError(f"preset {preset} has vocab_size {text['vocab_size']} < tokenizer size {vocab_needed}")
     # Stop ids are the generated tokenizer's, not the published model's (its ids mean other text here).
-    d["eos_token_id"] = tok.eos_token_ids[0] if len(tok.eos_token_ids) == 1 else tok.eos_token_ids
-    d["bos_token_id"] = None
+    text["eos_token_id"] = tok.eos_token_ids[0] if len(tok.eos_token_ids) == 1 else tok.eos_token_ids
+    text["bos_token_id"] = None
     cfg = config_from_dict(d, source=f"preset {preset}")
     plan = tensor_plan(cfg, fused_experts)
     if quant:
         cfg = config_from_dict(fp8_config(d, [n for n, _ in plan]), source=f"preset {preset}")
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": d["eos_token_id"], "do_sample": False}, indent=2) + "\n")
+        {"eos_token_id": text["eos_token_id"], "do_sample": False}, indent=2) + "\n")
 
     units = [_entries(n, s, torch_dtype, quant) for n, s in plan]
     shards = list(_shards(units, shard_bytes))

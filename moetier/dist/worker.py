@@ -136,7 +136,8 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
         replayer = Replayer(model, read_trace(config.replay_trace))  # hooks the routers; lives as long as the model
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
-    kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device)
+    kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device,
+                                  state_slots=config.max_num_seqs + 1)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step
     graphs = None
     if captures(config, model, parallel=True):  # exactly when rank 0 does (engine/llm.py)

@@ -238,8 +238,12 @@ class LLM:
         num_pages, page = config.num_pages, config.page_size
         max_len = config.model_len(self.cfg.max_position_embeddings)
         # One page more than the pool hands out: padding rows of graph-replayed steps write there.
-        self.kv = model.kv_spec().allocate(num_pages + 1, page, model.dtype, model.device)
-        self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len)
+        # and one state slot more (models with recurrent state): the same, for the state pool
+        spec = model.kv_spec()
+        self.kv = spec.allocate(num_pages + 1, page, model.dtype, model.device, state_slots=config.max_num_seqs + 1)
+        states = PagePool(config.max_num_seqs) if spec.state_bytes_per_seq(model.dtype) else None
+        self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len,
+                                   states)
         self.outputs = OutputProcessor(tokenizer)
         self.recorder = self.replayer = None
         if config.record_trace is not None:  # no graphs then (graphs.captures)

@@ -12,7 +12,7 @@ from moetier.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"  # no KV held: new, or preempted and to be recomputed
-    RUNNING = "running"  # holds pages; computes tokens every step it is scheduled
+    RUNNING = "running"  # holds pages (and a state slot); computes tokens every step it is scheduled
     FINISHED = "finished"
 
 
@@ -28,6 +28,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose keys and values sit in this request's pages
     pages: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its recurrent-state slot while running (models with KDA layers)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
     first_scheduled: float | None = None

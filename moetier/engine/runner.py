@@ -92,7 +92,8 @@ class ModelRunner:
     def _forward(self, seqs: list[SeqStep]):
         dev = self.model.device
         ids = [t for s in seqs for t in s.token_ids]
-        batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev)
+        slots = [s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else None  # models with state
+        batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev, slots)
         return self.model.forward(torch.tensor(ids, device=dev), batch, self.kv), batch, ids
 
     @staticmethod

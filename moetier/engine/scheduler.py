@@ -8,6 +8,11 @@ request needs pages and none are free, the newest running request is preempted: 
 freed and it waits at the front of the queue to be recomputed later (its output so far is kept, so
 it resumes where it stopped). A request is never dropped for lack of memory once admitted.
 
+Models with linear-attention layers (KDA) keep a recurrent state per sequence instead of pages for
+those layers: with a state pool (a PagePool of max_num_seqs slots), a request takes one slot when
+it starts running and gives it back when it finishes or is preempted (its state is then recomputed
+with its KV; a fresh start at position 0 zeroes whatever the slot held).
+
 A plain CPU object (no torch): tests drive it with fake runner outputs. Each step it hands the
 runner one plain record (step.StepInput) and takes one back (the sampled tokens).
 """
@@ -34,7 +39,8 @@ class ScheduledSeq:
     def record(self) -> SeqStep:
         r = self.request
         tokens = [r.token(i) for i in range(self.start, self.start + self.num_tokens)]
-        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids))
+        slot = -1 if r.state_slot is None else r.state_slot
+        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot)
 
 
 @dataclass
@@ -53,9 +59,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pages: PagePool, page_size: int, max_num_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int = 4096):
+                 max_model_len: int = 4096, states: PagePool | None = None):
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_tokens and max_num_seqs must be positive")
+        if states is not None and states.num_pages < max_num_seqs:
+            raise ValueError(f"the state pool has {states.num_pages} slots for max_num_seqs {max_num_seqs}")
+        self.states = states  # None: the model keeps no per-sequence state
         self.pages, self.page_size = pages, page_size
         self.max_num_tokens, self.max_num_seqs, self.max_model_len = max_num_tokens, max_num_seqs, max_model_len
         self.waiting: deque[Request] = deque()
@@ -102,6 +111,8 @@ class Scheduler:
                 break  # FIFO: later arrivals do not jump the queue
             self.waiting.popleft()
             req.pages += self.pages.allocate(need, req.id)
+            if self.states is not None:
+                req.state_slot = self.states.allocate(1, req.id)[0]  # free: running < max_num_seqs
             req.status = Status.RUNNING
             if req.first_scheduled is None:
                 req.first_scheduled = time.perf_counter()
@@ -126,6 +137,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.pages.free(req.pages, req.id)
+        self._free_state(req)
         req.pages, req.num_computed = [], 0
         req.status = Status.WAITING
         req.preemptions += 1
@@ -168,9 +180,15 @@ class Scheduler:
             self.waiting.remove(req)
         if req.pages:
             self.pages.free(req.pages, req.id)
+        self._free_state(req)
         req.pages = []
         req.status, req.finish_reason = Status.FINISHED, reason
         del self.requests[req.id]
+
+    def _free_state(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.states.free([req.state_slot], req.id)
+            req.state_slot = None
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -188,3 +206,8 @@ class Scheduler:
             assert len(r.pages) >= self._pages_for(r.num_computed), f"{r.id} lacks pages for its KV"
         for r in self.waiting:
             assert not r.pages and r.num_computed == 0, f"waiting {r.id} still holds KV"
+            assert r.state_slot is None, f"waiting {r.id} still holds a state slot"
+        if self.states is not None:
+            self.states.check()
+            assert self.states.num_used == len(self.running), "state slots are held by requests that are not running"
+            assert all(r.state_slot is not None for r in self.running), "a running request has no state slot"

@@ -3,8 +3,8 @@
 Plain data only (ints, lists, SamplingParams): no Request objects, no tensors, no shared state, so a
 worker in another process can receive the same record (multi-GPU) and tests can build one by hand.
 
-    StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table, and how
-               to sample its next token when the chunk reaches its end
+    StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
+               slot), and how to sample its next token when the chunk reaches its end
     StepOutput the token sampled for each request that sampled
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
@@ -28,6 +28,7 @@ class SeqStep:
     params: SamplingParams
     seed: int  # noise seed of the request's sampling
     sample_index: int  # index of the token sampled (its output length so far)
+    state_slot: int = -1  # its slot of the recurrent-state pool (layers/state_cache.py); -1: no state
 
     @property
     def num_tokens(self) -> int:

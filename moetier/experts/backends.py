@@ -123,7 +123,8 @@ class ResidentExperts(ExpertBackend):
         if self.cuda:
             return self._large(hidden, topk_ids.int(), topk_ids, topk_weights, self.rows, self.rows,
                                self.rows.shape[0])
-        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.rows, self.layout, hidden.dtype)),
+        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.rows, self.layout, hidden.dtype),
+                                    self.layout.swiglu_limit),
                        topk_weights)
 
     def nbytes(self):
@@ -154,7 +155,8 @@ class UvaExperts(ExpertBackend):
             none = torch.full(topk_ids.shape, -1, dtype=torch.int32, device=self.device)
             return self._large(hidden, none, topk_ids, topk_weights, self._no_rows, self._host_dev,
                                self.host.shape[0])
-        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.host, self.layout, hidden.dtype)),
+        return combine(expert_pairs(hidden, topk_ids, row_fetch(self.host, self.layout, hidden.dtype),
+                                    self.layout.swiglu_limit),
                        topk_weights)
 
     def nbytes(self):
@@ -204,7 +206,8 @@ class SlotExperts(ExpertBackend):
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
             keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/ep.py)
-            return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype)), topk_weights)
+            return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit),
+                           topk_weights)
         from moetier.experts.slot_kernels import bookkeeping, copy_rows
 
         slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
@@ -250,7 +253,7 @@ class SlotExperts(ExpertBackend):
         def fetch(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
             s = slot_of[expert]
             return slot(s) if s >= 0 else host(expert)
-        return combine(expert_pairs(hidden, topk_ids, fetch), topk_weights)
+        return combine(expert_pairs(hidden, topk_ids, fetch, self.layout.swiglu_limit), topk_weights)
 
     def _ring(self, hidden, slot_ids, topk_ids, topk_weights) -> torch.Tensor:
         """A bypass step in the ring mode (prefill_ring.py): the hits' pass, then the missing experts'
@@ -270,7 +273,7 @@ class SlotExperts(ExpertBackend):
         def cpu_pass(row_ids, ids, rows, max_rows):  # the torch reference over the pass's experts
             row_of = dict(zip(ids.reshape(-1).tolist(), row_ids.reshape(-1).tolist()))
             fetch = row_fetch(rows, lay, hidden.dtype)
-            part = expert_pairs(hidden, ids, lambda e: fetch(row_of[e]))
+            part = expert_pairs(hidden, ids, lambda e: fetch(row_of[e]), lay.swiglu_limit)
             pair_out.copy_(torch.where((ids >= 0)[..., None], part, pair_out))
         self.ring_rows += ring_forward(ring, slot_ids, topk_ids, self.host, self.slots, cpu_pass)
         return combine(pair_out, topk_weights)

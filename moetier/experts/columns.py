@@ -71,7 +71,7 @@ def local_shape(shape: MoeShape, split: str, tp: int) -> MoeShape:
     """The shape of one rank's expert rows: I / tp under columns, else the whole."""
     if split != "columns" or tp == 1:
         return shape
-    return MoeShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter // tp, shape.quant)
+    return MoeShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter // tp, shape.quant, shape.swiglu_limit)
 
 
 def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int) -> torch.Tensor:

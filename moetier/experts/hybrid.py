@@ -207,7 +207,7 @@ class HybridExperts(SlotExperts):
         n = int(miss.count)
         self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
         keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
-        y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype))[:, 0]
+        y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit)[:, 0]
 
     def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):
         """Launch the device path (nothing waits here): -> (y [P, H] fp32 with the device pairs' outputs

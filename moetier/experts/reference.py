@@ -18,7 +18,7 @@ from moetier.quant.rows import RowLayout
 Fetch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # row key -> (w13 [2I, H], w2 [H, I])
 
 
-def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch, limit: float | None = None) -> torch.Tensor:
     """Outputs of every (token, slot) pair, before weighting: [T, k, H].
 
     `keys` [T, k] names the row each pair reads; fetch(key) gives that row's weights. Rows are visited
@@ -26,6 +26,7 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torc
     its token and its row's bytes, so which rows hold which expert never changes a bit.
     NOTE: host-side loop over used rows (syncs); the CUDA decode path is grouped_gemm.grouped_expert_mlp.
     A negative key (experts/ep.NOT_MINE: another rank's expert) reads no row; its output is zero.
+    limit: the SwiGLU clamp (RowLayout.swiglu_limit, GLM-5.3-Flash), None for the plain SwiGLU.
     """
     t, k = keys.shape
     flat = keys.reshape(-1)
@@ -41,7 +42,7 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch) -> torc
             out[pairs] = 0
             continue
         w13, w2 = fetch(key)
-        out[pairs] = F.linear(silu_mul(F.linear(hidden[tok[pairs]], w13)), w2)
+        out[pairs] = F.linear(silu_mul(F.linear(hidden[tok[pairs]], w13), limit), w2)
     return out.view(t, k, -1)
 
 

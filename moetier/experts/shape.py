@@ -18,7 +18,8 @@ class MoeShape:
     hidden: int
     inter: int  # the intermediate size of one expert
     quant: str | None = None  # None: experts in the model dtype, else a quant/registry format ("fp8")
+    swiglu_limit: float | None = None  # the clamped SwiGLU (GLM-5.3-Flash, moetier/activation.py)
 
     @property
     def layout(self) -> RowLayout:
-        return RowLayout(self.hidden, self.inter, self.quant)
+        return RowLayout(self.hidden, self.inter, self.quant, self.swiglu_limit)

@@ -31,6 +31,10 @@ class AttnBatch:
     query_start_host: list[int]
     seq_lens_host: list[int]
     max_query_len: int
+    # the state slot of each sequence (linear-attention layers, layers/state_cache.py); None: sequence
+    # i uses slot i (a model without state, or one sequence over a pool of its own)
+    state_slots: torch.Tensor | None = None  # [B] int64
+    state_slots_host: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -41,8 +45,10 @@ class AttnBatch:
         return self.query_start_host[-1]
 
 
-def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: torch.device | str) -> AttnBatch:
-    """AttnBatch for sequences given as (tokens before this step, new tokens, page table)."""
+def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: torch.device | str,
+               state_slots: list[int] | None = None) -> AttnBatch:
+    """AttnBatch for sequences given as (tokens before this step, new tokens, page table), and their
+    state slots for models with recurrent state."""
     positions, slots, starts, lens = [], [], [0], []
     width = max(len(pages) for _, _, pages in seqs)
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
@@ -62,6 +68,8 @@ def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: t
         query_start_host=starts,
         seq_lens_host=lens,
         max_query_len=max(new for _, new, _ in seqs),
+        state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
+        state_slots_host=state_slots,
     )
 
 

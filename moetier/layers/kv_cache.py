@@ -8,7 +8,7 @@ table[t // page_size] at offset t % page_size, in every layer.
 
     GqaKVSpec -> GqaKVCache   k, v: [num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
-    MlaKVSpec -> MlaKVCache   latent: [num_layers, num_pages, page_size, kv_lora_rank + rope_dim]
+    MlaKVSpec -> MlaKVCache   latent: [attention layers, num_pages, page_size, kv_lora_rank + rope_dim]
                               index_k: [num_index_layers, num_pages, page_size, index_dim] (DSA only)
 
 MLA keeps one latent row per token and layer, [normed c_kv (kv_lora_rank) | roped k_pe (rope_dim)],
@@ -45,9 +45,15 @@ class KVSpec(ABC):
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's KV takes, summed over layers."""
 
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one running sequence holds, summed over layers (linear-attention
+        layers, layers/state_cache.py); 0 for models of attention only."""
+        return 0
+
     @abstractmethod
-    def allocate(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        ...
+    def allocate(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
+                 state_slots: int = 1) -> KVCache:
+        """state_slots: sequences whose recurrent state the pool holds (ignored without state)."""
 
 
 def check_page_size(page_size: int) -> None:
@@ -65,7 +71,7 @@ class GqaKVSpec(KVSpec):
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
-    def allocate(self, num_pages, page_size, dtype, device) -> GqaKVCache:
+    def allocate(self, num_pages, page_size, dtype, device, state_slots: int = 1) -> GqaKVCache:
         return GqaKVCache(self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim, dtype, device)
 
 
@@ -84,19 +90,25 @@ class GqaKVCache(KVCache):
 
 @dataclass(frozen=True)
 class MlaKVSpec(KVSpec):
-    """Multi-head latent attention: one [kv_lora_rank + rope_dim] row per token and layer, plus the
+    """Multi-head latent attention: one [kv_lora_rank + rope_dim] row per token and layer (of
+    latent_layers when given: hybrid models hold latents for their attention layers only), plus the
     DSA indexer's key for each layer in index_layers (their order is index_k's first axis)."""
 
     kv_lora_rank: int
     rope_dim: int
     index_dim: int = 0
     index_layers: tuple[int, ...] = ()
+    latent_layers: tuple[int, ...] | None = None  # None: every layer
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.latent_layers is None else self.latent_layers
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        latent = self.num_layers * (self.kv_lora_rank + self.rope_dim)
+        latent = len(self.attention_layers) * (self.kv_lora_rank + self.rope_dim)
         return (latent + len(self.index_layers) * self.index_dim) * dtype.itemsize
 
-    def allocate(self, num_pages, page_size, dtype, device) -> MlaKVCache:
+    def allocate(self, num_pages, page_size, dtype, device, state_slots: int = 1) -> MlaKVCache:
         return MlaKVCache(self, num_pages, page_size, dtype, device)
 
 
@@ -105,7 +117,9 @@ class MlaKVCache(KVCache):
                  device: torch.device | str):
         check_page_size(page_size)
         width = spec.kv_lora_rank + spec.rope_dim
-        self.latent = torch.zeros((spec.num_layers, num_pages, page_size, width), dtype=dtype, device=device)
+        layers = spec.attention_layers
+        self.latent = torch.zeros((len(layers), num_pages, page_size, width), dtype=dtype, device=device)
+        self.latent_slot = {layer: i for i, layer in enumerate(layers)}  # model layer -> row of latent
         self.index_k = torch.zeros((len(spec.index_layers), num_pages, page_size, spec.index_dim), dtype=dtype,
                                    device=device)
         # model layer -> row of index_k (layers that run their own indexer)

@@ -46,7 +46,8 @@ from moetier.layers.rotary import apply_rope, apply_rope_interleave
 from moetier.parallel import Parallel
 
 # q_a_layernorm and kv_a_layernorm are built without an eps argument in the reference (and in
-# DeepSeek's own code), so they use 1e-6 whatever rms_norm_eps says.
+# DeepSeek's own code), so they use 1e-6 whatever rms_norm_eps says (GLM-5.3-Flash's use rms_norm_eps:
+# latent_eps).
 LATENT_NORM_EPS = 1e-6
 
 
@@ -57,9 +58,9 @@ class MlaAttention(nn.Module):
     def __init__(self, layer: int, hidden: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
                  rope: int, v_dim: int, bias: bool, scale: float, interleave: bool, dtype: torch.dtype,
                  device: torch.device | str, indexer: nn.Module | None = None, fp8_dense: bool = False,
-                 par: Parallel = Parallel()):
+                 par: Parallel = Parallel(), latent_eps: float = LATENT_NORM_EPS):
         super().__init__()
-        self.par = par
+        self.par, self.latent_eps = par, latent_eps
         num_heads = par.tp_split(num_heads, "num_attention_heads")  # this rank's heads (all without TP)
         self.layer, self.hq, self.r, self.nope, self.rope, self.v = layer, num_heads, kv_lora_rank, nope, rope, v_dim
         self.scale, self.interleave = scale, interleave
@@ -89,6 +90,13 @@ class MlaAttention(nn.Module):
         self.o_bias = opt_bias(hidden)
         self.indexer = indexer
 
+    def part(self, name: str) -> torch.Tensor | None:
+        """Where checkpoint tensor self_attn.<name> goes (the indexer's are its own)."""
+        return {"q_a_proj.weight": self.q_a, "q_a_proj.bias": self.q_a_bias, "q_a_layernorm.weight": self.q_a_norm,
+                "q_b_proj.weight": self.q_b, "q_proj.weight": self.q_proj, "kv_a_proj_with_mqa.weight": self.kv_a,
+                "kv_a_proj_with_mqa.bias": self.kv_a_bias, "kv_a_layernorm.weight": self.kv_a_norm,
+                "kv_b_proj.weight": self.kv_b, "o_proj.weight": self.o, "o_proj.bias": self.o_bias}.get(name)
+
     @property
     def w_uk(self) -> torch.Tensor:
         # [Hq, nope, R]: head h's key = W_UK[h] @ c_kv
@@ -109,13 +117,13 @@ class MlaAttention(nn.Module):
         latent rows [N, R + P] = [normed c_kv | roped k_pe])."""
         t = x.shape[0]
         if self.q_proj is None:
-            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.latent_eps)
             q = linear(q_resid, self.q_b)
         else:
             q_resid, q = None, linear(x, self.q_proj)
         q_nope, q_pe = q.view(t, self.hq, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
-        c_kv = rms_norm(c_kv, self.kv_a_norm, LATENT_NORM_EPS)
+        c_kv = rms_norm(c_kv, self.kv_a_norm, self.latent_eps)
         k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
         q_abs = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
         q = torch.cat([q_abs, self.rotate(q_pe, cos, sin)], dim=-1)
@@ -126,7 +134,7 @@ class MlaAttention(nn.Module):
         """x: [N, H]; cos, sin: [N, rope]; topk: [N, K] int32 positions chosen by an earlier layer's
         indexer (DSA 'shared' layers) or None. -> (out [N, H], the top-k this layer attended over)."""
         q_resid, q, rows = self.project(x, cos, sin)
-        latent = kv.latent[self.layer]
+        latent = kv.latent[kv.latent_slot[self.layer]]
         write_latent(latent, rows, batch.slot_mapping)
         if self.indexer is not None:
             topk = self.indexer(x, q_resid, cos, sin, batch, kv)

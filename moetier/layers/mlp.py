@@ -1,4 +1,5 @@
-"""The dense SwiGLU MLP (dense layers, and later the shared experts of the DeepSeek family).
+"""The dense SwiGLU MLP (dense layers, and the shared experts of the DeepSeek family); swiglu_limit:
+the clamped SwiGLU of GLM-5.3-Flash (moetier/activation.py).
 
 FP8 dense (fp8_dense, layers/fp8_linear.py): w13 stays FP8 only when gate's rows end on a scale
 block (I a multiple of 128; under tensor parallelism every rank's I/tp), w2 unless tensor
@@ -21,9 +22,10 @@ from moetier.parallel import Parallel
 
 class SwigluMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str,
-                 par: Parallel = Parallel(), fp8_dense: bool = False, what: str = "intermediate_size"):
+                 par: Parallel = Parallel(), fp8_dense: bool = False, what: str = "intermediate_size",
+                 swiglu_limit: float | None = None):
         super().__init__()
-        self.par = par
+        self.par, self.swiglu_limit = par, swiglu_limit
         self.inter = inter = par.tp_split(inter, what)  # this rank's columns; what: inter's name in errors
         split = par.tp > 1
         # [gate; up]
@@ -39,4 +41,4 @@ class SwigluMLP(nn.Module):
         return None if half is None else rows_of(self.w13, half * i, (half + 1) * i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(linear(silu_mul(linear(x, self.w13)), self.w2), "tp")
+        return self.par.all_reduce(linear(silu_mul(linear(x, self.w13), self.swiglu_limit), self.w2), "tp")

@@ -48,6 +48,9 @@ class Weight:
     # Under tensor parallelism: the dim split into tp equal contiguous parts, rank r loading part r
     # (model.param(name) then has the part's shape); None: replicated, every rank loads it whole.
     split: int | None = None
+    # known and never read, whatever its shape (a multimodal checkpoint's vision tower, MTP layers of a
+    # layout we do not model): validation accepts it, the loader skips it
+    skipped: bool = False
 
 
 def routed_expert_weights(prefix: str, layer: int, num_experts: int, hidden: int, inter: int,

@@ -84,6 +84,18 @@ def _swiglu_weights(prefix: str, hidden: int, inter: int) -> list[Weight]:
             Weight(prefix + "down_proj.weight", (hidden, inter), split=1)]
 
 
+def mlp_param(mlp: MoEBlock | SwigluMLP, rest: str) -> torch.Tensor | None:
+    """Where checkpoint tensor mlp.<...> of a decoder layer goes (`rest` from "mlp." on): the router's
+    gate and correction bias, the shared experts' or the dense MLP's projections."""
+    if rest == "mlp.gate.weight":
+        return mlp.router.weight
+    if rest == "mlp.gate.e_score_correction_bias":
+        return mlp.router.bias
+    if rest.startswith("mlp.shared_experts."):
+        mlp, rest = mlp.shared, "mlp." + rest[len("mlp.shared_experts."):]
+    return mlp.part(rest[len("mlp."):].removesuffix(".weight"))
+
+
 class MlaMoeForCausalLM(CausalLM):
     cfg: MlaMoeConfig
     tensor_parallel = True
@@ -198,20 +210,8 @@ class MlaMoeForCausalLM(CausalLM):
         if rest.startswith("self_attn.indexer."):
             return self.indexer_param(layer.attn.indexer, rest[len("self_attn.indexer."):])
         if rest.startswith("self_attn."):
-            a = layer.attn
-            return {"q_a_proj.weight": a.q_a, "q_a_proj.bias": a.q_a_bias, "q_a_layernorm.weight": a.q_a_norm,
-                    "q_b_proj.weight": a.q_b, "q_proj.weight": a.q_proj, "kv_a_proj_with_mqa.weight": a.kv_a,
-                    "kv_a_proj_with_mqa.bias": a.kv_a_bias, "kv_a_layernorm.weight": a.kv_a_norm,
-                    "kv_b_proj.weight": a.kv_b, "o_proj.weight": a.o, "o_proj.bias": a.o_bias,
-                    }.get(rest[len("self_attn."):])
-        mlp = layer.mlp
-        if rest == "mlp.gate.weight":
-            return mlp.router.weight
-        if rest == "mlp.gate.e_score_correction_bias":
-            return mlp.router.bias
-        if rest.startswith("mlp.shared_experts."):
-            mlp, rest = mlp.shared, "mlp." + rest[len("mlp.shared_experts."):]
-        return mlp.part(rest[len("mlp."):].removesuffix(".weight"))
+            return layer.attn.part(rest[len("self_attn."):])
+        return mlp_param(layer.mlp, rest)
 
     # -- runtime --
 

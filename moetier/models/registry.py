@@ -32,6 +32,8 @@ ARCHITECTURES = (
                  "DeepseekV3Config"),
     Architecture("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), "moetier.models.glm_moe_dsa", "GlmMoeDsaForCausalLM",
                  "GlmMoeDsaConfig"),
+    Architecture("glm5_next", ("Glm5NextForConditionalGeneration",), "moetier.models.glm5_next",
+                 "Glm5NextForConditionalGeneration", "Glm5NextConfig"),
 )
 
 

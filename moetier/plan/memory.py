@@ -25,6 +25,7 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
+from moetier.layers.kv_cache import KVSpec
 from moetier.plan import residents as r
 from moetier.plan.units import GiB, gib, round_up
 
@@ -213,6 +214,12 @@ def count(req: PlanRequest) -> Plan:
     dev.append(_item("KV pages", "capture", kv,
                      f"{req.pool_tokens:,} tokens + 1 page, {kv_spec_bytes:,} B/token"))
     tensors += kv
+    spec = _kv_spec(cfg)
+    if spec.state_bytes_per_seq(dt):  # linear-attention layers: a state slot per running sequence
+        st = spec.state.tensor_bytes(dt, req.max_num_seqs + 1)  # engine/llm.py: one spare, as the spare page
+        dev.append(_item("KDA state slots", "capture", st,
+                         f"{req.max_num_seqs} sequences + 1, {spec.state_bytes_per_seq(dt):,} B/sequence"))
+        tensors += st
     sizes = req.graph_sizes
     width = -(-req.model_len // req.page_size)
     if sizes:
@@ -303,6 +310,10 @@ def count(req: PlanRequest) -> Plan:
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
     """One rank's KV bytes per token under tensor parallelism tp (GQA: its kv heads; MLA: all of it)."""
+    return _kv_spec(cfg, tp).bytes_per_token(dtype)
+
+
+def _kv_spec(cfg: ModelConfig, tp: int = 1) -> KVSpec:
     from moetier.models.registry import model_class
     from moetier.parallel import Parallel
 
@@ -312,4 +323,4 @@ def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> in
     object.__setattr__(model, "cfg", cfg)  # nn.Module.__setattr__ needs __init__
     if tp > 1:
         object.__setattr__(model, "par", Parallel(0, tp, tp, 1))
-    return model.kv_spec().bytes_per_token(dtype)
+    return model.kv_spec()

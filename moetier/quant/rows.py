@@ -42,6 +42,9 @@ class RowLayout:
     hidden: int
     inter: int
     quant: str | None = None
+    # not where bytes sit but what a row computes: the SwiGLU clamp every path applies (None: none);
+    # carried here because every backend and kernel holds the layout
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:

@@ -1,0 +1,134 @@
+"""Kimi Delta Attention (KDA), GLM-5.3-Flash's linear-attention layer, over the per-sequence state
+pool (layers/state_cache.py) instead of KV pages.
+
+    x [N, H] -> [q | k | v] = x W_qkv^T                                [N, 3D]   (D = heads * head_dim)
+             -> causal depthwise conv (width W, float32 weights, its state: the last W - 1 inputs), silu
+             -> q, k, v [N, heads, head_dim]
+    forget gate g = f_b(f_a(x)) + dt_bias (float32), per head and channel:
+             lower_bound * sigmoid(exp(A_log) g)   (a lower bound given: g in (lower_bound, 0))
+             -exp(A_log) softplus(g)               (none)
+    beta = sigmoid(b_proj(x))                                          [N, heads]
+    o = the delta-rule recurrence (layers/kda_reference.py) from the sequence's carried state
+    out = o_proj(rms_norm(o) * o_norm * sigmoid(g_b(g_a(x))))         (the gated norm per head, float32)
+
+A step's sequences each read and write their state slot (batch.state_slots; a step starting at
+position 0 starts from zeros). Decode steps (one token per sequence) run one batched recurrent step
+with no host read (graph-safe shapes); other steps loop over their sequences on the host: the chunked
+form for several tokens, the recurrent step for one. Same ops as transformers' Glm5NextTextLinear-
+Attention, so float32 agrees to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.layers.attention import AttnBatch
+from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_step
+from moetier.layers.param import param
+from moetier.layers.state_cache import KdaStateCache
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x, gate: [..., d]; weight [d] -> float32 norm, float32 weight and sigmoid gate, back to x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KdaAttention(nn.Module):
+    def __init__(self, layer: int, hidden: int, heads: int, head_dim: int, conv_width: int,
+                 lower_bound: float | None, norm_eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer, self.heads, self.d, self.eps, self.lower_bound = layer, heads, head_dim, norm_eps, lower_bound
+        inner = heads * head_dim
+        self.inner = inner
+        self.qkv = param(3 * inner, hidden, dtype=dtype, device=device)  # [q; k; v]
+        self.conv = param(3 * inner, 1, conv_width, dtype=torch.float32, device=device)  # [q; k; v] channels
+        self.f_a = param(head_dim, hidden, dtype=dtype, device=device)
+        self.f_b = param(inner, head_dim, dtype=dtype, device=device)
+        self.dt_bias = param(inner, dtype=torch.float32, device=device)
+        self.A_log = param(heads, dtype=torch.float32, device=device)
+        self.b_proj = param(heads, hidden, dtype=dtype, device=device)
+        self.g_a = param(head_dim, hidden, dtype=dtype, device=device)
+        self.g_b = param(inner, head_dim, dtype=dtype, device=device)
+        self.o_norm = param(head_dim, dtype=dtype, device=device)
+        self.o_proj = param(hidden, inner, dtype=dtype, device=device)
+
+    def part(self, name: str) -> torch.Tensor | None:
+        """Where checkpoint tensor self_attn.<name> goes (q/k/v projections and convs are row blocks)."""
+        i = self.inner
+        blocks = {"q": slice(0, i), "k": slice(i, 2 * i), "v": slice(2 * i, 3 * i)}
+        if name.endswith("_proj.weight") and name[0] in blocks and len(name) == len("q_proj.weight"):
+            return self.qkv[blocks[name[0]]]
+        if name.endswith("_conv1d.weight") and name[0] in blocks:
+            return self.conv[blocks[name[0]]]
+        return {"f_a_proj.weight": self.f_a, "f_b_proj.weight": self.f_b, "dt_bias": self.dt_bias,
+                "A_log": self.A_log, "b_proj.weight": self.b_proj, "g_a_proj.weight": self.g_a,
+                "g_b_proj.weight": self.g_b, "o_norm.weight": self.o_norm, "o_proj.weight": self.o_proj}.get(name)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        # x [N, H] -> g [N, heads, head_dim] float32, the log of each channel's decay (<= 0)
+        g = (F.linear(F.linear(x, self.f_a), self.f_b).float() + self.dt_bias).view(-1, self.heads, self.d)
+        rate = self.A_log.exp()[None, :, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, state: KdaStateCache) -> torch.Tensor:
+        """x: [N, H] -> [N, H]; reads and writes the sequences' state slots of this layer."""
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(F.linear(x, self.b_proj))
+        row = state.state_slot[self.layer]
+        conv, rec = state.conv[row], state.recurrent[row]
+        slots = batch.state_slots if batch.state_slots is not None else torch.arange(
+            batch.num_seqs, device=x.device)
+        if batch.max_query_len == 1 and n == batch.num_seqs:
+            o = self._decode(qkv, g, beta, conv, rec, slots.long(), batch)
+        else:
+            o = self._prefill(qkv, g, beta, conv, rec, batch)
+        gate = F.linear(F.linear(x, self.g_a), self.g_b).view(n, self.heads, self.d)
+        return F.linear(gated_rms_norm(o, gate, self.o_norm, self.eps).reshape(n, self.inner), self.o_proj)
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [N, 3D] -> q, k, v [N, heads, head_dim]
+        return tuple(t.reshape(-1, self.heads, self.d) for t in mixed.split(self.inner, dim=-1))
+
+    def _decode(self, qkv, g, beta, conv, rec, slots, batch) -> torch.Tensor:
+        """One token per sequence, all sequences at once: gather the slots' states, one step, scatter
+        back. A token at position 0 (a one-token prompt) starts from zeros (fixed shapes, no branch)."""
+        live = (batch.positions > 0)
+        conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
+        rec_in = rec[slots] * live[:, None, None, None].float()
+        mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
+        q, k, v = self._split(mixed)
+        o, rec_out = kda_step(q, k, v, g, beta, rec_in)
+        conv[slots] = conv_out
+        rec[slots] = rec_out
+        return o
+
+    def _prefill(self, qkv, g, beta, conv, rec, batch) -> torch.Tensor:
+        """Each sequence on its own (host integers): the chunked recurrence from its carried state."""
+        out = qkv.new_empty(qkv.shape[0], self.heads, self.d)
+        qs, lens = batch.query_start_host, batch.seq_lens_host
+        slots = batch.state_slots_host or list(range(batch.num_seqs))
+        for i in range(batch.num_seqs):
+            a, b = qs[i], qs[i + 1]
+            if a == b:
+                continue
+            slot, fresh = slots[i], lens[i] == b - a
+            c0 = torch.zeros_like(conv[slot]) if fresh else conv[slot]
+            s0 = torch.zeros_like(rec[slot]) if fresh else rec[slot]
+            mixed, conv[slot] = causal_conv(qkv[a:b], c0, self.conv)
+            q, k, v = self._split(mixed)
+            if b - a == 1 and not fresh:
+                o, s = kda_step(q, k, v, g[a:b], beta[a:b], s0[None])
+                s = s[0]
+            else:
+                o, s = kda_chunked(q, k, v, g[a:b], beta[a:b], s0)
+            rec[slot] = s
+            out[a:b] = o
+        return out

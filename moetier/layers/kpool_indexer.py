@@ -1,0 +1,110 @@
+"""GLM-5.3-Flash's DSA indexer with kpool: the lightning indexer of layers/dsa_indexer.py, scoring
+groups of `kpool` consecutive keys instead of single keys, for NoPE attention (no rotary anywhere).
+
+    q_resid [N, q_lora] -> wq_b -> q [N, Hi, D]
+    x [N, H] -> wk -> LayerNorm (k_norm, eps 1e-6) -> k [N, D];  x -> gate = x W_gate^T [N, D]
+      [k | gate] written to the layer's index_k pages (2D wide) at the step's slots
+    pool p = tokens p*kpool .. (p+1)*kpool - 1 (complete pools only):
+      pool_key[p] = sum_t softmax_t(gate[t] + ape[t - p*kpool]) * k[t]     (per channel, over the pool)
+    x -> weights_proj * Hi^-1/2 -> w [N, Hi]  (float32)
+    score(n, p) = sum_h w[n, h] relu(D^-1/2 q[n, h] . pool_key[p])
+    a query at position s may pick pool p when the pool ends at or before s; it takes the best
+    index_topk / kpool of those, expanded to their tokens, plus the tail: the tokens of its own
+    incomplete pool (s - s % kpool .. s, when (s + 1) % kpool != 0).
+    -> [N, index_topk + kpool - 1] int32 positions, -1 where unused (fixed width for graphs)
+
+The reference (CPU) uses the same ops in the same order as transformers' Glm5NextTextIndexer, with
+one sequence's row of scores over the complete pools of its context (as transformers' row for one
+sequence), so equal scores break the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
+from moetier.layers.dsa_indexer import K_NORM_EPS
+from moetier.layers.kv_cache import MlaKVCache
+from moetier.layers.param import param
+
+
+def pool_keys(rows: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
+    """rows: [ctx, 2D] one sequence's [k | gate]; ape: [kpool, D] -> [ctx // kpool, D] the complete
+    pools' keys, in rows' dtype."""
+    d = ape.shape[1]
+    n = rows.shape[0] // kpool
+    grouped = rows[: n * kpool].view(n, kpool, 2 * d)
+    keys, gate = grouped[..., :d], grouped[..., d:]
+    probs = (gate.float() + ape.float()[None]).softmax(dim=1).to(keys.dtype)
+    return (probs * keys).sum(dim=1)
+
+
+def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
+                           batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
+    """q: [N, Hi, D]; w: [N, Hi] float32; index_k: [pages, page_size, 2D] of one layer, this step's rows
+    written. -> [N, topk + kpool - 1] int32 positions within each sequence, -1 padded. A loop over host
+    integers: the CPU path and the oracle."""
+    n, width = q.shape[0], topk + kpool - 1
+    out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
+    qs, lens = batch.query_start_host, batch.seq_lens_host
+    offsets = torch.arange(kpool, device=q.device)
+    for i in range(batch.num_seqs):
+        a, b, ctx = qs[i], qs[i + 1], lens[i]
+        if a == b:
+            continue
+        keys = pool_keys(sequence_rows(index_k, batch, i), ape, kpool)  # [P, D]
+        ends = torch.arange(1, keys.shape[0] + 1, device=q.device) * kpool - 1  # last token of each pool
+        select = min(topk // kpool, keys.shape[0])
+        for c, d in query_chunks(a, b, q.shape[1] * max(keys.shape[0], 1) * 4):
+            pos = torch.arange(ctx - (b - c), ctx - (b - d), device=q.device)  # [T]
+            if select:
+                scores = F.relu(torch.matmul(q[c:d].float(), keys.float().t()) * scale)  # [T, Hi, P]
+                index = torch.matmul(w[c:d, None, :], scores).squeeze(1)  # [T, P]
+                visible = ends[None, :] <= pos[:, None]
+                index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
+                picked = index.topk(select, dim=-1).indices  # [T, select]
+                ok = visible.gather(1, picked)
+                tokens = picked[..., None] * kpool + offsets  # [T, select, kpool]
+                tokens = tokens.masked_fill(~ok[..., None], -1).flatten(1)
+                out[c:d, : tokens.shape[1]] = tokens.to(torch.int32)
+            if kpool > 1:
+                count = (pos + 1) % kpool  # tokens in the query's incomplete pool, itself included
+                tail = (pos + 1 - count)[:, None] + offsets[None, : kpool - 1]
+                tail = tail.masked_fill(offsets[None, : kpool - 1] >= count[:, None], -1)
+                out[c:d, topk:] = tail.to(torch.int32)
+    return out
+
+
+class KpoolIndexer(nn.Module):
+    def __init__(self, layer: int, hidden: int, q_lora_rank: int, num_heads: int, head_dim: int, topk: int,
+                 kpool: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        if topk % kpool:
+            raise ValueError(f"index_topk {topk} must be a multiple of index_kpool {kpool}")
+        self.layer, self.hi, self.d, self.topk, self.kpool = layer, num_heads, head_dim, topk, kpool
+        self.wq_b = param(num_heads * head_dim, q_lora_rank, dtype=dtype, device=device)
+        self.wk = param(head_dim, hidden, dtype=dtype, device=device)
+        self.k_norm = param(head_dim, dtype=dtype, device=device)
+        self.k_norm_bias = param(head_dim, dtype=dtype, device=device)
+        self.weights_proj = param(num_heads, hidden, dtype=dtype, device=device)
+        self.ape = param(kpool, head_dim, dtype=dtype, device=device)  # index_kpool_compress_ape
+        self.gate = param(head_dim, hidden, dtype=dtype, device=device)  # index_kpool_compress_gate
+
+    def part(self, name: str) -> torch.Tensor | None:
+        return {"wq_b.weight": self.wq_b, "wk.weight": self.wk, "k_norm.weight": self.k_norm,
+                "k_norm.bias": self.k_norm_bias, "weights_proj.weight": self.weights_proj,
+                "index_kpool_compress_ape": self.ape, "index_kpool_compress_gate": self.gate}.get(name)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttnBatch, kv: MlaKVCache) -> torch.Tensor:
+        """x: [N, H] (the attention's normed input); q_resid: [N, q_lora]; cos, sin unused (NoPE).
+        Writes this step's [k | gate] rows, returns [N, topk + kpool - 1] int32 positions (-1 unused)."""
+        t = x.shape[0]
+        q = F.linear(q_resid, self.wq_b).view(t, self.hi, self.d)
+        k = F.layer_norm(F.linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
+        index_k = kv.index_k[kv.index_slot[self.layer]]
+        index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, F.linear(x, self.gate)], dim=-1)
+        w = F.linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
+        return select_pools_reference(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)
