@@ -10,6 +10,8 @@ import shutil
 import socket
 import threading
 import time
+
+import pytest
 from pathlib import Path
 
 import uvicorn
@@ -110,3 +112,11 @@ def wait_idle(llm: LLM, timeout: float = 10.0) -> None:
                                         f"{len(llm.scheduler.running)} requests running")
         time.sleep(0.02)
     llm.scheduler.check()
+
+
+@pytest.fixture(scope="module")
+def live():
+    """A module's server on the default model (imported by the test files that use it)."""
+    server = serve(llm_options={"max_model_len": 512})
+    yield server
+    server.close()

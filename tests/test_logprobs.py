@@ -10,18 +10,11 @@ from moetier.engine import LLM
 from moetier.experts.placement import ExpertOptions
 from moetier.layers.attention import make_batch
 from moetier.sampling_params import SamplingParams
-from server_helpers import serve
+from server_helpers import live  # noqa: F401 -- the module's server fixture
 
 MODEL = "tiny-stdlib"
 PROMPT = "def fibonacci(n):"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(scope="module")
-def live():
-    server = serve(llm_options={"max_model_len": 512})
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,10 @@ import openai
 import pytest
 
 from moetier.sampling_params import SamplingParams
-from server_helpers import ScriptedEngine, serve, think_model, wait_idle
+from server_helpers import ScriptedEngine, live, serve, think_model, wait_idle  # noqa: F401 -- live: the module's server fixture
 
 MODEL = "tiny-stdlib"
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def live():
-    server = serve(llm_options={"max_model_len": 512})
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

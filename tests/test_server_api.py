@@ -14,17 +14,10 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import serve, wait_idle
+from server_helpers import live, serve, wait_idle  # noqa: F401 -- live: the module's server fixture
 
 MODEL = "tiny-stdlib"
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def live():
-    server = serve(llm_options={"max_model_len": 512})
-    yield server
-    server.close()
 
 
 def post(live, route: str, **body) -> httpx.Response:
