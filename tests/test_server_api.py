@@ -104,7 +104,7 @@ def test_non_text_content_is_refused_by_name(live, part, stream):
                                               max_tokens=2, stream=stream)
     err = e.value.body  # the openai client's parsed error object
     assert e.value.status_code == 400 and err["param"] == "messages", err
-    assert f"messages[0].content[1] is a {part['type']!r} part" in err["message"], err
+    assert f"messages[0].content[1] is a part of type {part['type']!r}" in err["message"], err
     assert "serves text only" in err["message"] and "vision tower" in err["message"], err
 
 

@@ -166,7 +166,7 @@ def text_part(part: Any, where: str) -> str:
         return part["text"]
     if kind == "text":
         raise ApiError(400, f"{where} is a text part without a string 'text'", "messages")
-    named = f"a {kind!r} part" if isinstance(kind, str) else "a part without a string 'type'"
+    named = f"a part of type {kind!r}" if isinstance(kind, str) else "a part without a string 'type'"
     raise ApiError(400, f"{where} is {named}: this server serves text only (the model is text-only, or a "
                         "multimodal checkpoint whose vision tower moetier skips); send text parts "
                         "({'type': 'text', 'text': ...}) or a string", "messages")
