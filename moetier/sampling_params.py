@@ -29,6 +29,9 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling (temperature, filters), as OpenAI and vLLM do;
     # not to the logprobs, which stay the model's (raw) distribution
     logit_bias: dict[int, float] | None = None
+    # special token ids kept in the output text (others are skipped): the markers that a server's
+    # reasoning and tool-call parsers read, where the checkpoint made them special tokens
+    keep_special_ids: frozenset[int] = frozenset()
 
     def validate(self) -> SamplingParams:
         problems = []

@@ -55,6 +55,19 @@ def think_model(tmp: Path) -> Path:
     return out
 
 
+def marker_model(tmp: Path, markers: tuple[str, ...]) -> Path:
+    """A random tiny model with the thinking template whose tokenizer makes `markers` special tokens,
+    as GLM's and DeepSeek's checkpoints do (the default model's 448-token vocabulary has no room)."""
+    from moetier.checkpoint.writer import make_checkpoint
+    from moetier.tokenizer.synthetic import write_marker_tokenizer
+
+    out = tmp / "tiny-markers"
+    make_checkpoint(out, "tiny", dtype="float32")
+    write_marker_tokenizer(out, markers)
+    (out / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    return out
+
+
 class ScriptedEngine(AsyncLLM):
     """An AsyncLLM whose replies are `script`, token by token through the real tokenizer and detokenizer."""
 
@@ -63,7 +76,7 @@ class ScriptedEngine(AsyncLLM):
     async def generate(self, prompt, params=None, request_id=None):
         tok = self.llm.tokenizer
         ids = tok.encode(self.script)
-        decoder, text = StreamDecoder(tok), ""
+        decoder, text = StreamDecoder(tok, keep=params.keep_special_ids if params else frozenset()), ""
         for i, t in enumerate(ids):
             last = i == len(ids) - 1
             delta = decoder.push(t) + (decoder.flush() if last else "")

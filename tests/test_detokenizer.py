@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from moetier.tokenizer.detokenizer import MAX_HELD, StopStrings, StreamDecoder
 from moetier.tokenizer import Tokenizer, TokenizerError
-from moetier.tokenizer.synthetic import write_tokenizer
+from moetier.tokenizer.synthetic import write_marker_tokenizer, write_tokenizer
 
 TEXTS = [
     "Hello, world! The answer is 42.",
@@ -48,8 +48,20 @@ def sp_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_dir(d)
 
 
-def stream(tok: Tokenizer, ids: list[int], skip: bool = True) -> list[str]:
-    dec = StreamDecoder(tok, skip_special_tokens=skip)
+GLM_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>")
+
+
+@pytest.fixture(scope="module")
+def glm_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The synthetic tokenizer with GLM's reasoning and tool-call tags as special tokens."""
+    d = tmp_path_factory.mktemp("glm")
+    write_marker_tokenizer(d, GLM_MARKERS)
+    return Tokenizer.from_dir(d)
+
+
+def stream(tok: Tokenizer, ids: list[int], skip: bool = True, keep: frozenset[int] = frozenset()) -> list[str]:
+    dec = StreamDecoder(tok, skip_special_tokens=skip, keep=keep)
     return [dec.push(i) for i in ids] + [dec.flush()]
 
 
@@ -104,6 +116,34 @@ def test_special_and_unknown_ids(tok: Tokenizer) -> None:
     assert "".join(stream(tok, ids, skip=False)) == "<|im_start|>assistant\nhé<|im_end|>"
     dec = StreamDecoder(tok)
     assert [dec.push(i) for i in (72, tok.vocab_size + 3, -1, 105)] == ["H", "", "", "i"]
+
+
+def test_parser_markers_are_kept_and_other_specials_skipped(glm_tok: Tokenizer) -> None:
+    reply = ("<think>plan: héllo</think>\nSure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+             "<arg_value>Paris</arg_value>\n</tool_call>")
+    ids = glm_tok.encode("<|im_start|>" + reply + "<|im_end|><|endoftext|>")
+    keep = glm_tok.special_ids_of(GLM_MARKERS + ("<|im_end|>x", "plain"))  # not tokens: ignored
+    assert len(keep) == len(GLM_MARKERS) and all(glm_tok.token_id(m) in keep for m in GLM_MARKERS)
+    assert sum(i in keep for i in ids) == 8  # each tag is one special token, as in GLM's checkpoints
+    assert glm_tok.special_ids_of(["he", "<|im_end|>x"]) == frozenset()  # ordinary vocab: nothing to keep
+    # streamed token by token (the server's stream) and whole (its non-streamed reply: the same deltas)
+    deltas = stream(glm_tok, ids, keep=keep)
+    assert "".join(deltas) == reply
+    assert "".join(deltas) == glm_tok.decode([i for i in ids if i not in glm_tok.special_ids or i in keep],
+                                             skip_special_tokens=False)
+    # without keep the tags vanish and the parsers would see plain content (the bug this prevents)
+    assert "".join(stream(glm_tok, ids)) == glm_tok.decode(ids) == "plan: héllo\nSure.get_weather\ncity\nParis\n"
+
+
+def test_random_ids_with_kept_specials_match_decode(glm_tok: Tokenizer) -> None:
+    rng = random.Random(5)
+    specials = sorted(glm_tok.special_ids)
+    keep = frozenset(rng.sample(specials, 4))
+    for _ in range(100):
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(glm_tok.vocab_size)
+               for _ in range(rng.randrange(1, 20))]
+        want = glm_tok.decode([i for i in ids if i not in glm_tok.special_ids or i in keep], skip_special_tokens=False)
+        assert "".join(stream(glm_tok, ids, keep=keep)) == want, ids
 
 
 def test_invalid_bytes_are_released(tok: Tokenizer) -> None:

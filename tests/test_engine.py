@@ -1,5 +1,6 @@
 """The engine end to end on the CPU: batched results equal solo results, under chunked prefill,
-preemption and every expert backend; aborts; the async streaming interface; metrics."""
+preemption and every expert backend; aborts; the async streaming interface; metrics; kept special
+tokens in the output text."""
 
 from __future__ import annotations
 
@@ -128,3 +129,20 @@ def test_async_cancel_frees_pages(tiny_ckpt):
             assert llm.scheduler.pages.num_used == 0 and not llm.has_unfinished()
     finally:
         engine.shutdown()
+
+
+def test_kept_special_tokens_reach_the_text(tmp_path):
+    """The engine's own output path honours SamplingParams.keep_special_ids (the server's parsers'
+    markers): a special token is in the text only when the request keeps it."""
+    from moetier.checkpoint.writer import make_checkpoint
+    from moetier.tokenizer.synthetic import write_marker_tokenizer
+
+    make_checkpoint(tmp_path, "tiny", dtype="float32")
+    write_marker_tokenizer(tmp_path, ("<think>",))
+    llm = LLM(tmp_path, device="cpu")
+    think = llm.tokenizer.token_id("<think>")
+    forced = {think: 100.0}  # greedy: <think> at every step
+    for keep, want in ((frozenset(), ""), (frozenset({think}), "<think>" * 3)):
+        params = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias=forced, keep_special_ids=keep)
+        out = llm.generate(["hi"], params)[0].outputs[0]
+        assert out.token_ids == [think] * 3 and out.text == want

@@ -1,8 +1,9 @@
 """The server's API edges (issues 26 and 27), live on a loopback port over the default model: a bug's
 500 carries a request id and not the exception's text, a wrong method is a client error, HEAD /health
-and GET /v1/models/{id}, number fields' messages, chat roles and null content, a model without a chat
-template, logit_bias (checked, and applied before sampling), and a client that goes away: one log
-line, no traceback, counted under finished_reason "abort"."""
+and GET /v1/models/{id}, number fields' messages, chat roles and null content, text content parts
+(joined) and image, video or audio parts (refused by name: text only, issue 29), a model without a
+chat template, logit_bias (checked, and applied before sampling), and a client that goes away: one
+log line, no traceback, counted under finished_reason "abort"."""
 
 from __future__ import annotations
 
@@ -71,6 +72,33 @@ def test_assistant_tool_calls_may_have_null_content(live):
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
     assert post(live, "/v1/chat/completions", messages=messages, max_tokens=2).status_code == 200
+
+
+def test_text_parts_are_joined_like_a_string(live):
+    c = live.client()
+    parts = [{"type": "text", "text": "def fib"}, {"type": "text", "text": "onacci(n):"}]
+    got = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4,
+                                     temperature=0) for content in (parts, PROMPT)]
+    assert got[0].usage.prompt_tokens == got[1].usage.prompt_tokens
+    assert got[0].choices[0].message.content == got[1].choices[0].message.content
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    {"type": "input_image", "image_url": "https://example.com/cat.png"},
+    {"type": "video_url", "video_url": {"url": "https://example.com/cat.mp4"}},
+    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_non_text_content_is_refused_by_name(live, part, stream):
+    content = [{"type": "text", "text": "What is this?"}, part]
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=2, stream=stream)
+    err = e.value.body  # the openai client's parsed error object
+    assert e.value.status_code == 400 and err["param"] == "messages", err
+    assert f"messages[0].content[1] is a part of type {part['type']!r}" in err["message"], err
+    assert "serves text only" in err["message"] and "vision tower" in err["message"], err
 
 
 def test_chat_without_a_template_gives_api_advice(tmp_path):

@@ -52,7 +52,8 @@ class OutputProcessor:
         self._text: dict[str, _Text] = {}
 
     def add(self, req: Request) -> None:
-        self._text[req.id] = _Text(StreamDecoder(self.tokenizer), StopStrings(req.params.stop))
+        decoder = StreamDecoder(self.tokenizer, keep=req.params.keep_special_ids)
+        self._text[req.id] = _Text(decoder, StopStrings(req.params.stop))
 
     def drop(self, request_id: str) -> None:
         self._text.pop(request_id, None)

@@ -225,6 +225,9 @@ class Handlers:
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         reasoning = self.parsers.splitter(prompt)
         tools = self.parsers.tool_parser(req.tools) if req.tool_choice != "none" else None
+        # the parsers' markers reach them even where the checkpoint made them special tokens
+        params.keep_special_ids = self.llm.tokenizer.special_ids_of(
+            reasoning.markers + (tools.MARKERS if tools is not None else ()))
         outputs = self.outputs(ids, params, rid)
 
         def finish_reason(out: RequestOutput) -> str:

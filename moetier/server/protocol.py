@@ -157,6 +157,21 @@ class CompletionRequest(_Common):
         return p
 
 
+def text_part(part: Any, where: str) -> str:
+    """The text of one OpenAI content part; any other part (image_url, input_image, video_url,
+    input_audio, file, ...) is refused by name: moetier serves text only, a text-only model or a
+    multimodal checkpoint whose vision tower it skips (docs/models.md)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind == "text":
+        raise ApiError(400, f"{where} is a text part without a string 'text'", "messages")
+    named = f"a part of type {kind!r}" if isinstance(kind, str) else "a part without a string 'type'"
+    raise ApiError(400, f"{where} is {named}: this server serves text only (the model is text-only, or a "
+                        "multimodal checkpoint whose vision tower moetier skips); send text parts "
+                        "({'type': 'text', 'text': ...}) or a string", "messages")
+
+
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None
@@ -205,12 +220,8 @@ class ChatRequest(_Common):
                 raise ApiError(400, f"messages[{i}].content is missing or null: only an assistant message with "
                                     "tool_calls may leave it out", "messages")
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                    texts.append(part["text"])
-                m["content"] = "".join(texts)
+                parts = (text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
+                m["content"] = "".join(parts)  # no separator between parts (vLLM puts a newline)
             elif content is None:
                 m["content"] = ""
             elif not isinstance(content, str):

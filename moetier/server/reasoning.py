@@ -13,6 +13,7 @@ until it cannot be; the result never depends on how the text was cut into deltas
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
+MARKERS = (OPEN, CLOSE)  # the tags read here: kept by the detokenizer when they are special tokens
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -35,6 +36,7 @@ class ReasoningSplitter:
         # "start": nothing seen yet (the reply may open <think>); "reasoning"; "content".
         # Not enabled (--reasoning-parser none): the whole reply is content, tags and all.
         self.state = "content" if not enabled else "reasoning" if opened_by_prompt else "start"
+        self.markers: tuple[str, ...] = MARKERS if enabled else ()
         self._held = ""
         self._strip = False  # drop the newlines templates put after </think>
 

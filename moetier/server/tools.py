@@ -65,9 +65,12 @@ class BlockToolParser:
     """push(content delta) -> (content delta, calls completed by it); flush() at the end of the reply.
 
     A format sets OPEN and CLOSE and reads a block's body in calls_in(); tools is the request's list
-    of tools (OpenAI's shape), for formats whose arguments are typed by the tools' schemas."""
+    of tools (OpenAI's shape), for formats whose arguments are typed by the tools' schemas. MARKERS
+    are every tag the format reads: a checkpoint may make each one a special token, which the
+    detokenizer must then keep in the text (Tokenizer.special_ids_of)."""
 
     OPEN, CLOSE = OPEN, CLOSE
+    MARKERS: tuple[str, ...] = (OPEN, CLOSE)
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []

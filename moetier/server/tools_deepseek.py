@@ -23,6 +23,7 @@ import re
 from moetier.server.tools import BlockToolParser, ToolCall, json_object
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
 # V3: the type `function`, the separator, the name on its line, then the arguments in a json fence
 V3_BODY = re.compile(r"\s*function\s*<｜tool▁sep｜>\s*([^\s<]+)[ \t]*\n\s*```(?:json)?[ \t]*\n(.*?)```\s*", re.DOTALL)
@@ -53,6 +54,7 @@ class DeepSeekToolParser(BlockToolParser):
     """The `<｜tool▁calls▁begin｜>` section: every call in it, or none (the section is then content)."""
 
     OPEN, CLOSE = CALLS_BEGIN, CALLS_END
+    MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
         calls, pos = [], 0

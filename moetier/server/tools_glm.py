@@ -79,6 +79,8 @@ def read_glm_call(body: str, tools: list[dict]) -> ToolCall | None:
 class GlmToolParser(BlockToolParser):
     """`<tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value>...</tool_call>`, one call per block."""
 
+    MARKERS = (*BlockToolParser.MARKERS, KEY_OPEN, "</arg_key>", "<arg_value>", "</arg_value>")
+
     def calls_in(self, body: str) -> list[ToolCall] | None:
         call = read_glm_call(body, self.tools)
         return None if call is None else [call]

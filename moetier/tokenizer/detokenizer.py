@@ -25,14 +25,21 @@ class StreamDecoder:
     token is a byte-fallback piece, whose run the decoder renders all-or-nothing (one invalid byte turns
     the whole run into U+FFFD).
 
-    Invariant: ''.join(deltas) + flush() == tokenizer.decode(all_ids, skip_special_tokens) for all valid
-    UTF-8 output. Invalid bytes may break it only after more than MAX_HELD held tokens (a byte-fallback
-    run) or MAX_HELD + 3 (text still ending in U+FFFD), where text is released to bound the window.
+    Special tokens are skipped (skip_special_tokens) except those in keep: the markers a reasoning or
+    tool-call parser reads downstream, which a checkpoint may have made special (GLM's `<think>`,
+    `<tool_call>`; DeepSeek's `<｜tool▁calls▁begin｜>`), while EOS, BOS and padding stay out of the text.
+
+    Invariant: ''.join(deltas) + flush() == tokenizer.decode(kept ids, skip_special_tokens=False) for all
+    valid UTF-8 output, which is tokenizer.decode(all_ids, skip_special_tokens) when keep is empty.
+    Invalid bytes may break it only after more than MAX_HELD held tokens (a byte-fallback run) or
+    MAX_HELD + 3 (text still ending in U+FFFD), where text is released to bound the window.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.keep = frozenset(keep)
         # Only tokens that decode keeps are stored: a window that starts with a skipped token would
         # otherwise decode its first real token as if it began the text (stripping a leading space).
         self._ids: list[int] = []
@@ -43,10 +50,12 @@ class StreamDecoder:
     def _kept(self, token_id: int) -> bool:
         if not self.tokenizer.known(token_id):
             return False
-        return not (self.skip_special_tokens and token_id in self.tokenizer.special_ids)
+        skipped = self.skip_special_tokens and token_id in self.tokenizer.special_ids and token_id not in self.keep
+        return not skipped
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # ids holds kept tokens only (_kept), so nothing in it is to be skipped
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def push(self, token_id: int) -> str:
         """Text that token_id completes; '' while it is held back or skipped."""

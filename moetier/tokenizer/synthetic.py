@@ -121,3 +121,15 @@ def write_tokenizer(out_dir: str | Path) -> int:
     text = json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     (out / CONFIG_FILE).write_text(text, encoding="utf-8")
     return size
+
+
+def write_marker_tokenizer(out_dir: str | Path, markers: tuple[str, ...]) -> int:
+    """write_tokenizer's tokenizer with `markers` added after SPECIAL_TOKENS as special tokens, one id
+    each, as GLM's and DeepSeek's checkpoints mark their reasoning and tool-call tags (`<think>`,
+    `<tool_call>`, `<｜tool▁calls▁begin｜>`). Returns its size."""
+    write_tokenizer(out_dir)
+    path = Path(out_dir) / TOKENIZER_FILE
+    tok = _HFTokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in markers])
+    path.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    return tok.get_vocab_size(with_added_tokens=True)

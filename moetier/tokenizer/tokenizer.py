@@ -194,6 +194,12 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def special_ids_of(self, texts: Sequence[str]) -> frozenset[int]:
+        """The ids of those texts that are each one special token: markers (`<think>`, `<tool_call>`)
+        that decode would skip, for a detokenizer that must keep them (StreamDecoder's keep)."""
+        ids = (self._tok.token_to_id(t) for t in texts)
+        return frozenset(i for i in ids if i is not None and i in self.special_ids)
+
     def token_text(self, token_id: int) -> str | None:
         """The raw vocabulary entry (byte-level symbols, not decoded text), None if unknown."""
         return self._tok.id_to_token(token_id) if self.known(token_id) else None
