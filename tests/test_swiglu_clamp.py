@@ -153,3 +153,33 @@ def test_gpu_engine_glm5_next_resident_and_slots_bit_exact(glm5_next):
         assert tokens == want_tokens, opts.backend
         assert torch.equal(got, want), opts.backend
     assert llm.metrics()["expert_stats"]["misses"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,quant", [(1, None), (8, None), (1, "fp8"), (8, "fp8"), (100, None)])
+def test_gpu_kernels_clamp_as_the_reference(t, quant):
+    """The compiled Triton kernels under a limit (t=1 FP8: the GEMV; 100 tokens: the large-step GEMM)
+    against expert_pairs with the same limit in float64, and away from the unclamped result."""
+    from moetier.experts.backends import ResidentExperts
+    from moetier.experts.reference import combine, expert_pairs, row_fetch
+    from tests.test_host_ext import fp8_rows  # NOTE: not fp8_interpreter's (importing it sets TRITON_INTERPRET)
+
+    g = torch.Generator().manual_seed(t)
+    e, k, h, i = 16, 4, 256, 128
+    lay = RowLayout(h, i, quant, LIMIT)
+    rows = (torch.randn(e, RowLayout(h, i).numel, generator=g) * 0.1).to(torch.bfloat16)
+    if quant:
+        rows = fp8_rows(rows, RowLayout(h, i))
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    got = ResidentExperts(rows.cuda(), lay, k, 64).forward(x.cuda(), ids.cuda(), w.cuda()).float().cpu()
+    fetch = row_fetch(rows, lay, torch.bfloat16)
+
+    def oracle(limit):
+        pairs = expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key)), limit)
+        return combine(pairs, w.double())
+    want, unclamped = oracle(LIMIT), oracle(None)
+    assert ((got.double() - want).norm() / want.norm()).item() <= 1e-2
+    assert ((got.double() - unclamped).norm() / unclamped.norm()).item() > 0.1
