@@ -93,10 +93,7 @@ class StagingRing:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (device, group, depth, row_numel, dtype)
         if key not in _SHARED:
-            # NOTE: a normal tensor even when the first caller is an engine step (inference mode): an
-            # inference tensor could not be written by a later caller outside it (tests, benchmarks)
-            with torch.inference_mode(False):
-                _SHARED[key] = cls(group, depth, row_numel, dtype, device)
+            _SHARED[key] = cls(group, depth, row_numel, dtype, device)
         return _SHARED[key]
 
     def nbytes(self) -> int:
@@ -206,7 +203,7 @@ def ring_forward(ring: StagingRing, slot_ids: torch.Tensor, topk_ids: torch.Tens
 
 def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor, host: torch.Tensor, slots: torch.Tensor, hidden: int, inter: int,
-               config, quant: str | None = None, limit: float | None = None) -> tuple[torch.Tensor, int]:
+               config, quant: str | None = None) -> tuple[torch.Tensor, int]:
     """A ring step on the large-step kernels (grouped_gemm_large.py): each pass writes its pairs'
     unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
     in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
@@ -219,7 +216,7 @@ def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_
 
     def run_pass(row_ids, ids, rows, max_rows):  # rows twice: no pair of a pass reads a host row
         grouped_expert_mlp_large(x, row_ids, ids, topk_weights, rows, rows, hidden, inter, max_rows, config, quant,
-                                 h=h, y=y, limit=limit)
+                                 h=h, y=y)
     copied = ring_forward(ring, slot_ids, topk_ids, host, slots, run_pass)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     return combine_pairs(y, topk_weights, topk_ids, out), copied
