@@ -93,7 +93,10 @@ class StagingRing:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (device, group, depth, row_numel, dtype)
         if key not in _SHARED:
-            _SHARED[key] = cls(group, depth, row_numel, dtype, device)
+            # NOTE: a normal tensor even when the first caller is an engine step (inference mode): an
+            # inference tensor could not be written by a later caller outside it (tests, benchmarks)
+            with torch.inference_mode(False):
+                _SHARED[key] = cls(group, depth, row_numel, dtype, device)
         return _SHARED[key]
 
     def nbytes(self) -> int:
