@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -101,11 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     trace = None if a.trace == "none" else a.trace
-    if any(n < 1 for n in a.layers) or a.batch < 1 or a.prompt_len < 1:
-        print("error: --layers, --batch and --prompt-len must be positive", file=sys.stderr)
+    problems = [f"--{name} must be positive, got {v}" for name, v in
+                (("layers", min(a.layers)), ("batch", a.batch), ("prompt-len", a.prompt_len)) if v < 1]
+    problems += [f"--{name} {v}: no such file" for name, v in (("trace", trace), ("host-profile", a.host_profile))
+                 if v is not None and not Path(v).is_file()]
+    if Path(a.out).is_dir() or not Path(a.out).parent.is_dir():
+        problems.append(f"--out {a.out}: give a file in an existing directory")
+    if a.host_profile and a.device != "cuda":
+        problems.append("--host-profile: its rates are fitted at the measured link, which needs --device cuda")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device cuda: no CUDA device is visible; use --device cpu")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     host = {}
-    if a.host_profile:
+    if a.host_profile:  # the rates at this machine's link (CUDA only: --device cpu measures none)
         from moetier.bench.common import links
         from moetier.bench.hybrid_rows import host_options
         bw = {"link_GBps": links()["h2d_copy_engine_GBps"]}

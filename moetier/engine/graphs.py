@@ -198,8 +198,8 @@ class DecodeGraphs:
 def captures(config, model: CausalLM, parallel: bool) -> bool:
     """Whether an engine of `config` (engine/config.EngineConfig) captures decode graphs: on CUDA, with
     graphs on and no trace recorder (it reads ids on the host every step); a backend that needs pieces
-    (hybrid: a host decision per MoE layer) only on one rank (pieces decide on one rank's host). NOTE: every rank of a parallel engine decides here, so the captures' warm-up
-    collectives pair up."""
+    (hybrid: a host decision per MoE layer) only on one rank (pieces decide on one rank's host).
+    NOTE: every rank of a parallel engine decides here, so the captures' warm-up collectives pair up."""
     pieces = needs_pieces(model)
     return (model.device.type == "cuda" and config.cuda_graphs and config.record_trace is None
             and not (pieces and parallel))
