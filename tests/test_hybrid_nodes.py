@@ -116,7 +116,7 @@ def test_host_node_function_equals_the_compiled_kernel():
     plan = torch.zeros(1 + 2 * p, dtype=torch.int64)
     plan[0], plan[1:1 + n], plan[1 + p:1 + p + n] = n, tok[:n], exp[:n]
     h, y = torch.zeros(p, I), torch.full((p, H), float("nan"))
-    job = NodeJob(rows.data_ptr(), E, rows.shape[1] * 2, 0, H, I, 0, 0, 1, x.data_ptr(), t, plan.data_ptr(), p,
+    job = NodeJob(rows.data_ptr(), E, rows.shape[1] * 2, 0, H, I, 0, 0, 1, -1.0, x.data_ptr(), t, plan.data_ptr(), p,
                   h.data_ptr(), y.data_ptr(), 2, 0)
     lib.moetier_host_node(ctypes.addressof(job))
     assert job.status == 0 and job.calls == 1 and job.pairs == n

@@ -94,7 +94,8 @@ class ExpertBackend(ABC):
 
         self.bypassed += 1
         return grouped_expert_mlp_large(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
-                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm, self.layout.quant)
+                                        self.layout.hidden, self.layout.inter, max_rows, self.gemm, self.layout.quant,
+                                        limit=self.layout.swiglu_limit)
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
         from moetier.experts.grouped_gemm import grouped_expert_mlp
@@ -104,7 +105,8 @@ class ExpertBackend(ABC):
         # the same bits alone or in a batch; see the NOTE in grouped_gemm._gate_up). At one token it is as fast as a per-pair GEMV, and
         # faster with more tokens (docs/bench-decode.md).
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
-                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant)
+                                  self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant,
+                                  self.layout.swiglu_limit)
 
 
 class ResidentExperts(ExpertBackend):
@@ -265,7 +267,7 @@ class SlotExperts(ExpertBackend):
         ring = StagingRing.shared(*self.ring_shape, lay.numel, self.host.dtype, self.device)
         if self.cuda:
             out, copied = ring_large(ring, hidden, slot_ids, topk_ids, topk_weights, self.host, self.slots,
-                                     lay.hidden, lay.inter, self.gemm, lay.quant)
+                                     lay.hidden, lay.inter, self.gemm, lay.quant, lay.swiglu_limit)
             self.ring_rows += copied
             return out
         pair_out = hidden.new_zeros(t, k, lay.hidden)

@@ -10,8 +10,9 @@ sum over those pairs only, per token, in fp32, summed in pair order j = 0..k-1 w
 contributing exact zeros: for a given set of pairs the sum order is fixed whichever kernel computed
 the pair outputs (the backend adds it to the device's partial sum of the other pairs).
 
-The torch kernel computes a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13)),
-w2) in the compute dtype (the rows' dtype; the hidden state's for FP8 rows). Two kernels, and a choice:
+The torch kernel computes a pair as reference.expert_pairs does: F.linear(silu_mul(F.linear(x, w13),
+limit), w2) in the compute dtype (the rows' dtype; the hidden state's for FP8 rows); limit is
+layout.swiglu_limit (the clamped SwiGLU of GLM-5.3-Flash: both kernels clamp). Two kernels, and a choice:
 
     grouped   (torch) one F.linear per distinct expert over all of its tokens (each weight read once
               per call); torch's intra-op threads (oneDNN/MKL) split each GEMM
@@ -126,7 +127,7 @@ class GroupedKernel(HostKernel):
             torch.set_num_threads(self.threads)
         for e, idx in self.groups(experts):
             w13, w2 = self.weights(rows, e, x.dtype)
-            out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], w13)), w2)
+            out[idx] = F.linear(silu_mul(F.linear(x[tokens[idx]], w13), lay.swiglu_limit), w2)
         return out
 
 
@@ -191,6 +192,6 @@ def reference(x: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, weigh
     xs = x.to(cdt).float()
     for p, e, w in zip(pairs.tolist(), experts.tolist(), weights.tolist()):
         w13, w2 = (v[0].float() for v in layout.weights(rows[e:e + 1], cdt))
-        h = silu_mul(xs[p // top_k] @ w13.T).to(cdt).float()
+        h = silu_mul(xs[p // top_k] @ w13.T, layout.swiglu_limit).to(cdt).float()
         y[p] = (h @ w2.T).to(cdt).float() * w
     return y.view(t, top_k, -1).sum(dim=1)

@@ -16,7 +16,8 @@ from the dequantize-then-multiply reference (fp8.dequantize rounds q * scale to 
 that rounding, within the bf16 tolerance the tests hold it to. Activations are rounded to the model
 dtype first (x already is; the SwiGLU output h is rounded as the grouped GEMM's dot does).
 
-    gate_up  program (pair, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32
+    gate_up  program (pair, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32 (clamped
+             first under a swiglu_limit, as the grouped GEMM: swiglu_clamp.py)
     down     program (pair, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine  grouped_gemm.combine_pairs: the fixed-order weighted k-sum
 
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from moetier.experts.swiglu_clamp import limit_args, swiglu_clamp
 
 SCALE_BLOCK = 128
 # (BLOCK_N, BLOCK_K, num_warps) of gate_up and down; BLOCK_K a multiple of 128 (whole scale blocks)
@@ -71,7 +74,8 @@ def _tile_dot(w_ptr, scale_ptr, v, n, nm, k0, K: tl.constexpr, KB: tl.constexpr,
 @triton.jit
 def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.constexpr, hidden: tl.constexpr,
              inter: tl.constexpr, row: tl.constexpr, S13: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LIMIT: tl.constexpr = False,
+             LIMIT: tl.constexpr = 0.0):
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < inter
@@ -87,6 +91,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.co
         v = tl.load(x_ptr + t * hidden + kk, mask=kk < hidden, other=0.0).to(tl.float32)
         acc_g += _tile_dot(base, base + S13, v, n, nm, k0, hidden, NH, C, BLOCK_N)
         acc_u += _tile_dot(base + inter * hidden, base + S13 + 4 * NI * NH, v, n, nm, k0, hidden, NH, C, BLOCK_N)
+    acc_g, acc_u = swiglu_clamp(acc_g, acc_u, HAS_LIMIT, LIMIT)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + p.to(tl.int64) * inter + n, h, mask=nm)
 
@@ -116,11 +121,13 @@ def check_config(cfg: tuple[int, int, int]) -> None:
 
 
 def expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden: int, inter: int, fp8_args: dict, h, y, dot,
-                gate_up: tuple[int, int, int] = GATE_UP, down: tuple[int, int, int] = DOWN) -> None:
+                gate_up: tuple[int, int, int] = GATE_UP, down: tuple[int, int, int] = DOWN,
+                limit: float | None = None) -> None:
     """Pair outputs of a one-token step on FP8 rows: y[p] = down(silu(gate) * up) of pair p, [k, H] fp32.
     x [1, H]; slot_ids, topk_ids [1, k]; dev_rows [S, R] uint8; host_rows [E, R] (a DevicePointer) or
     dev_rows; fp8_args: grouped_gemm.fp8_args' offsets; h [>= k, I], y [>= k, H] fp32 scratch; dot:
-    the compute dtype's Triton type (h is rounded to it before down, as the grouped GEMM's dot does)."""
+    the compute dtype's Triton type (h is rounded to it before down, as the grouped GEMM's dot does);
+    limit: the SwiGLU clamp (RowLayout.swiglu_limit; swiglu_clamp.py), None for none."""
     check_config(gate_up)
     check_config(down)
     k = topk_ids.shape[1]
@@ -128,7 +135,7 @@ def expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden: int, inter: 
     bn, bk, nw = gate_up
     _gate_up[(k, triton.cdiv(inter, bn))](x, dev_rows, host_rows, slot_ids, topk_ids, h, k, hidden, inter, row,
                                          fp8_args["S13"], fp8_args["NI"], fp8_args["NH"], BLOCK_N=bn, BLOCK_K=bk,
-                                         num_warps=nw)
+                                         num_warps=nw, **limit_args(limit))
     bn, bk, nw = down
     _down[(k, triton.cdiv(hidden, bn))](h, dev_rows, host_rows, slot_ids, topk_ids, y, hidden, inter, row,
                                        fp8_args["S2"], fp8_args["NI"], dot, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)

@@ -10,6 +10,7 @@ multiplied against all of them with tl.dot.
     plan      pairs -> `order` (pair ids sorted by (key, pair)) and `chunk_end` (per sorted position:
               where the chunk starting there ends, 0 where no chunk starts)
     gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32
+              (clamped first under a swiglu_limit: swiglu_clamp.py)
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
 
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from moetier.experts.fp8_gemv import expert_gemv
 from moetier.experts.gemm_config import GemmConfig
+from moetier.experts.swiglu_clamp import limit_args, swiglu_clamp
 from moetier.quant import fp8_block as fp8
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
@@ -122,7 +124,8 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
              top_k: tl.constexpr, hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr,
              DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
-             FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr):
+             FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
+             HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0):
     # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
@@ -153,6 +156,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
             wu = _dequant(wu, base + S13 + 4 * NI * NH, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
         acc_g = _mma(xa, wg, acc_g, DOT, PRECISION, EMULATE)
         acc_u = _mma(xa, wu, acc_u, DOT, PRECISION, EMULATE)
+    acc_g, acc_u = swiglu_clamp(acc_g, acc_u, HAS_LIMIT, LIMIT)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], h, mask=mm[:, None] & nm[None, :])
 
@@ -257,11 +261,13 @@ _SHARED: dict[tuple, GemmScratch] = {}
 
 def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        dev_rows: torch.Tensor, host_rows, hidden: int, inter: int, scratch: GemmScratch,
-                       out: torch.Tensor, config: GemmConfig = GemmConfig(), quant: str | None = None) -> torch.Tensor:
+                       out: torch.Tensor, config: GemmConfig = GemmConfig(), quant: str | None = None,
+                       limit: float | None = None) -> torch.Tensor:
     """SwiGLU experts for T tokens x k pairs, each distinct row read once. x [T, H]; slot_ids [T, k] int32
     (-1: read host row topk_ids); topk_ids, topk_weights [T, k]; dev_rows [S, R]; host_rows [E, R]
     (a DevicePointer) or dev_rows again; scratch for >= T*k pairs; out [T, H] in x.dtype; quant: the
-    rows' RowLayout.quant (None, or "fp8": byte rows, computed in x.dtype).
+    rows' RowLayout.quant (None, or "fp8": byte rows, computed in x.dtype); limit: the rows'
+    RowLayout.swiglu_limit (None: the plain SwiGLU, the kernels compiled exactly as without it).
     Deterministic: each output sums its k experts in slot order."""
     t, k = topk_ids.shape
     n_pairs = t * k
@@ -273,7 +279,7 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     if t == 1 and quant == "fp8":  # one token on FP8 rows: the GEMV (fp8_gemv.py), then the same combine
         dot = _dot_type(x.dtype)[0]
         expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
-                    scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down)
+                    scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down, limit)
         return combine_pairs(scratch.y, topk_weights, topk_ids, out)
     if t == 1:
         # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids
@@ -284,7 +290,8 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
         blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
         _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, order,
-             n_pairs, scratch.h, scratch.y, out, BLOCK_M, *config.decode_blocks(quant), listed=False, quant=quant)
+             n_pairs, scratch.h, scratch.y, out, BLOCK_M, *config.decode_blocks(quant), listed=False, quant=quant,
+             limit=limit)
     return out
 
 
@@ -303,8 +310,9 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
 
 
 def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             programs, h, y, out, block_m, gate_up, down, listed, quant=None, combine=True):
+             programs, h, y, out, block_m, gate_up, down, listed, quant=None, combine=True, limit=None):
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
+    # limit: the SwiGLU clamp (fp8_gemv.limit_args: constexprs of gate_up only, none when None).
     # combine=False: stop at y (the pair outputs of the plan's pairs; the ring mode combines once, at
     # the end of its passes: experts/prefill_ring.py).
     k = topk_ids.shape[1]
@@ -314,7 +322,8 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     bn, bk, nw = gate_up
     _gate_up[(programs, triton.cdiv(inter, bn))](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
-        row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw, **q)
+        row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw, **q,
+        **limit_args(limit))
     bn, bk, nw = down
     _down[(programs, triton.cdiv(hidden, bn))](
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,

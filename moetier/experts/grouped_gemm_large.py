@@ -77,11 +77,11 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
                              topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
                              max_rows: int, config: GemmConfig = GemmConfig(),
                              quant: str | None = None, h: torch.Tensor | None = None,
-                             y: torch.Tensor | None = None) -> torch.Tensor:
+                             y: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
     """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
     config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
-    bounded by the chunk count. Arguments as grouped_expert_mlp; max_rows: distinct rows possible
-    (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
+    bounded by the chunk count. Arguments as grouped_expert_mlp (limit: the SwiGLU clamp); max_rows:
+    distinct rows possible (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
     With y ([T*k, H] float32; h [T*k, I] float32 with it, or one is allocated): no combine; the pair
     outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
     for a caller that computes a step in several passes and combines once (experts/prefill_ring.py)."""
@@ -96,5 +96,5 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
              starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True, quant=quant,
-             combine=not passes)
+             combine=not passes, limit=limit)
     return out

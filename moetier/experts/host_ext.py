@@ -14,7 +14,8 @@ few seconds on 2 cores; the library is cached, never in the source tree:
 
     $MOETIER_CACHE_DIR, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier  ->  host_ext/host_experts-<key>.so
 
-<key> hashes the source, the flags, the compiler's identity and the CPU's feature flags: -march=native
+<key> hashes the source (so a change of the kernel's arguments, such as the SwiGLU limit's, never
+reuses an older build: its ctypes signature below would not match), the flags, the compiler's identity and the CPU's feature flags: -march=native
 code from one machine must never be loaded on another that shares the home directory. Writes are
 atomic (a temporary file renamed into place), so concurrent first builds are safe.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from moetier.experts.swiglu_clamp import limit_args
 from moetier.quant.rows import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
@@ -136,7 +138,8 @@ def load() -> ctypes.CDLL:
                 f.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int])
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_char_p,
+                               ctypes.c_int])
             lib.moetier_host_experts_wait.restype = ctypes.c_int
             lib.moetier_host_experts_wait.argtypes = [ctypes.c_void_p]
             lib.moetier_host_experts_simd_width.restype = ctypes.c_int
@@ -182,12 +185,19 @@ def call_kind(rows: torch.Tensor, layout: RowLayout, bf16: bool) -> tuple[int, i
     return kind, 0, 0
 
 
+def limit_arg(layout: RowLayout) -> float:
+    """The kernel's `limit` argument: the layout's SwiGLU clamp (checked as the Triton kernels' is), or
+    -1.0 for none (the plain SwiGLU; the kernel reads any limit <= 0 or NaN as none)."""
+    return -1.0 if layout.swiglu_limit is None else limit_args(layout.swiglu_limit)["LIMIT"]
+
+
 def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
                  rows: torch.Tensor, layout: RowLayout, threads: int, block_bytes: int = 0) -> torch.Tensor:
     """Unweighted outputs of pairs (tokens[i], experts[i]) -> [P, H] fp32. x [T, H] in the compute dtype
     (the kernel reads it as fp32); rows [E, R] contiguous CPU rows. With x in bf16 the kernel rounds
     what the other paths hold in bf16: FP8 weights after scaling, and the SwiGLU before the down
-    projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32.
+    projection (the GPU kernel's down dot reads it as bf16); the dot products accumulate in fp32. Under
+    layout.swiglu_limit the gate and up dots are clamped in fp32 before silu (activation.silu_mul's order).
     block_bytes: weight bytes per work item the threads take in turn (0: the kernel's 64 KB)."""
     return _call(lib.moetier_host_experts, x, tokens, experts, rows, layout, threads, block_bytes)[0]
 
@@ -236,7 +246,7 @@ def _call(fn, x, tokens, experts, rows, layout, threads, block_bytes, out=None):
     rc = fn(rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, hdim,
             inter, s13, s2, int(bf16), xs.data_ptr(), xs.shape[0],
             tok.data_ptr(), exp.data_ptr(), p, h.data_ptr(), y.data_ptr(), threads, block_bytes,
-            err, 256)
+            limit_arg(layout), err, 256)
     if rc != 0:
         raise ValueError(f"compiled host kernel: {err.value.decode()}")
     return y, (xs, tok, exp, h, rows)

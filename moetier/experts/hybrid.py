@@ -241,7 +241,7 @@ class HybridExperts(SlotExperts):
         slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
         copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
         grouped_expert_mlp(x, slot_ids, g_ids, g_w, self.slots, self._host_dev, self.layout.hidden,
-                           self.layout.inter, self._work, out, self.gemm, self.layout.quant)
+                           self.layout.inter, self._work, out, self.gemm, self.layout.quant, self.layout.swiglu_limit)
         y.index_put_((gpos,), self._work.y[:g_ids.shape[0]])
 
     def _combine_cuda(self, hidden, topk_ids, topk_weights, got, hpos, y) -> torch.Tensor:
@@ -309,14 +309,15 @@ class HybridExperts(SlotExperts):
             ids = (torch.arange(n, device=dev) % c.num_experts).view(n, 1)
             slot_ids = bookkeeping(cache, scratch, ids)
             grouped_expert_mlp(x[:n], slot_ids, ids, w[:n], self.slots, self._host_dev, self.layout.hidden,
-                               self.layout.inter, self._work, out[:n], self.gemm, self.layout.quant)
+                               self.layout.inter, self._work, out[:n], self.gemm, self.layout.quant,
+                               self.layout.swiglu_limit)
         for wdt in (torch.float32, xdt):  # routing weights come in the hidden dtype (router.py)
             combine_pairs(out[:k], torch.ones(1, k, dtype=wdt, device=dev), torch.zeros(1, k, dtype=torch.int64,
                           device=dev), torch.empty(1, self.layout.hidden, dtype=xdt, device=dev))
             ids = torch.zeros(2, 1, dtype=torch.int64, device=dev)
             grouped_expert_mlp(x[:2], bookkeeping(cache, scratch, ids), ids, w[:2].to(wdt), self.slots,
                                self._host_dev, self.layout.hidden, self.layout.inter, self._work, out[:2], self.gemm,
-                               self.layout.quant)
+                               self.layout.quant, self.layout.swiglu_limit)
         torch.cuda.synchronize(dev)
         _COMPILED.add(key)
 

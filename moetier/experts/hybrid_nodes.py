@@ -55,7 +55,8 @@ class NodeJob(ctypes.Structure):
 
     _fields_ = [("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
                 ("kind", ctypes.c_int64), ("H", ctypes.c_int64), ("I", ctypes.c_int64), ("s13", ctypes.c_int64),
-                ("s2", ctypes.c_int64), ("round_h", ctypes.c_int64), ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
+                ("s2", ctypes.c_int64), ("round_h", ctypes.c_int64), ("limit", ctypes.c_double),
+                ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
                 ("plan", ctypes.c_void_p), ("max_pairs", ctypes.c_int64), ("h", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("threads", ctypes.c_int64), ("block", ctypes.c_int64),
                 ("status", ctypes.c_int64), ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64),
@@ -139,7 +140,7 @@ class HybridNodesExperts(HybridExperts):
             kind, s13, s2 = host_ext.call_kind(rows, lay, bf16)
             job = self.jobs[xdt] = NodeJob(
                 rows.data_ptr(), rows.shape[0], rows.shape[1] * rows.element_size(), kind, lay.hidden, lay.inter,
-                s13, s2, int(bf16), b.x.data_ptr(),
+                s13, s2, int(bf16), host_ext.limit_arg(lay), b.x.data_ptr(),
                 b.x.shape[0], b.job.data_ptr(), b.plan.max_pairs, b.h.data_ptr(), b.out.data_ptr(),
                 self.hostpath.kernel.threads, getattr(self.hostpath.kernel, "block_bytes", 0))
         return job

@@ -82,9 +82,6 @@ class ExpertOptions:
         if ep > 1 and self.backend == "hybrid":
             out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
                        "slots or uva")
-        if shape.swiglu_limit is not None and self.backend == "hybrid":
-            out.append("the clamped SwiGLU (swiglu_limit, GLM-5.3-Flash) is not in the host expert kernels yet; "
-                       "choose resident, slots or uva")
         if self.backend not in BACKENDS:
             out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
         if self.slots is not None and not 1 <= self.slots <= e:
@@ -125,9 +122,6 @@ class ExpertPlacement:
         problems = options.problems(shape, moe_layers, par.ep, par.tp)
         if decode_tokens < 1:
             problems.append(f"the decode token limit must be >= 1, got {decode_tokens}")
-        if shape.swiglu_limit is not None and self.device.type == "cuda":
-            problems.append("the clamped SwiGLU (swiglu_limit, GLM-5.3-Flash) is not in the Triton expert kernels "
-                            "yet; run this model on the CPU (--device cpu)")
         if problems:
             raise MoetierError("; ".join(problems))
         self.split = resolve(options.split, shape, par.tp, par.ep, options.backend)

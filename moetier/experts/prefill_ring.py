@@ -206,7 +206,7 @@ def ring_forward(ring: StagingRing, slot_ids: torch.Tensor, topk_ids: torch.Tens
 
 def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor, host: torch.Tensor, slots: torch.Tensor, hidden: int, inter: int,
-               config, quant: str | None = None) -> tuple[torch.Tensor, int]:
+               config, quant: str | None = None, limit: float | None = None) -> tuple[torch.Tensor, int]:
     """A ring step on the large-step kernels (grouped_gemm_large.py): each pass writes its pairs'
     unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
     in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
@@ -219,7 +219,7 @@ def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_
 
     def run_pass(row_ids, ids, rows, max_rows):  # rows twice: no pair of a pass reads a host row
         grouped_expert_mlp_large(x, row_ids, ids, topk_weights, rows, rows, hidden, inter, max_rows, config, quant,
-                                 h=h, y=y)
+                                 h=h, y=y, limit=limit)
     copied = ring_forward(ring, slot_ids, topk_ids, host, slots, run_pass)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     return combine_pairs(y, topk_weights, topk_ids, out), copied

@@ -1,10 +1,10 @@
-// The compiled host expert kernel (moetier/experts/host_ext.py builds and loads it; cpu_experts.py's
-// "compiled" HostKernel calls it). Plain C ABI, no torch or Python headers: it compiles in a few
-// seconds and is called through ctypes (which releases the GIL for the call).
+// The compiled host expert kernel (moetier/experts/host_ext.py builds and loads it; cpu_experts.py's "compiled"
+// HostKernel calls it). Plain C ABI, no torch or Python headers: it compiles in a few seconds, called by ctypes.
 //
 // For P (token, expert) pairs it computes each pair's SwiGLU expert output, unweighted, in fp32:
 //     h[p, j] = silu(gate_j . x[tok[p]]) * (up_j . x[tok[p]])     j < I    (gate_up rows j and I + j)
 //     y[p, r] = down_r . h[p]                                      r < H
+// (under a SwiGLU limit L > 0 the gate dot is first clamped to <= L and the up dot to [-L, L], in fp32)
 // straight from the host store's rows (shape.RowLayout): bf16 / fp32 rows [gate_up 2I x H | down H x I],
 // or FP8 rows (e4m3 bytes, then float32 128 x 128 block scales at byte offsets s13 / s2 of the row).
 //
@@ -20,14 +20,13 @@
 // Invariant (HostKernel's contract): each output element is one dot product computed by ONE thread in
 // a fixed order: VW-lane accumulators over k = 0, VW, 2VW, ... (explicit FMA intrinsics, no compiler
 // reassociation: built with -ffp-contract=off), the lanes summed in lane order, then the K % VW tail
-// in k order. Nothing depends on the thread count, on which other pairs share the call, or on how
-// rows / tokens are tiled, so 1 thread and 16 give the same bits.
+// in k order. Nothing depends on the thread count, the call's other pairs or the tiling: 1 thread and 16 agree.
+#include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <algorithm>
-#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -175,6 +174,7 @@ static void dots_m(int m, const uint8_t* const* w, const float* const* s, const 
 struct Call {
   const uint8_t* rows; int64_t row_bytes, H, I, s13, s2, esize;
   bool round_h;  // h rounded to bf16 (a bf16 model: the GPU kernel's down dot reads h as bf16)
+  float limit;  // the SwiGLU clamp (activation.silu_mul's order); not above 0 (or NaN): none
   const float* x; const int64_t* tok;
   float *h, *y;
   std::vector<int64_t> expert, begin, order;  // per group: its expert and first index into `order` (pairs by expert)
@@ -200,8 +200,9 @@ template <int KIND> static void gate_up(const Call& c, int64_t g, int64_t lo, in
       for (int i = 0; i < m; i++) xs[i] = c.x + c.tok[c.order[b + i]] * H;
       dots_m<KIND, 2>(m, w, s, xs, H, out);
       for (int i = 0; i < m; i++) {
-        const float gv = out[0][i];
-        const float hv = gv / (1.0f + std::exp(-gv)) * out[1][i];
+        float gv = out[0][i], uv = out[1][i];  // std::min / max keep a NaN first argument, as torch's clamp
+        if (c.limit > 0) gv = std::min(gv, c.limit), uv = std::min(std::max(uv, -c.limit), c.limit);
+        const float hv = gv / (1.0f + std::exp(-gv)) * uv;
         c.h[c.order[b + i] * I + j] = c.round_h ? round_bf16_1(hv) : hv;
       }
     }
@@ -262,7 +263,7 @@ template <int KIND> static void run(const Call& c, int threads, int64_t block) {
 // a group (a stable sort). Returns 0, or 1 with a one-line reason in err.
 static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                    int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
-                   const int64_t* experts, int64_t P, float* h, float* y, int threads, char* err, int errlen) {
+                   const int64_t* experts, int64_t P, float* h, float* y, int threads, float limit, char* err, int errlen) {
   if (kind < 0 || kind > 3 || H < 1 || I < 1 || threads < 1) {
     std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
                   (long long)I, threads);
@@ -276,7 +277,7 @@ static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_byte
     }
   }
   c = Call{(const uint8_t*)rows, row_bytes, H, I, s13, s2, kind == BF16 ? 2 : kind == F32 ? 4 : 1, round_h != 0,
-           x, tokens, h, y, {}, {}, {}};
+           limit, x, tokens, h, y, {}, {}, {}};
   c.order.resize(P);
   for (int64_t p = 0; p < P; p++) c.order[p] = p;
   std::stable_sort(c.order.begin(), c.order.end(), [&](int64_t a, int64_t b) { return experts[a] < experts[b]; });
@@ -345,14 +346,14 @@ extern "C" {
 // Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
 // rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
 // x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
-// block: weight bytes per work item (0: 64 KB; tests cut experts finer to exercise the hand-out).
+// block: weight bytes per work item (0: 64 KB; tests cut finer); limit: the SwiGLU clamp (<= 0 or NaN: none).
 int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                          int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
                          const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
-                         char* err, int errlen) {
+                         float limit, char* err, int errlen) {
   Call c;
   if (prepare(c, rows, num_rows, row_bytes, kind, H, I, s13, s2, round_h, x, T, tokens, experts, P, h, y, threads,
-              err, errlen))
+              limit, err, errlen))
     return 1;
   dispatch(c, kind, threads, block);
   return 0;
@@ -364,7 +365,7 @@ int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, 
 int moetier_host_experts_start(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                                int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
                                const int64_t* experts, int64_t P, float* h, float* y, int threads, int64_t block,
-                               char* err, int errlen) {
+                               float limit, char* err, int errlen) {
   Async* a = async_state();
   std::unique_lock<std::mutex> lk(a->m);
   if (a->pending) {
@@ -372,7 +373,7 @@ int moetier_host_experts_start(const void* rows, int64_t num_rows, int64_t row_b
     return 1;
   }
   if (prepare(a->call, rows, num_rows, row_bytes, kind, H, I, s13, s2, round_h, x, T, tokens, experts, P, h, y,
-              threads, err, errlen))
+              threads, limit, err, errlen))
     return 1;
   a->kind = kind, a->threads = threads, a->block = block;
   a->pending = a->busy = true;

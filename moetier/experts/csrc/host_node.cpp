@@ -19,11 +19,12 @@
 extern "C" int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H,
                                     int64_t I, int64_t s13, int64_t s2, int round_h, const float* x, int64_t T,
                                     const int64_t* tokens, const int64_t* experts, int64_t P, float* h, float* y,
-                                    int threads, int64_t block, char* err, int errlen);
+                                    int threads, int64_t block, float limit, char* err, int errlen);
 
 // Every field 8 bytes (no padding to agree on with ctypes): hybrid_nodes.NodeJob mirrors it.
 struct MoetierNodeJob {
   const void* rows; int64_t num_rows, row_bytes, kind, H, I, s13, s2, round_h;
+  double limit;  // the SwiGLU clamp; not above 0: none
   const float* x; int64_t T;
   const int64_t* plan; int64_t max_pairs;
   float* h; float* y;
@@ -53,7 +54,7 @@ void moetier_host_node(void* p) {
   const double t0 = node_now();
   const int rc = moetier_host_experts(j->rows, j->num_rows, j->row_bytes, (int)j->kind, j->H, j->I, j->s13, j->s2,
                                       (int)j->round_h, j->x, j->T, j->plan + 1, j->plan + 1 + j->max_pairs, n, j->h,
-                                      j->y, (int)j->threads, j->block, j->err, (int)sizeof j->err);
+                                      j->y, (int)j->threads, j->block, (float)j->limit, j->err, (int)sizeof j->err);
   j->seconds += node_now() - t0;
   if (rc != 0) j->status = 1;
   j->calls += 1;
