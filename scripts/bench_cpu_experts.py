@@ -1,4 +1,4 @@
-"""Measures the host expert kernels (moetier/experts/cpu_experts.py) at the Qwen3-30B-A3B expert
+"""Measures the host expert kernels (moetier/experts/hybrid/host_kernels.py) at the Qwen3-30B-A3B expert
 shape (hidden 2048, inter 768; one row is 9.44 MB in bf16, 4.72 MB in FP8), for the hybrid backend's
 cost model.
 
@@ -37,8 +37,8 @@ import time
 import torch
 
 from moetier.bench.common import GB, record
-from moetier.experts import host_ext
-from moetier.experts.cpu_experts import KERNELS, host_kernel
+from moetier.experts.hybrid import host_ext
+from moetier.experts.hybrid.host_kernels import KERNELS, host_kernel
 from moetier.experts.shape import RowLayout
 from moetier.quant import fp8_block as fp8
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetier.experts.slots import CachePolicy, lfru
+from moetier.experts.cache.slots import CachePolicy, lfru
 from moetier.traces.format import read_trace
 from moetier.traces.report import curves
 from moetier.traces.simulate import simulate, simulate_policy, token_steps

@@ -15,8 +15,8 @@ import torch
 
 from moetier.bench.common import GB, record, time_graph
 from moetier.checkpoint.random_bed import fill_fp8_rows
-from moetier.experts.gemm_config import SWEEP, GemmConfig
-from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
+from moetier.experts.kernels.gemm_config import SWEEP, GemmConfig
+from moetier.experts.kernels.grouped_gemm import GemmScratch, grouped_expert_mlp
 from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from moetier.bench.common import GB, record, time_eager
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
 from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 from moetier.traces.format import read_trace

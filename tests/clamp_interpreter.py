@@ -22,10 +22,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts.gemm_config import GemmConfig  # noqa: E402
-from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large  # noqa: E402
-from moetier.experts.prefill_ring import StagingRing, ring_large  # noqa: E402
+from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
+from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large  # noqa: E402
+from moetier.experts.prefill.ring import StagingRing, ring_large  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 from tests.fp8_interpreter import fp8_rows  # noqa: E402

@@ -1,4 +1,4 @@
-"""Runs the CUDA expert paths on steps where some pairs carry the id -1 (experts/ep.NOT_MINE: another
+"""Runs the CUDA expert paths on steps where some pairs carry the id -1 (experts/parallel/ep.NOT_MINE: another
 rank's expert) in Triton's interpreter on the CPU. Run as a script (TRITON_INTERPRET must be set before
 triton is imported); test_ep_skip.py does that in a subprocess. Checks:
 
@@ -25,14 +25,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
-from moetier.experts import slot_kernels as kernels  # noqa: E402
+from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
+from moetier.experts.cache import slot_kernels as kernels  # noqa: E402
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts  # noqa: E402
-from moetier.experts.gemm_config import GemmConfig  # noqa: E402
+from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
-from moetier.experts.slots import STATE, STEPS, SlotCache, policy_for  # noqa: E402
+from moetier.experts.cache.slots import STATE, STEPS, SlotCache, policy_for  # noqa: E402
 from tests.fp8_interpreter import fp8_rows  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -125,7 +125,7 @@ def gemm_case(t: int, k: int, h: int, i: int, dtype: torch.dtype, quant: str | N
     out_uva = run(none, ids, w, nan_rows, E)
     assert torch.equal(out_slots, out_res), f"slots vs resident {(out_slots - out_res).abs().max()}"
     assert torch.equal(out_uva, out_res), f"uva vs resident {(out_uva - out_res).abs().max()}"
-    # the old workaround (experts/ep.py before): the -1 pairs on expert E - 1, weight 0. Its pairs make
+    # the old workaround (experts/parallel/ep.py before): the -1 pairs on expert E - 1, weight 0. Its pairs make
     # chunks of their own, so the other pairs run the very same matmuls: the same bits.
     old_ids = torch.where(mine, ids, E - 1)
     old = run(old_ids.int(), old_ids, torch.where(mine, w, 0), rows, E, skips=False)

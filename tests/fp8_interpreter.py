@@ -21,10 +21,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
+from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.backends import ResidentExperts  # noqa: E402
-from moetier.experts.gemm_config import GemmConfig  # noqa: E402
+from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 from moetier.quant import fp8_block as fp8  # noqa: E402
@@ -100,7 +100,7 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: b
 
 def copies_fp8_rows() -> str:
     """The fill kernel moves FP8 rows (as 2-byte words) byte for byte, scales included."""
-    from moetier.experts.slot_kernels import BookkeepingScratch, copy_rows
+    from moetier.experts.cache.slot_kernels import BookkeepingScratch, copy_rows
 
     layout = RowLayout(200, 72, "fp8")
     rows = fp8_rows(layout, 6, torch.Generator().manual_seed(9))

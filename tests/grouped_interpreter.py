@@ -24,8 +24,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import grouped_gemm as grouped  # noqa: E402
-from moetier.experts import grouped_gemm_large as grouped_large  # noqa: E402
+from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 
@@ -122,7 +122,7 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
 def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, block_m: int, seed: int) -> str:
     """The large-step path (grouped_expert_mlp_large): its sorted plan, bit-equality of slots, host and
     resident rows (the same chunks again), the oracle, and the decode path's values within rounding."""
-    from moetier.experts.gemm_config import GemmConfig
+    from moetier.experts.kernels.gemm_config import GemmConfig
 
     g = torch.Generator().manual_seed(seed)
     e = 16

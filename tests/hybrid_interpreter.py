@@ -1,4 +1,4 @@
-"""Runs the hybrid backend's CUDA path (experts/hybrid.py: the packed down-copy, the choice, the
+"""Runs the hybrid backend's CUDA path (experts/hybrid/backend.py: the packed down-copy, the choice, the
 compacted device pairs through bookkeeping, fill and the grouped GEMM, the host pairs scattered in,
 the Triton combine) in Triton's interpreter on the CPU, with CPU tensors standing in for device ones.
 
@@ -20,13 +20,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts.cpu_experts import reference  # noqa: E402
-from moetier.experts.cost_model import PathRates  # noqa: E402
-from moetier.experts.grouped_gemm import GemmScratch  # noqa: E402
-from moetier.experts.hybrid import HostPath, HybridExperts  # noqa: E402
-from moetier.experts.hybrid_phases import PhaseClock  # noqa: E402
+from moetier.experts.hybrid.host_kernels import reference  # noqa: E402
+from moetier.experts.hybrid.cost_model import PathRates  # noqa: E402
+from moetier.experts.kernels.grouped_gemm import GemmScratch  # noqa: E402
+from moetier.experts.hybrid.backend import HostPath, HybridExperts  # noqa: E402
+from moetier.experts.hybrid.phases import PhaseClock  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
-from moetier.experts.slot_kernels import BookkeepingScratch  # noqa: E402
+from moetier.experts.cache.slot_kernels import BookkeepingScratch  # noqa: E402
 
 E, K, S, H, I, N = 16, 4, 6, 64, 32, 8  # N: decode tokens
 

@@ -1,4 +1,4 @@
-"""Runs the hybrid nodes mode's CUDA forward (experts/hybrid_nodes.HybridNodesExperts.forward past its
+"""Runs the hybrid nodes mode's CUDA forward (experts/hybrid/nodes.HybridNodesExperts.forward past its
 `if not self.cuda`: the Triton plan, the side stream's down copies and host node, the slots step over
 dev_ids as P rows of one pair each, the host rows put in, the Triton combine) in Triton's interpreter
 on the CPU, with CPU tensors for device ones, and holds it to the fp32 oracle and to the eager hybrid
@@ -23,11 +23,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from moetier.experts import hybrid_nodes
-from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import reference
-from moetier.experts.hybrid import HostPath, HybridExperts
-from moetier.experts.hybrid_nodes import HybridNodesExperts
+from moetier.experts.hybrid import nodes as hybrid_nodes
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_kernels import reference
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
+from moetier.experts.hybrid.nodes import HybridNodesExperts
 from moetier.experts.shape import RowLayout
 from tests.hybrid_interpreter import CpuHostPath, E, H, I, K, N, S, as_cuda
 

@@ -1,4 +1,4 @@
-"""Runs the hybrid nodes mode's device plan (experts/hybrid_plan.plan_kernel, one Triton program) in
+"""Runs the hybrid nodes mode's device plan (experts/hybrid/device_plan.plan_kernel, one Triton program) in
 Triton's interpreter on the CPU and holds it to its torch reference (plan_reference) bit for bit: dev_ids,
 the host job (count, tokens, experts), the positions and the counters, over random steps of 1 to 64
 tokens of top-8 (8 to 512 pairs) and small shapes, with cached experts, NOT_MINE ids (-1), repeated
@@ -18,8 +18,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts.cost_model import CostModel, PathRates  # noqa: E402
-from moetier.experts.hybrid_plan import (  # noqa: E402
+from moetier.experts.hybrid.cost_model import CostModel, PathRates  # noqa: E402
+from moetier.experts.hybrid.device_plan import (  # noqa: E402
     BIG32,
     PlanBuffers,
     plan_kernel,

@@ -14,8 +14,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts import slot_kernels as kernels  # noqa: E402
-from moetier.experts.slots import SlotCache, policy_for  # noqa: E402
+from moetier.experts.cache import slot_kernels as kernels  # noqa: E402
+from moetier.experts.cache.slots import SlotCache, policy_for  # noqa: E402
 
 
 def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy: str = "lru") -> dict:

@@ -12,9 +12,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts.prefill_cache import refresh_device, refresh_reference  # noqa: E402
-from moetier.experts.slot_kernels import BookkeepingScratch  # noqa: E402
-from moetier.experts.slots import STATE, SlotCache, policy_for  # noqa: E402
+from moetier.experts.prefill.cache_policy import refresh_device, refresh_reference  # noqa: E402
+from moetier.experts.cache.slot_kernels import BookkeepingScratch  # noqa: E402
+from moetier.experts.cache.slots import STATE, SlotCache, policy_for  # noqa: E402
 
 
 def run(num_experts: int, num_slots: int, policy: str, seed: int) -> None:

@@ -13,9 +13,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from moetier.experts.gemm_config import GemmConfig  # noqa: E402
-from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large  # noqa: E402
-from moetier.experts.prefill_ring import StagingRing, ring_large  # noqa: E402
+from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
+from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large  # noqa: E402
+from moetier.experts.prefill.ring import StagingRing, ring_large  # noqa: E402
 from moetier.experts.shape import RowLayout  # noqa: E402
 
 E, S = 12, 5

@@ -144,7 +144,7 @@ def test_bench_decode_refuses_zero_repeats():
 
 
 def hybrid_against_resident(trace_path: str, monkeypatch) -> dict:
-    from moetier.experts.cost_model import PathRates
+    from moetier.experts.hybrid.cost_model import PathRates
 
     real = decode.host_options  # fixed rates, a slow link: every miss goes to the host (not the machine's load)
     monkeypatch.setattr(decode, "host_options", lambda *a: {**real(*a), "rates": PathRates(0.001, {"bfloat16": 1e3})})
@@ -162,7 +162,8 @@ def hybrid_against_resident(trace_path: str, monkeypatch) -> dict:
 def test_hybrid_rounding_is_within_tolerance_and_a_wrong_host_expert_is_a_mismatch(tiny_trace, monkeypatch):
     # bf16 on the CPU: the compiled host kernel (fp32 accumulation) against torch's bf16 ops, the CUDA
     # case in small (docs/hybrid.md, "Output check")
-    from moetier.experts import host_ext, hybrid
+    from moetier.experts.hybrid import host_ext
+    from moetier.experts.hybrid import backend as hybrid
 
     if not host_ext.available()[0]:
         pytest.skip("the compiled host kernel does not build here")

@@ -1,4 +1,4 @@
-"""The hybrid backend's cost model (experts/cost_model.py), pure arithmetic driven directly: which
+"""The hybrid backend's cost model (experts/hybrid/cost_model.py), pure arithmetic driven directly: which
 misses go over the link and which to the host cores, on synthetic bandwidths."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from moetier.experts.cost_model import CostModel, PathRates
+from moetier.experts.hybrid.cost_model import CostModel, PathRates
 
 ROW = 9_437_184  # one Qwen3-30B-A3B expert in bf16, bytes
 BF16 = "bfloat16"
@@ -121,7 +121,7 @@ def test_bad_rates_are_refused():
 
 
 def test_rates_from_bench_refit_at_the_threads_in_use():
-    from moetier.experts.cost_model import rates_from_bench
+    from moetier.experts.hybrid.cost_model import rates_from_bench
 
     def row(threads, tokens, experts, ms, dtype="bf16"):
         return {"kernel": "compiled", "dtype": dtype, "threads": threads, "tokens": tokens, "experts": experts,

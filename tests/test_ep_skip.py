@@ -1,4 +1,4 @@
-"""Pairs with topk id -1 (experts/ep.NOT_MINE: another expert-parallel rank's expert) on every expert
+"""Pairs with topk id -1 (experts/parallel/ep.NOT_MINE: another expert-parallel rank's expert) on every expert
 path: no row read, no slot taken, nothing counted, exactly zero in the k-sum.
 
 CPU: the Triton kernels' CUDA paths in Triton's interpreter (ep_skip_interpreter.py), the hybrid
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-from moetier.experts.cost_model import PathRates
-from moetier.experts.ep import NOT_MINE, ShardedExperts, local_ids
-from moetier.experts.hybrid import HostPath, HybridExperts
-from moetier.experts.prefill_cache import rows_consistent
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.parallel.ep import NOT_MINE, ShardedExperts, local_ids
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
+from moetier.experts.prefill.cache_policy import rows_consistent
 from moetier.experts.shape import RowLayout
-from moetier.experts.slots import STATE
+from moetier.experts.cache.slots import STATE
 from moetier.parallel import Parallel
 
 E, K, S = 32, 8, 12
@@ -104,7 +104,7 @@ def test_two_simulated_ranks_sum_to_one_process_on_cpu(backend):
 # -- CUDA -----------------------------------------------------------------------------------------
 
 def gpu_rows(quant: str | None):
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
     from tests.test_host_ext import fp8_rows
 
     lay = RowLayout(256, 128)
@@ -137,7 +137,7 @@ def test_gpu_backends_skip_other_ranks_pairs(quant, prefill):
         idc, xc, wc = ids.cuda(), x.cuda(), w.cuda()
         outs = {name: b.forward(xc, idc, wc).clone() for name, b in cuda.items()}
         assert torch.equal(outs["slots"], outs["resident"]) and torch.equal(outs["uva"], outs["resident"]), step
-        # the old workaround (experts/ep.py before): the -1 pairs on local expert 0 with weight 0. A
+        # the old workaround (experts/parallel/ep.py before): the -1 pairs on local expert 0 with weight 0. A
         # pair's result depends only on its token and row, and a 0-weight term leaves the k-sum's bits.
         mine = idc >= 0
         old = res.forward(xc, torch.where(mine, idc, 0), torch.where(mine, wc, 0)).clone()

@@ -10,7 +10,7 @@ import pytest
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.reference import combine, expert_pairs, row_fetch
 from moetier.experts.shape import RowLayout
-from moetier.experts.store import HostStore
+from moetier.experts.cache.store import HostStore
 from moetier.quant import fp8_block as fp8
 
 

@@ -18,7 +18,7 @@ QE, QH, QI, QK = 64, 2048, 768, 8  # Qwen3-30B-A3B's expert shape, half its expe
 def fp8_store(e=QE, h=QH, i=QI, seed=0):
     """Pinned FP8 rows of e experts, each projection quantized from random bf16 by the block rule."""
     from moetier.experts.shape import RowLayout
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
     from moetier.quant import fp8_block as fp8
 
     layout = RowLayout(h, i, "fp8")
@@ -45,8 +45,8 @@ def oracle(x, ids, w, rows, layout):
 @pytest.mark.parametrize("t", [1, 8, 64])
 @pytest.mark.parametrize("dup", [False, True])
 def test_fp8_grouped_kernel_vs_reference_and_exact_across_backends(t, dup):
-    from moetier.experts import grouped_gemm as grouped
-    from moetier.experts.store import DevicePointer
+    from moetier.experts.kernels import grouped_gemm as grouped
+    from moetier.experts.cache.store import DevicePointer
 
     store, layout = fp8_store()
     host = store.rows(0)

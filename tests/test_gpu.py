@@ -42,7 +42,7 @@ def replay_against_resident(graphs, resident, slots, x, ids, w, steps: int, seed
 
 def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
     from moetier.experts.shape import RowLayout
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
 
     layout = RowLayout(h, i)
     store = HostStore([0], e, layout, dtype, pin=pin)
@@ -53,7 +53,7 @@ def rows_for(e=E, h=H, i=I, dtype=torch.bfloat16, pin=True, seed=0):
 
 def test_store_pins_exact_size():
     from moetier.experts.shape import RowLayout
-    from moetier.experts.store import PAGE, HostStore
+    from moetier.experts.cache.store import PAGE, HostStore
 
     layout = RowLayout(1000, 36)  # rows of 216,000 bytes: no power of two anywhere
     store = HostStore([0, 1, 2], 37, layout, torch.bfloat16, pin=True)
@@ -75,9 +75,9 @@ def random_ids(g, t, k=K, e=E, dup=False):
 def test_bookkeeping_kernel_matches_reference(num_slots, policy):
     """Both bookkeeping kernels (registers for small steps, barriers for large) against the torch
     reference, with the copy kernel after each step: every slot must also hold its row."""
-    from moetier.experts import slot_kernels as kernels
-    from moetier.experts.slots import SlotCache, policy_for
-    from moetier.experts.store import DevicePointer
+    from moetier.experts.cache import slot_kernels as kernels
+    from moetier.experts.cache.slots import SlotCache, policy_for
+    from moetier.experts.cache.store import DevicePointer
 
     pol = policy_for(policy, num_slots, K)
     ref, gpu = SlotCache(E, num_slots, policy=pol), SlotCache(E, num_slots, "cuda", policy=pol)
@@ -118,8 +118,8 @@ def test_bookkeeping_kernel_matches_reference(num_slots, policy):
 
 
 def test_copy_kernel_moves_exact_rows():
-    from moetier.experts import slot_kernels as kernels
-    from moetier.experts.store import DevicePointer
+    from moetier.experts.cache import slot_kernels as kernels
+    from moetier.experts.cache.store import DevicePointer
 
     store, layout = rows_for()
     host = store.rows(0)
@@ -244,13 +244,13 @@ def test_replayed_trace_greedy_tokens_equal_resident_vs_slots():
     assert stats["slots"]["misses"] > 1000
 
 
-# The grouped expert GEMM (experts/grouped_gemm.py) at Qwen3-30B sizes: bf16 rows of 2048 x 768, 128 experts, top-8.
+# The grouped expert GEMM (experts/kernels/grouped_gemm.py) at Qwen3-30B sizes: bf16 rows of 2048 x 768, 128 experts, top-8.
 QE, QH, QI, QK = 128, 2048, 768, 8
 
 
 def qwen_rows(seed=0):
     from moetier.experts.shape import RowLayout
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
 
     layout = RowLayout(QH, QI)
     store = HostStore([0], QE, layout, torch.bfloat16, pin=True)  # 1.2 GB pinned
@@ -265,9 +265,9 @@ def qwen_rows(seed=0):
 def test_grouped_kernel_qwen3_sizes_vs_float64_and_exact_across_backends(t, dup):
     """Against a float64 oracle, and bit-exact between slot rows, host rows and the resident layout, and
     whatever other tokens share the step (dup: 16 experts, groups of up to t*k pairs in many chunks)."""
-    from moetier.experts import grouped_gemm as grouped
+    from moetier.experts.kernels import grouped_gemm as grouped
     from moetier.experts.reference import combine, expert_pairs
-    from moetier.experts.store import DevicePointer
+    from moetier.experts.cache.store import DevicePointer
 
     store, layout = qwen_rows()
     host = store.rows(0)

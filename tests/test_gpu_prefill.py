@@ -15,7 +15,7 @@ def test_large_step_backends_vs_float64_exact_and_without_host_sync(t, dup):
     """Issue 16: steps above the decode limit take the large-step grouped GEMM on every backend: within
     bf16 tolerance of a float64 oracle, bit-exact between resident, slots (half the experts in slots,
     misses read across the link) and uva, and no host synchronisation anywhere in the step (CUDA's
-    sync-debug mode raises on one). The ring prefill stream (the default, experts/prefill_ring.py) reads
+    sync-debug mode raises on one). The ring prefill stream (the default, experts/prefill/ring.py) reads
     its miss list on the host once per layer: it is held to the same bits outside sync-debug mode."""
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
     from moetier.experts.reference import combine, expert_pairs
@@ -59,13 +59,13 @@ def test_large_step_backends_vs_float64_exact_and_without_host_sync(t, dup):
 @pytest.mark.parametrize("ring", [(4, 2), (1, 3), (16, 2)])
 @pytest.mark.parametrize("t,dup", [(65, False), (512, False), (2048, True)])
 def test_ring_stream_bit_exact_against_uva_and_resident(ring, t, dup):
-    """The ring prefill stream mode (experts/prefill_ring.py) on CUDA: the missing experts staged by
+    """The ring prefill stream mode (experts/prefill/ring.py) on CUDA: the missing experts staged by
     the copy engine on a side stream, G rows a buffer, D buffers, the GEMM over the hits and then each
     group: bit-exact against the uva mode (misses read in the kernel) and resident, with another
     rank's ids (-1) in the step; two layers back to back share the one ring (the second's copies wait
     the first's reads), every missing expert copied once, the cache left alone."""
     from moetier.experts.backends import ResidentExperts, SlotExperts
-    from moetier.experts.ep import NOT_MINE
+    from moetier.experts.parallel.ep import NOT_MINE
 
     store, layout = qwen_rows(seed=3)
     host = store.rows(0)

@@ -1,4 +1,4 @@
-"""GPU tests of the prefill cache policy (experts/prefill_cache.py) on CUDA; skipped without it.
+"""GPU tests of the prefill cache policy (experts/prefill/cache_policy.py) on CUDA; skipped without it.
 The refresh path (ranking on the device, the fused bookkeeping kernel, copy_rows, then the large-step
 GEMM) must: give the bypass path's bits (and resident's), leave the cache consistent and equal to
 the torch reference's, and run without a host sync (sync-debug mode) and under a CUDA graph capture."""
@@ -22,7 +22,7 @@ def backends(seed: int, policy: str = "lfru"):
     resident = ResidentExperts(dev, layout, QK)
     out = {"resident": resident, "store": store, "host": host}
     # bypass with the uva prefill stream: the ring (the default) reads its miss list on the host
-    # (experts/prefill_ring.py), and these tests hold the path to no host sync; "ring" is held to its bits
+    # (experts/prefill/ring.py), and these tests hold the path to no host sync; "ring" is held to its bits
     for name, prefill, stream in (("bypass", "bypass", "uva"), ("refresh", "refresh", "uva"), ("ring", "bypass", "ring")):
         s = SlotExperts(host, layout, QK, num_slots=QE // 2, device="cuda", policy=policy, prefill=prefill,
                         prefill_stream=stream)
@@ -43,8 +43,8 @@ def inputs(t: int, dup: bool):
 
 @pytest.mark.parametrize("t,dup,policy", [(65, False, "lfru"), (512, False, "lru"), (1024, True, "lfru")])
 def test_refresh_exact_consistent_and_without_host_sync(t, dup, policy):
-    from moetier.experts.prefill_cache import pair_counts, refresh_reference, rows_consistent
-    from moetier.experts.slots import STATE, SlotCache
+    from moetier.experts.prefill.cache_policy import pair_counts, refresh_reference, rows_consistent
+    from moetier.experts.cache.slots import STATE, SlotCache
 
     b = backends(seed=3, policy=policy)
     bypass, refresh = b["bypass"], b["refresh"]

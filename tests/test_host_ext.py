@@ -1,4 +1,4 @@
-"""The compiled host expert kernel (experts/csrc/host_experts.cpp, built by experts/host_ext.py): against
+"""The compiled host expert kernel (experts/hybrid/csrc/host_experts.cpp, built by experts/hybrid/host_ext.py): against
 the fp32 oracle (cpu_experts.reference) and the torch `pair` kernel for bf16, fp32 and FP8 rows on
 ragged shapes; its result independent of the thread count (bitwise: its own summation order); the
 build into a cache outside the source tree; the fallback to the torch kernel when the build fails;
@@ -14,11 +14,11 @@ import warnings
 import pytest
 import torch
 
-from moetier.experts import host_ext
+from moetier.experts.hybrid import host_ext
 from moetier.experts.backends import ResidentExperts, SlotExperts
-from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import GroupedKernel, host_kernel, reference
-from moetier.experts.hybrid import HostPath, HybridExperts
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_kernels import GroupedKernel, host_kernel, reference
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
 from moetier.experts.shape import RowLayout
 from moetier.quant import fp8_block as fp8
 
@@ -261,7 +261,7 @@ def test_bench_script_small_run_gives_rates_per_dtype(lib, tmp_path):
     import sys
     from pathlib import Path
 
-    from moetier.experts.cost_model import rates_from_bench
+    from moetier.experts.hybrid.cost_model import rates_from_bench
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "cpu.json"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moetier.experts.backends import ResidentExperts, SlotExperts
-from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import KERNELS, host_kernel, reference
-from moetier.experts.hybrid import HostPath, HybridExperts
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_kernels import KERNELS, host_kernel, reference
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.shape import RowLayout
 
@@ -260,7 +260,7 @@ def test_piecewise_split_bookkeeping_with_fake_graphs(tiny_ckpt, monkeypatch):
 @pytest.mark.parametrize("kernel", ["grouped", "compiled"])
 @pytest.mark.parametrize("t", [1, 8, 32])
 def test_gpu_hybrid_against_resident(t, kernel, rows):
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
     from tests.test_host_ext import fp8_rows
 
     lay = RowLayout(256, 128)

@@ -1,4 +1,4 @@
-"""The hybrid backend's nodes mode (experts/hybrid_nodes.py, hybrid_plan.py, csrc/host_node.cpp): the
+"""The hybrid backend's nodes mode (experts/hybrid/nodes.py, hybrid_plan.py, csrc/host_node.cpp): the
 plan's reference against CostModel.split, the plan kernel in Triton's interpreter, the host node
 function against the compiled kernel, the mode on the CPU against the eager hybrid path (bits) and
 resident (bf16 tolerance), the engine's batch == alone and the bench's nodes rows; on CUDA (marked gpu)
@@ -11,12 +11,12 @@ import ctypes
 import pytest
 import torch
 
-from moetier.experts import host_ext
+from moetier.experts.hybrid import host_ext
 from moetier.experts.backends import ResidentExperts
-from moetier.experts.cost_model import CostModel, PathRates
-from moetier.experts.hybrid import HostPath, HybridExperts
-from moetier.experts.hybrid_nodes import HybridNodesExperts, NodeJob
-from moetier.experts.hybrid_plan import PlanBuffers, plan_rates, plan_reference
+from moetier.experts.hybrid.cost_model import CostModel, PathRates
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
+from moetier.experts.hybrid.nodes import HybridNodesExperts, NodeJob
+from moetier.experts.hybrid.device_plan import PlanBuffers, plan_rates, plan_reference
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.shape import RowLayout
 
@@ -75,7 +75,7 @@ def test_nodes_cuda_path_in_the_triton_interpreter():
 
 def test_grouped_gemm_refuses_x_that_is_not_dense_rows():
     """The kernels read token t's row at x + t * H: a stride-0 view (expand of one token) is refused."""
-    from moetier.experts.grouped_gemm import GemmScratch, grouped_expert_mlp
+    from moetier.experts.kernels.grouped_gemm import GemmScratch, grouped_expert_mlp
 
     x = torch.randn(1, H).expand(K, H)
     ids = torch.zeros(K, 1, dtype=torch.int64)
@@ -265,7 +265,7 @@ def test_bench_decode_nodes_rows_on_cpu(tmp_path, monkeypatch):
 # -- CUDA ---------------------------------------------------------------------------------------------
 def _gpu_layers(n: int, link: float = 50.0, host: float = 50.0):
     """n fresh backends over the same pinned rows: eager hybrid first, then nodes ones (own HostPaths)."""
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
 
     lay = RowLayout(256, 128)
     store = HostStore([0], 32, lay, torch.bfloat16, pin=True)

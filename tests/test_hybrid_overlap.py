@@ -1,6 +1,6 @@
 """Issue 17's overlap work on the hybrid backend, on the CPU: the host call started before the device
 path (the compiled kernel's native start / wait, a torch kernel on the worker thread), the default host
-threads, the phase clock (experts/hybrid_phases.py) and the bench's hybrid rows with their phases. The
+threads, the phase clock (experts/hybrid/phases.py) and the bench's hybrid rows with their phases. The
 cost model's concurrency: test_cost_model.py."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from moetier.experts import host_ext
-from moetier.experts.cost_model import PathRates
-from moetier.experts.host_path import HostPath, default_host_threads
-from moetier.experts.hybrid import HybridExperts
-from moetier.experts.hybrid_phases import MARKS, PhaseClock
+from moetier.experts.hybrid import host_ext
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_path import HostPath, default_host_threads
+from moetier.experts.hybrid.backend import HybridExperts
+from moetier.experts.hybrid.phases import MARKS, PhaseClock
 from moetier.experts.shape import RowLayout
 from tests.helpers import tiny_hybrid_bench
 
@@ -136,7 +136,7 @@ def test_bench_decode_hybrid_rows_with_phases(tmp_path):
 def test_gpu_host_kernels_give_the_same_choices_with_the_phase_clock(t):
     """The compiled kernel (native thread) and grouped (worker thread) at the same rates: the same
     choices and counts, outputs within bf16 tolerance (their roundings differ); the phase clock's marks."""
-    from moetier.experts.store import HostStore
+    from moetier.experts.cache.store import HostStore
 
     lay = RowLayout(256, 128)
     store = HostStore([0], 32, lay, torch.bfloat16, pin=True)

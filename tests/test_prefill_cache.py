@@ -1,4 +1,4 @@
-"""The prefill cache policy on the CPU (experts/prefill_cache.py): bypass leaves the slot cache
+"""The prefill cache policy on the CPU (experts/prefill/cache_policy.py): bypass leaves the slot cache
 alone, refresh moves the chunk's most used experts in with the cache's own step; both bit-exact in
 the prefill's outputs, the cache's invariants kept, and more decode hits after a refresh when the
 prompt and the decode share experts. The same logic on the Triton kernel runs in the interpreter
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moetier.experts.backends import ResidentExperts, SlotExperts, set_prefill_policy
-from moetier.experts.prefill_cache import pair_counts, ranking, refresh_reference, rows_consistent
+from moetier.experts.prefill.cache_policy import pair_counts, ranking, refresh_reference, rows_consistent
 from moetier.experts.shape import RowLayout
-from moetier.experts.slots import SlotCache, policy_for
-from moetier.experts.store import HostStore
+from moetier.experts.cache.slots import SlotCache, policy_for
+from moetier.experts.cache.store import HostStore
 from tests.interpreter import run_script
 
 E, S, K, H, I, DECODE = 16, 4, 2, 32, 16, 8

@@ -1,4 +1,4 @@
-"""The ring prefill stream mode on the CPU (experts/prefill_ring.py): the same driver as on CUDA
+"""The ring prefill stream mode on the CPU (experts/prefill/ring.py): the same driver as on CUDA
 (grouping, buffer reuse, masking of each pass, one combine at the end) with the torch reference as
 its pass. Outputs bit-exact against the uva mode and against resident for several group sizes and
 ring depths, with all hits, all misses, mixed steps and another rank's ids (-1); the cache untouched;
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from moetier.experts.backends import ResidentExperts, SlotExperts, set_prefill_stream
-from moetier.experts.prefill_ring import StagingRing, check_geometry, ring_forward, runs, split_hits
+from moetier.experts.prefill.ring import StagingRing, check_geometry, ring_forward, runs, split_hits
 from moetier.experts.shape import RowLayout
-from moetier.experts.store import HostStore
+from moetier.experts.cache.store import HostStore
 
 E, S, K, H, I, DECODE = 16, 6, 4, 32, 16, 8
 

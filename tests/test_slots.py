@@ -15,9 +15,9 @@ from tests.helpers import Sequence
 
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.placement import ExpertOptions
-from moetier.experts.slots import SlotCache
+from moetier.experts.cache.slots import SlotCache
 from moetier.experts.shape import RowLayout
-from moetier.experts.store import HostStore
+from moetier.experts.cache.store import HostStore
 from moetier.checkpoint.loader import load_model
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.experts import host_ext
-from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import KERNELS, host_kernel, reference
+from moetier.experts.hybrid import host_ext
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_kernels import KERNELS, host_kernel, reference
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.shape import MoeShape, RowLayout
-from moetier.experts.swiglu_clamp import limit_args
+from moetier.experts.kernels.swiglu_clamp import limit_args
 from tests.conftest import hf_glm5_next_checkpoint
 from tests.interpreter import run_script
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moetier.engine.switch import Switch
-from moetier.experts.cost_model import PathRates
-from moetier.experts.hybrid import HostPath, HybridExperts
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.backend import HostPath, HybridExperts
 from moetier.experts.shape import RowLayout
 
 

@@ -16,7 +16,7 @@ from moetier.checkpoint.writer import make_checkpoint
 from moetier.engine.llm import LLM
 from moetier.engine.step import SeqStep, StepInput
 from moetier.errors import MoetierError
-from moetier.experts.ep import local_ids, owned_experts
+from moetier.experts.parallel.ep import local_ids, owned_experts
 from moetier.experts.placement import ExpertOptions
 from moetier.parallel import Parallel
 from moetier.sampling_params import SamplingParams
@@ -229,7 +229,7 @@ def test_rendezvous_from_torchrun_variables(monkeypatch):
 
 def test_other_ranks_pairs_take_no_slot_and_contribute_zero():
     from moetier.experts.reference import expert_pairs
-    from moetier.experts.slots import SlotCache
+    from moetier.experts.cache.slots import SlotCache
 
     cache = SlotCache(4, 2)
     slots, miss = cache.step_reference(torch.tensor([[-1, 3], [2, -1], [3, -1]]))

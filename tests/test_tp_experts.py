@@ -1,4 +1,4 @@
-"""Tensor parallelism inside each routed expert (the "columns" expert split, experts/columns.py,
+"""Tensor parallelism inside each routed expert (the "columns" expert split, experts/parallel/columns.py,
 docs/parallel.md), 2 ranks over gloo on the CPU: rank r holds I/2 of every expert (half the expert
 bytes), every rank computes every pair over its columns and one all-reduce sums them. Logits equal
 the one-process run within the fp32 tolerance of tests/test_tp.py, batch == alone, the rank plan
@@ -16,7 +16,7 @@ from moetier.checkpoint.random_bed import random_bed
 from moetier.checkpoint.writer import make_checkpoint
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
-from moetier.experts.columns import ColumnExperts, column_part, resolve
+from moetier.experts.parallel.columns import ColumnExperts, column_part, resolve
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.shape import MoeShape
 from moetier.parallel import Parallel

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moetier.errors import MoetierError
-from moetier.experts.slots import SlotCache, policy_for
+from moetier.experts.cache.slots import SlotCache, policy_for
 from moetier.traces.format import TraceWriter, read_trace, write_trace
 from moetier.traces.simulate import simulate
 from moetier.traces.stats import coverage

@@ -13,7 +13,7 @@ then `before` timed steps); the prompt is added and the engine steps until it ha
 step's wall time is an inter-token latency of every decode in it (the step reads its sampled tokens
 back, so it has finished). The prompt and the decodes are then aborted and the next row starts from
 an empty pool with the same routing. --prefill-cache sets what the prompt's chunks do to the slot
-cache (experts/prefill_cache.py): the decodes beside them see its effect in their latency.
+cache (experts/prefill/cache_policy.py): the decodes beside them see its effect in their latency.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def bench_decode(
                                         help="Write a PNG of tok/s against expert budget."),
 ) -> None:
     """Decode tok/s through the engine for resident, slots, uva, hybrid and transformers+accelerate (CUDA)."""
-    from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
+    from moetier.experts.hybrid.host_kernels import CHOICES as HOST_KERNELS
     from moetier.config import config_from_dir
     from moetier.presets import preset as make_preset
 

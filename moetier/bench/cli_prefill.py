@@ -12,7 +12,7 @@ from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_m
                                preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
-from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
+from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 
 
 @app.command("prefill")

@@ -31,7 +31,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
-from moetier.experts.hybrid_phases import model_phases
+from moetier.experts.hybrid.phases import model_phases
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.traces.format import Trace

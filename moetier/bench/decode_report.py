@@ -63,7 +63,7 @@ def table(rows: list[dict]) -> str:
 
 
 def phases_line(hyb: dict) -> str:
-    """One hybrid row's mean phase offsets (experts/hybrid_phases.py) in microseconds from a layer's entry."""
+    """One hybrid row's mean phase offsets (experts/hybrid/phases.py) in microseconds from a layer's entry."""
     p = hyb["phases_us"]
     out = f"host threads {hyb.get('host_threads')}:"
     if p.get("layers"):

@@ -14,8 +14,8 @@ def host_options(args: dict, bw: dict) -> dict:
     With a profile, the rates are its fit at those threads where it measured them (rates_from_bench)."""
     import json
 
-    from moetier.experts.cost_model import rates_from_bench
-    from moetier.experts.host_path import default_host_threads
+    from moetier.experts.hybrid.cost_model import rates_from_bench
+    from moetier.experts.hybrid.host_path import default_host_threads
 
     out = {"host_kernel": args.get("host_kernel", "auto"), "host_threads": args.get("host_threads")}
     if args.get("host_profile"):

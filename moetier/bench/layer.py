@@ -17,12 +17,12 @@ import torch
 from moetier.bench.common import GB, links, record, time_eager, time_graph
 from moetier.checkpoint.random_bed import fill_fp8_rows
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-from moetier.experts.gemm_config import SWEEP, GemmConfig
-from moetier.experts.grouped_gemm import grouped_expert_mlp
+from moetier.experts.kernels.gemm_config import SWEEP, GemmConfig
+from moetier.experts.kernels.grouped_gemm import grouped_expert_mlp
 from moetier.experts.shape import RowLayout
-from moetier.experts.slot_kernels import BOOKKEEPING_WARPS, BookkeepingScratch, bookkeeping, copy_rows
-from moetier.experts.slots import SlotCache, policy_for
-from moetier.experts.store import DevicePointer, HostStore
+from moetier.experts.cache.slot_kernels import BOOKKEEPING_WARPS, BookkeepingScratch, bookkeeping, copy_rows
+from moetier.experts.cache.slots import SlotCache, policy_for
+from moetier.experts.cache.store import DevicePointer, HostStore
 from moetier.presets import moe_shape
 
 

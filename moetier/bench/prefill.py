@@ -14,13 +14,13 @@ not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured hos
 bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 matmul rate).
 
 Slots rows run once per prefill cache policy (--prefill-cache: bypass leaves the cache alone, refresh
-moves the prompt's most used experts in; experts/prefill_cache.py), each run from the same warm
+moves the prompt's most used experts in; experts/prefill/cache_policy.py), each run from the same warm
 cache (warm_slots before every prefill). Every row then measures the trade-off in the same run: the
 same prompts again with --decode-steps more tokens each, and the first decode steps after their
 prefill are timed (CUDA graphs, as served) with the hit rate the cache had over them.
 
 Slots rows under bypass also run once per prefill stream mode (--prefill-stream: uva reads the
-misses over the link in the kernel, ring stages them by the copy engine; experts/prefill_ring.py).
+misses over the link in the kernel, ring stages them by the copy engine; experts/prefill/ring.py).
 A ring row's link rows are the rows the ring copied (each missing expert once per step and layer,
 counted by the backends), and the staged rows are read from HBM once per chunk like slots.
 
@@ -44,8 +44,8 @@ from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 from moetier.sampling_params import SamplingParams
 
 

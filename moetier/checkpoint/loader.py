@@ -18,7 +18,7 @@ Under a parallel layout (moetier/parallel.Parallel; docs/parallel.md) each rank 
 a dense tensor whose Weight.split names a dim gives this rank its contiguous 1/tp part of that dim
 (generic: any family declares its splits in checkpoint_weights()), the others whole; routed experts
 other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows;
-under the "columns" expert split (experts/columns.py) every expert tensor gives this rank its I/tp
+under the "columns" expert split (experts/parallel/columns.py) every expert tensor gives this rank its I/tp
 slice (gate / up rows, down columns, and their FP8 scale blocks).
 """
 
@@ -38,7 +38,7 @@ from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
 from moetier.config import ModelConfig, config_from_dir
 from moetier.errors import MoetierError
-from moetier.experts.columns import column_part
+from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
 from moetier.models.base import CausalLM, Weight

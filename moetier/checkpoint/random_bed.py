@@ -13,7 +13,7 @@ share: an expert-parallel rank draws every expert in the same order as one proce
 rows it owns (e % ep == rank), so EP ranks together hold exactly the one-process experts; a
 tensor-parallel rank draws its dense shards with the same seed, which are valid shards of *a*
 random model but not slices of the one-process one (benchmarks time them; tests of equality use
-checkpoints). Under the "columns" expert split (experts/columns.py) a tensor-parallel rank draws
+checkpoints). Under the "columns" expert split (experts/parallel/columns.py) a tensor-parallel rank draws
 every expert whole, after its dense shards, and keeps its I/tp columns: the ranks together hold the
 experts of the replicated tp share (the same draws), not the one-process experts. RandomModel is the plain record a worker process rebuilds
 its share from.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from moetier.config import ModelConfig
-from moetier.experts.columns import local_shape, resolve, slice_rows
-from moetier.experts.ep import local_experts
+from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
+from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
-from moetier.experts.store import HostStore
+from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
@@ -54,7 +54,7 @@ class Bed:
     dense_bytes: int  # weights every step reads besides the routed experts (FP8 ones: weights + scales)
     dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
     par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
-    split: str = "replicate"  # the routed experts' split under tensor parallelism (experts/columns.py)
+    split: str = "replicate"  # the routed experts' split under tensor parallelism (experts/parallel/columns.py)
 
     @property
     def cfg(self) -> ModelConfig:

@@ -130,7 +130,7 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
 
 
 def expert_split(split: str) -> str:
-    from moetier.experts.columns import SPLITS
+    from moetier.experts.parallel.columns import SPLITS
 
     if split not in SPLITS:
         raise MoetierError(f"--expert-split {split!r}: choose one of {', '.join(SPLITS)}")

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import MoetierError
-from moetier.experts.prefill_cache import PREFILL_POLICIES
-from moetier.experts.prefill_ring import PREFILL_STREAMS
+from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
+from moetier.experts.prefill.ring import PREFILL_STREAMS
 from moetier.parallel import layout_problems
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
@@ -32,10 +32,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output per request; default the model's, capped by the pool
     decode_tokens: int = 64  # steps of up to this many tokens: CUDA graphs and the expert cache
     # What a larger step (prefill) does to the slot cache (slots, hybrid): "bypass" leaves it alone,
-    # "refresh" first moves the chunk's most used experts into slots (experts/prefill_cache.py).
+    # "refresh" first moves the chunk's most used experts into slots (experts/prefill/cache_policy.py).
     prefill_cache_policy: str = "bypass"
     # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
-    # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill_ring.py).
+    # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill/ring.py).
     # NOTE: "ring" is the default: on the H200 it prefilled 3-4% faster (docs/bench-prefill.md).
     prefill_stream: str = "ring"
     # CUDA graphs of the decode step (False: every step eager). With hybrid backends the engine captures

@@ -83,7 +83,7 @@ def auto_chunk(model: CausalLM) -> tuple[int, str]:
 
     offloaded = False
     for block in model.moe_blocks():
-        ex = getattr(block.experts, "inner", block.experts)  # experts/ep.ShardedExperts
+        ex = getattr(block.experts, "inner", block.experts)  # experts/parallel/ep.ShardedExperts
         cache = getattr(ex, "cache", None)
         offloaded |= isinstance(ex, UvaExperts) or (cache is not None and cache.num_slots < cache.num_experts)
     dev = model.device
@@ -262,7 +262,7 @@ class LLM:
             self.replayer = Replayer(model, read_trace(config.replay_trace))
         graphs = None
         if captures(config, model, parallel=self._workers is not None):
-            # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid.py)
+            # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it

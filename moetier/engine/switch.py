@@ -1,6 +1,6 @@
 """Per decode step, which graph of a hybrid engine to replay: the host path's (the pieces of
 engine/piecewise.py, a sync per hybrid layer; or, in the nodes mode, one graph whose host share runs as
-host-function nodes, experts/hybrid_nodes.py) or the whole step with every hybrid backend on its slots
+host-function nodes, experts/hybrid/nodes.py) or the whole step with every hybrid backend on its slots
 step alone. Below, "pieces" names the first, whichever mode made it.
 
 Two judges, per window of `window` steps:
@@ -26,7 +26,7 @@ then decide.
 
 backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_count() (the experts served
 on the host so far: an int, or a device tensor of one element), host_only_steps and host_saving_s(m)
-(experts/hybrid.HybridExperts, experts/hybrid_nodes.HybridNodesExperts).
+(experts/hybrid/backend.HybridExperts, experts/hybrid/nodes.HybridNodesExperts).
 """
 
 from __future__ import annotations

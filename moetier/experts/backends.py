@@ -21,7 +21,7 @@ the per-expert torch path (reference.py). The slot cache's part in them is a pol
 Under bypass, how the misses of a large step reach the GEMM is the prefill stream mode
 (prefill_ring.py): uva (read over the link in the kernel) or ring (staged by the copy engine).
 
-A negative topk id (experts/ep.NOT_MINE: another rank's expert) is no pair of this backend on every
+A negative topk id (experts/parallel/ep.NOT_MINE: another rank's expert) is no pair of this backend on every
 path: it reads no row, takes no slot, counts nowhere and contributes exactly zero to the k-sum.
 
 Every backend counts what it did (stats(): hits, misses, overflow, steps, bypassed) and can be put
@@ -34,13 +34,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.prefill_cache import check_policy, refresh_device, refresh_reference
-from moetier.experts.prefill_ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.prefill.cache_policy import check_policy, refresh_device, refresh_reference
+from moetier.experts.prefill.ring import (RING_DEPTH, RING_GROUP, StagingRing, check_geometry, check_stream,
                                           ring_forward, ring_large)
 from moetier.experts.reference import combine, expert_pairs, row_fetch
-from moetier.experts.slots import SlotCache, policy_for
-from moetier.experts.store import DevicePointer
+from moetier.experts.cache.slots import SlotCache, policy_for
+from moetier.experts.cache.store import DevicePointer
 from moetier.quant.rows import RowLayout
 
 class ExpertBackend(ABC):
@@ -58,7 +58,7 @@ class ExpertBackend(ABC):
         self.bypassed = 0  # steps that took the prefill path (host-side count, prefill is eager)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            from moetier.experts.grouped_gemm import GemmScratch
+            from moetier.experts.kernels.grouped_gemm import GemmScratch
 
             # shared by every backend of this shape (see GemmScratch)
             self._work = GemmScratch.shared(decode_tokens * top_k, layout.hidden, layout.inter, self.device)
@@ -90,7 +90,7 @@ class ExpertBackend(ABC):
     def _large(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, max_rows) -> torch.Tensor:
         """A step above the decode limit on CUDA (prefill): the same SwiGLU by the large-step grouped
         GEMM, a device sort for its plan, no host sync; host rows read across the link in the kernel."""
-        from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
+        from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
 
         self.bypassed += 1
         return grouped_expert_mlp_large(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows,
@@ -98,7 +98,7 @@ class ExpertBackend(ABC):
                                         limit=self.layout.swiglu_limit)
 
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
-        from moetier.experts.grouped_gemm import grouped_expert_mlp
+        from moetier.experts.kernels.grouped_gemm import grouped_expert_mlp
 
         # One kernel for every T and every backend: the backends stay bit-exact against each other,
         # and on the GPU a pair's result never depends on the other tokens of its step (a token gets
@@ -189,7 +189,7 @@ class SlotExperts(ExpertBackend):
         # rows the prefill refreshes filled (a device counter: the CUDA path adds the miss count unread)
         self._refreshed = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.cuda:
-            from moetier.experts.slot_kernels import BookkeepingScratch
+            from moetier.experts.cache.slot_kernels import BookkeepingScratch
 
             self._host_dev = DevicePointer(host_rows)
             # NOTE: at least S pairs: a refresh step asks for S ids (plan/residents.slot_cache_state)
@@ -207,10 +207,10 @@ class SlotExperts(ExpertBackend):
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
-            keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/ep.py)
+            keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/parallel/ep.py)
             return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit),
                            topk_weights)
-        from moetier.experts.slot_kernels import bookkeeping, copy_rows
+        from moetier.experts.cache.slot_kernels import bookkeeping, copy_rows
 
         slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
         copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
@@ -233,7 +233,7 @@ class SlotExperts(ExpertBackend):
             return self._ring(hidden, self.cache.expert_slot[topk_ids.clamp(min=0)], topk_ids, topk_weights)
         if self.cuda:
             if self.prefill == "refresh":
-                from moetier.experts.slot_kernels import copy_rows
+                from moetier.experts.cache.slot_kernels import copy_rows
 
                 refresh_device(self.cache, self._scratch, topk_ids)
                 copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)  # NOTE: before the GEMM

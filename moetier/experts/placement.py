@@ -7,10 +7,10 @@ backend each MoE layer gets afterwards. Knows a MoE shape and a list of MoE laye
     ... the loader fills rows from the checkpoint ...
     backend = placement.build(layer, rows)  # rows: these, or any [E, R] rows (benchmarks reuse one store)
 
-Under expert parallelism (par.ep > 1, experts/ep.py) E is this rank's share, num_experts / ep: rows,
+Under expert parallelism (par.ep > 1, experts/parallel/ep.py) E is this rank's share, num_experts / ep: rows,
 host store and slots hold only the experts it owns (placement.owned), and build() wraps the backend
 in ShardedExperts, which maps router ids to local ids and sums the ranks' outputs. Under tensor
-parallelism with options.split resolving to "columns" (experts/columns.py) every row is this rank's
+parallelism with options.split resolving to "columns" (experts/parallel/columns.py) every row is this rank's
 I/tp columns of its expert (self.shape, self.layout: the local shape; full_shape: the model's), and
 build() wraps the backend in ColumnExperts, which sums the ranks' partial outputs over the tp group.
 """
@@ -25,15 +25,15 @@ import torch
 
 from moetier.errors import MoetierError
 from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
-from moetier.experts.columns import ColumnExperts, local_shape, resolve, split_problems
-from moetier.experts.cost_model import PathRates
-from moetier.experts.cpu_experts import CHOICES as HOST_KERNELS
-from moetier.experts.ep import ShardedExperts, local_experts, owned_experts
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.prefill_cache import PREFILL_POLICIES
-from moetier.experts.prefill_ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
+from moetier.experts.parallel.columns import ColumnExperts, local_shape, resolve, split_problems
+from moetier.experts.hybrid.cost_model import PathRates
+from moetier.experts.hybrid.host_kernels import CHOICES as HOST_KERNELS
+from moetier.experts.parallel.ep import ShardedExperts, local_experts, owned_experts
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
+from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.shape import MoeShape
-from moetier.experts.store import HostStore
+from moetier.experts.cache.store import HostStore
 from moetier.parallel import Parallel
 
 POLICIES = ("lru", "lfru")
@@ -62,11 +62,11 @@ class ExpertOptions:
     host_threads: int | None = None
     rates: PathRates | None = None
     # hybrid: the host's share as a host-function node of the engine's one decode graph (graph-safe, no
-    # host sync; experts/hybrid_nodes.py; needs the compiled host kernel), or False: the pieces
+    # host sync; experts/hybrid/nodes.py; needs the compiled host kernel), or False: the pieces
     # (engine/piecewise.py, a host sync per layer). None: nodes where nodes_by_default() says; True / False
     # force one (tests and scripts/profile_hybrid.py compare the two)
     hybrid_nodes: bool | None = None
-    # routed experts under tensor parallelism (experts/columns.py): "replicate" (every rank holds every
+    # routed experts under tensor parallelism (experts/parallel/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
     # auto is the default: on two H200s columns measured 1.09x one GPU at batch 1 where replicate was
     # 0.75x (docs/parallel.md)
@@ -159,8 +159,8 @@ class ExpertPlacement:
         if o.backend == "uva":
             return UvaExperts(rows, self.layout, k, n, self.device, o.gemm)
         if o.backend == "hybrid":
-            from moetier.experts.hybrid import HostPath, HybridExperts
-            from moetier.experts.hybrid_nodes import HybridNodesExperts
+            from moetier.experts.hybrid.backend import HostPath, HybridExperts
+            from moetier.experts.hybrid.nodes import HybridNodesExperts
 
             nodes = o.hybrid_nodes
             if nodes is None:
@@ -193,7 +193,7 @@ def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "au
     the compiled host kernel (which the node calls; a torch kernel named by host_kernel keeps the pieces),
     one rank and unquantized rows; it measured the fastest there (docs/hybrid.md). NOTE: several ranks'
     nodes graphs and FP8 rows in them never ran on a GPU: those keep the pieces."""
-    from moetier.experts import host_ext
+    from moetier.experts.hybrid import host_ext
 
     return (ranks == 1 and quant is None and torch.device(device).type == "cuda"
             and host_kernel in ("auto", "compiled") and host_ext.available()[0])

@@ -25,7 +25,7 @@ def expert_pairs(hidden: torch.Tensor, keys: torch.Tensor, fetch: Fetch, limit: 
     one at a time over the pairs that use them, pairs in flat order; a pair's result depends only on
     its token and its row's bytes, so which rows hold which expert never changes a bit.
     NOTE: host-side loop over used rows (syncs); the CUDA decode path is grouped_gemm.grouped_expert_mlp.
-    A negative key (experts/ep.NOT_MINE: another rank's expert) reads no row; its output is zero.
+    A negative key (experts/parallel/ep.NOT_MINE: another rank's expert) reads no row; its output is zero.
     limit: the SwiGLU clamp (RowLayout.swiglu_limit, GLM-5.3-Flash), None for the plain SwiGLU.
     """
     t, k = keys.shape

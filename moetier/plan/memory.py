@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moetier.config import ModelConfig
-from moetier.experts.prefill_ring import RING_DEPTH, RING_GROUP
+from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 from moetier.layers.kv_cache import KVSpec
 from moetier.plan import residents as r
 from moetier.plan.units import GiB, gib, round_up
@@ -56,11 +56,11 @@ class PlanRequest:
     host_source: str = ""
     memlock: int | None = None  # RLIMIT_MEMLOCK in bytes; None: unlimited or not enforced
     page: int = mmap.PAGESIZE
-    # slots / hybrid prefill: how a bypass step's misses reach the GEMM (experts/prefill_ring.py), and
+    # slots / hybrid prefill: how a bypass step's misses reach the GEMM (experts/prefill/ring.py), and
     # the ring's (G rows per buffer, D buffers) in the ring mode
     prefill_stream: str = "ring"
     ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
-    # the "columns" expert split (experts/columns.py): each rank's expert rows hold I / expert_columns
+    # the "columns" expert split (experts/parallel/columns.py): each rank's expert rows hold I / expert_columns
     expert_columns: int = 1
 
     @property
@@ -163,7 +163,7 @@ def count(req: PlanRequest) -> Plan:
     cfg, dt, cuda = req.cfg, req.dtype, req.device == "cuda"
     shape, layers = cfg.moe_shape, cfg.moe_layers
     if req.expert_columns > 1:  # one tensor-parallel rank's columns of every expert
-        from moetier.experts.columns import local_shape
+        from moetier.experts.parallel.columns import local_shape
 
         shape = local_shape(shape, "columns", req.expert_columns)
     row = r.row_bytes(shape, dt)

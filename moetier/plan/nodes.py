@@ -135,9 +135,9 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
     heads taken down to 1/tp (GQA; an MLA latent cache stays whole on every rank). NOTE: the router
     of the smaller model counts E/ep rows where the rank holds all E (E x hidden x 4 bytes per MoE
     layer too few: 1 MiB for Qwen3-30B-A3B), and rank 0's scheduler and tokenizer are not counted
-    (both small). Under the "columns" expert split (experts/columns.py; auto picks it whenever valid)
+    (both small). Under the "columns" expert split (experts/parallel/columns.py; auto picks it whenever valid)
     every expert row holds I/tp: the rows, slots and store count 1/tp of the expert bytes."""
-    from moetier.experts.columns import resolve
+    from moetier.experts.parallel.columns import resolve
 
     cfg = req.cfg
     local = replace(cfg, num_experts=cfg.num_experts // ep)

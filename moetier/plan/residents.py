@@ -137,10 +137,10 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
 
 
 def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
-    """Device tensors of one slots layer besides its rows: SlotCache (experts/slots.py: expert_slot,
+    """Device tensors of one slots layer besides its rows: SlotCache (experts/cache/slots.py: expert_slot,
     freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
     refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
-    (experts/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
+    (experts/cache/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
     miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
     e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
     return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
@@ -148,7 +148,7 @@ def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[i
 
 
 def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
-    """GemmScratch (experts/grouped_gemm.py), one per shape and device: order, chunk_end, one_order,
+    """GemmScratch (experts/kernels/grouped_gemm.py), one per shape and device: order, chunk_end, one_order,
     one_end [P] int32; h [P, I] and y [P, H] float32."""
     p = max_pairs
     return [4 * p, 4 * p, 4 * p * inter, 4 * p * hidden, 4 * p, 4 * p]
@@ -177,13 +177,13 @@ def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
 
 
 def hybrid_piece_buffers(tokens: int, top_k: int, hidden: int) -> list[int]:
-    """The pieces' device buffer, one per model (experts/hybrid.HybridExperts._device_cuda, on the
+    """The pieces' device buffer, one per model (experts/hybrid/backend.HybridExperts._device_cuda, on the
     HostPath): the pair outputs y [P, H] fp32 (P = T x top_k)."""
     return [4 * tokens * top_k * hidden]
 
 
 def hybrid_node_buffers(tokens: int, top_k: int, hidden: int, num_experts: int) -> list[int]:
-    """The nodes mode's device buffers, one set per model (experts/hybrid_nodes.NodeBuffers and the plan's
+    """The nodes mode's device buffers, one set per model (experts/hybrid/nodes.NodeBuffers and the plan's
     PlanBuffers): host outputs' twin [P, H], y [P+1, H] and the GEMM's output [P, H] fp32, positions [P]
     int64; dev_ids [P], job [1+2P] and pos [P] int64, first and count [E] int32 (P = T x top_k)."""
     p = tokens * top_k
@@ -235,7 +235,7 @@ def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_ro
 
 
 def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_rows: int) -> list[int]:
-    """What one layer's large-step expert GEMM allocates per call (experts/grouped_gemm_large.py),
+    """What one layer's large-step expert GEMM allocates per call (experts/kernels/grouped_gemm_large.py),
     P = tokens x top_k pairs: h [P, I] and y [P, H] float32, out [T, H]; its plan: keys and the sort's
     order [P] int64, order as int32 and chunk_end [P] int32, counts [2 max_rows + 1] int32, starts
     [P / 64 + min(P, max_rows)] int32; the slot ids [P] int32; and the refresh's ranking (counts [E]
@@ -246,13 +246,13 @@ def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_row
 
 
 def staging_ring(shape: MoeShape, dtype: torch.dtype, group: int, depth: int) -> int:
-    """The ring prefill stream mode's staging ring (experts/prefill_ring.StagingRing): D buffers of G
+    """The ring prefill stream mode's staging ring (experts/prefill/ring.StagingRing): D buffers of G
     exact expert rows, one for every layer of the shape, made at the first ring step and kept."""
     return depth * group * row_bytes(shape, dtype)
 
 
 def ring_step_scratch(tokens: int, shape: MoeShape) -> list[int]:
-    """What a ring step adds to the large-step GEMM's transients (experts/prefill_ring.ring_forward),
+    """What a ring step adds to the large-step GEMM's transients (experts/prefill/ring.ring_forward),
     P = tokens x top_k: hit / miss counts [2, E + 1] int32, the missing list [E] int64, group and place
     maps [E] int32; per pair the clamped ids int64, its group and place int32, two masks, a pass's
     masked ids int64 and row ids int32."""
@@ -273,7 +273,7 @@ def prefill_stream(shape: MoeShape, dtype: torch.dtype) -> int:
 
 
 def store_allocation(num_layers: int, num_experts: int, row: int, page: int) -> tuple[int, int]:
-    """HostStore (experts/store.py): per layer one [E, row] block, over-allocated by one page for
+    """HostStore (experts/cache/store.py): per layer one [E, row] block, over-allocated by one page for
     alignment. -> (requested bytes, allocated bytes)."""
     requested = num_layers * num_experts * row
     return requested, requested + num_layers * page

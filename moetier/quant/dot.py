@@ -1,5 +1,5 @@
 """The dot of a weight-only GEMM, for every format: what type the products run in, and tl.dot with
-the operands rounded to it. The kernels that call these (experts/grouped_gemm.py, layers/
+the operands rounded to it. The kernels that call these (experts/kernels/grouped_gemm.py, layers/
 fp8_linear_triton.py) dequantize a weight tile first (quant/<format>_triton.py), then mma it against
 the activations; bf16 rows skip the dequantize and share the same dot.
 

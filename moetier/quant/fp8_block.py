@@ -13,7 +13,7 @@ max |W|: S = amax / 448 (448 = the largest e4m3 value), Q = clamp(W / S) rounded
 all-zero block gets S = 1), as transformers' Fp8Quantize does.
 
 Nothing here is on the hot path: the loader, the random-weight writer and the CPU backends call it,
-and the tests hold the Triton kernels (experts/grouped_gemm.py, experts/fp8_gemv.py,
+and the tests hold the Triton kernels (experts/kernels/grouped_gemm.py, experts/kernels/fp8_gemv.py,
 layers/fp8_linear_triton.py) to it. Also here: the format's checkpoint names (which tensors an FP8
 checkpoint stores in float8, what their scales are called, the config.json it writes and the rules it
 reads one by), the byte offsets of an expert's FP8 row (quant/rows.py lays it out) and FORMAT, this

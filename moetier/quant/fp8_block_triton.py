@@ -4,7 +4,7 @@ the jit helpers kernels call to turn a tile of float8 bytes into values.
     dequant_tile(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS, DOT, EMULATE, BLOCK_K) -> [BLOCK_N, BLOCK_K]
         fp32(q) times its 128 x 128 block's scale, rounded once to DOT: fp8_block.dequantize's
         weights exactly (round-to-nearest-even emulated under the interpreter, which truncates).
-        Callers: experts/grouped_gemm.py (decode and large-step expert GEMMs) and
+        Callers: experts/kernels/grouped_gemm.py (decode and large-step expert GEMMs) and
         layers/fp8_linear_triton.py (dense projections kept in FP8).
 
 K tiles are aligned to the scale blocks: a BLOCK_K dividing 128 reads one scale per weight row, a

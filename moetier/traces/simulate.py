@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moetier.experts.slots import CachePolicy, policy_for
+from moetier.experts.cache.slots import CachePolicy, policy_for
 
 POLICIES = ("lru", "lfu", "lfru", "belady")
 
@@ -71,7 +71,7 @@ def _step(needed: list[int], heap: list, key: list[int], expert_slot: list[int],
 
 
 def simulate_policy(steps: Iterable[np.ndarray], num_experts: int, num_slots: int, policy: CachePolicy) -> Counts:
-    """The slot cache's step (moetier.experts.slots) in plain Python with a heap of (key, slot)."""
+    """The slot cache's step (moetier.experts.cache.slots) in plain Python with a heap of (key, slot)."""
     expert_slot = [-1] * num_experts
     slot_expert = [-1] * num_slots
     stamp = [-1] * num_slots

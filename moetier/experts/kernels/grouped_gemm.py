@@ -17,7 +17,7 @@ multiplied against all of them with tl.dot.
 FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
 registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
 
-A pair whose expert id is negative (experts/ep.NOT_MINE: another rank's expert) is no work: the plan
+A pair whose expert id is negative (experts/parallel/ep.NOT_MINE: another rank's expert) is no work: the plan
 sorts it last under SKIP_KEY and starts no chunk there, a one-token chunk of it leaves at once (_chunk),
 its h and y rows stay unwritten, and the combine skips it. The other pairs keep their chunks, tile rows
 and k-sum order, so their bits are those of the same step with the skipped pairs' weights set to zero.
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.fp8_gemv import expert_gemv
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.swiglu_clamp import limit_args, swiglu_clamp
+from moetier.experts.kernels.fp8_gemv import expert_gemv
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.kernels.swiglu_clamp import limit_args, swiglu_clamp
 from moetier.quant import fp8_block as fp8
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
@@ -314,7 +314,7 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
     # limit: the SwiGLU clamp (fp8_gemv.limit_args: constexprs of gate_up only, none when None).
     # combine=False: stop at y (the pair outputs of the plan's pairs; the ring mode combines once, at
-    # the end of its passes: experts/prefill_ring.py).
+    # the end of its passes: experts/prefill/ring.py).
     k = topk_ids.shape[1]
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))

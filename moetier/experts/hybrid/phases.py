@@ -1,4 +1,4 @@
-"""Where the time of a hybrid MoE layer goes, on the host's clock (experts/hybrid.py; off by default).
+"""Where the time of a hybrid MoE layer goes, on the host's clock (experts/hybrid/backend.py; off by default).
 
 With `HybridExperts.phases` set to a PhaseClock, every decode call of the layer takes time.perf_counter()
 marks (a few per call: cheap, but not free, hence off unless asked) and adds them, as offsets from the

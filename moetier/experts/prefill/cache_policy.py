@@ -28,14 +28,14 @@ Invariants (tests/test_prefill_cache.py, tests/test_gpu_prefill_cache.py):
 
 NOTE: the refresh's fill uses the kernel copy (copy_rows) for both fill modes: the copy-engine fill
 reads the miss list on the host (a sync). Under expert parallelism another rank's pairs come in as
-id -1 (experts/ep.NOT_MINE) on the CPU and CUDA alike: the ranking counts them for nothing.
+id -1 (experts/parallel/ep.NOT_MINE) on the CPU and CUDA alike: the ranking counts them for nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moetier.experts.slots import MissList, SlotCache
+from moetier.experts.cache.slots import MissList, SlotCache
 
 PREFILL_POLICIES = ("bypass", "refresh")
 
@@ -49,7 +49,7 @@ def check_policy(policy: str) -> str:
 def ranking(topk_ids: torch.Tensor, num_experts: int, num_slots: int) -> torch.Tensor:
     """The ids the refresh step asks for: [min(S, E)] int64, the step's experts by pair count, most
     first, ties by lower id; entries past the used experts repeat the first. Negative ids (another
-    rank's expert, experts/ep.NOT_MINE) count for nothing. Device ops of fixed shape: no host sync."""
+    rank's expert, experts/parallel/ep.NOT_MINE) count for nothing. Device ops of fixed shape: no host sync."""
     ids = topk_ids.reshape(-1).long()
     valid = ids >= 0
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
@@ -79,7 +79,7 @@ def refresh_device(cache: SlotCache, scratch, topk_ids: torch.Tensor) -> None:
     """The refresh step by the fused bookkeeping kernel (slot_kernels.bookkeeping): the miss list
     lands in scratch (miss_expert, miss_slot, miss_count) for copy_rows. No host sync; scratch must
     hold at least S pairs (SlotExperts sizes it so). Runs in Triton's interpreter on CPU tensors too."""
-    from moetier.experts.slot_kernels import bookkeeping
+    from moetier.experts.cache.slot_kernels import bookkeeping
 
     ids = ranking(topk_ids, cache.num_experts, cache.num_slots)
     saved = cache.stats.clone()

@@ -36,12 +36,12 @@ from contextlib import contextmanager
 
 import torch
 
-from moetier.experts import host_ext
+from moetier.experts.hybrid import host_ext
 from moetier.experts.backends import SlotExperts
-from moetier.experts.cpu_experts import compute_dtype
-from moetier.experts.grouped_gemm import combine_pairs
-from moetier.experts.hybrid import HybridExperts
-from moetier.experts.hybrid_plan import (
+from moetier.experts.hybrid.host_kernels import compute_dtype
+from moetier.experts.kernels.grouped_gemm import combine_pairs
+from moetier.experts.hybrid.backend import HybridExperts
+from moetier.experts.hybrid.device_plan import (
     PlanBuffers,
     plan_kernel,
     plan_rates,

@@ -6,7 +6,7 @@
 No host sync anywhere: counts and lists stay on the device, grids are fixed, and a step without
 misses costs a masked early exit, so a CUDA graph can replay the whole MoE layer.
 
-A negative id (experts/ep.NOT_MINE: another rank's expert) is no expert of the cache, as in
+A negative id (experts/parallel/ep.NOT_MINE: another rank's expert) is no expert of the cache, as in
 SlotCache.step_reference: every load and store indexed by it is masked off (no hit, no miss, no fill,
 no stamp, no use counted, no scratch touched), and its slot id out is -1.
 """
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.store import DevicePointer
+from moetier.experts.cache.store import DevicePointer
 
 BIG32 = 2**31 - 1
 REGS_LIMIT = 16384  # largest [BLOCK_N, BLOCK_S] the register bookkeeping takes

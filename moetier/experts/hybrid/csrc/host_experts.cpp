@@ -1,4 +1,4 @@
-// The compiled host expert kernel (moetier/experts/host_ext.py builds and loads it; cpu_experts.py's "compiled"
+// The compiled host expert kernel (moetier/experts/hybrid/host_ext.py builds and loads it; cpu_experts.py's "compiled"
 // HostKernel calls it). Plain C ABI, no torch or Python headers: it compiles in a few seconds, called by ctypes.
 //
 // For P (token, expert) pairs it computes each pair's SwiGLU expert output, unweighted, in fp32:

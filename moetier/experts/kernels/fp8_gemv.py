@@ -26,7 +26,7 @@ each other (a pair's result depends only on its token and its row's bytes). Step
 token run the grouped GEMM, whose bits differ from these: batch == alone holds for greedy tokens, as
 it does across cuBLAS's kernel choices for the dense layers, not for the bits of the logits.
 
-A pair with a negative expert id (experts/ep.NOT_MINE) is skipped: its programs leave before reading
+A pair with a negative expert id (experts/parallel/ep.NOT_MINE) is skipped: its programs leave before reading
 a row, its h and y rows stay unwritten, and the combine skips it (grouped_gemm._combine).
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moetier.experts.swiglu_clamp import limit_args, swiglu_clamp
+from moetier.experts.kernels.swiglu_clamp import limit_args, swiglu_clamp
 
 SCALE_BLOCK = 128
 # (BLOCK_N, BLOCK_K, num_warps) of gate_up and down; BLOCK_K a multiple of 128 (whole scale blocks)

@@ -1,4 +1,4 @@
-// The host-function node of the hybrid backend's `nodes` mode (moetier/experts/hybrid_nodes.py): the
+// The host-function node of the hybrid backend's `nodes` mode (moetier/experts/hybrid/nodes.py): the
 // function a CUDA graph calls (cuLaunchHostFunc captured as a host node), or the CPU path calls through
 // ctypes, once per MoE layer and step. Built into the same library as host_experts.cpp (host_ext.py).
 //

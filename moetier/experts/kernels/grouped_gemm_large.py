@@ -3,7 +3,7 @@ they read on the device (torch.argsort, then one single-program kernel that writ
 of up to block_m pairs and the list of chunk starts), then grouped_gemm.py's gate_up / down /
 combine kernels over a grid bounded by the chunk count. No host sync anywhere (docs/bench-prefill.md).
 
-A pair with a negative expert id (experts/ep.NOT_MINE) takes the key max_rows, above every row key, so
+A pair with a negative expert id (experts/parallel/ep.NOT_MINE) takes the key max_rows, above every row key, so
 the skipped pairs sort last as one run that starts no chunk: no program works for them, their h and y
 rows stay unwritten and the combine skips them (grouped_gemm._combine).
 """
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.grouped_gemm import _experts
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.kernels.grouped_gemm import _experts
 
 @triton.jit
 def _max_combine(a, b):
@@ -84,7 +84,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     distinct rows possible (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
     With y ([T*k, H] float32; h [T*k, I] float32 with it, or one is allocated): no combine; the pair
     outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
-    for a caller that computes a step in several passes and combines once (experts/prefill_ring.py)."""
+    for a caller that computes a step in several passes and combines once (experts/prefill/ring.py)."""
     t, k = topk_ids.shape
     bm = config.large_block_m
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)

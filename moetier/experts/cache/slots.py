@@ -130,7 +130,7 @@ class SlotCache:
     def step_reference(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, MissList]:
         """The torch reference of one step (CPU or GPU; syncs freely). -> slot ids [T, k], misses."""
         ids = topk_ids.reshape(-1).long()
-        # Negative ids (experts/ep.NOT_MINE: another rank's expert) are no expert of this cache: they
+        # Negative ids (experts/parallel/ep.NOT_MINE: another rank's expert) are no expert of this cache: they
         # take no slot, count nowhere, and get slot id -1.
         valid = ids >= 0
         flat = ids[valid]

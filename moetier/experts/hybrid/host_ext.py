@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from moetier.experts.swiglu_clamp import limit_args
+from moetier.experts.kernels.swiglu_clamp import limit_args
 from moetier.quant.rows import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
@@ -176,7 +176,7 @@ def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
 def call_kind(rows: torch.Tensor, layout: RowLayout, bf16: bool) -> tuple[int, int, int]:
     """-> (kind, s13, s2): the kernel's code for these rows in a model of bf16 (True) or fp32 hidden
     states (FP8 weights rounded to bf16 in a bf16 model), and the FP8 rows' scale offsets (else 0). Shared
-    by every caller of the kernel (_call, experts/hybrid_nodes.py's job), so they agree on the rounding."""
+    by every caller of the kernel (_call, experts/hybrid/nodes.py's job), so they agree on the rounding."""
     kind = kind_of(rows, layout)
     if kind is None:
         raise ValueError(f"the compiled host kernel has no code for {rows.dtype} rows of quantization {layout.quant}")

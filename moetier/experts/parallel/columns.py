@@ -21,7 +21,7 @@ import torch
 
 from moetier.errors import MoetierError
 from moetier.experts.backends import ExpertBackend
-from moetier.experts.ep import ReducedExperts
+from moetier.experts.parallel.ep import ReducedExperts
 from moetier.experts.shape import MoeShape
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.activation import silu_mul
-from moetier.experts import host_ext
+from moetier.experts.hybrid import host_ext
 from moetier.quant.rows import RowLayout
 
 KERNELS = ("compiled", "grouped")  # the implementations

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moetier.experts.cost_model import PathRates, rate_key
-from moetier.experts.cpu_experts import HostKernel, compute_dtype, host_kernel
+from moetier.experts.hybrid.cost_model import PathRates, rate_key
+from moetier.experts.hybrid.host_kernels import HostKernel, compute_dtype, host_kernel
 from moetier.experts.shape import RowLayout
 
 

@@ -4,7 +4,7 @@ host cores compute, decided on the device, so that no host sync is needed and th
     rates = plan_rates(model, max_tokens, device)         # fp64 [3 + max_tokens]: the cost model's numbers
     plan = PlanBuffers(num_experts, max_pairs, device)     # fixed addresses: a graph reads them
     plan_step(ids, expert_slot, rates, plan)               # one Triton launch (CUDA) or the torch reference
-    plan.dev_ids[:P]   ids with the host set's pairs set to -1 (experts/ep.NOT_MINE: skipped by the cache
+    plan.dev_ids[:P]   ids with the host set's pairs set to -1 (experts/parallel/ep.NOT_MINE: skipped by the cache
                        step, the grouped GEMM and their plan), the others unchanged
     plan.job           int64 [1 + 2 * max_pairs]: [n host pairs, tokens [max_pairs], experts [max_pairs]]
                        (the first n of each list valid, host pairs in pair order): what the host node reads
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.cost_model import CostModel
+from moetier.experts.hybrid.cost_model import CostModel
 
 BIG32 = tl.constexpr(2**31 - 1)  # constexpr: a compiled kernel may read no other global
 BIG_KEY = tl.constexpr(2**30)  # above any (tokens * BLOCK + first) key: tokens <= 64, BLOCK <= 2^14

@@ -29,7 +29,7 @@ none) the layer takes the slots path unchanged: bit-exact against slots and resi
 On the CPU the same steps run with the 'device' being the CPU (CI tests it): the device path is the
 reference (expert_pairs over slot rows), the host path the same host kernel as on a CUDA machine.
 Steps above the decode limit (prefill) bypass the cache as in slots.
-A pair with a negative id (experts/ep.NOT_MINE) is neither device nor host work: no miss, in no
+A pair with a negative id (experts/parallel/ep.NOT_MINE) is neither device nor host work: no miss, in no
 position list, its y row zero on the CPU and skipped by the combine on CUDA.
 """
 
@@ -41,10 +41,10 @@ from contextlib import contextmanager
 import torch
 
 from moetier.experts.backends import SlotExperts
-from moetier.experts.cost_model import CostModel, rate_key
-from moetier.experts.cpu_experts import compute_dtype
-from moetier.experts.gemm_config import GemmConfig
-from moetier.experts.host_path import HostPath, _Job, _timed
+from moetier.experts.hybrid.cost_model import CostModel, rate_key
+from moetier.experts.hybrid.host_kernels import compute_dtype
+from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.hybrid.host_path import HostPath, _Job, _timed
 from moetier.experts.reference import combine, expert_pairs
 from moetier.experts.shape import RowLayout
 
@@ -174,7 +174,7 @@ class HybridExperts(SlotExperts):
             return set()
         tokens: dict[int, int] = {}
         for e, s in zip(ids, slot_now):
-            if s < 0 <= e:  # a negative id is no expert of this layer (experts/ep.NOT_MINE)
+            if s < 0 <= e:  # a negative id is no expert of this layer (experts/parallel/ep.NOT_MINE)
                 tokens[e] = tokens.get(e, 0) + 1  # a token lists an expert once: pairs == tokens
         if not tokens:
             return set()
@@ -235,8 +235,8 @@ class HybridExperts(SlotExperts):
         """The device pairs' launches, eager (_device_cuda) or captured in the nodes graph (hybrid_nodes.py):
         the cache's step over g_ids [n, 1], the fills, the grouped GEMM over x [n, H] (its weighted output to
         out [n, H], unused), each pair's unweighted fp32 output into y at its position gpos [n]."""
-        from moetier.experts.grouped_gemm import grouped_expert_mlp
-        from moetier.experts.slot_kernels import bookkeeping, copy_rows
+        from moetier.experts.kernels.grouped_gemm import grouped_expert_mlp
+        from moetier.experts.cache.slot_kernels import bookkeeping, copy_rows
 
         slot_ids = bookkeeping(self.cache, self._scratch, g_ids)
         copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
@@ -245,7 +245,7 @@ class HybridExperts(SlotExperts):
         y.index_put_((gpos,), self._work.y[:g_ids.shape[0]])
 
     def _combine_cuda(self, hidden, topk_ids, topk_weights, got, hpos, y) -> torch.Tensor:
-        from moetier.experts.grouped_gemm import combine_pairs
+        from moetier.experts.kernels.grouped_gemm import combine_pairs
 
         out_host = self.hostpath.buffer("y", tuple(got.shape), got.dtype, True)
         if out_host.data_ptr() != got.data_ptr():  # host-first's compiled kernel wrote it there already
@@ -261,7 +261,7 @@ class HybridExperts(SlotExperts):
 
     def profile(self, on: bool = True) -> None:
         """Turn the phase clock on (a fresh one) or off (hybrid_phases.py)."""
-        from moetier.experts.hybrid_phases import PhaseClock
+        from moetier.experts.hybrid.phases import PhaseClock
 
         self.phases = PhaseClock() if on else None
         self._dev_pending = False
@@ -284,13 +284,13 @@ class HybridExperts(SlotExperts):
         block count, both on whether the count divides by 16; a step's count of device pairs is any of
         1..T*k, so without this a timed step could pay a compile. Throwaway cache, ids and outputs; once
         per process and shape."""
-        from moetier.experts.grouped_gemm import (
+        from moetier.experts.kernels.grouped_gemm import (
             PLAN_BLOCK,
             combine_pairs,
             grouped_expert_mlp,
         )
-        from moetier.experts.slot_kernels import BookkeepingScratch, bookkeeping
-        from moetier.experts.slots import SlotCache
+        from moetier.experts.cache.slot_kernels import BookkeepingScratch, bookkeeping
+        from moetier.experts.cache.slots import SlotCache
 
         c, k, p, dev = self.cache, self.top_k, self.decode_tokens * self.top_k, self.device
         xdt = compute_dtype(self.slots, torch.bfloat16)  # the hidden dtype: FP8 checkpoints run bf16

@@ -153,7 +153,7 @@ def runs(experts: list[int]) -> list[tuple[int, int, int]]:
 def split_hits(slot_ids: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tuple[bool, list[int]]:
     """-> (whether any pair hits a slot, the distinct missing experts ascending). Device counts of
     fixed shape, then one device -> host copy: the host sync of the ring mode (module NOTE).
-    Negative ids (experts/ep.NOT_MINE) are neither."""
+    Negative ids (experts/parallel/ep.NOT_MINE) are neither."""
     ids = topk_ids.reshape(-1).long()
     mine = ids >= 0
     hit = mine & (slot_ids.reshape(-1) >= 0)
@@ -210,8 +210,8 @@ def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_
     """A ring step on the large-step kernels (grouped_gemm_large.py): each pass writes its pairs'
     unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
     in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
-    from moetier.experts.grouped_gemm import combine_pairs
-    from moetier.experts.grouped_gemm_large import grouped_expert_mlp_large
+    from moetier.experts.kernels.grouped_gemm import combine_pairs
+    from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
 
     t, k = topk_ids.shape
     h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
