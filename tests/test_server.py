@@ -291,7 +291,7 @@ def test_disconnected_stream_aborts_and_frees_pages(live):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-        assert live.llm.scheduler.pages.num_used > 0
+        assert live.llm.scheduler.cache.num_in_use > 0
     wait_idle(live.llm)  # pages back to zero long before 400 tokens would have been made
 
 

@@ -34,6 +34,11 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Device bytes the pool holds."""
 
+    @abstractmethod
+    def page_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold pages, each [layers, num_pages, page_size, ...]: what a copy of one page
+        (the prefix cache's host tier) moves."""
+
 
 @dataclass(frozen=True)
 class KVSpec(ABC):
@@ -87,6 +92,9 @@ class GqaKVCache(KVCache):
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def page_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
 
 @dataclass(frozen=True)
 class MlaKVSpec(KVSpec):
@@ -128,3 +136,6 @@ class MlaKVCache(KVCache):
 
     def nbytes(self) -> int:
         return self.latent.numel() * self.latent.element_size() + self.index_k.numel() * self.index_k.element_size()
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        return [self.latent, self.index_k]
