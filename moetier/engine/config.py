@@ -124,6 +124,9 @@ class EngineConfig:
             out.append(f"kv_host_bytes must be a non-negative integer of bytes, got {self.kv_host_bytes!r}")
         elif self.kv_host_bytes and not self.enable_prefix_caching:
             out.append("kv_host_bytes (--kv-host-memory) holds evicted prefix pages: it needs prefix caching on")
+        elif self.kv_host_bytes and self.world_size > 1:
+            out.append("kv_host_bytes (--kv-host-memory) with several ranks is not supported yet: run one "
+                       "process, or keep the prefix cache on the GPU alone (--kv-host-memory 0)")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

@@ -243,9 +243,6 @@ class LLM:
                                "with cuda_graphs=False from Python (eager on CUDA)")
         self.kv = engine_kv(spec, config, model.dtype, model.device)
         moves = engine_moves(self.kv, config, spec, model.dtype)
-        if moves.host_slots and self._workers is not None:
-            raise MoetierError("--kv-host-memory with several ranks is not supported yet: run it in one process, "
-                               "or keep prefix caching on the GPU alone (--kv-host-memory 0)")
         self.scheduler = engine_scheduler(config, spec, model.dtype, moves, max_len, self.cfg.model_type)
         self.kv_page_bytes = page_bytes(self.kv)
         self.outputs = OutputProcessor(tokenizer)
