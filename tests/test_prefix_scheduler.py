@@ -134,3 +134,19 @@ def test_state_checkpoints_on_page_boundaries_and_hits_resume_from_them():
     s.check()
     run(s)
     assert s.cache.num_in_use == 0 and s.states.num_used == 0
+
+
+def test_a_full_checkpoint_pool_reuses_the_least_recently_used():
+    """One checkpoint for a prompt of three boundaries: each save takes the oldest back, so the latest
+    boundary keeps it and a later hit resumes there."""
+    pages = PagePool(64)
+    s = Scheduler(pages, PAGE, max_num_tokens=4, max_num_seqs=1, states=PagePool(1),
+                  cache=PrefixCache(pages, PAGE), checkpoints=PagePool(1))
+    prompt = list(range(1, 15))
+    s.add(req("a", prompt, max_tokens=1))
+    steps = run(s)
+    saves = [q.save_checkpoint for out, _ in steps for q in out.seqs if q.save_checkpoint >= 0]
+    assert saves == [0, 0, 0] and s.cache.checkpoint_ids() == {0}
+    s.add(req("b", prompt + [3]))
+    (seq,) = s.schedule().seqs
+    assert seq.start == 12 and seq.restore_checkpoint == 0

@@ -299,6 +299,16 @@ class PrefixCache:
             return None
         return self._checkpoint_of.setdefault(h, checkpoint_id)
 
+    def checkpoint_ids(self) -> set[int]:
+        """The checkpoint ids some cached boundary keeps."""
+        return set(self._checkpoint_of.values())
+
+    def forget_checkpoint(self, checkpoint_id: int) -> None:
+        """The engine takes checkpoint_id back to save another boundary into it (its pool is full): the
+        boundary that held it keeps none."""
+        for h in [h for h, c in self._checkpoint_of.items() if c == checkpoint_id]:
+            del self._checkpoint_of[h]
+
     def _drop_checkpoint(self, page_hash_: bytes) -> None:
         ckpt = self._checkpoint_of.pop(page_hash_, None)
         if ckpt is not None:

@@ -30,7 +30,7 @@ runner one plain record (step.StepInput) and takes one back (the sampled tokens)
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from moetier.engine.kv_host_tier import CopyPlan
@@ -97,6 +97,8 @@ class Scheduler:
         self.checkpoints = checkpoints if self.cache.enabled and states is not None else None
         self.cache.checkpoints = self.checkpoints is not None  # match stops at a checkpointed boundary
         self.aligned = self.checkpoints is not None  # prefill chunks end on page boundaries
+        # kept checkpoints, least recently recorded or restored first: a full pool reuses the oldest
+        self._checkpoint_lru: OrderedDict[int, None] = OrderedDict()
         self.max_num_tokens, self.max_num_seqs, self.max_model_len = max_num_tokens, max_num_seqs, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission; the last is the newest
@@ -131,7 +133,7 @@ class Scheduler:
             n = self._chunk(req, req.num_computed, budget)
             if not self._grow(req, req.num_computed + n, out):
                 break  # req itself was preempted: it was the newest, nothing runs after it
-            out.seqs.append(self._seq(req, req.num_computed, n))
+            out.seqs.append(self._seq(req, req.num_computed, n, out))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
@@ -151,16 +153,38 @@ class Scheduler:
             if req.first_scheduled is None:
                 req.first_scheduled = time.perf_counter()
             self.running.append(req)
-            seq = self._seq(req, start, n)
+            if hit.checkpoint is not None:
+                self._checkpoint_lru.move_to_end(hit.checkpoint)
+            seq = self._seq(req, start, n, out)
             seq.num_cached = start
             seq.restore_checkpoint = -1 if hit.checkpoint is None else hit.checkpoint
             out.seqs.append(seq)
             budget -= n
         out.copies = self.cache.take_copies()
         if self.checkpoints is not None:
-            out.free_checkpoints = self.cache.take_dropped_checkpoints()
-            self.checkpoints.free(out.free_checkpoints, CHECKPOINT_OWNER)
+            out.free_checkpoints += self._free_dropped_checkpoints()
         return out
+
+    def _free_dropped_checkpoints(self) -> list[int]:
+        """Give back the checkpoints whose boundary left every tier (before any is chosen again)."""
+        ids = self.cache.take_dropped_checkpoints()
+        self.checkpoints.free(ids, CHECKPOINT_OWNER)
+        for c in ids:
+            self._checkpoint_lru.pop(c, None)
+        return ids
+
+    def _checkpoint_for_save(self, out: SchedulerOutput) -> int:
+        """A checkpoint id to save into: a free one, else the least recently used kept one (its boundary
+        forgets it; a hit of this very step may still restore from it: restores run before the forward,
+        saves after it); -1 when every id is being saved into this step."""
+        out.free_checkpoints += self._free_dropped_checkpoints()
+        if self.checkpoints.can_allocate(1):
+            return self.checkpoints.allocate(1, CHECKPOINT_OWNER)[0]
+        if not self._checkpoint_lru:
+            return -1
+        oldest, _ = self._checkpoint_lru.popitem(last=False)
+        self.cache.forget_checkpoint(oldest)
+        return oldest
 
     def _match(self, req: Request) -> PrefixHit:
         """The cached prefix of a request about to start (nothing held yet). A request that wants its
@@ -180,11 +204,10 @@ class Scheduler:
         cut = (start + n) // self.page_size * self.page_size
         return cut - start if cut > start else n
 
-    def _seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
+    def _seq(self, req: Request, start: int, n: int, out: SchedulerOutput) -> ScheduledSeq:
         seq = ScheduledSeq(req, start, n, start + n == req.total_tokens)
-        if (self.checkpoints is not None and n > 1 and (start + n) % self.page_size == 0
-                and self.checkpoints.can_allocate(1)):
-            seq.save_checkpoint = self.checkpoints.allocate(1, CHECKPOINT_OWNER)[0]
+        if self.checkpoints is not None and n > 1 and (start + n) % self.page_size == 0:
+            seq.save_checkpoint = self._checkpoint_for_save(out)
         return seq
 
     def _grow(self, req: Request, tokens: int, out: SchedulerOutput) -> bool:
@@ -223,6 +246,9 @@ class Scheduler:
                 self.cache.insert(req.id, req.prompt_ids + req.output_ids, req.num_computed)
             if s.save_checkpoint >= 0:
                 kept = self.cache.record_checkpoint(req.id, req.num_computed, s.save_checkpoint)
+                if kept is not None:
+                    self._checkpoint_lru[kept] = None
+                    self._checkpoint_lru.move_to_end(kept)
                 if kept != s.save_checkpoint:  # the boundary had one already, or its KV is gone
                     self.checkpoints.free([s.save_checkpoint], CHECKPOINT_OWNER)
             if not s.sample:
@@ -285,3 +311,8 @@ class Scheduler:
             self.states.check()
             assert self.states.num_used == len(self.running), "state slots are held by requests that are not running"
             assert all(r.state_slot is not None for r in self.running), "a running request has no state slot"
+        if self.checkpoints is not None:  # between steps every save has been recorded or given back
+            self.checkpoints.check()
+            kept = self.cache.checkpoint_ids()
+            assert kept == self._checkpoint_lru.keys(), "the checkpoint LRU differs from the kept checkpoints"
+            assert self.checkpoints.num_used == len(kept), "a checkpoint id is held but kept by no boundary"
