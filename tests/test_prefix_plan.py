@@ -78,3 +78,15 @@ def test_generate_runs_with_and_without_the_cache():
         r = CliRunner().invoke(app, ["generate", "hello", "--device", "cpu", "--max-tokens", "2", flag,
                                      "--kv-host-memory", "0"])
         assert r.exit_code == 0, r.output
+
+
+def test_plan_command_lists_the_host_tier_beside_the_expert_store():
+    r = CliRunner().invoke(app, ["plan", "--preset", "qwen3-30b-a3b", "--layers", "8", "--gpu-memory", "139GiB",
+                                 "--host-memory", "200GiB", "--expert-backend", "slots", "--expert-budget", "50%",
+                                 "--kv-host-memory", "32GiB"])
+    assert r.exit_code == 0, r.output
+    assert "KV host tier (exact size)" in r.stdout and "expert store" in r.stdout
+    r = CliRunner().invoke(app, ["plan", "--preset", "qwen3-30b-a3b", "--layers", "8", "--gpu-memory", "139GiB",
+                                 "--host-memory", "40GiB", "--expert-backend", "slots", "--expert-budget", "50%",
+                                 "--kv-host-memory", "32GiB"])
+    assert r.exit_code == 2 and "the host needs" in r.stderr
