@@ -101,13 +101,18 @@ def test_mla_latents_and_indexer_keys_hit(tmp_path, preset):
     assert m["prefix_cache_hits"] >= 2 * 40 and m["kv_host_pages_to_host"] > 0
 
 
-def test_linear_attention_resumes_from_state_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def glm5_next(tmp_path_factory):
+    from tests.conftest import hf_glm5_next_checkpoint
+
+    return hf_glm5_next_checkpoint(tmp_path_factory.mktemp("glm5next") / "ckpt", seed=2)[0]
+
+
+def test_linear_attention_resumes_from_state_checkpoints(glm5_next):
     """glm5_next (KDA layers next to MLA): a hit resumes from the state saved at a page boundary the
     scheduler chose; the uncached run chunks the same way (chunks of one page), so the tokens and
     logprobs match bit for bit."""
-    from tests.conftest import hf_glm5_next_checkpoint
-
-    path, _ = hf_glm5_next_checkpoint(tmp_path / "ckpt", seed=2)
+    path = glm5_next
     groups = [[p] for p in prompts(3)]
     want, got, llm = pair(path, groups, page_size=8, max_num_tokens=8, max_num_seqs=8)  # 8 checkpoints
     compare(got, want, exact=True)
@@ -116,10 +121,8 @@ def test_linear_attention_resumes_from_state_checkpoints(tmp_path):
     assert llm.scheduler.checkpoints.check() is None and llm.scheduler.states.num_used == 0
 
 
-def test_linear_attention_hits_in_a_batch_under_pressure(tmp_path):
-    from tests.conftest import hf_glm5_next_checkpoint
-
-    path, _ = hf_glm5_next_checkpoint(tmp_path / "ckpt", seed=2)
+def test_linear_attention_hits_in_a_batch_under_pressure(glm5_next):
+    path = glm5_next
     ps = prompts(4)
     want, got, llm = pair(path, [ps[:1], ps[1:]], page_size=8, kv_tokens=160, max_num_tokens=24)
     compare(got, want, exact=False)
