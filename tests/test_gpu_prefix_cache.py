@@ -1,5 +1,6 @@
 """The prefix cache on CUDA; skipped without it. The host tier's copies run non_blocking on a side
-stream (engine/kv_moves.py) into memory pinned at exact size; outputs with the cache and a host tier
+stream (engine/kv_moves.py) into memory pinned at exact size, each layer's compute waiting for its own
+copies only; outputs with the cache and a host tier
 that pages round-trip through equal outputs without the cache (bf16 on the Triton kernels: greedy
 tokens equal, the hit's suffix prefilled in other chunks), and a decode step with the cache on
 carries no copies and replays its CUDA graph."""
@@ -35,7 +36,8 @@ def test_host_tier_round_trip_on_cuda():
     engine = dict(device="cuda", dtype="float32", page_size=16, kv_tokens=160, max_num_tokens=64)
     want = tokens(LLM(None, enable_prefix_caching=False, **engine), groups)
     llm = LLM(None, kv_host_bytes=8 << 20, **engine)
-    assert llm.runner.moves.stream is not None and llm.runner.moves.host_bytes <= 8 << 20
+    moves = llm.runner.moves
+    assert moves.stream is not None and moves.host_bytes <= 8 << 20 and moves._hooked  # per-layer waits
     assert tokens(llm, groups) == want
     m = llm.metrics()
     assert m["kv_host_pages_to_host"] > 0 and m["kv_host_hits"] > 0 and m["prefix_cache_hits"] >= 3 * 64

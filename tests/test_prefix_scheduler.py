@@ -150,3 +150,10 @@ def test_a_full_checkpoint_pool_reuses_the_least_recently_used():
     s.add(req("b", prompt + [3]))
     (seq,) = s.schedule().seqs
     assert seq.start == 12 and seq.restore_checkpoint == 0
+
+
+def test_copy_runs_group_consecutive_pages_and_slots():
+    from moetier.engine.kv_moves import runs
+
+    assert runs([(3, 7), (4, 8), (5, 9), (9, 2), (10, 4), (11, 5)]) == [(3, 7, 3), (9, 2, 1), (10, 4, 2)]
+    assert runs([]) == []

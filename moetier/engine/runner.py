@@ -21,6 +21,7 @@ class ModelRunner:
         """moves: the prefix cache's host-tier copies and state checkpoints (None: neither)."""
         self.model, self.kv, self.graphs = model, kv, graphs
         self.moves = moves if moves is not None else KVMoves(kv)
+        self.moves.attach(model)  # per-layer waits for the host tier's copies (CUDA)
         self.graph_steps = 0
         self.graphs_on = True  # False: every step eager with the graphs kept (bench decode --parallel)
         # bench decode/prefill's output check (bench/outputs.py): each step, the logits of its first
@@ -38,8 +39,9 @@ class ModelRunner:
         seqs = step.seqs
         if not seqs:
             return StepOutput({}, 0)
-        self.moves.before(step)
-        if self.replays(seqs):
+        replay = self.replays(seqs)
+        self.moves.before(step, layered=not replay)
+        if replay:
             tokens = self.graphs.run(seqs)
             self.graph_steps += 1
             logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) or self.keep_logits else None

@@ -36,8 +36,12 @@ class KVCache(ABC):
 
     @abstractmethod
     def page_tensors(self) -> list[torch.Tensor]:
-        """The tensors that hold pages, each [layers, num_pages, page_size, ...]: what a copy of one page
+        """The tensors that hold pages, each [rows, num_pages, page_size, ...]: what a copy of one page
         (the prefix cache's host tier) moves."""
+
+    @abstractmethod
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        """Per model layer with pages, its (index into page_tensors(), row) pairs, in layer order."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class GqaKVCache(KVCache):
     def page_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        return {layer: [(0, layer), (1, layer)] for layer in range(self.k.shape[0])}
+
 
 @dataclass(frozen=True)
 class MlaKVSpec(KVSpec):
@@ -139,3 +146,10 @@ class MlaKVCache(KVCache):
 
     def page_tensors(self) -> list[torch.Tensor]:
         return [self.latent, self.index_k]
+
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for t, slots in enumerate((self.latent_slot, self.index_slot)):
+            for layer, row in slots.items():
+                rows.setdefault(layer, []).append((t, row))
+        return dict(sorted(rows.items()))
