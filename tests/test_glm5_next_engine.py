@@ -95,7 +95,7 @@ def test_batch_equals_each_alone(checkpoint, alone, engine):
     outs = llm.generate(prompts(), greedy(8))
     assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in alone]
     llm.scheduler.check()
-    assert llm.scheduler.pages.num_used == 0 and llm.scheduler.states.num_used == 0
+    assert llm.scheduler.cache.num_in_use == 0 and llm.scheduler.states.num_used == 0
     if "kv_tokens" in engine:
         assert sum(o.metrics["preemptions"] for o in outs) > 0
 

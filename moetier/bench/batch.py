@@ -27,7 +27,8 @@ def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str
     progress: told each phase (and each quarter of the requests one after another), one short line each."""
     from moetier.engine.llm import pick_device
 
-    llm = LLM(model, device=pick_device(device), experts=experts, plan=plan)
+    # the batch repeats the one-after-another prompts: both sides compute them (no prefix cache)
+    llm = LLM(model, device=pick_device(device), experts=experts, plan=plan, enable_prefix_caching=False)
     prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
     progress("warm-up")
     llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures

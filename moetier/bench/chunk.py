@@ -80,7 +80,8 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
             config = EngineConfig(replay_trace=trace_path, max_num_seqs=streams + 1, max_num_tokens=chunk,
                                   decode_tokens=args["decode_tokens"],
                                   prefill_cache_policy=args.get("prefill_cache", "bypass"),
-                                  kv_tokens=(streams + 1) * (prompt_len + 2048))
+                                  kv_tokens=(streams + 1) * (prompt_len + 2048),
+                                  enable_prefix_caching=False)  # the timed prompt ran untimed first
             llm = LLM.from_model(bed.model, bed.tokenizer, config)
             try:
                 if backend == "slots":

@@ -315,8 +315,13 @@ def bench_serve(
                                     "at least 16)."),
     input_len: int = typer.Option(128, "--input-len", help="Prompt tokens (the median with sharegpt-like)."),
     output_len: int = typer.Option(128, "--output-len", help="Output tokens (the median with sharegpt-like)."),
-    dataset: str = typer.Option("random", "--dataset", help="random (fixed lengths) or sharegpt-like (a "
-                                "log-normal mix of lengths)."),
+    dataset: str = typer.Option("random", "--dataset", help="random (fixed lengths), sharegpt-like (a "
+                                "log-normal mix of lengths), shared-prefix (requests over --num-prefixes long "
+                                "prefixes) or multi-turn (conversations of --turns turns carrying their history)."),
+    prefix_len: int = typer.Option(0, "--prefix-len", help="shared-prefix, multi-turn: tokens of each shared prefix "
+                                   "(the system prompt) (0: three quarters of --input-len)."),
+    num_prefixes: int = typer.Option(4, "--num-prefixes", help="shared-prefix: distinct prefixes."),
+    turns: int = typer.Option(4, "--turns", help="multi-turn: turns per conversation, sent one after the other."),
     warmup: int = typer.Option(4, "--warmup", help="Untimed requests before each level."),
     seed: int = typer.Option(0, "--seed"),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a request counts as cancelled."),
@@ -337,10 +342,17 @@ def bench_serve(
             raise MoetierError(f"--concurrency {concurrency!r}: every level must be at least 1")
         if request_rate is not None:
             opt.positive(request_rate, "--request-rate")
-        if dataset not in ("random", "sharegpt-like"):
-            raise MoetierError(f"--dataset {dataset!r}: choose random or sharegpt-like")
-        for value, name in ((input_len, "--input-len"), (output_len, "--output-len"), (num_gpus, "--num-gpus")):
+        from moetier.bench import serve as bench
+
+        if dataset not in bench.DATASETS:
+            raise MoetierError(f"--dataset {dataset!r}: choose {', '.join(bench.DATASETS)}")
+        for value, name in ((input_len, "--input-len"), (output_len, "--output-len"), (num_gpus, "--num-gpus"),
+                            (num_prefixes, "--num-prefixes"), (turns, "--turns")):
             opt.at_least(value, 1, name)
+        opt.at_least(prefix_len, 0, "--prefix-len")
+        if prefix_len >= input_len:
+            raise MoetierError(f"--prefix-len {prefix_len} must be below --input-len {input_len} (each request "
+                               "adds tokens of its own)")
         for value, name in ((num_prompts, "--num-prompts"), (warmup, "--warmup")):
             opt.at_least(value, 0, name)
         opt.positive(timeout, "--timeout")
@@ -349,10 +361,8 @@ def bench_serve(
             opt.output_file(plot, "--plot")
         if out is not None:
             opt.output_file(out, "--out")
-        from moetier.bench import serve as bench
-
         data = bench.run(url, api_key, levels, request_rate, num_prompts, input_len, output_len, dataset, warmup,
-                         seed, timeout)
+                         seed, timeout, bench.Prefixes(prefix_len, num_prefixes, turns))
     except MoetierError as e:
         opt.fail(e)
     from moetier.bench.common import record, write_json

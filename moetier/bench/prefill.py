@@ -170,7 +170,8 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
                           decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0, prefill_cache_policy=prefill,
                           prefill_stream=stream if backend == "slots" else "uva",
-                          kv_tokens=max(batches) * (max(lengths) + steps + 16))
+                          kv_tokens=max(batches) * (max(lengths) + steps + 16),
+                          enable_prefix_caching=False)  # repeats time the same prompts: prefill, not a hit
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     blocks = bed.model.moe_blocks()
 

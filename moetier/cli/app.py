@@ -41,6 +41,8 @@ def generate(
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
     prefill_stream: opt.PrefillStream = "ring",
+    enable_prefix_caching: opt.PrefixCaching = True,
+    kv_host_memory: opt.KvHostMemory = "0",
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt + output tokens (default: the model's); sizes the KV pool."),
     gpu_memory: opt.GpuMemory = None,
@@ -84,6 +86,8 @@ def generate(
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
                                    max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
                                    prefill_stream=opt.prefill_stream(prefill_stream),
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor))
@@ -153,6 +157,8 @@ def serve(
     prefill_cache: opt.PrefillCache = "bypass",
     prefill_stream: opt.PrefillStream = "ring",
     fp8_dense: opt.Fp8Dense = "dequantize",
+    enable_prefix_caching: opt.PrefixCaching = True,
+    kv_host_memory: opt.KvHostMemory = "0",
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -197,7 +203,8 @@ def serve(
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
                   "prefill_stream": opt.prefill_stream(prefill_stream),
-                  "fp8_dense": fp8_dense}
+                  "fp8_dense": fp8_dense, "enable_prefix_caching": enable_prefix_caching,
+                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory)}
         if preset is not None:
             from moetier.bench.cli import parse_budget
 

@@ -51,7 +51,16 @@ HostMemory = Annotated[Optional[str], typer.Option(
     "--host-memory", metavar="<size>", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
     "least of MemAvailable and the cgroup's room).")]
 
+KvHostMemory = Annotated[str, typer.Option(
+    "--kv-host-memory", metavar="<size>", help="Pinned host memory for the host KV tier: prefix-cache pages evicted "
+    "from the GPU are kept there and copied back on a hit, like 16GiB or 20GB; 0 (the default): no host tier, the "
+    "host memory stays the expert store's. The memory plan counts it in the host budget.")]
+
 # -- engine -----------------------------------------------------------------------------------------
+PrefixCaching = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV pages of prompt prefixes already "
+    "computed (full pages, hash-keyed, shared, evicted least recently used): a prompt whose start is cached skips "
+    "its prefill. On by default.")]
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
@@ -69,6 +78,13 @@ PrefillStream = Annotated[str, typer.Option(
 MaxNumTokens = Annotated[Optional[int], typer.Option(
     "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
     "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
+
+
+def kv_host_memory(text: str) -> int:
+    """--kv-host-memory -> bytes (0: no host tier)."""
+    from moetier.plan.units import parse_size
+
+    return 0 if text.strip() in ("0", "0B", "0GiB", "0GB") else parse_size(text, "--kv-host-memory")
 
 
 def prefill_cache(value: str) -> str:

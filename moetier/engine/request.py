@@ -34,6 +34,7 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    num_cached_tokens: int = 0  # tokens its last admission found in the prefix cache (prefill skipped)
     # per output token, when params.logprobs is set: (logprob, [(alternative id, logprob)])
     output_logprobs: list[tuple] = field(default_factory=list)
 
@@ -60,5 +61,6 @@ class Request:
             "prompt_tokens": len(self.prompt_ids),
             "output_tokens": len(self.output_ids),
             "preemptions": self.preemptions,
+            "cached_tokens": self.num_cached_tokens,
             "finish_reason": self.finish_reason,
         }

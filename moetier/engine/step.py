@@ -4,7 +4,8 @@ Plain data only (ints, lists, SamplingParams): no Request objects, no tensors, n
 worker in another process can receive the same record (multi-GPU) and tests can build one by hand.
 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
-               slot), and how to sample its next token when the chunk reaches its end
+               slot, and state checkpoints to restore or save), and how to sample its next token when
+               the chunk reaches its end; the host KV tier's page copies of the step
     StepOutput the token sampled for each request that sampled
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
@@ -29,6 +30,11 @@ class SeqStep:
     seed: int  # noise seed of the request's sampling
     sample_index: int  # index of the token sampled (its output length so far)
     state_slot: int = -1  # its slot of the recurrent-state pool (layers/state_cache.py); -1: no state
+    num_cached: int = 0  # tokens of `start` a prefix-cache hit supplied (metrics and logs only)
+    # models with recurrent state and prefix caching: the state checkpoint copied into state_slot before
+    # the chunk (a hit resumes from it), and the one the slot's state is saved into after it; -1: none
+    restore_checkpoint: int = -1
+    save_checkpoint: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +47,10 @@ class StepInput:
     # set by rank 0 of a parallel engine before the broadcast: whether its runner replays the decode
     # graph for this step; NOTE: workers follow it, so every rank replays or runs eagerly together
     replay: bool = False
+    # the prefix cache's host tier (engine/kv_host_tier.CopyPlan), run before the step writes its KV:
+    # first every (GPU page, host slot) copy to the host, then every (host slot, GPU page) copy back
+    copies_to_host: list[tuple[int, int]] = field(default_factory=list)
+    copies_to_gpu: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -100,6 +100,8 @@ def plan_cmd(
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
     fp8_dense: opt.Fp8Dense = "dequantize",
+    enable_prefix_caching: opt.PrefixCaching = True,
+    kv_host_memory: opt.KvHostMemory = "0",
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -153,7 +155,9 @@ def plan_cmd(
         length = max_model_len or cfg.max_position_embeddings
         # the pool: max_num_seqs requests of full length, as the engine is then configured
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
-                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)
+                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense,
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 kv_host_bytes=opt.kv_host_memory(kv_host_memory))
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
         req.kv_tokens = None
         plan = plan_for(req, experts, loaded)

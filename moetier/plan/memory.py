@@ -62,6 +62,10 @@ class PlanRequest:
     ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
     # the "columns" expert split (experts/parallel/columns.py): each rank's expert rows hold I / expert_columns
     expert_columns: int = 1
+    # prefix caching (engine/prefix_cache.py): state checkpoints of linear-attention models on the device,
+    # and the host KV tier's pinned bytes (--kv-host-memory; whole pages of the pool are kept)
+    prefix_caching: bool = True
+    kv_host_bytes: int = 0
 
     @property
     def model_len(self) -> int:
@@ -220,6 +224,11 @@ def count(req: PlanRequest) -> Plan:
         dev.append(_item("KDA state slots", "capture", st,
                          f"{req.max_num_seqs} sequences + 1, {spec.state_bytes_per_seq(dt):,} B/sequence"))
         tensors += st
+        if req.prefix_caching:  # engine/kv_setup.num_checkpoints: one per running sequence
+            ck = spec.state.tensor_bytes(dt, req.max_num_seqs)
+            dev.append(_item("KDA state checkpoints", "capture", ck,
+                             f"{req.max_num_seqs} prefix-cache checkpoints at page boundaries"))
+            tensors += ck
     sizes = req.graph_sizes
     width = -(-req.model_len // req.page_size)
     if sizes:
@@ -288,6 +297,13 @@ def count(req: PlanRequest) -> Plan:
         host.append(Item("expert store (exact size)", allocated, "host",
                          f"{requested:,} B + {len(layers)} pages; "
                          + (f"pinned exactly (torch would pin {gib(would)})" if cuda else "not pinned (cpu)")))
+    host_pages = req.kv_host_bytes // (kv_spec_bytes * req.page_size) if req.prefix_caching else 0
+    if host_pages:  # engine/kv_moves.py: one page-aligned block, registered at exact size on CUDA
+        nbytes = host_pages * kv_spec_bytes * req.page_size
+        pinned += nbytes if cuda else 0
+        host.append(Item("KV host tier (exact size)", nbytes + req.page, "host",
+                         f"{host_pages:,} pages of {kv_spec_bytes * req.page_size:,} B (evicted prefix pages); "
+                         + ("pinned exactly" if cuda else "not pinned (cpu)")))
     if cuda and sizes:
         host.append(Item("decode graph input twins",
                          r.graph_host_inputs(sizes[-1], width), "host", "pinned by torch: 2^n"))
@@ -302,6 +318,7 @@ def count(req: PlanRequest) -> Plan:
                "dense_quant": cfg.dense_quant,  # "fp8": dense projections held in FP8 with their scales
                "device": req.device, "max_model_len": req.model_len,
                "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
+               "prefix_caching": req.prefix_caching, "kv_host_pages": host_pages,
                "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,
                "gpu_budget_source": req.gpu_source, "host_source": req.host_source}
     return Plan(request, backend, slots, dev, host, req.gpu_budget if cuda else None, req.host_available, pinned,

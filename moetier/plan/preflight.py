@@ -44,7 +44,9 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
                        host_source=host_src, memlock=machine.memlock_limit(),
-                       prefill_stream=getattr(config, "prefill_stream", "ring"))
+                       prefill_stream=getattr(config, "prefill_stream", "ring"),
+                       prefix_caching=getattr(config, "enable_prefix_caching", True),
+                       kv_host_bytes=getattr(config, "kv_host_bytes", 0))
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
