@@ -240,10 +240,6 @@ class LLM:
         # One page more than the pool hands out: padding rows of graph-replayed steps write there.
         # and one state slot more (models with recurrent state): the same, for the state pool
         spec = model.kv_spec()
-        if spec.state_bytes_per_seq(model.dtype) and captures(config, model, parallel=self._workers is not None):
-            raise MoetierError(f"{self.cfg.model_type}: its linear-attention (KDA) layers have no CUDA-graph decode "
-                               "path yet (the decode graphs carry no state slots); run it with --device cpu, or "
-                               "with cuda_graphs=False from Python (eager on CUDA)")
         self.kv = spec.allocate(num_pages + 1, page, model.dtype, model.device, state_slots=config.max_num_seqs + 1)
         states = PagePool(config.max_num_seqs) if spec.state_bytes_per_seq(model.dtype) else None
         self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len,
