@@ -65,7 +65,8 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     chunked from its own first token, as the reference."""
     chunk, _ = fla_kda()
     cu_host = torch.tensor(starts, dtype=torch.long)
-    o, final = chunk(q[None], k[None], v[None], g.float()[None], beta[None], scale=q.shape[-1] ** -0.5,
+    q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # views of the conv's output
+    o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
                      initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                      cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)
     return o[0], final
