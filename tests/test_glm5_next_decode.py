@@ -122,3 +122,22 @@ def test_decode_kernels_in_the_interpreter():
     out = run_script("kda_interpreter.py")
     assert out.count(": ok") >= 3, out
     assert "kda decode" in out, out
+
+
+def test_decode_roofline_counts_the_state_each_sequence_reads_and_writes():
+    """bench decode's roofline: a KDA model's decode step moves every running sequence's state twice
+    (read, then written back), on top of the dense weights; a model without state moves none."""
+    from types import SimpleNamespace
+
+    from moetier.bench.decode import roofline
+    from moetier.models.registry import model_class
+    from moetier.presets import preset
+
+    for name, stateful in (("tiny-glm5-next", True), ("tiny", False)):
+        cfg = preset(name)
+        model = model_class(cfg)(cfg, torch.float32, "cpu")
+        bed = SimpleNamespace(host={1: None}, dense_bytes=1000, row_bytes=10, model=model)
+        per_seq = model.kv_spec().state_bytes_per_seq(torch.float32)
+        assert (per_seq > 0) == stateful
+        for batch in (1, 4):
+            assert roofline(bed, batch, 2, 0, 1.0, 1.0)["hbm_bytes_per_step"] == 1000 + 2 * batch * per_seq + 20
