@@ -6,6 +6,10 @@ subprocess.
     the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
     scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
     a missing Sinkhorn round shows).
+  - the decode conv over the state pool (layers/kda_conv_triton.py) against
+    kda_reference.causal_conv_step on the gathered states: outputs within float32 tolerance, the
+    slots' states shifted in place exactly, a row at position 0 starting from zeros, other slots
+    untouched; float32 and bfloat16 pools, channels not a multiple of the block.
   - the KDA decode step through our fla-core wrapper (layers/kda_cuda.kda_decode_slots): each row reads
     and writes its own slot of the pool in place; the other slots stay untouched; o and the new
     states within float32 tolerance of kda_reference.kda_step. Skipped (said so on stdout) where
@@ -47,6 +51,25 @@ def check_mhc(n: int, s: int, h: int, iters: int, g: torch.Generator) -> None:
     print(f"mhc n={n} S={s} H={h} iters={iters}: ok")
 
 
+def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.kda_conv_triton import conv_step_slots
+    from moetier.layers.kda_reference import causal_conv_step
+
+    b, c, w, slots = 3, 300, 4, 5
+    qkv = torch.randn(b, 2 * c, generator=g).to(dtype)[:, :c]  # strided rows, as the projection's split
+    pool = torch.randn(slots, c, w - 1, generator=g).to(dtype)
+    weight = torch.randn(c, 1, w, generator=g)
+    rows, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 3])
+    before = pool.clone()
+    state = before[rows] * (pos > 0)[:, None, None].to(dtype)
+    want, want_state = causal_conv_step(qkv, state, weight)
+    got = conv_step_slots(qkv, pool, weight, rows, pos)
+    assert got.dtype == dtype and rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
+    assert torch.equal(pool[rows], want_state)
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+    print(f"conv step over slots {dtype}: ok")
+
+
 def check_kda_decode(g: torch.Generator) -> None:
     from moetier.layers.kda_cuda import kda_decode_slots
     from moetier.layers.kda_reference import kda_step
@@ -72,6 +95,8 @@ if __name__ == "__main__":
     check_mhc(3, 4, 200, 20, g)
     check_mhc(1, 4, 64, 1, g)
     check_mhc(2, 2, 300, 5, g)
+    check_conv(torch.float32, g)
+    check_conv(torch.bfloat16, g)
     if importlib.util.find_spec("fla") is None:
         print("kda decode: skipped (fla-core is not installed)")
     else:

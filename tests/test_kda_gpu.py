@@ -1,7 +1,8 @@
 """GPU tests of glm5_next's kernels (marked `gpu`, skipped without CUDA), each against its torch
-reference: KDA prefill and decode through fla-core (layers/kda_cuda.py), the decode step replayed
-from a CUDA graph over state slots that change between replays, the fused mHC weights
-(layers/mhc_triton.py) at GLM-5.3-Flash's width, and the graph-safe kpool selection.
+reference: KDA prefill and decode through fla-core (layers/kda_cuda.py) and the decode conv over the
+slots (layers/kda_conv_triton.py), both decode steps replayed from CUDA graphs over state slots
+that change between replays; the fused mHC weights (layers/mhc_triton.py) at GLM-5.3-Flash's width;
+the graph-safe kpool selection.
 
 fla's chunked kernels use tensor-core dots (TF32 for float32 inputs), so the KDA bounds are those of
 bf16-level rounding; each test also checks that a wrong input (a lost carried state) fails the bound."""
@@ -127,3 +128,30 @@ def test_fixed_kpool_selection_captures_and_equals_the_reference():
     want = select_pools_reference(q, w, index_k, ape, batch, topk, kpool, 0.3)
     assert torch.equal(got[:, :topk].sort(-1).values, want[:, :topk].sort(-1).values)
     assert torch.equal(got[:, topk:], want[:, topk:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_conv_over_slots_replays_from_a_graph(dtype):
+    from moetier.layers.kda_conv_triton import conv_step_slots
+    from moetier.layers.kda_reference import causal_conv_step
+
+    b, c, w, slots = 4, 3 * H * DK, 4, 7
+    g = torch.Generator().manual_seed(9)
+    pool = torch.randn(slots, c, w - 1, generator=g).to(dtype).cuda()
+    weight = torch.randn(c, 1, w, generator=g).cuda()
+    qkv = torch.zeros(b, 2 * c, dtype=dtype, device="cuda")
+    rows, pos = torch.zeros(b, dtype=torch.int64, device="cuda"), torch.zeros(b, dtype=torch.int64, device="cuda")
+    graph, out = capture(lambda: conv_step_slots(qkv[:, :c], pool, weight, rows, pos))
+    for picked, at in (([5, 0, 2, 6], [9, 0, 4, 0]), ([2, 5, 1, 6], [5, 10, 0, 0])):  # 6: the spare slot
+        qkv.copy_(torch.randn(b, 2 * c, generator=g).to(dtype))
+        rows.copy_(torch.tensor(picked)), pos.copy_(torch.tensor(at))
+        before = pool.clone()
+        live = (pos > 0)[:, None, None].to(dtype)
+        want, want_state = causal_conv_step(qkv[:, :c], before[rows] * live, weight)
+        graph.replay()
+        torch.cuda.synchronize()
+        real = [i for i, p in enumerate(picked) if p != slots - 1]
+        torch.testing.assert_close(out[real], want[real], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert torch.equal(pool[rows[real]], want_state[real])
+        rest = [i for i in range(slots) if i not in picked]
+        assert torch.equal(pool[rest], before[rest])

@@ -19,7 +19,7 @@ Attention, so float32 agrees to rounding.
 
 On CUDA the recurrence runs in fla-core's kernels (layers/kda_cuda.py): decode updates the slots in
 place inside the decode graph, prefill runs every sequence of the step in one varlen launch. The
-conv stays in torch (its state is W - 1 inputs per channel, a few percent of the step's bytes). A
+decode conv is one Triton launch over the slots (layers/kda_conv_triton.py); prefill's is torch. A
 decode row at position 0 (a one-token prompt) has its slot zeroed first from host integers, so such
 a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs).
 """
@@ -115,9 +115,14 @@ class KdaAttention(nn.Module):
         """One token per sequence, all sequences at once: gather the slots' states, one step, scatter
         back. A token at position 0 (a one-token prompt) starts from zeros (fixed shapes, no branch)."""
         live = (batch.positions > 0)
-        conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
-        mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
-        conv[slots] = conv_out
+        if qkv.is_cuda:  # the same conv in one launch, the slots' states updated in place
+            from moetier.layers.kda_conv_triton import conv_step_slots
+
+            mixed = conv_step_slots(qkv, conv, self.conv, slots, batch.positions)
+        else:
+            conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
+            mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
+            conv[slots] = conv_out
         q, k, v = self._split(mixed)
         if on_fla(qkv):
             # host integers only: a graph's batch says every context is long (no fresh row replays)
