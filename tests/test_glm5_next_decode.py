@@ -141,3 +141,21 @@ def test_decode_roofline_counts_the_state_each_sequence_reads_and_writes():
         assert (per_seq > 0) == stateful
         for batch in (1, 4):
             assert roofline(bed, batch, 2, 0, 1.0, 1.0)["hbm_bytes_per_step"] == 1000 + 2 * batch * per_seq + 20
+
+
+def test_missing_fla_core_is_one_clear_line(monkeypatch):
+    import sys
+
+    import pytest
+
+    from moetier.errors import MoetierError
+    from moetier.layers.kda_cuda import fla_kda
+
+    fla_kda.cache_clear()
+    monkeypatch.setitem(sys.modules, "fla", None)  # as if not installed
+    try:
+        with pytest.raises(MoetierError, match=r"need fla-core.*pip install fla-core==0\.6\.0") as e:
+            fla_kda()
+        assert "\n" not in str(e.value)
+    finally:
+        fla_kda.cache_clear()
