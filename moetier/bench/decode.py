@@ -58,10 +58,12 @@ def distinct_per_step(trace: Trace, start: int, end: int, batch: int) -> float:
 
 def roofline(bed: Bed, batch: int, step_experts: float, link_experts: float, hbm_GBps: float, link_GBps: float
              ) -> dict:
-    """Per step: every dense weight once, `step_experts` rows per MoE layer from HBM and
-    `link_experts` rows per MoE layer across the link. -> bytes, seconds, tok/s."""
+    """Per step: every dense weight once, each sequence's recurrent state (linear-attention models)
+    read and written once, `step_experts` rows per MoE layer from HBM and `link_experts` rows per MoE
+    layer across the link. -> bytes, seconds, tok/s."""
     layers = len(bed.host)
-    hbm = bed.dense_bytes + step_experts * layers * bed.row_bytes
+    state = 2 * batch * bed.model.kv_spec().state_bytes_per_seq(bed.model.dtype)
+    hbm = bed.dense_bytes + state + step_experts * layers * bed.row_bytes
     link = link_experts * layers * bed.row_bytes
     seconds = hbm / (hbm_GBps * GB) + link / (link_GBps * GB)
     return {"hbm_bytes_per_step": hbm, "link_bytes_per_step": link, "roofline_step_ms": seconds * 1e3,

@@ -237,10 +237,6 @@ class LLM:
         max_len = config.model_len(self.cfg.max_position_embeddings)
         # the device pool, the prefix cache and its host tier, the scheduler over them (kv_setup.py)
         spec = model.kv_spec()
-        if spec.state_bytes_per_seq(model.dtype) and captures(config, model, parallel=self._workers is not None):
-            raise MoetierError(f"{self.cfg.model_type}: its linear-attention (KDA) layers have no CUDA-graph decode "
-                               "path yet (the decode graphs carry no state slots); run it with --device cpu, or "
-                               "with cuda_graphs=False from Python (eager on CUDA)")
         self.kv = engine_kv(spec, config, model.dtype, model.device)
         moves = engine_moves(self.kv, config, spec, model.dtype)
         self.scheduler = engine_scheduler(config, spec, model.dtype, moves, max_len, self.cfg.model_type)

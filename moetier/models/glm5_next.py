@@ -25,6 +25,7 @@ from torch import nn
 
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kda import KdaAttention
+from moetier.layers.kda_cuda import fla_kda
 from moetier.layers.kpool_indexer import KpoolIndexer
 from moetier.layers.mhc import HyperConnection, expand, hyper_head
 from moetier.layers.mla_attention import MlaAttention
@@ -95,6 +96,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
     def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        if self.device.type == "cuda" and cfg.kda_layers:
+            fla_kda()  # fla-core missing: one clear line before any weight is made or read
         self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(Glm5NextLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
