@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from moetier.bench.decode import decode_once, distinct_per_step, graph_mode, roofline, warm_all
+from moetier.bench.decode_steps import decode_once, distinct_per_step, graph_mode, roofline, warm_all
 from moetier.checkpoint.random_bed import RandomModel, slots_for
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig

@@ -1,5 +1,6 @@
-"""The `moetier` command: generate and make-checkpoint here, `moetier bench ...` from bench/cli.py,
-`moetier trace ...` from traces/cli.py. Shared options and argument checks live in options.py."""
+"""The `moetier` command: generate, serve and make-checkpoint here, `moetier bench ...` from bench.py
+and bench_prefill.py, `moetier trace ...` from trace.py, `moetier plan` from plan.py. Shared options
+and argument checks live in options.py."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", help="Also print the run's choices (the prefill chunk and why)."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
-    from moetier.cli.progress import ByteBar
+    from moetier.progress import ByteBar
     from moetier.engine.generate import Generator
     from moetier.engine.llm import LLM, model_dir_of, pick_device
     from moetier.plan.preflight import preflight
@@ -199,7 +200,7 @@ def serve(
                   "prefill_stream": opt.prefill_stream(prefill_stream),
                   "fp8_dense": fp8_dense}
         if preset is not None:
-            from moetier.bench.cli import parse_budget
+            from moetier.cli.bench_common import parse_budget
 
             if model is not None:
                 raise MoetierError("give --model or --preset, not both")
@@ -243,7 +244,7 @@ def make_checkpoint_cmd(
 ) -> None:
     """Write a random-weight checkpoint of a named shape, with a tokenizer."""
     from moetier.checkpoint.writer import make_checkpoint
-    from moetier.cli.progress import ByteBar
+    from moetier.progress import ByteBar
 
     with ByteBar(f"{preset} ({layers or 'all'} layers)", force=True) as bar:
         try:
@@ -260,12 +261,13 @@ def make_checkpoint_cmd(
     typer.echo(f"wrote {path}")
 
 
-from moetier.bench.cli import app as bench_app  # noqa: E402
-from moetier.traces.cli import app as trace_app  # noqa: E402
+from moetier.cli import bench_prefill  # noqa: E402,F401  (registers bench prefill and bench chunk)
+from moetier.cli.bench import app as bench_app  # noqa: E402
+from moetier.cli.trace import app as trace_app  # noqa: E402
 
 app.add_typer(trace_app, name="trace")
 app.add_typer(bench_app, name="bench")
 
-from moetier.plan.cli import plan_cmd  # noqa: E402
+from moetier.cli.plan import plan_cmd  # noqa: E402
 
 app.command("plan")(plan_cmd)

@@ -140,7 +140,7 @@ def expert_split(split: str) -> str:
 def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int, **options):
     """EngineConfig whose KV pool holds max_num_seqs requests of max_model_len tokens (default: the
     model's limit), so the memory plan and the engine count the same pages."""
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.engine.config import EngineConfig
 
     if max_model_len is not None:

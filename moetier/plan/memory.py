@@ -75,13 +75,10 @@ class PlanRequest:
 
     @property
     def graph_sizes(self) -> list[int]:
-        """The batch sizes engine/llm.py captures (engine/graphs.SIZES up to the decode cap)."""
+        """The batch sizes the engine captures (residents.captured_sizes)."""
         if not (self.cuda_graphs and self.device == "cuda"):
             return []
-        from moetier.engine.graphs import SIZES
-
-        cap = min(self.max_num_seqs, self.decode_tokens)
-        return [n for n in SIZES if n <= cap] or [1]
+        return r.captured_sizes(self.max_num_seqs, self.decode_tokens)
 
 
 @dataclass
@@ -317,10 +314,4 @@ def _kv_spec(cfg: ModelConfig, tp: int = 1) -> KVSpec:
     from moetier.models.registry import model_class
     from moetier.parallel import Parallel
 
-    # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
-    cls = model_class(cfg)
-    model = cls.__new__(cls)
-    object.__setattr__(model, "cfg", cfg)  # nn.Module.__setattr__ needs __init__
-    if tp > 1:
-        object.__setattr__(model, "par", Parallel(0, tp, tp, 1))
-    return model.kv_spec()
+    return model_class(cfg).kv_spec_of(cfg, Parallel(0, tp, tp, 1) if tp > 1 else Parallel())

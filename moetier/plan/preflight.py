@@ -117,7 +117,7 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
               host_memory: str | None = None):
     """-> (plan, ExpertOptions to load with). Raises PlanRefused or another MoetierError."""
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
 
     cfg = config_from_dir(model_dir)
     check_shards(model_dir, cfg)

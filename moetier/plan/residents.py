@@ -169,6 +169,16 @@ def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tok
     return out
 
 
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes the engine may capture
+
+
+def captured_sizes(max_num_seqs: int, decode_tokens: int) -> list[int]:
+    """The decode graphs an engine captures (engine/graphs.decode_graphs) and the plan counts: the
+    sizes up to the decode cap; steps above it run eagerly."""
+    cap = min(max_num_seqs, decode_tokens)
+    return [n for n in GRAPH_SIZES if n <= cap] or [1]
+
+
 def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
     """DecodeGraphs' static device blocks (engine/graphs.py): int64 [6b], int32 [b (3 + width)],
     query_start int32 [b + 1]."""

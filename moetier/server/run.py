@@ -47,7 +47,7 @@ def build_llm(spec: EngineSpec):
     config = EngineConfig.of(**spec.engine)
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if spec.random is None:
-        from moetier.cli.progress import ByteBar
+        from moetier.progress import ByteBar
         from moetier.plan.nodes import parallel_preflight
         from moetier.plan.preflight import preflight
 

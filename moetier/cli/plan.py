@@ -32,7 +32,7 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
     row = cfg.moe_shape.layout.row_bytes(cfg_dtype(cfg))  # exact bytes of one expert row (FP8: with scales)
     text = budget.strip()
     if text.endswith("%") or text.replace(".", "", 1).isdigit():
-        from moetier.bench.cli import parse_budget
+        from moetier.cli.bench_common import parse_budget
 
         total = round(parse_budget(text) * e * len(layers))
     else:
@@ -123,7 +123,7 @@ def plan_cmd(
         if device not in ("auto", "cuda", "cpu"):
             raise MoetierError(f"--device {device!r}: choose auto, cuda or cpu")
         if model is not None:
-            from moetier.config import config_from_dir
+            from moetier.models.registry import config_from_dir
             from moetier.engine.llm import model_dir_of
 
             from moetier.plan.preflight import check_shards

@@ -1,5 +1,5 @@
 """`moetier bench prefill` and `moetier bench chunk`: the large-step path through the engine, and the
-prefill chunk against the decodes beside it (CUDA). Registered on bench/cli.py's app."""
+prefill chunk against the decodes beside it (CUDA). Registered on cli/bench_common.py's app."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget, parse_dtypes,
-                               preflight_rows)
+from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget,
+                                      parse_dtypes, preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
