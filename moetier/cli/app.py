@@ -206,10 +206,13 @@ def serve(
                 raise MoetierError("give --model or --preset, not both")
             if expert_slots is not None or expert_slots_file is not None:
                 raise MoetierError("with --preset, size the slots with --expert-budget")
-            if expert_budget is not None and expert_backend not in ("slots", "auto"):
-                raise MoetierError("--expert-budget needs --expert-backend slots")
-            if expert_backend == "auto":  # random weights have no plan to ask: slots when a budget is given
-                expert_backend = "slots" if expert_budget is not None else "resident"
+            from moetier.experts.registry import AUTO, Resident, Slots, backend_kind
+
+            if expert_budget is not None and expert_backend not in (Slots.name, AUTO):
+                raise MoetierError(f"--expert-budget needs --expert-backend {Slots.name}")
+            if expert_backend == AUTO:  # random weights have no plan to ask: slots when a budget is given
+                expert_backend = Slots.name if expert_budget is not None else Resident.name
+            backend_kind(expert_backend)  # an unknown name: one line naming the choices
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
                                  split=opt.expert_split(expert_split))

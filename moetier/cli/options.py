@@ -11,6 +11,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from moetier.errors import MoetierError
+from moetier.experts import registry as _backends
 from moetier.server import parsers as _parsers
 
 
@@ -27,10 +28,7 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), fl
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
 
 # -- expert tiers -----------------------------------------------------------------------------------
-ExpertBackend = Annotated[str, typer.Option(
-    "--expert-backend", help="Where routed experts live: auto (resident when every expert fits the memory plan, "
-    "else as many slots as fit), resident, slots (an HBM slot cache over pinned host memory), "
-    "uva (read from host memory on every use) or hybrid (slots whose misses the host cores may compute).")]
+ExpertBackend = Annotated[str, typer.Option("--expert-backend", help=_backends.choices_help())]
 ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
@@ -113,13 +111,14 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
-    if backend not in ("auto", "resident", "slots", "uva", "hybrid"):
-        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots, uva "
-                           "or hybrid")
-    if (slots is not None or slots_file is not None) and backend == "auto":
-        backend = "slots"  # a slot count says which backend
-    if (slots is not None or slots_file is not None) and backend not in ("slots", "hybrid"):
-        raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots (or hybrid)")
+    if backend != _backends.AUTO:
+        _backends.backend_kind(backend)  # an unknown name: one line naming the choices
+    if (slots is not None or slots_file is not None) and backend == _backends.AUTO:
+        backend = _backends.Slots.name  # a slot count says which backend
+    if (slots is not None or slots_file is not None) and not _backends.backend_kind(backend).cached:
+        cached = [k.name for k in _backends.KINDS.values() if k.cached]
+        raise MoetierError(f"--expert-slots and --expert-slots-file need --expert-backend {cached[0]} (or "
+                           f"{_backends.either(cached[1:])})")
     if slots is not None and slots_file is not None:
         raise MoetierError("give --expert-slots or --expert-slots-file, not both")
     if slots is not None and slots < 1:

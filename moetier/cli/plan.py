@@ -11,6 +11,7 @@ import typer
 
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.registry import AUTO, Slots, backend_kind
 
 def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None, budget: str | None, trace,
                    policy: str):
@@ -22,12 +23,12 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
                             ("--expert-budget", budget)) if v is not None]
     if len(given) > 1:
         raise MoetierError(f"give one of {', '.join(given)}, not several")
-    if given and backend == "auto":
-        backend = "slots"
+    if given and backend == AUTO:
+        backend = Slots.name
     if budget is None:
         return opt.expert_options(backend, slots, slots_file, policy)
-    if backend != "slots":
-        raise MoetierError("--expert-budget needs --expert-backend slots (or auto)")
+    if backend != Slots.name:
+        raise MoetierError(f"--expert-budget needs --expert-backend {Slots.name} (or {AUTO})")
     layers, e = cfg.moe_layers, cfg.num_experts
     row = cfg.moe_shape.layout.row_bytes(cfg_dtype(cfg))  # exact bytes of one expert row (FP8: with scales)
     text = budget.strip()
@@ -42,7 +43,7 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
                            f"({len(layers)} layers)")
     from moetier.experts.placement import ExpertOptions
 
-    return ExpertOptions("slots", slots_per_layer=split_slots(min(total, e * len(layers)), layers, e, trace, policy),
+    return ExpertOptions(Slots.name, slots_per_layer=split_slots(min(total, e * len(layers)), layers, e, trace, policy),
                          policy=policy)
 
 
@@ -60,14 +61,15 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     if trace.num_experts != cfg.num_experts:
         raise MoetierError(f"--trace routes over {trace.num_experts} experts, the model has {cfg.num_experts}")
     e = cfg.num_experts
-    slots = plan.slots_per_layer if plan.backend in ("slots", "hybrid") else {}
+    kind = backend_kind(plan.backend)
+    slots = plan.slots_per_layer if kind.cached else {}
     mean = round(sum(slots.values()) / len(slots)) if slots else e
     per_layer = {layer: slots.get(layer, mean) if slots else e for layer in trace.layers}
     dense = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: decoder layers"))
     head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
     phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
-    if plan.backend == "uva":
+    if not kind.cached and kind.host_store:  # uva: every row read across the link
         per_layer = dict.fromkeys(trace.layers, 0)
         row = {"hit_rate": 0.0, "ms_per_token": phys.ms_per_token(trace.top_k, 0.0, trace.top_k)}
     else:
@@ -89,8 +91,7 @@ def plan_cmd(
     max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
     max_num_tokens: opt.MaxNumTokens = None,
     decode_tokens: opt.DecodeTokens = 64,
-    expert_backend: str = typer.Option("auto", "--expert-backend",
-                                       help="auto (fit the budget: resident, else slots), resident, slots or uva."),
+    expert_backend: opt.ExpertBackend = "auto",
     expert_slots: opt.ExpertSlots = None,
     expert_slots_file: opt.ExpertSlotsFile = None,
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share|size>",

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from moetier.plan.memory import CACHED, Plan, PlanRequest, count
+from moetier.experts.registry import backend_kind
+from moetier.plan.memory import Plan, PlanRequest, count
 from moetier.plan.units import gib
 
 RESIDENT_CHUNK = 2048
@@ -72,9 +73,10 @@ def over(plan: Plan) -> int:
 
 def in_hbm(plan: Plan) -> bool:
     """Every routed expert in device memory: resident, or a cache with a slot for every expert."""
-    if plan.backend == "resident":
+    kind = backend_kind(plan.backend)
+    if not kind.host_store:
         return True
-    return plan.backend in CACHED and sum(plan.slots_per_layer.values()) * plan.row_bytes >= plan.expert_bytes
+    return kind.cached and sum(plan.slots_per_layer.values()) * plan.row_bytes >= plan.expert_bytes
 
 
 def activations(plan: Plan) -> int:

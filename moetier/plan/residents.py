@@ -136,37 +136,11 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
     return shape.layout.row_bytes(dtype)
 
 
-def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
-    """Device tensors of one slots layer besides its rows: SlotCache (experts/cache/slots.py: expert_slot,
-    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
-    refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
-    (experts/cache/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
-    miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
-    e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
-            4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
-
-
 def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
     """GemmScratch (experts/kernels/grouped_gemm.py), one per shape and device: order, chunk_end, one_order,
     one_end [P] int32; h [P, I] and y [P, H] float32."""
     p = max_pairs
     return [4 * p, 4 * p, 4 * p * inter, 4 * p * hidden, 4 * p, 4 * p]
-
-
-def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int) -> list[int]:
-    """Device tensors one MoE layer's backend holds besides rows (experts/backends.py): the decode
-    output [decode_tokens, H] (every backend), uva's [P] sentinel ids and one dummy row, slots'
-    cache state."""
-    p = decode_tokens * shape.top_k
-    out = [decode_tokens * shape.hidden * dtype.itemsize]
-    if backend == "uva":
-        out += [4 * p, row_bytes(shape, dtype)]
-    elif backend == "slots":
-        out += slot_cache_state(shape.num_experts, slots, p)
-    elif backend == "hybrid":  # slots' state; the pair outputs [P, H] fp32 are one buffer for all layers
-        out += slot_cache_state(shape.num_experts, slots, p)
-    return out
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes the engine may capture
