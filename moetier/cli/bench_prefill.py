@@ -38,8 +38,6 @@ def bench_prefill(
                                        help="Comma-separated prefill stream modes for the slots rows under bypass: "
                                             "uva (misses read over the link in the GEMM), ring (staged by the copy "
                                             "engine; a row each)."),
-    ring_group: int = typer.Option(RING_GROUP, "--ring-group", help="ring: expert rows per staging buffer (G)."),
-    ring_depth: int = typer.Option(RING_DEPTH, "--ring-depth", help="ring: staging buffers (D: 2 double, 3 triple)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
                                      "(tok/s and hit rate: the policy's trade-off); 0: none."),
     policy: opt.CachePolicy = "lfru",
@@ -71,8 +69,6 @@ def bench_prefill(
         streams = [opt.prefill_stream(s.strip()) for s in prefill_stream.split(",") if s.strip()]
         if not streams:
             raise MoetierError("--prefill-stream: give uva, ring or both (comma-separated)")
-        opt.at_least(ring_group, 1, "--ring-group")
-        opt.at_least(ring_depth, 2, "--ring-depth")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -86,14 +82,14 @@ def bench_prefill(
     preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
                    max_num_seqs=max(batch), max_num_tokens=chunk,
                    kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
-                   prefill_stream="ring" if "ring" in streams else "uva", ring=(ring_group, ring_depth))
+                   prefill_stream="ring" if "ring" in streams else "uva")
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
             "preset": preset, "dtype": dtype, "prefill_cache": policies, "prefill_stream": streams,
-            "ring_group": ring_group, "ring_depth": ring_depth, "decode_steps": decode_steps}
+            "ring_group": RING_GROUP, "ring_depth": RING_DEPTH, "decode_steps": decode_steps}
     data, link = None, None
     for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
         bed = make_bed(cfg, d, seed)

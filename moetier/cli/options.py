@@ -137,22 +137,30 @@ def expert_split(split: str) -> str:
 
 
 def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int, **options):
-    """EngineConfig whose KV pool holds max_num_seqs requests of max_model_len tokens (default: the
-    model's limit), so the memory plan and the engine count the same pages."""
+    """engine_config_for the model in model_dir."""
     from moetier.models.registry import config_from_dir
+
+    return engine_config_for(config_from_dir(model_dir).max_position_embeddings, max_model_len, max_num_seqs,
+                             **options)
+
+
+def engine_config_for(limit: int, max_model_len: int | None, max_num_seqs: int, **options):
+    """EngineConfig whose KV pool holds max_num_seqs requests of max_model_len tokens (default: the
+    model's limit, `limit`) by the one sizing rule (plan/memory.kv_pool_tokens), so the memory plan
+    and the engine count the same pages."""
     from moetier.engine.config import EngineConfig
+    from moetier.plan.memory import kv_pool_tokens
 
     if max_model_len is not None:
         at_least(max_model_len, 2, "--max-model-len")
-    limit = config_from_dir(model_dir).max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is {limit:,} tokens "
                            "(max_position_embeddings in its config.json); give at most that, or leave the option "
                            "out to use it")
     length = max_model_len or limit
-    page = options.get("page_size", 16)
+    page = options.get("page_size", EngineConfig.page_size)
     return EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=length,
-                           kv_tokens=max_num_seqs * -(-length // page) * page, **options)
+                           kv_tokens=kv_pool_tokens(max_num_seqs, length, page), **options)
 
 
 # -- checks -------------------------------------------------------------------------------------------

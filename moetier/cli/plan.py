@@ -106,7 +106,6 @@ def plan_cmd(
     """The memory plan: every resident on the device and the host, totals and headroom."""
     from moetier import presets
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import plan_for, refusal, request_for
     from moetier.plan.render import table, to_json
 
@@ -148,15 +147,10 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
-        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-            raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is "
-                               f"{cfg.max_position_embeddings:,} tokens; give at most that, or leave the option out")
-        length = max_model_len or cfg.max_position_embeddings
-        # the pool: max_num_seqs requests of full length, as the engine is then configured
-        config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
-                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)
+        # the pool: max_num_seqs requests of full length, as generate configures the engine
+        config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
+                                       max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense)
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
-        req.kv_tokens = None
         plan = plan_for(req, experts, loaded)
         if loaded is not None:
             plan.prediction = predict(plan, cfg, loaded, policy)

@@ -67,9 +67,8 @@ class PlanRequest:
 
     @property
     def pool_tokens(self) -> int:
-        """Tokens the KV pool holds, in whole pages: each running request can reach full length."""
-        per_seq = round_up(self.model_len, self.page_size)
-        return round_up(self.kv_tokens, self.page_size) if self.kv_tokens else self.max_num_seqs * per_seq
+        """Tokens the KV pool holds, in whole pages (kv_pool_tokens)."""
+        return kv_pool_tokens(self.max_num_seqs, self.model_len, self.page_size, self.kv_tokens)
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -77,6 +76,15 @@ class PlanRequest:
         if not (self.cuda_graphs and self.device == "cuda"):
             return []
         return r.captured_sizes(self.max_num_seqs, self.decode_tokens)
+
+
+def kv_pool_tokens(max_num_seqs: int, model_len: int, page_size: int, kv_tokens: int | None = None) -> int:
+    """The one KV-sizing rule, for the plan and every command: the tokens the pool holds, in whole
+    pages: kv_tokens when given (serve's --kv-tokens), else max_num_seqs requests that each reach
+    model_len tokens."""
+    if kv_tokens:
+        return round_up(kv_tokens, page_size)
+    return max_num_seqs * round_up(model_len, page_size)
 
 
 @dataclass
