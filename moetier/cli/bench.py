@@ -23,7 +23,7 @@ def bench_layer(
     hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows, comma-separated."),
     slot_frac: float = typer.Option(0.5, "--slots-frac", help="Slots per layer as a share of the experts."),
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
-    policy: opt.CachePolicy = "lfru",
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
     extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
     dtype: str = typer.Option("bf16", "--dtype", help="Expert formats, comma-separated: bf16, fp8 or bf16,fp8 "
                                                       "(every row for each, side by side)."),
@@ -78,8 +78,8 @@ def bench_decode(
                                 "tok/s and spread (min-max)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
     hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
-    policy: opt.CachePolicy = "lfru",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     host_kernel: str = typer.Option("auto", "--host-kernel",
                                     help="hybrid rows: host expert kernel (auto: compiled where it builds, else "
@@ -102,11 +102,11 @@ def bench_decode(
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "
                                       "is per GPU; parallel rows run resident, uva and slots."),
-    step_records: str = typer.Option("world", "--step-record-group",
+    step_records: str = typer.Option(opt.ENGINE.step_record_group, "--step-record-group",
                                      help="Parallel rows: the group each step's record goes to the workers on: "
                                           "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
                                           "worker)."),
-    expert_split: opt.ExpertSplit = "auto",
+    expert_split: opt.ExpertSplit = opt.EXPERTS.split,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -210,8 +210,8 @@ def bench_batch(
     prompt_len: int = typer.Option(64, "--prompt-len", help="Longest prompt in tokens; prompts are half to all of it."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
     device: opt.Device = "auto",
-    expert_backend: opt.ExpertBackend = "auto",
-    expert_slots: opt.ExpertSlots = None,
+    expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
+    expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),

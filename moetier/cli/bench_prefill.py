@@ -40,8 +40,8 @@ def bench_prefill(
                                             "engine; a row each)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
                                      "(tok/s and hit rate: the policy's trade-off); 0: none."),
-    policy: opt.CachePolicy = "lfru",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
                                                       "fp8-dense (FP8 experts and dense projections)."),
@@ -122,9 +122,9 @@ def bench_chunk(
     before: int = typer.Option(16, "--before", help="Timed decode-only steps before the prompt comes."),
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
-    policy: opt.CachePolicy = "lfru",
-    prefill_cache: opt.PrefillCache = "bypass",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:

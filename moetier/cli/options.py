@@ -10,9 +10,35 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
+from moetier.engine.config import EngineConfig
 from moetier.errors import MoetierError
 from moetier.experts import registry as _backends
+from moetier.experts.placement import ExpertOptions
 from moetier.server import parsers as _parsers
+
+# -- the record ---------------------------------------------------------------------------------------
+# Every user option that sets the engine or the experts is a field of EngineConfig (engine/config.py)
+# or ExpertOptions (experts/placement.py); its default is that field's default, written there once,
+# and the commands' signatures read it from ENGINE / EXPERTS. Flag -> field; tests/test_options.py
+# checks every option of generate, serve, plan and bench against these tables, so a new user option
+# is one field in a record, one line here and one Annotated declaration below.
+ENGINE, EXPERTS = EngineConfig(), ExpertOptions()
+ENGINE_FIELDS = {
+    "--max-num-seqs": "max_num_seqs", "--max-num-tokens": "max_num_tokens", "--kv-tokens": "kv_tokens",
+    "--max-model-len": "max_model_len", "--decode-tokens": "decode_tokens",
+    "--prefill-cache": "prefill_cache_policy", "--prefill-stream": "prefill_stream",
+    "--record-trace": "record_trace", "--replay-trace": "replay_trace", "--tp": "tensor_parallel_size",
+    "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
+    "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
+}
+EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
+                 "--cache-policy": "policy", "--expert-split": "split"}
+# The command line's own defaults, where they differ from the records' on purpose: --expert-backend
+# auto (the memory plan chooses; the Python API without a plan builds resident), --expert-slots-file
+# none (no per-layer counts), and one request at a time for generate (and for plan, which plans what
+# generate runs unless told otherwise).
+CLI_DEFAULTS = {"--expert-backend": _backends.AUTO, "--expert-slots-file": None}
+ONE_REQUEST = 1
 
 
 def fail(e: Exception | str) -> NoReturn:
@@ -50,6 +76,14 @@ HostMemory = Annotated[Optional[str], typer.Option(
     "least of MemAvailable and the cgroup's room).")]
 
 # -- engine -----------------------------------------------------------------------------------------
+MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Requests running at once.")]
+KvTokens = Annotated[int, typer.Option("--kv-tokens", help="Tokens the KV pool holds, over all requests.")]
+MaxModelLen = Annotated[Optional[int], typer.Option(
+    "--max-model-len", help="Prompt + output tokens per request (default: the model's); sizes the KV pool.")]
+RecordTrace = Annotated[Optional[Path], typer.Option("--record-trace", metavar="<file>",
+                                                     help="Write the routing of this run.")]
+ReplayTrace = Annotated[Optional[Path], typer.Option("--replay-trace", metavar="<file>",
+                                                     help="Route by this trace's experts instead of the router's.")]
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
