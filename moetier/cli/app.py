@@ -58,10 +58,9 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", help="Also print the run's choices (the prefill chunk and why)."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
-    from moetier.progress import ByteBar
     from moetier.engine.generate import Generator
-    from moetier.engine.llm import LLM, model_dir_of, pick_device
-    from moetier.plan.preflight import preflight
+    from moetier.engine.llm import model_dir_of, pick_device
+    from moetier.engine.startup import plan_then_load
     from moetier.sampling_params import SamplingParams
     from moetier.tokenizer import TokenizerError
 
@@ -85,17 +84,8 @@ def generate(
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor))
-        rank_plans = None
-        if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
-            from moetier.plan.nodes import parallel_preflight
-
-            plan, experts, rank_plans = parallel_preflight(model_dir, dtype, dev, experts, config, gpu_memory,
-                                                           host_memory)
-        else:
-            plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
-        with ByteBar("loading") as bar:
-            llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
-                      on_audit=None if as_json else lambda text: typer.echo(text, err=True), rank_plans=rank_plans)
+        llm, plan = plan_then_load(model_dir, dtype, dev, experts, config, gpu_memory, host_memory,
+                                   on_audit=None if as_json else lambda text: typer.echo(text, err=True))
         if verbose and not as_json and llm.chunk_reason:
             typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)
         gen = Generator(llm)

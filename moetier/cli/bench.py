@@ -221,7 +221,7 @@ def bench_batch(
     from moetier.bench.common import write_json
     from moetier.engine.config import EngineConfig
     from moetier.engine.llm import model_dir_of, pick_device
-    from moetier.plan.preflight import preflight
+    from moetier.engine.startup import plan_then_load
 
     try:
         opt.at_least(requests, 1, "--requests")
@@ -231,8 +231,8 @@ def bench_batch(
             opt.output_file(out, "--out")
         experts = opt.expert_options(expert_backend, expert_slots)
         dev = pick_device(device)
-        plan, experts = preflight(model_dir_of(model), "auto", dev, experts, EngineConfig(), gpu_memory, host_memory)
-        data = run(str(model) if model else None, requests, prompt_len, max_tokens, dev, experts, plan=plan,
+        llm, plan = plan_then_load(model_dir_of(model), "auto", dev, experts, EngineConfig(), gpu_memory, host_memory)
+        data = run(llm, requests, prompt_len, max_tokens, plan=plan,
                    progress=lambda text: typer.echo(f"bench batch: {text} ...", err=True))
     except MoetierError as e:
         opt.fail(e)
