@@ -69,8 +69,7 @@ class ExpertOptions:
     hybrid_nodes: bool | None = None
     # routed experts under tensor parallelism (experts/parallel/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
-    # auto is the default: on two H200s columns measured 1.09x one GPU at batch 1 where replicate was
-    # 0.75x (docs/parallel.md)
+    # auto is the default: columns measured faster than replicate (docs/measured-defaults.md)
     split: str = "auto"
 
     def slots_for(self, layer: int, num_experts: int) -> int:

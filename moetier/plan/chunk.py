@@ -2,10 +2,9 @@
 chosen from the memory plan, shown with its reason (`moetier plan`, the serve log, generate's
 startup line), and counted in the plan, so preflight stays honest.
 
-Measured on the H200 (`moetier bench chunk`, docs/bench-prefill.md):
+As `moetier bench chunk` measured (docs/bench-prefill.md, docs/measured-defaults.md):
   - every expert in device memory: a larger chunk trades the decodes' latency beside a long prompt
-    for its TTFT at about the same rate (2048 -> 8192: TTFT 1.3x shorter, the decodes' ITL 1.9x
-    longer), so RESIDENT_CHUNK, the middle ground;
+    for its TTFT at about the same rate, so RESIDENT_CHUNK, the middle ground;
   - experts off the GPU (slots short of every expert, uva, hybrid): a prefill step costs about the
     same at any size (the missing experts cross the link once per chunk), so small chunks do not
     spare the decodes and only lengthen the TTFT: as large as the activation budget allows, up to

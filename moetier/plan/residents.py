@@ -3,7 +3,7 @@ allocated). Each function mirrors the code that allocates the thing, named in it
 change there shows up here as a failing hand-computed test (tests/test_plan.py).
 
 Stated rules (not measurable before the run; the audit checks them after load and capture), each
-calibrated on the H200 (torch 2.11, scripts/plan_audit.py at 8 and 48 layers; docs/plan.md):
+calibrated on a GPU with scripts/plan_audit.py (the figures: docs/measured-defaults.md):
   CUDA context     CONTEXT_BYTES: the CUDA runtime at init. The audit prints the measured figure
                    (device used minus torch reserved: context plus the next item).
   CUDA modules     modules_bytes(): kernels loaded at first use (cuBLAS, Triton) and the decode graphs'
@@ -25,13 +25,13 @@ from moetier.config import ModelConfig
 from moetier.experts.shape import MoeShape
 from moetier.plan.units import GiB, MiB, next_pow2, round_up
 
-# H200: device used minus torch reserved read 0.76 GiB (8 layers) and 0.85 GiB (48 layers) after
-# capture; these three rules give 0.76 and 0.85.
+# the CUDA context and the modules outside torch: three rules that give what the audit measured at 8
+# and 48 layers (docs/measured-defaults.md)
 CONTEXT_BYTES = 528 * MiB
 MODULES_BASE, MODULES_PER_LAYER = 228 * MiB, 2458 * 1024  # 228 MiB + 2.4 MiB per layer
-CUBLAS_WORKSPACE_DEFAULT = 32 * MiB  # torch on Hopper; the H200 held 160 MiB for five streams
+CUBLAS_WORKSPACE_DEFAULT = 32 * MiB  # torch on Hopper, per stream
 HOST_BASELINE_CUDA = 5 * GiB // 2  # python + torch + libcudart/cublas mapped, before the first step
-HOST_FIRST_USE = 512 * MiB  # measured 0.47-0.53 GiB of VmRSS growth from load to captured graphs
+HOST_FIRST_USE = 512 * MiB  # VmRSS growth from load to captured graphs, as measured
 HOST_BASELINE_CPU = 1 * GiB
 # torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): blocks round to 512 bytes;
 # requests up to 1 MiB share 2 MiB segments, up to 10 MiB share 20 MiB segments, larger ones get
