@@ -31,6 +31,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.hybrid.phases import model_phases
+from moetier.experts.registry import backend_kind
 from moetier.traces.format import Trace
 
 # hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a capture
@@ -57,7 +58,8 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                  args: dict, bw: dict, mode: str = "auto") -> list[dict]:
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
     row's `graphs` says which it made, nodes-auto or pieces-auto)."""
-    hybrid = backend == "hybrid"
+    kind = backend_kind(backend)
+    hybrid = kind.host_compute
     opts = host_options(args, bw) if hybrid else {}
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"], **opts)
     if hybrid and mode == "auto":  # what the default made of it
@@ -84,7 +86,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "last_misses_per_layer_step": switch.last_misses_per_layer_step}
             st = r["expert_stats"]
             host_experts = None
-            if backend in ("slots", "hybrid"):
+            if kind.cached:
                 per = max(1, st["steps"])  # layer-steps: every counter is summed over layers
                 hbm_experts = (st["hits"] + st["misses"]) / per
                 link_experts = (st["misses"] + st["overflow"]) / per
@@ -92,7 +94,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                     host_experts = st.get("host", 0) / per
             else:
                 distinct = distinct_per_step(trace, *r["cursor"], b)
-                hbm_experts, link_experts = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
+                hbm_experts, link_experts = (0.0, distinct) if kind.host_store else (distinct, 0.0)
             roof = roofline(bed, b, hbm_experts, link_experts, bw["hbm_GBps"], bw["link_GBps"])
             if hybrid:
                 hp = bed.model.moe_blocks()[0].experts.hostpath
@@ -100,7 +102,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
                                "rates": hybrid_rates(bed.model), "host_threads": hp.kernel.threads,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
-            rows.append({"backend": backend, "budget": budget if backend in ("slots", "hybrid") else None,
+            rows.append({"backend": backend, "budget": budget if kind.cached else None,
                          "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
@@ -219,7 +221,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
         try:
             rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
-            if backend != "hybrid":
+            if not backend_kind(backend).host_compute:
                 raise
             errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
                            "error": repr(e)})
@@ -227,7 +229,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
             continue
         for r in rows[-len(batches):]:
             r["dtype"] = label
-            refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=backend != "hybrid")
+            refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=not backend_kind(backend).host_compute)
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
         for budget in budgets:

@@ -13,6 +13,7 @@ from moetier.cli import options as opt
 from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_gpus, need_modules,
                                       parse_budget, parse_dtypes, preflight_rows)
 from moetier.errors import MoetierError
+from moetier.experts.registry import NAMES, backend_kind
 
 
 @app.command("layer")
@@ -134,9 +135,9 @@ def bench_decode(
             raise MoetierError("--dtype picks the format of random weights (--preset); a --model checkpoint runs in "
                                "its own format (make one with `moetier make-checkpoint --dtype fp8`)")
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        unknown = sorted(set(names) - {"resident", "uva", "slots", "hybrid", "hf"})
+        unknown = sorted(set(names) - {*NAMES, "hf"})  # hf: the transformers + accelerate peer
         if unknown or not names:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hybrid, hf")
+            raise MoetierError(f"--backends {backends!r}: choose from {', '.join(NAMES)}, hf")
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
@@ -172,8 +173,8 @@ def bench_decode(
     need_cuda("decode")
     need_gpus(max(max(lay) for lay in layouts), f"--parallel {parallel}")
     if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
-        rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
-        rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
+        rows = [(b, 1.0) for b in NAMES if b in names and not backend_kind(b).cached]
+        rows += [(b, budget) for b in NAMES if b in names and backend_kind(b).cached for budget in budgets]
         preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:

@@ -12,6 +12,7 @@ from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda,
                                       parse_dtypes, preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.registry import NAMES, backend_kind
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 
 
@@ -56,8 +57,9 @@ def bench_prefill(
         budgets = [parse_budget(b) for b in budget]
         dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        if not names or set(names) - {"resident", "uva", "slots"}:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
+        rows_of = [k for k in NAMES if not backend_kind(k).host_compute]  # hybrid has no prefill row
+        if not names or set(names) - set(rows_of):
+            raise MoetierError(f"--backends {backends!r}: choose from {', '.join(rows_of)}")
         for value in (*length, *batch):
             opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
         opt.at_least(chunk, decode_tokens + 1, "--chunk")
@@ -79,7 +81,8 @@ def bench_prefill(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("prefill")
-    preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
+    preflight_rows(cfg, [(b, 1.0) for b in names if not backend_kind(b).cached]
+                   + [(b, budget) for b in names if backend_kind(b).cached for budget in budgets],
                    max_num_seqs=max(batch), max_num_tokens=chunk,
                    kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
                    prefill_stream="ring" if "ring" in streams else "uva")
