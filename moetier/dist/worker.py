@@ -149,7 +149,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
 def serve(runner, channel) -> None:
     """Run the steps rank 0 sends on `channel` (dist/channel.py: GroupReceiver or PipeReceiver) until
-    it sends None; answer its queries on the same channel (executor.WorkerGroup.gather)."""
+    it sends None; answer its queries on the same channel (worker_group.WorkerGroup.gather)."""
     from moetier.engine.step import RankQuery
 
     while True:

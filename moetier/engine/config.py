@@ -36,7 +36,7 @@ class EngineConfig:
     prefill_cache_policy: str = "bypass"
     # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
     # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill/ring.py).
-    # NOTE: "ring" is the default: on the H200 it prefilled 3-4% faster (docs/bench-prefill.md).
+    # "ring" is the default: it prefilled faster (docs/measured-defaults.md).
     prefill_stream: str = "ring"
     # CUDA graphs of the decode step (False: every step eager). With hybrid backends the engine captures
     # their host path's graph (the nodes graph, or the pieces of engine/piecewise.py where a backend
@@ -64,7 +64,7 @@ class EngineConfig:
     step_record_group: str = "world"
     # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
     # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
-    # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
+    # fall back). "dequantize" stays the default until a GPU run says which is faster.
     fp8_dense: str = "dequantize"
     # Automatic prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages keyed by a
     # hash chain of their tokens, shared between requests, the free ones kept until evicted LRU; a prompt

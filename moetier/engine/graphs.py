@@ -35,8 +35,9 @@ from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
+from moetier.plan.residents import GRAPH_SIZES as SIZES
+from moetier.plan.residents import captured_sizes
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("greedy", "sample", "filter")
 
 
@@ -225,7 +226,6 @@ def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise:
     requests of up to max_len tokens. NOTE: every rank of a parallel engine calls this with the same
     config and max_len, so all capture the same sizes in the same order: the warm-up forwards before
     each capture run their collectives in lockstep, and each step replays the same graph everywhere."""
-    cap = min(config.max_num_seqs, config.decode_tokens)  # steps above the decode limit run eagerly
-    sizes = [n for n in SIZES if n <= cap] or [1]
+    sizes = captured_sizes(config.max_num_seqs, config.decode_tokens)
     return DecodeGraphs(model, kv, scratch_page=config.num_pages, max_pages_per_seq=-(-max_len // config.page_size),
                         sizes=sizes, piecewise=piecewise, scratch_state=config.max_num_seqs)

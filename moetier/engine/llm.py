@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moetier.checkpoint.loader import LoadReport, load_model
-from moetier.config import config_from_dir
+from moetier.models.registry import config_from_dir
 from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces

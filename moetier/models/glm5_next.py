@@ -39,6 +39,7 @@ from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.glm5_next_config import Glm5NextConfig
 from moetier.models.mla_model import _swiglu_weights as _swiglu
 from moetier.models.mla_model import mlp_param
+from moetier.parallel import Parallel
 
 PREFIX = "model.language_model."
 _LAYER = re.compile(re.escape(PREFIX) + r"layers\.(\d+)\.(.+)")
@@ -200,8 +201,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
 
     # -- runtime --
 
-    def kv_spec(self) -> HybridKVSpec:
-        cfg = self.cfg
+    @classmethod
+    def kv_spec_of(cls, cfg: Glm5NextConfig, par: Parallel) -> HybridKVSpec:
         state = KdaStateSpec(cfg.kda_layers, 3 * cfg.linear_heads * cfg.linear_head_dim, cfg.linear_conv_width,
                              cfg.linear_heads, cfg.linear_head_dim, cfg.linear_head_dim)
         return HybridKVSpec(cfg.num_layers, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim, cfg.index_layers,
