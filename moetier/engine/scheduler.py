@@ -40,7 +40,11 @@ class ScheduledSeq:
         r = self.request
         tokens = [r.token(i) for i in range(self.start, self.start + self.num_tokens)]
         slot = -1 if r.state_slot is None else r.state_slot
-        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot)
+        targets = []
+        if r.params.prompt_logprobs is not None:  # position j predicts prompt token j + 1
+            targets = r.prompt_ids[self.start + 1:min(self.start + self.num_tokens, len(r.prompt_ids) - 1) + 1]
+        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot,
+                       targets)
 
 
 @dataclass
@@ -144,15 +148,18 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
-               logprobs: dict[str, tuple] | None = None) -> list[Request]:
+               logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None
+               ) -> list[Request]:
         """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
-        asked) appended. Finishes requests on a stop token or on max_tokens; returns the requests that
-        got a token this step."""
+        asked) appended, prompt logprobs recorded. Finishes requests on a stop token or on max_tokens;
+        returns the requests that got a token this step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
             req = s.request
             req.num_computed = s.start + s.num_tokens
+            if prompt_logprobs and req.id in prompt_logprobs:
+                req.score_prompt(*prompt_logprobs[req.id])
             if not s.sample:
                 continue
             tok = sampled[req.id]

@@ -5,7 +5,7 @@ worker in another process can receive the same record (multi-GPU) and tests can 
 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
                slot), and how to sample its next token when the chunk reaches its end
-    StepOutput the token sampled for each request that sampled
+    StepOutput the token sampled for each request that sampled (and the logprobs asked for)
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
 """
@@ -29,6 +29,10 @@ class SeqStep:
     seed: int  # noise seed of the request's sampling
     sample_index: int  # index of the token sampled (its output length so far)
     state_slot: int = -1  # its slot of the recurrent-state pool (layers/state_cache.py); -1: no state
+    # requests that asked for prompt logprobs: the prompt tokens this chunk's positions predict
+    # (position start + i predicts prompt_targets[i]); shorter than token_ids by one where the chunk
+    # holds the prompt's last token, whose logits sample the first output token instead
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +53,8 @@ class StepInput:
 
 # a sampled token's logprob and its alternatives [(token id, logprob)], most likely first
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+# a prompt token's logprob, its rank in the distribution (1: the most likely) and the alternatives
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -56,6 +62,8 @@ class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
     num_tokens: int
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
+    # request id -> (the position of the first token scored, one entry per scored prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 # what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)
