@@ -1,5 +1,6 @@
 """The `moetier` command: generate and make-checkpoint here, `moetier bench ...` from bench/cli.py,
-`moetier trace ...` from traces/cli.py. Shared options and argument checks live in options.py."""
+`moetier trace ...` from traces/cli.py, `moetier eval` from eval/cli.py. Shared options and argument
+checks live in options.py."""
 
 from __future__ import annotations
 
@@ -269,3 +270,7 @@ app.add_typer(bench_app, name="bench")
 from moetier.plan.cli import plan_cmd  # noqa: E402
 
 app.command("plan")(plan_cmd)
+
+from moetier.eval.cli import eval_cmd  # noqa: E402
+
+app.command("eval")(eval_cmd)
