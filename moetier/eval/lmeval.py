@@ -104,27 +104,35 @@ def run(url: str, tokenizer: Path, tasks: list, *, label: str = "", api: str = "
 
 
 def summarise(out: dict, task: str, tokenizer: Path) -> TaskResult:
-    cfg, res, samples = out["configs"][task], out["results"][task], out["samples"][task]
-    r = TaskResult(cfg["output_type"], len(samples))
+    """lm-eval's results and samples of one task. A metric under a filter other than "none" is named
+    `metric (filter)` (GSM8K's strict-match and flexible-extract); outputs and log-likelihoods are the
+    raw responses (before filters), once per document."""
+    cfg, res = out["configs"][task], out["results"][task]
+    by_filter: dict[str, list[dict]] = {}
+    for s in out["samples"][task]:
+        by_filter.setdefault(s.get("filter", "none"), []).append(s)
+    docs = sorted(next(iter(by_filter.values()), []), key=lambda s: s["doc_id"])
+    r = TaskResult(cfg["output_type"], len(docs))
     names = {m["metric"] for m in cfg.get("metric_list", [])}
     for key, value in res.items():
-        metric, _, _ = key.partition(",")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        metric, _, filt = key.partition(",")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or metric.removesuffix("_stderr") not in names:
             continue  # the alias, an "N/A" error
-        if metric.removesuffix("_stderr") in names:
-            (r.stderr if metric.endswith("_stderr") else r.metrics)[metric.removesuffix("_stderr")] = float(value)
-    samples = sorted(samples, key=lambda s: s["doc_id"])
-    for m in r.metrics:
-        values = [s.get(m) for s in samples]
-        if all(isinstance(v, (int, float)) for v in values):
-            r.per_doc[m] = [float(v) for v in values]
-    for s in samples:
-        _walk(s["filtered_resps"], r)
+        name = metric.removesuffix("_stderr") + ("" if filt in ("none", "") else f" ({filt})")
+        (r.stderr if metric.endswith("_stderr") else r.metrics)[name] = float(value)
+    for filt, samples in by_filter.items():
+        samples = sorted(samples, key=lambda s: s["doc_id"])
+        for m in names:
+            values = [s.get(m) for s in samples]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                r.per_doc[m + ("" if filt == "none" else f" ({filt})")] = [float(v) for v in values]
+    for s in docs:
+        _walk(s["resps"], r)
     if r.output_type == "loglikelihood_rolling":
         from moetier.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(tokenizer)
-        r.tokens = sum(len(tok.encode(s["target"])) for s in samples)
+        r.tokens = sum(len(tok.encode(s["target"])) for s in docs)
         r.metrics["nats_per_token"] = -sum(r.lls) / r.tokens if r.tokens else math.nan
     return r
 
