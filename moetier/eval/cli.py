@@ -50,7 +50,8 @@ def parse_tolerances(values: list[str], labels: list[str]) -> dict[str, float]:
         except ValueError:
             t = -1.0
         if label not in labels or not (math.isfinite(t) and t >= 0):
-            raise MoetierError(f"--tolerance {v!r}: give LABEL=NATS with a --compare label ({', '.join(labels) or 'none'}) "
+            raise MoetierError(f"--tolerance {v!r}: give LABEL=NATS with a --compare label "
+                               f"({', '.join(labels) or 'none'}) "
                                "and a number >= 0")
         out[label] = t
     return out

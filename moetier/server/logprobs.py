@@ -33,7 +33,8 @@ class LogprobFormatter:
             offsets.append(offset)
             tokens.append(self.text(t))
             offset += len(tokens[-1])
-        top = [None if e is None else {self.text(t): max(e[0], FLOOR), **{self.text(i): max(lp, FLOOR) for i, lp in e[1]}}
+        top = [None if e is None else {self.text(t): max(e[0], FLOOR),
+                                       **{self.text(i): max(lp, FLOOR) for i, lp in e[1]}}
                for t, e in zip(token_ids, entries)]
         return {"tokens": tokens, "token_logprobs": [None if e is None else max(e[0], FLOOR) for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
@@ -48,7 +49,8 @@ class LogprobFormatter:
         def one(token_id: int, lp: float, rank: int) -> tuple[str, dict]:
             return str(token_id), {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": self.text(token_id)}
 
-        return [None if e is None else dict([one(t, e[0], e[1])] + [one(i, lp, r + 1) for r, (i, lp) in enumerate(e[2][:n])])
+        return [None if e is None else
+                dict([one(t, e[0], e[1])] + [one(i, lp, r + 1) for r, (i, lp) in enumerate(e[2][:n])])
                 for t, e in zip(prompt_ids, scored)]
 
     def chat(self, token_ids: list[int], entries: list[tuple]) -> dict[str, Any]:
