@@ -32,7 +32,7 @@ SUBSTITUTE = {
     "--concurrency 1,2,4,8,16,32,64": "--concurrency 1,2 --num-prompts 4 --input-len 8 --output-len 4",
     # lm-eval runs (docs/eval.md): the same command on 2 documents per task; the embedded model stands in
     # for its FP8 copy (scripts/fp8_copy.py writes it: not a moetier command)
-    "moetier eval": "moetier eval --limit 2", "/tmp/tiny-stdlib-fp8": "{default}",
+    "moetier eval": "moetier eval --limit 2", "--limit 40": "--limit 2", "/tmp/tiny-stdlib-fp8": "{default}",
 }
 # commands over the user's own data files (GSM8K, MMLU): they refuse in one line here, for want of them
 USER_DATA = "--include-path my_tasks"

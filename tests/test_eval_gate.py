@@ -19,8 +19,9 @@ from moetier.eval.lmeval import EvalRun, TaskResult
 ROOT = Path(__file__).parents[1]
 
 
-def result(outputs=(), lls=(), acc=()) -> TaskResult:
-    r = TaskResult("generate_until", max(len(outputs), len(acc), 1), outputs=list(outputs), lls=list(lls))
+def result(outputs=(), lls=(), acc=(), tokens=None) -> TaskResult:
+    r = TaskResult("generate_until", max(len(outputs), len(acc), 1), outputs=list(outputs), lls=list(lls),
+                   ll_tokens=list(tokens or [1] * len(lls)))
     if acc:
         r.metrics["acc"], r.per_doc["acc"] = sum(acc) / len(acc), list(acc)
     return r
@@ -29,12 +30,16 @@ def result(outputs=(), lls=(), acc=()) -> TaskResult:
 def test_exact_means_equal_scores_and_identical_outputs():
     ref = result(["a", "b"], [-1.0, -2.0])
     assert judge("x", "t", ref, result(["a", "b"], [-1.0, -2.0]), 0.0).problem is None
-    assert "differs by 1e-06 nats" in judge("x", "t", ref, result(["a", "b"], [-1.0, -2.000001]), 0.0).problem
+    assert "differs by 1e-06 nats per token" in judge("x", "t", ref, result(["a", "b"], [-1.0, -2.000001]), 0.0).problem
     assert "1 of 2 greedy outputs differ" in judge("x", "t", ref, result(["a", "c"], [-1.0, -2.0]), 0.0).problem
     # a format's tolerance: scores within it pass, and changed generations are counted, not failed
     v = judge("x", "t", ref, result(["a", "c"], [-1.05, -2.0]), 0.1)
     assert v.problem is None and v.outputs_differing == 1 and v.max_ll_diff == pytest.approx(0.05)
     assert "differs by 0.2" in judge("x", "t", ref, result(["a", "b"], [-1.2, -2.0]), 0.1).problem
+    # per token of the item: 0.2 nats over 4 tokens is 0.05 per token
+    long = result(["a", "b"], [-1.0, -2.0], tokens=[4, 4])
+    v = judge("x", "t", long, result(["a", "b"], [-1.2, -2.0]), 0.1)
+    assert v.problem is None and v.max_ll_diff_per_token == pytest.approx(0.05)
     assert "other documents" in judge("x", "t", ref, result(["a"], [-1.0]), 1.0).problem
 
 
@@ -61,7 +66,7 @@ def test_the_gate_over_backends_and_fp8_on_the_embedded_model(tmp_path):
                "fp8": f"--model {fp8} --expert-backend resident"}
     cmd = [sys.executable, "-m", "moetier.cli", "eval", "--device", "cpu", "--tasks",
            "stdlib_next_line,stdlib_choose_line", "--limit", "2", "--out", str(out),
-           "--tolerance", "hybrid=0.5", "--tolerance", "fp8=5"]
+           "--tolerance", "hybrid=0.05", "--tolerance", "fp8=0.5"]
     for label, flags in configs.items():
         cmd += ["--compare", f"{label}={flags}"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -66,7 +66,7 @@ def eval_cmd(
                                       "our server once per configuration (`moetier serve` flags after --model and "
                                       "--device); each is compared with the first. Repeat for each configuration."),
     tolerance: list[str] = typer.Option([], "--tolerance", metavar="<label=nats>", help="Largest difference of any "
-                                        "log-likelihood from the reference's for that configuration (default 0: "
+                                        "log-likelihood from the reference's, in nats per token it scores (default 0: "
                                         "exact, greedy outputs identical too)."),
     tasks: str = typer.Option("tiny_stdlib", "--tasks", metavar="<names>", help="Comma-separated lm-eval task "
                               "names; tiny_stdlib: the shipped held-out standard-library tasks of the embedded model."),

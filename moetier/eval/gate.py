@@ -1,8 +1,9 @@
 """The accuracy gate: one task set run over several engine configurations, each compared with the
 first (the reference: resident experts in the checkpoint's own format), item by item.
 
-A configuration's tolerance is the largest difference, in nats, that any one scored log-likelihood
-may have from the reference's. 0 (the default) means exact: backends of one format compute the same
+A configuration's tolerance is the largest difference, in nats per token, that any one scored
+log-likelihood may have from the reference's: the item's difference over the tokens it scores (a
+choice's few, a whole document's thousands). 0 (the default) means exact: backends of one format compute the same
 model with the same kernels, so every log-likelihood is equal and every greedy generation identical.
 A format (fp8, nvfp4, int4) gets a tolerance and reports its measured loss: the metrics' differences
 with their standard errors (paired over documents where lm-eval gives per-document values), the
@@ -24,8 +25,9 @@ class TaskVerdict:
     task: str
     outputs_differing: int
     outputs: int
-    max_ll_diff: float  # nats; nan when the task scores nothing
-    tolerance: float
+    max_ll_diff: float  # nats, over the items; nan when the task scores nothing
+    max_ll_diff_per_token: float  # nats per token: an item's difference over the tokens it scores
+    tolerance: float  # nats per token
     problem: str | None  # None: passes
 
     def as_dict(self) -> dict:
@@ -54,15 +56,17 @@ def judge(label: str, task: str, ref: TaskResult, got: TaskResult, tolerance: fl
     differing = sum(x != y for x, y in zip(ref.outputs, got.outputs))
     diffs = [abs(x - y) for x, y in zip(ref.lls, got.lls)]
     worst = max(diffs) if diffs else math.nan
+    counts = ref.ll_tokens if len(ref.ll_tokens) == len(diffs) else [1] * len(diffs)
+    per_token = max((d / n for d, n in zip(diffs, counts)), default=math.nan)
     problem = None
     if (ref.n, len(ref.outputs), len(ref.lls)) != (got.n, len(got.outputs), len(got.lls)):
         problem = (f"other documents than the reference's ({got.n} documents, {len(got.lls)} scores against "
                    f"{ref.n}, {len(ref.lls)})")
-    elif diffs and worst > tolerance:
-        problem = f"a log-likelihood differs by {worst:.3g} nats (tolerance {tolerance:g})"
+    elif diffs and per_token > tolerance:
+        problem = f"a log-likelihood differs by {per_token:.3g} nats per token (tolerance {tolerance:g})"
     elif tolerance == 0 and differing:
         problem = f"{differing} of {len(ref.outputs)} greedy outputs differ (tolerance 0: exact)"
-    return TaskVerdict(label, task, differing, len(ref.outputs), worst, tolerance, problem)
+    return TaskVerdict(label, task, differing, len(ref.outputs), worst, per_token, tolerance, problem)
 
 
 def compare(runs: list[EvalRun], tolerance: dict[str, float]) -> list[TaskVerdict]:
@@ -89,11 +93,12 @@ def metric_table(runs: list[EvalRun]) -> list[str]:
 
 
 def verdict_table(verdicts: list[TaskVerdict]) -> list[str]:
-    lines = ["| configuration | task | greedy outputs differing | max abs Δ log-likelihood (nats) | tolerance (nats) | "
-             "verdict |", "|---|---|---|---|---|---|"]
+    lines = ["| configuration | task | greedy outputs differing | max abs Δ log-likelihood (nats) | per token "
+             "(nats/token) | tolerance (nats/token) | verdict |", "|---|---|---|---|---|---|---|"]
     for v in verdicts:
         outs = f"{v.outputs_differing} of {v.outputs}" if v.outputs else "-"
         worst = "-" if math.isnan(v.max_ll_diff) else f"{v.max_ll_diff:.3g}"
-        lines.append(f"| {v.label} | {v.task} | {outs} | {worst} | {v.tolerance:g} | "
+        per = "-" if math.isnan(v.max_ll_diff_per_token) else f"{v.max_ll_diff_per_token:.3g}"
+        lines.append(f"| {v.label} | {v.task} | {outs} | {worst} | {per} | {v.tolerance:g} | "
                      f"{'pass' if v.problem is None else 'FAIL: ' + v.problem} |")
     return lines

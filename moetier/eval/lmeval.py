@@ -43,6 +43,7 @@ class TaskResult:
     per_doc: dict[str, list[float]] = field(default_factory=dict)  # a metric's value per document (paired errors)
     outputs: list[str] = field(default_factory=list)  # greedy generations, in document order
     lls: list[float] = field(default_factory=list)  # every log-likelihood scored, in document order
+    ll_tokens: list[int] = field(default_factory=list)  # the tokens each of lls scores (the same order)
     tokens: int = 0  # loglikelihood_rolling: tokens scored (for nats per token)
 
 
@@ -128,13 +129,25 @@ def summarise(out: dict, task: str, tokenizer: Path) -> TaskResult:
                 r.per_doc[m + ("" if filt == "none" else f" ({filt})")] = [float(v) for v in values]
     for s in docs:
         _walk(s["resps"], r)
-    if r.output_type == "loglikelihood_rolling":
+    if r.lls:
         from moetier.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(tokenizer)
-        r.tokens = sum(len(tok.encode(s["target"])) for s in docs)
+        r.ll_tokens = [scored_tokens(tok, args) for s in docs for args in s["arguments"]]
+    if r.output_type == "loglikelihood_rolling":
+        r.tokens = sum(r.ll_tokens)
         r.metrics["nats_per_token"] = -sum(r.lls) / r.tokens if r.tokens else math.nan
     return r
+
+
+def scored_tokens(tok, args: tuple) -> int:
+    """Tokens one request scores: a rolling document's all; a continuation's, counted as lm-eval splits
+    it (the context's trailing whitespace moves to the continuation, the pair is tokenized whole)."""
+    if len(args) == 1 or not isinstance(args[1], str):
+        return len(tok.encode(args[0]))
+    ctx, cont = args[0], args[1]
+    context = len(tok.encode(ctx.rstrip())) if ctx.rstrip() else 0
+    return max(1, len(tok.encode(ctx + cont)) - context)
 
 
 def _walk(resp, r: TaskResult) -> None:
