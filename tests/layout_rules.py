@@ -12,7 +12,7 @@ from pathlib import Path
 
 LEVELS = (
     ("cli",),                      # every command and the user options
-    ("server", "bench"),           # the HTTP server; the benchmarks
+    ("server", "bench", "eval"),   # the HTTP server; the benchmarks; lm-eval against a server
     ("engine", "dist"),            # LLM, scheduler, runner; one process per rank
     ("plan",),                     # memory plan, sizing, preflight, audit
     ("traces",),                   # routing traces, simulation, slot plans

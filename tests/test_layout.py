@@ -30,6 +30,9 @@ FORBIDDEN = {
     # dist/ sits beside engine/: it builds ranks from checkpoint/, experts/, layers/ and the engine's
     # runner and records, and the engine reaches it only lazily for a parallel run
     "dist": ("moetier.cli", "moetier.server", "moetier.bench"),
+    # eval/ talks to a server over HTTP (a spawned `moetier serve` or any URL), never to an engine
+    "eval": ("moetier.engine", "moetier.server", "moetier.models", "moetier.experts", "moetier.layers",
+             "moetier.dist"),
 }
 
 

@@ -1,6 +1,6 @@
 """The `moetier` command: generate, serve and make-checkpoint here, `moetier bench ...` from bench.py
-and bench_prefill.py, `moetier trace ...` from trace.py, `moetier plan` from plan.py. Shared options
-and argument checks live in options.py."""
+and bench_prefill.py, `moetier trace ...` from trace.py, `moetier plan` from plan.py, `moetier eval`
+from eval.py. Shared options and argument checks live in options.py."""
 
 from __future__ import annotations
 
@@ -267,3 +267,7 @@ app.add_typer(bench_app, name="bench")
 from moetier.cli.plan import plan_cmd  # noqa: E402
 
 app.command("plan")(plan_cmd)
+
+from moetier.cli.eval import eval_cmd  # noqa: E402
+
+app.command("eval")(eval_cmd)

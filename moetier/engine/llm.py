@@ -312,7 +312,7 @@ class LLM:
         result = self.runner.execute(step)
         if self.recorder is not None:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
-        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs)
+        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs)
         self.steps += 1
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 

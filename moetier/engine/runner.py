@@ -8,6 +8,7 @@ import torch
 
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_moves import KVMoves
+from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
@@ -39,7 +40,7 @@ class ModelRunner:
         seqs = step.seqs
         if not seqs:
             return StepOutput({}, 0)
-        replay = self.replays(seqs)
+        replay = self.replays(seqs)  # one-token steps that sample: no prompt token left to score (SeqStep)
         self.moves.before(step, layered=not replay)
         if replay:
             tokens = self.graphs.run(seqs)
@@ -49,16 +50,19 @@ class ModelRunner:
             return self._output(seqs, tokens, logits if _wants_logprobs(seqs) else None, len(seqs))
         dev = self.model.device
         hidden, batch, ids = self._forward(seqs)
+        scored = prompt_logprobs(self.model, hidden, batch.query_start_host, seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
-            return StepOutput({}, len(ids))
+            return StepOutput({}, len(ids), prompt_logprobs=scored)
         last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
         logits = self.model.logits(hidden[last])
         picked = [seqs[i] for i in rows]
         tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
                         [s.sample_index for s in picked])
         self._keep(picked, logits)
-        return self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+        out = self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+        out.prompt_logprobs = scored
+        return out
 
     def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:
         if self.keep_logits:

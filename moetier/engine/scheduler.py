@@ -58,8 +58,11 @@ class ScheduledSeq:
         r = self.request
         tokens = [r.token(i) for i in range(self.start, self.start + self.num_tokens)]
         slot = -1 if r.state_slot is None else r.state_slot
+        targets = []
+        if r.params.prompt_logprobs is not None:  # position j predicts prompt token j + 1
+            targets = r.prompt_ids[self.start + 1:min(self.start + self.num_tokens, len(r.prompt_ids) - 1) + 1]
         return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot,
-                       self.num_cached, self.restore_checkpoint, self.save_checkpoint)
+                       self.num_cached, self.restore_checkpoint, self.save_checkpoint, targets)
 
 
 @dataclass
@@ -190,7 +193,7 @@ class Scheduler:
         """The cached prefix of a request about to start (nothing held yet). A request that wants its
         prompt's log-probs computes its whole prompt (as vLLM does): no hit, but still a query."""
         tokens = req.prompt_ids + req.output_ids
-        if getattr(req.params, "prompt_logprobs", None) is not None:
+        if req.params.prompt_logprobs is not None:
             return PrefixHit(num_query_tokens=len(tokens))
         return self.cache.match(tokens)
 
@@ -233,10 +236,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
-               logprobs: dict[str, tuple] | None = None) -> list[Request]:
+               logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None
+               ) -> list[Request]:
         """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
-        asked) appended. Finishes requests on a stop token or on max_tokens; returns the requests that
-        got a token this step."""
+        asked) appended, prompt logprobs recorded. Finishes requests on a stop token or on max_tokens;
+        returns the requests that got a token this step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
@@ -251,6 +255,8 @@ class Scheduler:
                     self._checkpoint_lru.move_to_end(kept)
                 if kept != s.save_checkpoint:  # the boundary had one already, or its KV is gone
                     self.checkpoints.free([s.save_checkpoint], CHECKPOINT_OWNER)
+            if prompt_logprobs and req.id in prompt_logprobs:
+                req.score_prompt(*prompt_logprobs[req.id])
             if not s.sample:
                 continue
             tok = sampled[req.id]

@@ -6,7 +6,7 @@ worker in another process can receive the same record (multi-GPU) and tests can 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
                slot, and state checkpoints to restore or save), and how to sample its next token when
                the chunk reaches its end; the host KV tier's page copies of the step
-    StepOutput the token sampled for each request that sampled
+    StepOutput the token sampled for each request that sampled (and the logprobs asked for)
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
 """
@@ -35,6 +35,10 @@ class SeqStep:
     # the chunk (a hit resumes from it), and the one the slot's state is saved into after it; -1: none
     restore_checkpoint: int = -1
     save_checkpoint: int = -1
+    # requests that asked for prompt logprobs: the prompt tokens this chunk's positions predict
+    # (position start + i predicts prompt_targets[i]); shorter than token_ids by one where the chunk
+    # holds the prompt's last token, whose logits sample the first output token instead
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +63,8 @@ class StepInput:
 
 # a sampled token's logprob and its alternatives [(token id, logprob)], most likely first
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+# a prompt token's logprob, its rank in the distribution (1: the most likely) and the alternatives
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -66,6 +72,8 @@ class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
     num_tokens: int
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
+    # request id -> (the position of the first token scored, one entry per scored prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 # what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)
