@@ -72,6 +72,10 @@ class PrefixHit:
     num_tokens: int = 0  # tokens the hit covers: their prefill is skipped
     num_query_tokens: int = 0  # tokens matched against
     checkpoint: int | None = None  # the state checkpoint at the hit's end (checkpointed models)
+    # checkpointed models: tokens of cached KV pages before the cut back to the last checkpoint; a
+    # request with more of them than num_tokens ends its first chunk there and saves the missing
+    # checkpoint, so the next request over the same prefix resumes from it (engine/scheduler.py)
+    kv_tokens: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -159,6 +163,7 @@ class PrefixCache:
             hit.hashes.append(h)
             hit.gpu_pages.append(page)
             parent = h
+        hit.kv_tokens = len(hit.hashes) * ps
         if self.checkpoints:
             keep = max((i + 1 for i, h in enumerate(hit.hashes) if h in self._checkpoint_of), default=0)
             del hit.hashes[keep:], hit.gpu_pages[keep:]
