@@ -18,7 +18,9 @@ import torch
 
 from moetier.errors import ConfigError, problem_list
 from moetier.experts.shape import MoeShape
+from moetier.quant import quant_config as qconfig
 from moetier.quant.fp8_block import quant_problems
+from moetier.quant.registry import get as quant_format
 
 REQUIRED = object()
 
@@ -80,8 +82,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype as config.json states it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # config.json quantization_config: None, or "fp8" (block-scaled float8 weights, quant/fp8_block.py:
-    # routed experts stay FP8 in their rows, other FP8 weights are dequantized at load)
+    # config.json quantization_config (or hf_quant_config.json): None, "fp8" (block-scaled float8
+    # weights, quant/fp8_block.py), "nvfp4", "int4" or "int4-g32" (weight-only 4-bit, quant/nvfp4.py,
+    # quant/int4.py): routed experts stay quantized in their rows, other quantized weights are
+    # dequantized at load
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written
     # How the model holds the dense projections of an FP8 checkpoint: None, dequantized to the model
@@ -112,8 +116,9 @@ class ModelConfig:
             f.problems.append(f"num_experts_per_tok {top_k} is larger than num_experts {experts}")
         eos = f.get("eos_token_id", default=[])
         qc = f.get("quantization_config", default=None)
-        if qc is not None:
-            f.problems.extend(quant_problems(qc))
+        fmt = qconfig.format_of(qc) if qc is not None else None
+        if qc is not None:  # block FP8, NVFP4 (ModelOpt, compressed-tensors), INT4 (compressed-tensors)
+            f.problems.extend(quant_format(fmt).config_problems(qc) if fmt else quant_problems(qc))
         return dict(
             model_type=f.d.get("model_type"),
             vocab_size=f.positive_int("vocab_size"),
@@ -128,7 +133,7 @@ class ModelConfig:
             torch_dtype=str(f.get("torch_dtype", "dtype", default="bfloat16")).replace("torch.", ""),
             bos_token_id=f.get("bos_token_id", default=None),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
-            quant="fp8" if qc is not None else None,
+            quant=fmt,
             quant_config=qc,
             extra=f.d,
         )
@@ -196,4 +201,14 @@ def config_from_dir(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{f} is not readable JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{f} must hold a JSON object")
+    hq = Path(path) / "hf_quant_config.json"  # ModelOpt's quantization file beside config.json
+    if "quantization_config" not in d and hq.is_file():
+        try:
+            qc = qconfig.from_hf_quant_config(json.loads(hq.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{hq} is not readable JSON: {e}") from None
+        if qc is None:
+            raise ConfigError(f"{hq} has no \"quantization\" object (ModelOpt writes quant_algo, group_size and "
+                              "exclude_modules there)")
+        d = {**d, "quantization_config": qc}
     return config_from_dict(d, source=str(f))
