@@ -160,7 +160,10 @@ def test_config_detection_and_exclusion():
         assert qcfg.excluded(qc, "lm_head") and not qcfg.excluded(qc, "model.layers.3.mlp.experts.1.up_proj")
     assert qcfg.excluded(MODELOPT, "model.layers.12.mlp.gate") and qcfg.excluded(CT_NVFP4, "model.layers.12.mlp.gate")
     assert not qcfg.excluded(CT_NVFP4, "model.layers.12.mlp.gate_proj")
-    assert qcfg.activation_scales(MODELOPT) and not qcfg.activation_scales(CT_NVFP4)
+    assert not qcfg.activation_scales(MODELOPT) and not qcfg.activation_scales(CT_NVFP4)
+    w4a4 = {**CT_NVFP4, "config_groups": {"g": {**CT_NVFP4["config_groups"]["group_0"],
+                                                "input_activations": {"num_bits": 4, "type": "float"}}}}
+    assert qcfg.activation_scales(w4a4)
     asym = {**CT_INT4, "config_groups": {"g": {"weights": {**CT_INT4["config_groups"]["group_0"]["weights"],
                                                            "symmetric": False}}}}
     assert "asymmetric" in get("int4").config_problems(asym)[0]

@@ -113,6 +113,6 @@ def excluded(qc: dict, module: str) -> bool:
 
 def activation_scales(qc: dict) -> bool:
     if qc.get("quant_method") == "modelopt":
-        return True  # ModelOpt NVFP4 is W4A4 (input_scale per linear); this engine reads it as W4A16
+        return False  # ModelOpt states none: its W4A4 checkpoints carry input_scale tensors (the loader looks)
     _, cfgs, _ = _ct_weights(qc)
     return any(g.get("input_activations") for g in cfgs)
