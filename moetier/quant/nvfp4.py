@@ -39,14 +39,14 @@ N_GLOBAL = 3  # float32 tensor scales in a row: gate's, up's, down's
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (0..15, any integer dtype) -> float32 values (code 8 -> -0.0)."""
-    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=codes.device)
     return table[codes.long()]
 
 
 def encode(values: torch.Tensor) -> torch.Tensor:
     """float values (already scaled into [-6, 6]) -> the nearest E2M1 code, uint8 0..15 (ties to the
     smaller magnitude; the sign kept, so -0.0 -> 8)."""
-    mag = torch.tensor(E2M1, dtype=torch.float32)
+    mag = torch.tensor(E2M1, dtype=torch.float32, device=values.device)
     v = values.float()
     idx = (v.abs().clamp(max=E2M1_MAX)[..., None] - mag).abs().argmin(dim=-1)
     return (idx + 8 * torch.signbit(v).long()).to(torch.uint8)

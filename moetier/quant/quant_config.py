@@ -67,6 +67,21 @@ def format_of(qc: object) -> str | None:
     return None
 
 
+def example(name: str) -> dict:
+    """A quantization_config of format `name` as the published tools write it (random-weight beds and
+    the plan of a preset in that format; make-checkpoint writes its own exclusion lists)."""
+    if name == "fp8":
+        from moetier.quant.fp8_block import QUANT_CONFIG
+
+        return dict(QUANT_CONFIG)
+    if name == "nvfp4":
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32 if name == "int4-g32" else 128,
+               "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
 def layout(qc: object) -> str:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     return {"fp8": "fp8", "modelopt": "modelopt"}.get(method, "compressed-tensors")
