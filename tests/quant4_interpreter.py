@@ -22,13 +22,11 @@ import torch  # noqa: E402
 
 from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
 from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
-from moetier.experts.backends import ResidentExperts  # noqa: E402
 from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
-from moetier.experts.reference import combine, expert_pairs, row_fetch  # noqa: E402
 from moetier.quant import int4, nvfp4  # noqa: E402
 from moetier.quant.rows import RowLayout  # noqa: E402
+from tests.fp8_interpreter import check, inputs  # noqa: E402  (the same placements and checks as FP8 rows)
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LARGE = GemmConfig(large_block_m=16, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))
 
 
@@ -55,18 +53,7 @@ def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: i
     e = 6
     layout = RowLayout(h, i, quant, limit)
     rows = rows4(layout, e, g)
-    x = torch.randn(t, h, generator=g).to(dtype)
-    w = torch.rand(t, k, generator=g).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    if t > 2:
-        ids[1] = ids[0]  # a shared row: a chunk of several pairs
-    cached = torch.randperm(e, generator=g)[: e // 2]
-    slot_of = torch.full((e,), -1, dtype=torch.int32)
-    slot_of[cached] = torch.randperm(e // 2, generator=g).int()
-    slots = torch.full((e // 2, layout.numel), 0xFF, dtype=torch.uint8)
-    slots[slot_of[cached].long()] = rows[cached]
-    mixed, none = slot_of[ids], torch.full_like(ids, -1, dtype=torch.int32)
-    dummy = torch.full((1, layout.numel), 0xFF, dtype=torch.uint8)
+    x, w, ids, slots, mixed, none, dummy = inputs(layout, rows, t, k, h, dtype, g)
 
     def run(slot_ids, dev_rows, max_rows):
         if large:
@@ -79,16 +66,7 @@ def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: i
 
     out_slots, out_res, out_uva = run(mixed, slots, e + e // 2), run(ids.int(), rows, e), run(none, dummy, e)
     name = f"{quant} {'large' if large else 'decode'}"
-    assert torch.equal(out_slots, out_res), f"{name}: slots vs resident {(out_slots - out_res).abs().max()}"
-    assert torch.equal(out_uva, out_res), f"{name}: uva vs resident {(out_uva - out_res).abs().max()}"
-    fetch = row_fetch(rows, layout, dtype)
-    oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key)), limit),
-                     w.double())
-    err = ((out_res.double() - oracle).norm() / oracle.norm()).item()
-    assert err <= TOL[dtype], (name, err)
-    torch_path = ResidentExperts(rows, layout, ids.shape[1]).forward(x, ids, w)
-    err_torch = ((out_res.double() - torch_path.double()).norm() / torch_path.double().norm()).item()
-    assert err_torch <= TOL[dtype], (name, "vs torch", err_torch)
+    err = check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype, limit)
     return f"{name} t={t} k={k} h={h} i={i} {str(dtype)[6:]} limit={limit} err={err:.2e}"
 
 

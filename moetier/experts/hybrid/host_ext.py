@@ -170,6 +170,8 @@ def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
     """The kernel's code for these rows, or None when it has none (the caller falls back to torch)."""
     if layout.quant == "fp8":
         return FP8_KIND if rows.dtype == torch.uint8 else None
+    if layout.quant is not None:  # 4-bit rows (NVFP4, INT4): no compiled code (host_kernels.host_kernel)
+        return None
     return KINDS.get(rows.dtype)
 
 

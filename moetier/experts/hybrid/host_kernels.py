@@ -158,10 +158,22 @@ class CompiledKernel(HostKernel):
 
 def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallback: bool = False) -> HostKernel:
     """The kernel `name` (one of CHOICES). "auto", or any name with fallback=True (the hybrid backend:
-    never a crash at serve time): where the compiled kernel cannot be built, grouped, with a one-line
-    warning; the kernel's `fallback_reason` keeps the reason."""
+    never a crash at serve time): where the compiled kernel cannot be built or has no code for the
+    rows (4-bit: NVFP4, INT4), grouped, with a one-line warning; the kernel's `fallback_reason` keeps
+    the reason."""
     if name not in CHOICES:
         raise ValueError(f"unknown host expert kernel {name!r}; choose one of: {', '.join(CHOICES)}")
+    if name in ("auto", "compiled") and layout.packed4:
+        # the compiled kernel has no 4-bit code: every 4-bit miss on the host runs the torch kernel
+        # (RowLayout.weights, then F.linear); said once, here, not per call
+        if name == "compiled" and not fallback:
+            raise ValueError(f"the compiled host kernel has no code for {layout.quant} rows; use host kernel "
+                             "'grouped' (or 'auto') with 4-bit experts")
+        warnings.warn(f"moetier: host expert kernel 'grouped' for {layout.quant} rows (the compiled kernel reads "
+                      "bf16, fp32 and FP8 rows only)", stacklevel=2)
+        kernel = GroupedKernel(layout, threads)
+        kernel.fallback_reason = f"no compiled code for {layout.quant} rows"
+        return kernel
     if name in ("auto", "compiled"):
         try:
             return CompiledKernel(layout, threads)
