@@ -31,13 +31,14 @@ def test_gpu_4bit_grouped_gemm_matches_the_reference_and_is_placement_exact(quan
     reference dequantizes, products in float64); resident, slots and host (uva) rows give the same bits."""
     from moetier.experts.kernels import grouped_gemm as grouped
     from moetier.experts.kernels import grouped_gemm_large as grouped_large
+    from moetier.checkpoint.random_bed import fill_4bit_rows
     from moetier.experts.reference import combine, expert_pairs, row_fetch
-    from tests.quant4_interpreter import rows4
 
     g = torch.Generator().manual_seed(t)
     h, i, e, k = 2048, 768, 16, 8
     lay = RowLayout(h, i, quant)
-    rows = rows4(lay, e, g)
+    rows = torch.zeros(e, lay.numel, dtype=torch.uint8)
+    fill_4bit_rows(rows, lay, g)  # N(0, 0.02) bf16 experts quantized by the format's rule
     x = torch.randn(t, h, generator=g).bfloat16()
     w = torch.rand(t, k, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])

@@ -371,7 +371,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
             r["dtype"] = label
             refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=backend != "hybrid")
         print(table(rows[-len(batches):]), flush=True)
-    if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
+    if "hf" in backends and bed.cfg.quant is None:  # the transformers peer runs bf16 experts only
         for budget in budgets:
             got = bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
             for r in got:
