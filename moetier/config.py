@@ -19,7 +19,6 @@ import torch
 from moetier.errors import ConfigError, problem_list
 from moetier.experts.shape import MoeShape
 from moetier.quant import quant_config as qconfig
-from moetier.quant.fp8_block import quant_problems
 from moetier.quant.registry import get as quant_format
 
 REQUIRED = object()
@@ -118,7 +117,7 @@ class ModelConfig:
         qc = f.get("quantization_config", default=None)
         fmt = qconfig.format_of(qc) if qc is not None else None
         if qc is not None:  # block FP8, NVFP4 (ModelOpt, compressed-tensors), INT4 (compressed-tensors)
-            f.problems.extend(quant_format(fmt).config_problems(qc) if fmt else quant_problems(qc))
+            f.problems.extend(quant_format(fmt).config_problems(qc) if fmt else qconfig.unsupported(qc))
         return dict(
             model_type=f.d.get("model_type"),
             vocab_size=f.positive_int("vocab_size"),

@@ -168,3 +168,16 @@ def test_config_detection_and_exclusion():
                                                            "symmetric": False}}}}
     assert "asymmetric" in get("int4").config_problems(asym)[0]
     assert "group_size 32" in get("nvfp4").config_problems({**MODELOPT, "group_size": 32})[0]
+
+
+def test_an_unknown_quantization_config_is_one_line_naming_what_is_read():
+    from moetier.config import config_from_dict
+    from moetier.errors import ConfigError
+    from moetier.presets import preset_dict
+
+    for qc, field in (({"quant_method": "awq"}, "quant_method 'awq'"),
+                      ({**CT_INT4, "format": "marlin-24"}, "format 'marlin-24'"),
+                      ({**MODELOPT, "quant_algo": "FP8"}, "quant_algo 'FP8'")):
+        assert qcfg.format_of(qc) is None
+        with pytest.raises(ConfigError, match=field + ".* is not supported; this engine reads block FP8"):
+            config_from_dict({**preset_dict("tiny"), "quantization_config": qc})

@@ -82,6 +82,22 @@ def example(name: str) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
 
 
+def unsupported(qc: object) -> list[str]:
+    """The one line for a quantization_config that names none of the formats here (format_of: None)."""
+    if not isinstance(qc, dict):
+        return [f"quantization_config must be an object, got {qc!r}"]
+    method = qc.get("quant_method")
+    known = ("block FP8 (quant_method \"fp8\"), NVFP4 (\"modelopt\" with quant_algo NVFP4, or compressed-tensors "
+             "\"nvfp4-pack-quantized\") and INT4 (compressed-tensors \"pack-quantized\")")
+    if method == "modelopt":
+        return [f"quantization_config.quant_algo {_modelopt(qc).get('quant_algo')!r} is not supported; this engine "
+                f"reads {known}"]
+    if method == "compressed-tensors":
+        fmt = qc.get("format") or next((g.get("format") for g in _ct_weights(qc)[1] if g.get("format")), None)
+        return [f"quantization_config.format {fmt!r} (compressed-tensors) is not supported; this engine reads {known}"]
+    return [f"quantization_config.quant_method {method!r} is not supported; this engine reads {known}"]
+
+
 def layout(qc: object) -> str:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     return {"fp8": "fp8", "modelopt": "modelopt"}.get(method, "compressed-tensors")
