@@ -94,7 +94,7 @@ def test_4bit_checkpoint_loads_as_its_float32_dequantized_reference(tmp_path, pr
     want, want_tokens = greedy(ref, prompt)
     outs = {}
     for backend in ("resident", "slots", "uva", "hybrid"):
-        opts = ExpertOptions(backend, slots=3, **({"host_kernel": "grouped"} if backend == "hybrid" else {}))
+        opts = ExpertOptions(backend, slots=3)  # hybrid: the default host kernel, compiled where it builds
         cfg, model, report = load_model(path, dtype="float32", experts=opts)
         lay = model.moe_blocks()[0].experts.layout
         assert cfg.quant == dtype and lay.quant == dtype and f"stay {dtype}" in report.notes[0]
@@ -181,3 +181,45 @@ def test_4bit_validation_names_the_tensor(tmp_path, dtype, fmt):
     assert f"{e}gate_proj.weight_scale has dtype F32" in msg
     assert f"{e}down_proj.weight{codes} has shape" in msg
     assert f"{dense}{codes} holds {dtype} codes but its scale {dense}_scale is missing" in msg
+
+
+@pytest.mark.parametrize("dtype,fmt,patterns", [
+    ("nvfp4", None, ["lm_head", "model.layers.*.self_attn*", "*.mlp.gate"]),  # ModelOpt: fnmatch wildcards
+    ("nvfp4", "compressed-tensors", ["lm_head", "re:.*self_attn\\..*", "re:.*mlp\\.gate$"]),  # names and re:
+    ("int4", None, ["lm_head", "re:.*self_attn\\.[qkvo]_proj$", "re:.*mlp\\.gate$"])])
+def test_modules_excluded_by_pattern_load_unquantized(tmp_path, dtype, fmt, patterns):
+    """Attention left unquantized as the exporters do (float tensors, excluded by a wildcard or a regex):
+    the same logits, to the bit, as the checkpoint dequantized whole; a module the config excludes but
+    the checkpoint holds codes for is one line naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from moetier.checkpoint.loader import load_model
+    from moetier.errors import CheckpointError
+
+    path = ckpt(tmp_path, "tiny", dtype, fmt, seed=4)
+    full = load_file(dequantized_copy(path, tmp_path / "ref") / "model.safetensors")
+    _, ref, _ = load_model(tmp_path / "ref", dtype="float32")
+    f = path / "model.safetensors"
+    codes_of = load_file(f)
+    cfg = json.loads((path / "config.json").read_text())
+    key = "exclude_modules" if dtype == "nvfp4" and fmt is None else "ignore"
+    cfg["quantization_config"][key] = patterns
+    (path / "config.json").write_text(json.dumps(cfg))
+    codes = "" if key == "exclude_modules" else "_packed"
+    t = dict(codes_of)
+    for name in [n for n in t if ".self_attn." in n and n.endswith(".weight" + codes)]:
+        w = name.removesuffix(codes)
+        for suffix in ("_scale", "_scale_2", "_global_scale", "_shape", "_packed"):
+            t.pop(w + suffix, None)
+        t[w] = full[w]  # the float32 weight in place of its codes
+    save_file(t, f)
+    prompt = torch.arange(2, 9)
+    _, model, _ = load_model(path, dtype="float32")
+    assert torch.equal(logits_of(model, prompt, 2), logits_of(ref, prompt, 2))
+    first = "model.layers.0.self_attn.q_proj.weight"
+    t.pop(first)  # one module's codes and scales back
+    t.update({n: x for n, x in codes_of.items() if n.startswith(first)})
+    save_file(t, f)
+    with pytest.raises(CheckpointError, match=f"{first}{codes} is quantized but quantization_config excludes "
+                                              f"{first.removesuffix('.weight')}"):
+        load_model(path, dtype="float32")

@@ -67,19 +67,3 @@ def test_gpu_4bit_grouped_gemm_matches_the_reference_and_is_placement_exact(quan
     fetch = row_fetch(rows, lay, torch.bfloat16)
     oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key))), w.double())
     assert ((resident.double() - oracle).norm() / oracle.norm()).item() <= 1e-2
-
-
-@pytest.mark.parametrize("quant", FORMATS)
-def test_compiled_host_kernel_refuses_4bit_rows_and_auto_takes_the_torch_kernel(quant):
-    """The compiled host kernel (hybrid/csrc/host_experts.cpp) has no 4-bit code: naming it is one clear
-    error; auto (and the hybrid backend's fallback) takes the grouped torch kernel with one warning."""
-    from moetier.experts.hybrid import host_ext
-    from moetier.experts.hybrid.host_kernels import GroupedKernel, host_kernel
-
-    lay = RowLayout(64, 32, quant)
-    with pytest.raises(ValueError, match=f"no code for {quant} rows; use host kernel 'grouped'"):
-        host_kernel("compiled", lay)
-    with pytest.warns(UserWarning, match=f"'grouped' for {quant} rows"):
-        kernel = host_kernel("auto", lay)
-    assert isinstance(kernel, GroupedKernel) and quant in kernel.fallback_reason
-    assert host_ext.kind_of(torch.zeros(2, lay.numel, dtype=torch.uint8), lay) is None

@@ -120,6 +120,7 @@ def generate(
             "finish_reason": result.finish_reason,
             "stop": result.stop,
             "timings": {**result.timings, "load_s": gen.load_report.seconds},
+            "load_notes": gen.load_report.notes,
             "experts": gen.llm.metrics()["expert_stats"],
             "plan": plan.as_dict(),
             "audit": gen.llm.audits,
