@@ -9,9 +9,7 @@ problem in a config.json is reported in one error, so a user fixes them all in o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -178,36 +176,3 @@ class ModelConfig:
         """Bytes of each transient the attention of one layer holds at a step of `tokens` tokens
         (plan/residents.step_activations)."""
         raise NotImplementedError
-
-
-def config_from_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """The family's config class, chosen by model_type (or architectures), parses d."""
-    from moetier.models.registry import config_class, lookup
-
-    return config_class(lookup(d, source)).from_dict(d, source)
-
-
-def config_from_dir(path: str | Path) -> ModelConfig:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ConfigError(
-            f"{f} not found: --model must be a Hugging Face checkpoint directory holding config.json, "
-            "tokenizer.json and *.safetensors"
-        )
-    try:
-        d = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{f} is not readable JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{f} must hold a JSON object")
-    hq = Path(path) / "hf_quant_config.json"  # ModelOpt's quantization file beside config.json
-    if "quantization_config" not in d and hq.is_file():
-        try:
-            qc = qconfig.from_hf_quant_config(json.loads(hq.read_text()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{hq} is not readable JSON: {e}") from None
-        if qc is None:
-            raise ConfigError(f"{hq} has no \"quantization\" object (ModelOpt writes quant_algo, group_size and "
-                              "exclude_modules there)")
-        d = {**d, "quantization_config": qc}
-    return config_from_dict(d, source=str(f))

@@ -171,7 +171,7 @@ def test_config_detection_and_exclusion():
 
 
 def test_an_unknown_quantization_config_is_one_line_naming_what_is_read():
-    from moetier.config import config_from_dict
+    from moetier.models.registry import config_from_dict
     from moetier.errors import ConfigError
     from moetier.presets import preset_dict
 

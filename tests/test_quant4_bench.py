@@ -16,7 +16,7 @@ from moetier.quant.quant_config import example
 @pytest.mark.parametrize("quant,row", [("nvfp4", 2_654_224), ("int4", 2_433_024), ("int4-g32", 2_654_208)])
 def test_memory_plan_counts_4bit_rows_exactly(quant, row):
     from moetier.plan import residents
-    from moetier.plan.cli import quantized_preset
+    from moetier.cli.plan import quantized_preset
     from moetier.plan.memory import PlanRequest, count
 
     bf = presets.preset("qwen3-30b-a3b", dtype="bfloat16")
@@ -31,7 +31,7 @@ def test_memory_plan_counts_4bit_rows_exactly(quant, row):
 
 def test_bench_decode_runs_4bit_rows_beside_fp8_on_cpu(tmp_path):
     from moetier.bench import decode
-    from moetier.bench.cli import parse_dtypes
+    from moetier.cli.bench_common import parse_dtypes
     from moetier.checkpoint.random_bed import random_bed
     from moetier.traces.format import write_trace
     from moetier.traces.synth import SynthParams, meta_of, synthesize

@@ -145,7 +145,7 @@ def test_activation_scales_are_never_read(tmp_path):
 
 
 def test_hf_quant_config_beside_config_json(tmp_path):
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
 
     path = ckpt(tmp_path, "tiny", "nvfp4", None)
     cfg = json.loads((path / "config.json").read_text())

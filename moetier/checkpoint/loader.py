@@ -37,7 +37,8 @@ from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8,
 from moetier.checkpoint import quant4_weights as quant4
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import model_weights, validate
-from moetier.config import ModelConfig, config_from_dir
+from moetier.config import ModelConfig
+from moetier.models.registry import config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement

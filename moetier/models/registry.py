@@ -6,10 +6,13 @@ Adding an architecture: its model file (model class + config class) and one line
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetier.errors import ConfigError
+from moetier.quant import quant_config
 
 if TYPE_CHECKING:
     from moetier.config import ModelConfig
@@ -68,3 +71,34 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         if a.model_type == cfg.model_type:
             return _attr(a, a.model_class)
     raise ConfigError(f"model_type {cfg.model_type!r} is not supported. moetier supports: {supported()}.")
+
+
+def config_from_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The family's config class, chosen by model_type (or architectures), parses d."""
+    return config_class(lookup(d, source)).from_dict(d, source)
+
+
+def config_from_dir(path: str | Path) -> ModelConfig:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ConfigError(
+            f"{f} not found: --model must be a Hugging Face checkpoint directory holding config.json, "
+            "tokenizer.json and *.safetensors"
+        )
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{f} is not readable JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{f} must hold a JSON object")
+    hq = Path(path) / "hf_quant_config.json"  # ModelOpt's quantization file beside config.json
+    if "quantization_config" not in d and hq.is_file():
+        try:
+            qc = quant_config.from_hf_quant_config(json.loads(hq.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{hq} is not readable JSON: {e}") from None
+        if qc is None:
+            raise ConfigError(f"{hq} has no \"quantization\" object (ModelOpt writes quant_algo, group_size and "
+                              "exclude_modules there)")
+        d = {**d, "quantization_config": qc}
+    return config_from_dict(d, source=str(f))
