@@ -63,3 +63,33 @@ def get_row(quant, lay) -> int:
     from moetier.quant.registry import get
 
     return get(quant).row_bytes(lay.hidden, lay.inter)
+
+
+def test_h200_summary_judges_the_targets_from_the_records(tmp_path):
+    """scripts/quant4_summary.py on records shaped as bench decode / prefill write them: ratios taken
+    side by side, a missing record said so, a differing row's check a failure."""
+    import json
+
+    from scripts.quant4_summary import main
+
+    rows = [{"backend": b, "budget": bu, "batch": n, "dtype": d, "tok_s": t} for b, bu, n, d, t in (
+        ("slots", 0.5, 1, "bf16", 400.0), ("slots", 0.5, 1, "fp8", 700.0), ("slots", 0.5, 1, "nvfp4", 1000.0),
+        ("slots", 0.5, 8, "fp8", 1000.0), ("slots", 0.5, 8, "nvfp4", 1400.0),
+        ("resident", None, 1, "fp8", 900.0), ("resident", None, 1, "nvfp4", 950.0))]
+    (tmp_path / "decode-qwen3-q4.json").write_text(json.dumps({
+        "rows": rows, "greedy_tokens_equal_to_resident": {"slots@0.5/b1/nvfp4": True},
+        "output_checks": {"slots@0.5/b8/nvfp4": "MISMATCH (rel err 1e-1)"}}))
+    (tmp_path / "prefill-q4.json").write_text(json.dumps({"rows": [
+        {"backend": "resident", "prompt_len": 2048, "dtype": d, "tok_s": t} for d, t in (("bf16", 1e4), ("nvfp4", 9e3))]}))
+    assert main([str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "quant4-summary.json").read_text())
+    v = {t["target"]: (t["measured"], t["verdict"]) for t in got["targets"]}
+    assert v["qwen3-30b-a3b slots@50% b1 nvfp4/fp8"] == (1000 / 700, "pass")
+    assert v["qwen3-30b-a3b slots@50% b1 nvfp4/bf16"] == (2.5, "pass")
+    assert v["qwen3-30b-a3b slots@50% b8 nvfp4/fp8"] == (1.4, "FAIL")
+    assert v["qwen3-30b-a3b resident b1 nvfp4/fp8"][1] == "pass"
+    assert v["prefill resident pp2048 nvfp4/bf16"] == (0.9, "pass") and v["prefill resident pp2048 int4/bf16"][1] == "missing"
+    assert v["glm-5.3-flash slots@50% b1 nvfp4/fp8"] == (None, "missing")
+    checks = {c["target"]: c["verdict"] for c in got["checks"]}
+    assert checks["decode qwen3 slots@0.5/b8/nvfp4 output check"] == "FAIL"
+    assert checks["decode glm-5.3-flash record"] == "missing"
