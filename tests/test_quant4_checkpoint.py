@@ -223,3 +223,30 @@ def test_modules_excluded_by_pattern_load_unquantized(tmp_path, dtype, fmt, patt
     with pytest.raises(CheckpointError, match=f"{first}{codes} is quantized but quantization_config excludes "
                                               f"{first.removesuffix('.weight')}"):
         load_model(path, dtype="float32")
+
+
+@pytest.mark.parametrize("fmt,suffix,shape", [(None, "_scale_2", (1,)), ("compressed-tensors", "_global_scale", ())])
+def test_tensor_scales_stored_as_a_scalar_or_one_element(tmp_path, fmt, suffix, shape):
+    """Exporters store a linear's float32 tensor scale as [] or [1]: both load to the same logits; any
+    other shape is still one line naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from moetier.checkpoint.loader import load_model
+    from moetier.errors import CheckpointError
+
+    path = ckpt(tmp_path, "tiny", "nvfp4", fmt, seed=6)
+    prompt = torch.arange(4, 10)
+    _, model, _ = load_model(path, dtype="float32")
+    want = logits_of(model, prompt, 1)
+    f = path / "model.safetensors"
+    t = load_file(f)
+    scales = [n for n in t if n.endswith(suffix)]
+    assert any(".experts." in n for n in scales) and any("self_attn" in n for n in scales)
+    save_file({n: x.reshape(shape) if n in scales else x for n, x in t.items()}, f)
+    _, model, _ = load_model(path, dtype="float32")
+    assert torch.equal(logits_of(model, prompt, 1), want)
+    bad = "model.layers.0.self_attn.o_proj.weight" + suffix
+    save_file({n: x.reshape(2) if n == bad else x for n, x in
+               {**t, bad: torch.cat([t[bad].reshape(1), t[bad].reshape(1)])}.items()}, f)
+    with pytest.raises(CheckpointError, match=f"{bad} has shape \\[2\\]"):
+        load_model(path, dtype="float32")

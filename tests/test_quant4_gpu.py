@@ -11,11 +11,11 @@ import importlib.util
 import pytest
 import torch
 
-from tests.test_gpu import capture, random_ids, replay_against_resident
+from tests.test_fp8_gpu import QE, QH, QI, QK, large_step_against_oracle
+from tests.test_gpu import replay_backends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-QE, QH, QI, QK = 64, 2048, 768, 8  # Qwen3-30B-A3B's expert shape, half its experts
 FORMATS = ("nvfp4", "int4", "int4-g32")
 
 
@@ -32,57 +32,17 @@ def q4_store(quant: str, e: int = QE, seed: int = 0):
     return store, layout
 
 
-def oracle(x, ids, w, rows, layout):
-    """float64 over the weights the reference model holds: each row dequantized into bf16."""
-    from moetier.experts.reference import combine, expert_pairs, row_fetch
-
-    fetch = row_fetch(rows, layout, torch.bfloat16)
-    return combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key))), w.double())
-
-
 @pytest.mark.parametrize("quant", FORMATS)
 def test_4bit_graph_replay_equals_eager_resident(quant):
-    from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-
     store, layout = q4_store(quant, seed=1)
-    host = store.rows(0)
-    resident = ResidentExperts(host.cuda(), layout, QK)
-    slots = SlotExperts(host, layout, QK, num_slots=QE // 4, device="cuda")
-    uva = UvaExperts(host, layout, QK, device="cuda")
-    t = 4
-    x = torch.zeros(t, QH, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(t, QK, dtype=torch.int64, device="cuda")
-    w = torch.zeros(t, QK, dtype=torch.bfloat16, device="cuda")
-    graphs = {}
-    for name, b in (("slots", slots), ("uva", uva)):
-        ids.copy_(random_ids(torch.Generator().manual_seed(0), t, QK, QE))
-        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
-    replay_against_resident(graphs, resident, slots, x, ids, w, 40, 3,
-                            lambda g, step: random_ids(g, t, QK, QE, dup=step % 5 == 0))
-    st = slots.cache.read_stats()
+    st = replay_backends(store.rows(0), layout, QK, 4, QE // 4, 40, 3)
     assert st["misses"] > 50 and st["overflow"] > 0
 
 
 @pytest.mark.parametrize("quant", FORMATS)
 def test_4bit_large_step_vs_reference_and_backends(quant):
-    from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-
     store, layout = q4_store(quant, e=32, seed=2)
-    host = store.rows(0)
-    g = torch.Generator().manual_seed(5)
-    t = 200  # above decode_tokens: the large-step grouped GEMM
-    x = torch.randn(t, QH, generator=g).to(torch.bfloat16).cuda()
-    ids = random_ids(g, t, QK, 32).cuda()
-    w = torch.rand(t, QK, generator=g).to(torch.bfloat16).cuda()
-    resident = ResidentExperts(host.cuda(), layout, QK).forward(x, ids, w)
-    slots = SlotExperts(host, layout, QK, num_slots=8, device="cuda")
-    slots.cache.warm(list(range(8)))
-    slots.slots.copy_(host[:8].cuda())
-    assert torch.equal(slots.forward(x, ids, w), resident)
-    assert torch.equal(UvaExperts(host, layout, QK, device="cuda").forward(x, ids, w), resident)
-    want = oracle(x.cpu(), ids.cpu(), w.cpu(), host, layout)
-    err = ((resident.double().cpu() - want).norm() / want.norm()).item()
-    assert err <= 1e-2, err
+    large_step_against_oracle(store.rows(0), layout)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-dsv3", "tiny-glm5-next"])

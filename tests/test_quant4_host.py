@@ -2,7 +2,7 @@
 kernel (experts/hybrid/csrc/host_experts.cpp, host_decode.h) decodes the codes and scales in
 registers. Against the fp32 oracle (host_kernels.reference, which dequantizes with the formats' torch
 references) on ragged shapes with every nibble and e4m3 subnormal scales; bitwise independent of the
-thread count; the hybrid backend with it against resident.
+thread count (the hybrid backend with 4-bit rows: tests/test_host_ext.py).
 
 Tolerances as tests/test_host_ext.py's: the kernel sums in its own fp32 order, the oracle in BLAS
 order; fp32 hidden states leave only that difference (1e-5), bf16 ones the bf16 roundings (1e-2)."""
@@ -12,29 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.checkpoint.random_bed import fill_4bit_rows
 from moetier.experts.hybrid import host_ext
 from moetier.experts.hybrid.host_kernels import CompiledKernel, host_kernel, reference
 from moetier.quant import nvfp4
 from moetier.quant.rows import RowLayout
+from tests.test_host_ext import H, I, lib, rel, rows_of, step  # noqa: F401 (lib: the built kernel, a fixture)
 
-FORMATS = ("nvfp4", "int4", "int4-g32")
-H, I = 200, 72  # ragged: groups of 16 (12.5 per gate row), 128 and 32 end short; no SIMD width divides 200
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if host_ext.compiler() is None:
-        pytest.skip("no C++ compiler found (c++, g++ or clang++; or MOETIER_CXX): the compiled host kernel "
-                    "cannot be built here")
-    return host_ext.load()
-
-
-def quantized_rows(quant: str, e: int = 6, seed: int = 0) -> tuple[RowLayout, torch.Tensor]:
-    lay = RowLayout(H, I, quant)
-    rows = torch.zeros(e, lay.numel, dtype=torch.uint8)
-    fill_4bit_rows(rows, lay, torch.Generator().manual_seed(seed))
-    return lay, rows
+FORMATS = ("nvfp4", "int4", "int4-g32")  # on test_host_ext's ragged H, I: groups of 16, 128 and 32 end short
 
 
 def random_code_rows(quant: str, e: int = 5, seed: int = 4) -> tuple[RowLayout, torch.Tensor]:
@@ -56,16 +40,6 @@ def random_code_rows(quant: str, e: int = 5, seed: int = 4) -> tuple[RowLayout, 
     return lay, rows
 
 
-def step(t: int, k: int, e: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).reshape(-1)
-    return torch.randn(t, H, generator=g).to(torch.bfloat16), ids, torch.rand(t * k, generator=g)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
 @pytest.mark.parametrize("quant", FORMATS)
 def test_compiled_kernel_decodes_every_code_and_scale_as_the_torch_reference(lib, quant):
     lay, rows = random_code_rows(quant)
@@ -82,7 +56,7 @@ def test_compiled_kernel_decodes_every_code_and_scale_as_the_torch_reference(lib
 
 @pytest.mark.parametrize("quant", FORMATS)
 def test_compiled_kernel_in_a_bf16_model_matches_the_reference_and_grouped(lib, quant):
-    lay, rows = quantized_rows(quant)
+    lay, rows = rows_of(quant)
     t, k = 5, 3
     x, ids, w = step(t, k, rows.shape[0])
     pairs = torch.tensor([0, 1, 2, 4, 6, 7, 8, 12, 13, 14])  # token 3's pairs are not asked for
@@ -95,7 +69,7 @@ def test_compiled_kernel_in_a_bf16_model_matches_the_reference_and_grouped(lib, 
 
 @pytest.mark.parametrize("quant", FORMATS)
 def test_thread_count_and_tiling_never_change_a_bit(lib, quant):
-    lay, rows = quantized_rows(quant, e=5, seed=2)
+    lay, rows = rows_of(quant, e=5, seed=2)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(11, H, generator=g).to(torch.bfloat16)
     tokens = torch.cat([torch.arange(11), torch.tensor([0, 1, 2, 3, 4, 0])])
@@ -105,25 +79,3 @@ def test_thread_count_and_tiling_never_change_a_bit(lib, quant):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     alone = host_ext.pair_outputs(lib, x, tokens[-2:-1], experts[-2:-1], rows, lay, 2)
     assert torch.equal(alone[0], outs[0][-2])
-
-
-@pytest.mark.parametrize("quant", ["nvfp4", "int4"])
-def test_hybrid_with_the_compiled_kernel_on_4bit_rows_matches_resident(lib, quant):
-    from moetier.experts.backends import ResidentExperts, SlotExperts
-    from moetier.experts.hybrid.backend import HostPath, HybridExperts
-    from moetier.experts.hybrid.cost_model import PathRates
-
-    e, k, s = 12, 3, 4
-    lay, rows = quantized_rows(quant, e=e, seed=5)
-    res, slots = ResidentExperts(rows, lay, k, 16), SlotExperts(rows, lay, k, s, 16)
-    hyb = HybridExperts(rows, lay, k, s, 16, host=HostPath(lay, "compiled", 2, PathRates(50.0, {quant: 50.0})))
-    assert hyb.hostpath.kernel.name == "compiled"
-    g = torch.Generator().manual_seed(7)
-    for _ in range(6):
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(3)])
-        x, w = torch.randn(3, H, generator=g).to(torch.bfloat16), torch.rand(3, k, generator=g)
-        want = res.forward(x, ids, w)
-        assert torch.equal(slots.forward(x, ids, w), want)
-        assert rel(hyb.forward(x, ids, w), want) <= 2e-2  # bf16 outputs: the kernel keeps fp32 between roundings
-        hyb.cache.check()
-    assert hyb.stats()["host"] > 0

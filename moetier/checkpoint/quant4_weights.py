@@ -40,6 +40,7 @@ ACTIVATION_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scale")
 CODES = {"nvfp4": "U8", "int4": "I32", "int4-g32": "I32"}
 SCALES = {"nvfp4": "F8_E4M3", "int4": "BF16", "int4-g32": "BF16"}
 FLOATS = ("F32", "BF16", "F16")
+SCALAR = {(), (1,)}  # the shapes a linear's one float32 tensor scale is stored in
 
 
 def _group(quant: str) -> int:
@@ -95,9 +96,11 @@ def with_tensors(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> t
         if gname is not None:
             parts.append((gname, gshape, "F32", "_scale_2"))
         for name, shape, dtype, part in parts:
+            got = ckpt.tensors.get(name)
+            if part == "_scale_2" and got is not None and {tuple(got.shape), tuple(shape)} <= SCALAR:
+                shape = tuple(got.shape)  # a per-linear tensor scale stored as [] or [1]: exporters write either
             out.append(Weight(name, shape, skipped=dense,
                               expert=None if dense else ExpertTensor(x.layer, x.expert, x.part + part)))
-            got = ckpt.tensors.get(name)
             if got is None and dense:
                 problems.append(f"{info.file}: {cname} holds {cfg.quant} codes but its scale {name} is missing")
             elif got is not None and got.dtype != dtype:
