@@ -278,13 +278,16 @@ def test_bench_script_small_run_gives_rates_per_dtype(lib, tmp_path):
     out = tmp_path / "cpu.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(root / "scripts" / "bench_cpu_experts.py"), "--small", "--threads", "1",
-                        "--reps", "1", "--kernels", "compiled,grouped", "--out", str(out)],
+                        "--reps", "1", "--kernels", "compiled,grouped", "--dtypes", "bf16,fp8,nvfp4,int4",
+                        "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dtype  kernel" in r.stdout  # the last table
     data = json.loads(out.read_text())
-    assert data["compiled"]["available"] and set(data["winners"]) == {"bf16", "fp8"}
-    assert {(x["dtype"], x["kernel"]) for x in data["results"]} == {(d, k) for d in ("bf16", "fp8")
+    dtypes = ("bf16", "fp8", "nvfp4", "int4")
+    assert data["compiled"]["available"] and set(data["winners"]) == set(dtypes)
+    assert {(x["dtype"], x["kernel"]) for x in data["results"]} == {(d, k) for d in dtypes
                                                                     for k in ("compiled", "grouped")}
+    assert data["shape"]["row_bytes"]["nvfp4"] == RowLayout(256, 96, "nvfp4").numel  # --small's shape
     rates = rates_from_bench(data, link_GBps=50.0)
-    assert set(rates.host_GBps) == {"bfloat16", "fp8"} and min(rates.host_GBps.values()) > 0
+    assert set(rates.host_GBps) == {"bfloat16", "fp8", "nvfp4", "int4"} and min(rates.host_GBps.values()) > 0
