@@ -79,3 +79,30 @@ def test_thread_count_and_tiling_never_change_a_bit(lib, quant):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     alone = host_ext.pair_outputs(lib, x, tokens[-2:-1], experts[-2:-1], rows, lay, 2)
     assert torch.equal(alone[0], outs[0][-2])
+
+
+@pytest.mark.parametrize("quant", FORMATS)
+def test_the_nodes_host_function_reads_4bit_rows_as_the_kernel(lib, quant):
+    """The hybrid nodes mode's host-function node (csrc/host_node.cpp) passes a 4-bit row kind and
+    offsets (host_ext.call_kind, as nodes.py builds its job) through to the same kernel: the same bits.
+    Not the default mode for quantized rows (registry.nodes_by_default): it has not run on a GPU."""
+    import ctypes
+
+    from moetier.experts.hybrid.nodes import NodeJob
+    from moetier.experts.registry import nodes_by_default
+
+    assert not nodes_by_default("cuda", quant=quant)
+    lay, rows = rows_of(quant, e=6, seed=3)
+    g = torch.Generator().manual_seed(4)
+    p, t = 10, 4
+    x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+    tok, exp = torch.randint(0, t, (p,), generator=g), torch.randint(0, 6, (p,), generator=g)
+    want = host_ext.pair_outputs(lib, x, tok, exp, rows, lay, 2)
+    kind, s13, s2 = host_ext.call_kind(rows, lay, True)
+    plan = torch.zeros(1 + 2 * p, dtype=torch.int64)
+    plan[0], plan[1:1 + p], plan[1 + p:] = p, tok, exp
+    xs, h, y = x.float(), torch.zeros(p, I), torch.full((p, H), float("nan"))
+    job = NodeJob(rows.data_ptr(), rows.shape[0], rows.shape[1], kind, H, I, s13, s2, 1, host_ext.limit_arg(lay),
+                  xs.data_ptr(), t, plan.data_ptr(), p, h.data_ptr(), y.data_ptr(), 2, 0)
+    lib.moetier_host_node(ctypes.addressof(job))
+    assert job.status == 0 and job.pairs == p and torch.equal(y, want)
