@@ -51,17 +51,17 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time cap, log to $out/NAM
   git rev-parse --short HEAD 2>/dev/null
 } | tee "$out/stages.txt"
 
-stage q4-gpu-tests 100 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
-stage layer-q4 60 "${mt[@]}" bench layer --preset qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4 --no-tune --out "$out/layer-q4.json"
-stage tune-q4 40 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nvfp4,int4 --tokens 1,8
-stage decode-qwen3-q4 150 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \
+stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
+stage layer-q4 55 "${mt[@]}" bench layer --preset qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4 --no-tune --out "$out/layer-q4.json"
+stage tune-q4 30 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nvfp4,int4 --tokens 1,8
+stage decode-qwen3-q4 135 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \
   --backends resident,slots --expert-budget 50% --expert-budget 25% --batch 1 --batch 8 --batch 32 \
   --tokens 32 --warmup 16 --out "$out/decode-qwen3-q4.json"
 if python3 -c 'import fla' 2>/dev/null; then
   # GLM-5.3-Flash's routing: 288 experts, top-8, the glm-5.3-like trace's parameters, every layer id
   "${mt[@]}" trace synth --out "$out/glm53flash.mtrace" --preset glm-5.3-like --experts 288 --topk 8 --layers 45 \
     --tokens 4096 > "$out/glm53flash-trace.log" 2>&1
-  stage decode-glm53flash-q4 60 "${mt[@]}" bench decode --preset glm-5.3-flash --layers 4 --trace "$out/glm53flash.mtrace" \
+  stage decode-glm53flash-q4 50 "${mt[@]}" bench decode --preset glm-5.3-flash --layers 4 --trace "$out/glm53flash.mtrace" \
     --dtype bf16,fp8,nvfp4,int4 --backends resident,slots --expert-budget 50% --expert-budget 25% \
     --batch 1 --batch 8 --tokens 16 --warmup 8 --out "$out/decode-glm53flash-q4.json"
 else
