@@ -247,16 +247,18 @@ class PrefixCache:
     def evict(self, n: int) -> list[int]:
         """Evict up to n evictable pages, least recently used first, to the host tier if any; their ids
         go back to the pool's free list and are returned."""
-        out = []
-        while len(out) < n and self._lru:
+        victims = []
+        while len(victims) < n and self._lru:
             p, _ = self._lru.popitem(last=False)
             h = self._hash_of.pop(p)
             del self._page_of[h]
-            if self.host is not None:
-                self.host.store(h, p)
+            victims.append((h, p))
+        if self.host is not None:
+            self.host.store_many(victims)
+        for h, _ in victims:
             if self.host is None or h not in self.host:
                 self._drop_checkpoint(h)
-            out.append(p)
+        out = [p for _, p in victims]
         if self.host is not None:
             for h in self.host.take_dropped():
                 if h not in self._page_of and h not in self.host:  # it may have come back this call
