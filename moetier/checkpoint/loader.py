@@ -147,13 +147,19 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
     with torch.no_grad():
         if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
             full = tensor(w.name)
-            src = full if par.ep == 1 else full[par.ep_rank::par.ep]
-            lay.part(rows[x.layer], x.part, None).copy_(mine(src))
+            src = mine(full if par.ep == 1 else full[par.ep_rank::par.ep])
+            if x.layer not in placement.pinned:
+                lay.part(rows[x.layer], x.part, None).copy_(src)
+                return True
+            for local in range(src.shape[0]):  # pinned experts to the device, only cached ones to the host
+                dest, i = placement.home(x.layer, local, rows[x.layer])
+                lay.part(dest, x.part, i).copy_(src[local])
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
-        lay.part(rows[x.layer], x.part, local).copy_(mine(tensor(w.name)))
+        dest, i = placement.home(x.layer, local, rows[x.layer])  # the device block for a pinned expert (split.py)
+        lay.part(dest, x.part, i).copy_(mine(tensor(w.name)))
         return True
 
 

@@ -33,6 +33,7 @@ from moetier.config import ModelConfig
 from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.cache.split import local_pinned
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
@@ -55,6 +56,10 @@ class Bed:
     dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
     par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
     split: str = "replicate"  # the routed experts' split under tensor parallelism (experts/parallel/columns.py)
+    # experts pinned on the GPU (experts/cache/split.py): per MoE layer the global ids, and their rows
+    # [P, R] on the device (local ids ascending); their host rows are never backed
+    pinned: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    pinned_rows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -97,10 +102,13 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
-               split: str = "auto") -> Bed:
+               split: str = "auto", pinned: dict[int, tuple[int, ...]] | None = None) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
     rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
-    rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert."""
+    rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert.
+    pinned: per MoE layer the experts (global ids) kept on the device instead (experts/cache/split.py):
+    the same draws, their rows stay on the device and only the cached rows reach the host, so a model
+    larger than the host fits when the GPU holds the difference."""
     from moetier.checkpoint.fp8_weights import with_dense
 
     if quant is not None:
@@ -114,9 +122,12 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     split = resolve(split, cfg.moe_shape, par.tp, par.ep, "resident")  # refuses a bad explicit columns
     ours = local_shape(cfg.moe_shape, split, par.tp).layout  # this rank's rows (the whole without columns)
     ep, mine = par.ep, par.ep_rank
+    pinned = {layer: tuple(sorted(ids)) for layer, ids in (pinned or {}).items() if ids}
+    held = {layer: local_pinned(ids, mine, ep) for layer, ids in pinned.items()}
     store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), ours, dtype,
-                      pin=torch.device(device).type == "cuda")
+                      pin=torch.device(device).type == "cuda", pinned=held)
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
+    on_gpu = {layer: torch.empty(len(ids), ours.numel, dtype=store.dtype, device=device) for layer, ids in held.items()}
     g = torch.Generator(device=device).manual_seed(seed)
     fp8_weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
     in_fp8 = {id(p) for m in fp8_weights for p in (m.q, m.scale)}
@@ -131,8 +142,10 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
         for m in fp8_weights:
             w = torch.empty(m.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
             m.rows().copy_(*fp8.quantize(w), "random")
-        for rows in host.values():
+        for layer, rows in host.items():
             # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
+            if layer in held:
+                rows = _SplitRows(rows, held[layer], on_gpu[layer])
             for a in range(0, cfg.num_experts, 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, cfg.num_experts)
                 tmp = torch.empty(b - a, layout.numel, dtype=rows.dtype, device=device)
@@ -152,7 +165,41 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                 rows[[e // ep for e in own]] = tmp[[e - a for e in own]].to(rows.device)
     bed = _bed(model, host, par=par)
     bed.split = split
+    bed.pinned, bed.pinned_rows = pinned, on_gpu
     return bed
+
+
+class _SplitRows:
+    """Rows [E, R] of one layer as random_bed writes them (rows[a:b] = ..., rows[list] = ...): a pinned
+    expert's row goes to the device rows [P, R], the others to the host block."""
+
+    def __init__(self, host: torch.Tensor, pinned: tuple[int, ...], device_rows: torch.Tensor):
+        self.host, self.device_rows = host, device_rows
+        self.dtype = host.dtype
+        self.at = {e: j for j, e in enumerate(pinned)}
+
+    def __setitem__(self, index, value: torch.Tensor) -> None:
+        ids = list(range(index.start, index.stop)) if isinstance(index, slice) else list(index)
+        for i, e in enumerate(ids):
+            if e in self.at:
+                self.device_rows[self.at[e]].copy_(value[i])
+            else:
+                self.host[e].copy_(value[i])
+
+    def __getitem__(self, index):
+        return _Slice(self, index)
+
+    @property
+    def device(self) -> torch.device:
+        return self.host.device
+
+
+class _Slice:
+    def __init__(self, rows: _SplitRows, index):
+        self.rows, self.index = rows, index
+
+    def copy_(self, value: torch.Tensor) -> None:
+        self.rows[self.index] = value
 
 
 def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -214,11 +261,26 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     slots = slots_for(cfg, backend, budget, bed.par.ep, bed.par.tp if bed.split == "columns" else 1)
+    if bed.pinned and backend not in ("resident", "slots", "hybrid"):
+        raise ValueError(f"a bed with pinned experts serves resident, slots or hybrid, not {backend}: "
+                         "their host rows are not there")
+    if bed.pinned and backend != "resident":
+        most = max(len(ids) for ids in bed.pinned_rows.values())  # slots: at most the cached experts
+        slots = min(slots, local_experts(cfg.num_experts, bed.par.ep) - most) if slots else slots
+        options.setdefault("pinned", bed.pinned)
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
                                 ExpertOptions(backend, slots=slots or None, policy=policy, split=bed.split,
                                               **options), dev,
                                 decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
-        rows = bed.host[block.layer]
-        block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)
+        rows, layer = bed.host[block.layer], block.layer
+        if backend == "resident":
+            rows = rows.to(dev, copy=True)
+            if layer in bed.pinned_rows:  # the pinned experts' host rows are unbacked zeros
+                rows[list(local_pinned(bed.pinned[layer], bed.par.ep_rank, bed.par.ep))] = bed.pinned_rows[layer]
+        elif layer in bed.pinned_rows:  # into the new device block, after its slots; the old block goes
+            dest = placement.device_rows(layer)
+            dest[placement.num_slots(layer):] = bed.pinned_rows[layer]
+            bed.pinned_rows[layer] = dest[placement.num_slots(layer):]
+        block.experts = placement.build(layer, rows)
     return slots
