@@ -1,0 +1,73 @@
+"""Pinned experts through the model: a checkpoint loaded with a split, and the random-weight bed that
+makes pinned rows on the device and only cached rows on the host, both bit-exact against resident on
+the CPU; the options refuse a bad split in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import Sequence
+from tests.test_slots import lockstep
+
+from moetier.checkpoint.loader import load_model
+from moetier.experts.placement import ExpertOptions
+
+# the tiny preset: MoE layers 0..3, 32 experts top-4
+PINNED = {0: (0, 5, 6, 7, 31), 2: tuple(range(0, 32, 2)), 3: (9,)}
+
+
+def test_checkpoint_with_pinned_experts_bit_exact(tiny_ckpt):
+    models = lockstep(tiny_ckpt, 40, {
+        "resident": ExpertOptions("resident"),
+        "slots": ExpertOptions("slots", slots=4, pinned=PINNED),
+        "ring": ExpertOptions("slots", slots=6, pinned=PINNED, prefill_stream="ring", prefill="refresh"),
+    })
+    stats = models["slots"].expert_stats()
+    assert stats["pinned"] > 0 and stats["misses"] > 0 and stats["steps"] == 4 * 40
+    for block in models["slots"].moe_blocks():
+        held = PINNED.get(block.layer, ())
+        assert block.experts.cache.pinned == held
+        assert block.experts.nbytes()["host"] == (32 - len(held)) * block.experts.host.shape[1] * 4
+
+
+def test_random_bed_pinned_rows_on_the_device_only(tmp_path):
+    from moetier.checkpoint.random_bed import random_bed, use_backend
+    from moetier.presets import preset
+
+    cfg = preset("tiny")
+    plain = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32)
+    split = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, pinned=PINNED)
+    for layer, ids in PINNED.items():
+        # the same draws; the pinned rows are on the device and absent (unbacked zeros) on the host
+        assert torch.equal(split.pinned_rows[layer], plain.host[layer][list(ids)])
+        assert bool((split.host[layer][list(ids)] == 0).all())
+        rest = [e for e in range(32) if e not in ids]
+        assert torch.equal(split.host[layer][rest], plain.host[layer][rest])
+    use_backend(plain, "resident", decode_tokens=4)
+    use_backend(split, "slots", budget=0.25, decode_tokens=4)
+    seqs = (Sequence(plain.model, 40), Sequence(split.model, 40))
+    tok = torch.tensor([5, 17, 300, 42, 9])
+    for _ in range(12):
+        a, b = (plain.model.logits(s.forward(tok)) for s in seqs)
+        assert torch.equal(a, b)
+        tok = a[-1:].argmax(-1)
+    assert split.model.expert_stats()["pinned"] > 0
+    use_backend(split, "resident")  # the split bed rebuilds a resident model from both halves
+    assert torch.equal(split.model.moe_blocks()[0].experts.rows, plain.model.moe_blocks()[0].experts.rows)
+    with pytest.raises(ValueError, match="not uva"):
+        use_backend(split, "uva")
+
+
+@pytest.mark.parametrize("opts,match", [
+    (ExpertOptions("uva", pinned={0: (1,)}), "pinned experts need the slots or hybrid backend"),
+    (ExpertOptions("slots", pinned={7: (1,)}), r"names layers \[7\]"),
+    (ExpertOptions("slots", pinned={1: (40,)}), r"layer 1: pinned experts \[40\] are outside 0..31"),
+    (ExpertOptions("slots", slots=30, pinned={1: (1, 2, 3)}), "30 slots for the 29 cached experts"),
+])
+def test_bad_splits_refused_in_one_line(tiny_ckpt, opts, match):
+    from moetier.errors import MoetierError
+
+    with pytest.raises(MoetierError, match=match) as e:
+        load_model(tiny_ckpt, experts=opts)
+    assert "\n" not in str(e.value)
