@@ -53,7 +53,8 @@ def cfg_dtype(cfg):
 
 
 def predict(plan, cfg, trace, policy: str) -> dict:
-    """Hit rate and batch-1 tok/s the trace's simulation predicts for the plan's slots (traces/report.py)."""
+    """Hit rate and batch-1 tok/s the trace's simulation predicts for the plan's slots (traces/report.py),
+    and for its pinned experts too when it pins (traces/split_plan.py)."""
     from moetier.traces.report import DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, run_simulation
     from moetier.traces.simulate import Physics
 
@@ -67,13 +68,19 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
     phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
+    pinned_rate = None
     if plan.backend == "uva":
         per_layer = dict.fromkeys(trace.layers, 0)
         row = {"hit_rate": 0.0, "ms_per_token": phys.ms_per_token(trace.top_k, 0.0, trace.top_k)}
+    elif plan.pinned_per_layer:
+        from moetier.plan.split import predict_split
+
+        row = predict_split(plan, trace, policy, phys)
+        pinned_rate = row["pinned_rate"]
     else:
         row = run_simulation(trace, [policy], [], per_layer, phys)["rows"][0]
     return {"trace": str(trace.meta.get("path", "")) or "given", "policy": policy, "hit_rate": row["hit_rate"],
-            "tok_per_s": 1e3 / row["ms_per_token"], "slots_per_traced_layer": per_layer,
+            "pinned_rate": pinned_rate, "tok_per_s": 1e3 / row["ms_per_token"], "slots_per_traced_layer": per_layer,
             "physics": f"HBM {phys.hbm_GBps:.0f} GB/s, link {phys.link_GBps:.1f} GB/s, H200 figures"}
 
 
@@ -100,6 +107,11 @@ def plan_cmd(
                                               "and tok/s."),
     policy: opt.CachePolicy = "lfru",
     fp8_dense: opt.Fp8Dense = "dequantize",
+    pinned_file: Optional[Path] = typer.Option(None, "--pinned-experts-file", metavar="<file>",
+                                               help="Experts per MoE layer pinned on the GPU (no host copy); the "
+                                                    "rest cached. Default: the plan chooses."),
+    pinned_out: Optional[Path] = typer.Option(None, "--pinned-out", metavar="<file>",
+                                              help="Write the plan's pinned experts per layer to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -147,6 +159,14 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
+        if pinned_file is not None:
+            from dataclasses import replace
+
+            from moetier.experts.cache.split import read_pinned_file
+
+            if experts.backend not in ("slots", "hybrid"):
+                raise MoetierError("--pinned-experts-file needs --expert-backend slots or hybrid")
+            experts = replace(experts, pinned=read_pinned_file(opt.input_file(pinned_file, "--pinned-experts-file")))
         if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
             raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is "
                                f"{cfg.max_position_embeddings:,} tokens; give at most that, or leave the option out")
@@ -162,6 +182,13 @@ def plan_cmd(
     except MoetierError as e:
         opt.fail(e)
     refused = None if plan.fits() else refusal(req, plan)
+    if pinned_out is not None and refused is None:
+        from moetier.experts.cache.split import write_pinned_file
+
+        try:
+            write_pinned_file(pinned_out, plan.pinned_experts, {"model": cfg.model_type, "layers": cfg.num_layers})
+        except OSError as e:
+            opt.fail(MoetierError(f"--pinned-out {pinned_out}: cannot write it ({e.strerror})"))
     if as_json:
         typer.echo(to_json(plan))
         if refused is not None:

@@ -69,20 +69,30 @@ def _placed(req: PlanRequest, experts, trace=None) -> Plan:
         return auto_plan(req, trace, experts.policy)
     if experts.backend in ("slots", "hybrid"):  # hybrid: the slots' plan, then counted as hybrid
         b = experts.backend
-        if experts.slots is None and not experts.slots_per_layer:
+        if experts.slots is None and not experts.slots_per_layer and not experts.pinned:
             plan = auto_plan(req, trace, experts.policy)
             if plan.backend == "slots":
-                return plan if b == "slots" else count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer))
+                if b == "slots":
+                    return plan
+                hybrid = count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer,
+                                       pinned_per_layer=plan.pinned_per_layer))
+                hybrid.pinned_experts, hybrid.notes = plan.pinned_experts, plan.notes
+                return hybrid
             return count(replace(req, backend=b, slots_per_layer=dict.fromkeys(layers, e)))
-        slots = {layer: experts.slots_for(layer, e) for layer in layers}
-        return count(replace(req, backend=b, slots_per_layer=slots))
+        pins = {layer: len(experts.pinned.get(layer, ())) for layer in layers}  # an explicit split (a file)
+        slots = {layer: experts.slots_for(layer, e, pins[layer]) for layer in layers}
+        plan = count(replace(req, backend=b, slots_per_layer=slots, pinned_per_layer=pins))
+        plan.pinned_experts = {layer: list(ids) for layer, ids in experts.pinned.items() if ids}
+        return plan
     return count(replace(req, backend=experts.backend))
 
 
 def options_for(plan: Plan, experts):
     """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
+    cached = plan.backend in ("slots", "hybrid")
     return replace(experts, backend=plan.backend, slots=None,
-                   slots_per_layer=dict(plan.slots_per_layer) if plan.backend in ("slots", "hybrid") else {})
+                   slots_per_layer=dict(plan.slots_per_layer) if cached else {},
+                   pinned={layer: tuple(ids) for layer, ids in plan.pinned_experts.items()} if cached else {})
 
 
 def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:

@@ -136,14 +136,16 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
     return shape.layout.row_bytes(dtype)
 
 
-def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
+def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int, pinned: int = 0) -> list[int]:
     """Device tensors of one slots layer besides its rows: SlotCache (experts/cache/slots.py: expert_slot,
-    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
+    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock [1], stats [5] int64; the pinned
+    experts' ids [P] int64 and rows [P] int32), the prefill
     refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
     (experts/cache/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
     miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
     e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
+    held = [8 * pinned, 4 * pinned] if pinned else []  # empty tensors take no block
+    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 40, 8, *held,
             4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
 
 
@@ -154,7 +156,8 @@ def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
     return [4 * p, 4 * p, 4 * p * inter, 4 * p * hidden, 4 * p, 4 * p]
 
 
-def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int) -> list[int]:
+def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int,
+                   pinned: int = 0) -> list[int]:
     """Device tensors one MoE layer's backend holds besides rows (experts/backends.py): the decode
     output [decode_tokens, H] (every backend), uva's [P] sentinel ids and one dummy row, slots'
     cache state."""
@@ -163,9 +166,9 @@ def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tok
     if backend == "uva":
         out += [4 * p, row_bytes(shape, dtype)]
     elif backend == "slots":
-        out += slot_cache_state(shape.num_experts, slots, p)
+        out += slot_cache_state(shape.num_experts, slots, p, pinned)
     elif backend == "hybrid":  # slots' state; the pair outputs [P, H] fp32 are one buffer for all layers
-        out += slot_cache_state(shape.num_experts, slots, p)
+        out += slot_cache_state(shape.num_experts, slots, p, pinned)
     return out
 
 
@@ -272,11 +275,16 @@ def prefill_stream(shape: MoeShape, dtype: torch.dtype) -> int:
     return 2 * row_bytes(shape, dtype)
 
 
-def store_allocation(num_layers: int, num_experts: int, row: int, page: int) -> tuple[int, int]:
+def store_allocation(num_layers: int, num_experts: int, row: int, page: int, pinned: list[int] | None = None
+                     ) -> tuple[int, int]:
     """HostStore (experts/cache/store.py): per layer one [E, row] block, over-allocated by one page for
-    alignment. -> (requested bytes, allocated bytes)."""
-    requested = num_layers * num_experts * row
-    return requested, requested + num_layers * page
+    alignment. A layer with P pinned experts backs only its E - P cached rows, each run of them rounded
+    out to whole pages (at most min(P + 1, E - P) runs, two partial pages each: the bound counted).
+    -> (requested bytes, allocated bytes)."""
+    pinned = pinned or [0] * num_layers
+    requested = sum((num_experts - p) * row for p in pinned)
+    rounding = sum(2 * page * min(p + 1, num_experts - p) if p else page for p in pinned)
+    return requested, requested + rounding
 
 
 def torch_pinned_would_charge(num_layers: int, num_experts: int, row: int) -> int:
