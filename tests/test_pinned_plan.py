@@ -1,0 +1,129 @@
+"""The split in the memory plan (plan/split.py) and its per-layer choice on a trace (traces/split_plan.py):
+the sums of both budgets, pinning more when the host shrinks, the stated default, a stable hot set
+pinned and a drifting one left to the slots; the CLI end to end. All on the CPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetier import presets
+from moetier.cli.app import app
+from moetier.plan.memory import PlanRequest
+from moetier.plan.sizing import auto_plan, margin
+from moetier.plan.units import GiB
+from moetier.traces.format import Trace
+from moetier.traces.split_plan import choose, hottest
+
+BF16 = torch.bfloat16
+FLASH = dict(max_model_len=65536, gpu_budget=139 * GiB, gpu_source="--gpu-memory 139GiB")
+
+
+def flash(host: int, layers: int = 14, dtype=BF16) -> PlanRequest:
+    cfg = presets.preset("glm-5.3-flash", layers)
+    return PlanRequest(cfg, dtype, "cuda", backend="auto", host_available=host, host_source="--host-memory", **FLASH)
+
+
+def item(plan, name: str) -> int:
+    return next(i.bytes for i in plan.device + plan.host if i.name.startswith(name))
+
+
+def test_split_fills_both_budgets_and_every_byte_is_counted():
+    req = flash(125 * GiB)
+    plan = auto_plan(req)
+    cfg, row = req.cfg, plan.row_bytes
+    assert row == cfg.moe_shape.layout.row_bytes(BF16) == 3 * 4096 * 2048 * 2  # the format's row layout
+    pins, slots = plan.pinned_per_layer, plan.slots_per_layer
+    assert plan.backend == "slots" and plan.fits() and set(pins) == set(slots) == set(cfg.moe_layers)
+    e = cfg.num_experts
+    assert all(pins[la] + slots[la] <= e and slots[la] >= 1 for la in slots)
+    assert {la: len(v) for la, v in plan.pinned_experts.items()} == pins
+    assert item(plan, "routed experts pinned on the GPU") == sum(pins.values()) * row
+    assert abs(item(plan, "expert slots") - sum(slots.values()) * row) <= 512 * len(slots)
+    cached = len(slots) * e - sum(pins.values())
+    store = item(plan, "expert store")
+    assert cached * row <= store <= cached * row + 2 * 4096 * (sum(pins.values()) + len(slots))
+    assert plan.device_total == sum(i.bytes for i in plan.device) <= req.gpu_budget - margin(req.gpu_budget)
+    assert plan.host_total <= plan.host_available - plan.host_margin
+    assert any(n.startswith("no trace: pinned only the") for n in plan.notes)
+    # the host is the limit: what it cannot hold is pinned, and no more
+    small = auto_plan(replace(req, host_available=64 * GiB))
+    assert small.fits() and sum(small.pinned_per_layer.values()) > sum(pins.values())
+    assert item(small, "expert store") < store and small.device_total <= req.gpu_budget
+
+
+def test_plan_refuses_when_both_budgets_are_short():
+    from moetier.errors import MoetierError
+
+    with pytest.raises(MoetierError, match="the experts do not fit the two budgets: 12,096 rows"):
+        auto_plan(flash(125 * GiB, layers=None))
+
+
+def trace_of(ids: np.ndarray) -> Trace:
+    n = ids.shape[0]
+    meta = {"experts": 32, "top_k": ids.shape[2], "layers": list(range(ids.shape[1]))}
+    return Trace(meta, ids, None, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
+
+
+def routed(n: int, hot_of, seed: int = 0) -> np.ndarray:
+    """[n, 1, 4] of 32 experts: 3 of 4 choices from hot_of(t) (a set of 8), one uniform."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, 1, 4), dtype=np.int64)
+    for t in range(n):
+        hot = hot_of(t)
+        first = rng.choice(hot, 3, replace=False)
+        rest = rng.choice([e for e in range(32) if e not in first], 1)
+        out[t, 0] = np.concatenate([first, rest])
+    return out
+
+
+def test_stable_hot_set_pinned_drifting_left_to_slots():
+    stable = routed(600, lambda t: list(range(8)))
+    got = choose(stable[:, 0], 32, rows=12, min_pinned=0, top_k=4, policy="lfru")
+    assert len(got.pinned) >= 8 and got.slots == 12 - len(got.pinned) and got.stability > 0.9
+    assert set(range(8)) <= set(got.pinned) and got.pinned == hottest(stable[:, 0], 32, len(got.pinned))
+    # the hot set moves every 50 tokens: the first half's hottest miss the second half, slots follow it
+    drift = routed(600, lambda t: [(8 * (t // 50) + i) % 32 for i in range(8)])
+    moved = choose(drift[:, 0], 32, rows=12, min_pinned=2, top_k=4, policy="lfru")
+    assert len(moved.pinned) < len(got.pinned) and len(moved.pinned) >= 2 and moved.hit_rate > 0.3
+
+
+def test_trace_chooses_the_split_in_auto_plan():
+    cfg = presets.preset("tiny")  # 4 MoE layers of 32 experts, top-4
+    base = PlanRequest(cfg, torch.float32, "cuda", backend="auto", max_model_len=256, gpu_budget=None)
+    from moetier.plan.memory import count
+
+    zero = count(replace(base, backend="slots", slots_per_layer=dict.fromkeys(cfg.moe_layers, 0)))
+    budget = zero.device_total + margin(2 * GiB) + 4 * 12 * (zero.row_bytes + 64)  # 12 rows a layer
+    stable = np.concatenate([routed(400, lambda t: list(range(8)), seed=s) for s in range(4)], axis=1)
+    plan = auto_plan(replace(base, gpu_budget=budget), trace_of(stable))
+    assert plan.fits() and plan.backend == "slots"
+    assert all(n >= 8 for n in plan.pinned_per_layer.values()), plan.pinned_per_layer
+    assert any(n.startswith("trace: ") for n in plan.notes)
+
+
+def test_cli_plan_shows_the_split_and_writes_the_pinned_file(tmp_path):
+    out = tmp_path / "pinned.json"
+    args = ["plan", "--preset", "glm-5.3-flash", "--layers", "14", "--gpu-memory", "139GiB", "--max-model-len",
+            "65536"]
+    r = CliRunner().invoke(app, [*args, "--host-memory", "64GiB", "--pinned-out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "routed experts pinned on the GPU" in r.output and "+ pinned 195..195 per layer" in r.output
+    assert "no trace: pinned only the 2145 experts the host cannot hold" in r.output
+    from moetier.experts.cache.split import read_pinned_file
+
+    pinned = read_pinned_file(out)
+    assert sorted(pinned) == list(range(3, 14)) and {len(v) for v in pinned.values()} == {195}
+    # the file given back as the split: the same pinned rows, slots by default
+    r = CliRunner().invoke(app, [*args, "--host-memory", "64GiB", "--expert-backend", "slots", "--expert-slots", "40",
+                                 "--pinned-experts-file", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    assert plan["pinned_per_layer"] == {str(la): 195 for la in range(3, 14)} and plan["fits"]
+    r = CliRunner().invoke(app, [*args, "--expert-backend", "uva", "--pinned-experts-file", str(out)])
+    assert r.exit_code == 2 and "needs --expert-backend slots or hybrid" in r.output
