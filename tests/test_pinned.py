@@ -161,3 +161,32 @@ def test_lfru_policy_with_pinned_matches_the_simulator():
     want = cache.read_stats()
     assert (got.hits, got.misses, got.overflow, got.pinned) == (want["hits"], want["misses"], want["overflow"],
                                                                want["pinned"])
+
+
+def test_two_simulated_ep_ranks_with_pinned_sum_to_one_process():
+    """Expert parallelism: each rank pins its own share of the global pinned ids (local ids e // 2),
+    the loader's home() sends them to its device block, and the ranks' sum is the one-process layer."""
+    from moetier.experts.placement import ExpertOptions, ExpertPlacement
+    from moetier.experts.shape import MoeShape
+    from tests.test_ep_skip import NoGroup, close
+
+    e, k = 16, 4
+    shape = MoeShape(e, k, H, I)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(e, shape.layout.numel, generator=g) * 0.1
+    one = ResidentExperts(rows, shape.layout, k, 8)
+    opts = ExpertOptions("slots", slots=3, pinned={0: (0, 3, 5, 6, 11)})
+    ranks = []
+    for r in range(2):
+        place = ExpertPlacement(shape, torch.float32, [0], opts, "cpu", 8, NoGroup(rank=r, world=2, ep=2))
+        assert place.pinned == {0: local_pinned((0, 3, 5, 6, 11), r, 2)}
+        host = place.rows(0)
+        for expert in range(r, e, 2):
+            dest, i = place.home(0, expert // 2, host)
+            dest[i] = rows[expert]
+        ranks.append(place.build(0, host))
+    for t in (1, 3, 12):
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        x, w = torch.randn(t, H, generator=g), torch.rand(t, k, generator=g)
+        assert close(ranks[0].forward(x, ids, w) + ranks[1].forward(x, ids, w), one.forward(x, ids, w), 1e-5)
+    assert sum(rk.inner.stats()["pinned"] for rk in ranks) > 0

@@ -54,13 +54,14 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
     return names
 
 
-def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, **engine) -> None:
+def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, pinned=None,
+                   **engine) -> None:
     """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
     from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import bench_preflight
 
     try:
-        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring)
+        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring, pinned=pinned)
     except MoetierError as e:
         opt.fail(e)
 
@@ -168,6 +169,7 @@ def bench_decode(
                                           "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
                                           "worker)."),
     expert_split: opt.ExpertSplit = "auto",
+    pinned_experts_file: opt.PinnedExpertsFile = None,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -198,6 +200,11 @@ def bench_decode(
         unknown = sorted(set(names) - {"resident", "uva", "slots", "hybrid", "hf"})
         if unknown or not names:
             raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hybrid, hf")
+        pinned = opt.pinned_experts(pinned_experts_file, "slots")
+        if pinned and (set(names) - {"slots", "hybrid"} or model is not None or layouts != [(1, 1)]):
+            raise MoetierError("--pinned-experts-file runs slots and hybrid rows of random weights on one GPU "
+                               "(--backends slots,hybrid, no --model or --parallel): the bed has no host copy "
+                               "of the pinned experts")
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
@@ -235,7 +242,7 @@ def bench_decode(
     if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
         rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
         rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
-        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
+        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens, pinned=pinned or None)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")
@@ -248,7 +255,8 @@ def bench_decode(
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
-            "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split}
+            "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
+            "pinned": pinned}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

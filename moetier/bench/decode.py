@@ -280,10 +280,11 @@ def bed_dtype(bed: Bed) -> str:
     return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
 
 
-def make_bed(cfg: ModelConfig, dtype: str, seed: int) -> Bed:
+def make_bed(cfg: ModelConfig, dtype: str, seed: int, pinned: dict | None = None) -> Bed:
     """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
-    dense projections, layers/fp8_linear.py)."""
-    return random_bed(cfg, seed, quant=None if dtype == "bf16" else "fp8", fp8_dense=dtype == "fp8-dense")
+    dense projections, layers/fp8_linear.py); pinned: experts made on the GPU with no host copy."""
+    return random_bed(cfg, seed, quant=None if dtype == "bf16" else "fp8", fp8_dense=dtype == "fp8-dense",
+                      pinned=pinned)
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
@@ -309,7 +310,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         elif bed is not None:
             b = bed
         else:
-            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"])
+            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"], args.get("pinned"))
         build_s += time.perf_counter() - t0
         if bw is None:  # measured once, with the first bed's rows
             link = links(row_bytes=b.row_bytes)

@@ -79,13 +79,18 @@ class RandomModel:
     seed: int = 0
     quant: str | None = None  # "fp8": FP8 expert rows
     split: str = "auto"  # routed experts under tensor parallelism: replicate, auto or columns
+    # per MoE layer the experts (global ids) pinned on the GPU, made there directly (random_bed)
+    pinned: dict[int, tuple[int, ...]] | None = None
 
     def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
         split = resolve(self.split, dataclasses.replace(cfg.moe_shape, quant=self.quant), tp, ep, self.backend)
         columns = tp if split == "columns" else 1
-        return ExpertOptions(self.backend, slots=slots_for(cfg, self.backend, self.budget, ep, columns) or None,
-                             policy=self.policy, split=self.split)
+        slots = slots_for(cfg, self.backend, self.budget, ep, columns)
+        if self.pinned and slots:  # at most the cached experts
+            slots = min(slots, local_experts(cfg.num_experts, ep) - max(len(v) for v in self.pinned.values()))
+        return ExpertOptions(self.backend, slots=slots or None, policy=self.policy, split=self.split,
+                             pinned=dict(self.pinned or {}))
 
 
 def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens: int,
@@ -95,7 +100,7 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
     cfg = preset(r.preset, r.layers, str(dtype).removeprefix("torch."))
     split = resolve(r.split, dataclasses.replace(cfg.moe_shape, quant=r.quant), par.tp, par.ep, r.backend)
-    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split)
+    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split, pinned=r.pinned)
     use_backend(bed, r.backend, r.budget, r.policy, decode_tokens)
     return bed
 

@@ -50,6 +50,7 @@ def generate(
     device: opt.Device = "auto",
     tp: opt.TensorParallel = 1,
     expert_split: opt.ExpertSplit = "auto",
+    pinned_experts_file: opt.PinnedExpertsFile = None,
     ep: opt.ExpertParallel = 1,
     distributed_executor: opt.DistributedExecutor = "mp",
     record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="<file>",
@@ -74,6 +75,10 @@ def generate(
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
         model_dir = model_dir_of(model)
         experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+        if pinned_experts_file is not None:
+            from dataclasses import replace
+
+            experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
         if record_trace is not None:
             opt.output_file(record_trace, "--record-trace")
         if replay_trace is not None:
@@ -169,6 +174,7 @@ def serve(
     tp: opt.TensorParallel = 1,
     ep: opt.ExpertParallel = 1,
     expert_split: opt.ExpertSplit = "auto",
+    pinned_experts_file: opt.PinnedExpertsFile = None,
     distributed_executor: opt.DistributedExecutor = "mp",
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
@@ -211,7 +217,8 @@ def serve(
                 expert_backend = "slots" if expert_budget is not None else "resident"
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
-                                 split=opt.expert_split(expert_split))
+                                 split=opt.expert_split(expert_split),
+                                 pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None)
             spec = EngineSpec(random=random, dtype=dtype, device=device, engine=engine, gpu_memory=gpu_memory,
                               host_memory=host_memory)
         else:
@@ -219,9 +226,13 @@ def serve(
                 raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
             from moetier.engine.llm import model_dir_of
 
+            experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+            if pinned_experts_file is not None:
+                from dataclasses import replace
+
+                experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
             spec = EngineSpec(model=model_dir_of(model), dtype=dtype, device=device, engine=engine,
-                              experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
-                                                         cache_policy, expert_split),
+                              experts=experts,
                               gpu_memory=gpu_memory, host_memory=host_memory)
         run_server(spec, host, port, api_key, max_queue, drain_seconds, served_model_name, parsers)
     except (MoetierError, TokenizerError) as e:

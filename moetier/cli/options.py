@@ -36,6 +36,9 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
     "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+PinnedExpertsFile = Annotated[Optional[Path], typer.Option(
+    "--pinned-experts-file", metavar="<file>", help="Experts per MoE layer pinned on the GPU with no host copy "
+    "(from `moetier plan --pinned-out`); the rest are cached. Slots and hybrid backends.")]
 ExpertSplit = Annotated[str, typer.Option(
     "--expert-split", help="Routed experts under --tp: auto (the default: columns whenever valid), replicate "
     "(every rank holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
@@ -106,6 +109,17 @@ def executor(name: str) -> str:
 
         import_ray()
     return name
+
+
+def pinned_experts(path: Path | None, backend: str) -> dict[int, tuple[int, ...]]:
+    """--pinned-experts-file: the pinned experts per MoE layer ({} without the flag)."""
+    if path is None:
+        return {}
+    if backend not in ("slots", "hybrid"):
+        raise MoetierError("--pinned-experts-file needs --expert-backend slots or hybrid")
+    from moetier.experts.cache.split import read_pinned_file
+
+    return read_pinned_file(input_file(path, "--pinned-experts-file"))
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,

@@ -140,23 +140,28 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
                     host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                    ring: tuple[int, int] | None = None) -> None:
+                    ring: tuple[int, int] | None = None, pinned: dict[int, tuple[int, ...]] | None = None) -> None:
     """The memory plan of each (backend, expert budget) row of a random-weight benchmark, checked before
     its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
     table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
     the host is checked with the whole store (the uva plan: store on the host, none on the device).
-    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions')."""
+    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions').
+    pinned: the bed's pinned experts (experts/cache/split.py): its store holds only the cached rows, so
+    every row is planned with them, and none with the whole store."""
     from moetier.experts.placement import ExpertOptions
 
     req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
-    checks = [("the random weights' host store", "uva", None)]
+    checks = [] if pinned else [("the random weights' host store", "uva", None)]
+    most = max((len(v) for v in (pinned or {}).values()), default=0)
     for backend, budget in rows:
         slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend in ("slots", "hybrid") else None
+        slots = min(slots, cfg.num_experts - most) if slots else slots
         checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
                        "slots" if backend == "hybrid" else backend, slots))
     for what, backend, slots in checks:
         geometry = {} if ring is None else {"ring_group": ring[0], "ring_depth": ring[1]}
-        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry))
+        held = {"pinned": pinned} if pinned and backend != "resident" else {}
+        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry, **held))
         if not plan.fits():
             r = refusal(req, plan)
             raise PlanRefused(f"{what} does not fit: {r}")
