@@ -119,6 +119,9 @@ def test_cli_plan_shows_the_split_and_writes_the_pinned_file(tmp_path):
 
     pinned = read_pinned_file(out)
     assert sorted(pinned) == list(range(3, 14)) and {len(v) for v in pinned.values()} == {195}
+    from moetier.experts.placement import read_slots_file
+
+    assert set(read_slots_file(out).values()) <= {42, 43}  # the plan's slots beside them
     # the file given back as the split: the same pinned rows, slots by default
     r = CliRunner().invoke(app, [*args, "--host-memory", "64GiB", "--expert-backend", "slots", "--expert-slots", "40",
                                  "--pinned-experts-file", str(out), "--json"])
@@ -127,3 +130,21 @@ def test_cli_plan_shows_the_split_and_writes_the_pinned_file(tmp_path):
     assert plan["pinned_per_layer"] == {str(la): 195 for la in range(3, 14)} and plan["fits"]
     r = CliRunner().invoke(app, [*args, "--expert-backend", "uva", "--pinned-experts-file", str(out)])
     assert r.exit_code == 2 and "needs --expert-backend slots or hybrid" in r.output
+
+
+def test_bench_preflight_plans_a_split_bed_with_its_cached_store():
+    """A random bed too large for the host: refused as a whole store, planned with the plan's pins."""
+    from moetier.checkpoint.random_bed import RandomModel
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import PlanRefused, bench_preflight
+
+    cfg = presets.preset("glm-5.3-flash", 14)
+    config = EngineConfig(max_model_len=65536, decode_tokens=64)
+    plan = auto_plan(flash(64 * GiB))
+    pinned = {la: tuple(v) for la, v in plan.pinned_experts.items()}
+    with pytest.raises(PlanRefused, match="host store does not fit"):
+        bench_preflight(cfg, [("slots", 0.1)], config, "139GiB", "64GiB")
+    bench_preflight(cfg, [("slots", 0.1)], config, "139GiB", "64GiB", pinned=pinned)
+    opts = RandomModel("glm-5.3-flash", 14, "slots", 0.9, pinned=pinned).options(cfg)
+    assert opts.pinned == pinned and opts.slots == 288 - 195  # capped at the cached experts
+

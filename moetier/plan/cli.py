@@ -186,7 +186,8 @@ def plan_cmd(
         from moetier.experts.cache.split import write_pinned_file
 
         try:
-            write_pinned_file(pinned_out, plan.pinned_experts, {"model": cfg.model_type, "layers": cfg.num_layers})
+            write_pinned_file(pinned_out, plan.pinned_experts, {"model": cfg.model_type, "layers": cfg.num_layers},
+                              plan.slots_per_layer)
         except OSError as e:
             opt.fail(MoetierError(f"--pinned-out {pinned_out}: cannot write it ({e.strerror})"))
     if as_json:

@@ -100,8 +100,13 @@ def local_pinned(pinned: tuple[int, ...], ep_rank: int, ep: int) -> tuple[int, .
     return tuple(sorted(e // ep for e in pinned if e % ep == ep_rank))
 
 
-def write_pinned_file(path: str | Path, pinned: dict[int, tuple[int, ...]], meta: dict | None = None) -> None:
+def write_pinned_file(path: str | Path, pinned: dict[int, tuple[int, ...]], meta: dict | None = None,
+                      slots: dict[int, int] | None = None) -> None:
+    """slots: the plan's slots per layer beside them (then the file is a slots file too:
+    placement.read_slots_file reads it)."""
     data = {"pinned": {str(layer): sorted(int(e) for e in ids) for layer, ids in sorted(pinned.items())}}
+    if slots:
+        data["slots"] = {str(layer): int(s) for layer, s in sorted(slots.items())}
     if meta:
         data["meta"] = meta
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
