@@ -13,16 +13,10 @@ from moetier.experts.cache.split import (backed_ranges, cached_run, check_pinned
                                          runs, write_pinned_file)
 from moetier.experts.cache.store import PAGE, HostStore
 from moetier.experts.shape import RowLayout
+from tests.test_slots import step
 
 E, K, H, I = 12, 3, 40, 24
 PINNED = (1, 4, 5, 11)
-
-
-def step(cache, ids):
-    slots, miss = cache.step_reference(torch.tensor(ids))
-    cache.check()
-    n = int(miss.count)
-    return slots.tolist(), list(zip(miss.expert[:n].tolist(), miss.slot[:n].tolist()))
 
 
 def test_pinned_are_permanent_hits_by_hand():
