@@ -184,3 +184,27 @@ def test_two_simulated_ep_ranks_with_pinned_sum_to_one_process():
         x, w = torch.randn(t, H, generator=g), torch.rand(t, k, generator=g)
         assert close(ranks[0].forward(x, ids, w) + ranks[1].forward(x, ids, w), one.forward(x, ids, w), 1e-5)
     assert sum(rk.inner.stats()["pinned"] for rk in ranks) > 0
+
+
+def test_fp8_rows_with_pinned_bit_exact():
+    """FP8 rows (uint8, scales in the row): the pinned block and the slots hold the same bytes."""
+    from tests.test_host_ext import fp8_rows
+
+    plain = RowLayout(256, 128)
+    g = torch.Generator().manual_seed(7)
+    src = (torch.randn(E, plain.numel, generator=g) * 0.05).to(torch.bfloat16)
+    rows, lay = fp8_rows(src, plain), RowLayout(256, 128, "fp8")
+    host = rows.clone()
+    host[list(PINNED)] = 255  # the bytes of NaN scales and weights: a read of one would show
+    dev = torch.empty(3 + len(PINNED), lay.numel, dtype=torch.uint8)
+    dev[3:] = rows[list(PINNED)]
+    res = ResidentExperts(rows, lay, K, 8)
+    slots = SlotExperts(host, lay, K, 3, 8, pinned=PINNED, device_rows=dev)
+    for i in range(16):
+        t = [1, 4, 12][i % 3]
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+        w = torch.rand(t, K, generator=g).to(torch.bfloat16)
+        got = slots.forward(x, ids, w)
+        assert bool(got.isfinite().all()) and torch.equal(got, res.forward(x, ids, w)), i
+    assert slots.stats()["pinned"] > 0
