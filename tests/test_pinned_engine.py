@@ -71,3 +71,18 @@ def test_bad_splits_refused_in_one_line(tiny_ckpt, opts, match):
     with pytest.raises(MoetierError, match=match) as e:
         load_model(tiny_ckpt, experts=opts)
     assert "\n" not in str(e.value)
+
+
+def test_engine_batch_with_pinned_equals_resident_alone(tiny_ckpt):
+    """Continuous batching (chunked prefill mixed with decode) over a split: the batch's tokens are
+    each request's alone on resident experts."""
+    from moetier.engine import LLM
+    from tests.test_engine import workload
+
+    prompts, params = workload(n=10)
+    solo = LLM(tiny_ckpt, device="cpu")
+    want = [solo.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    llm = LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("slots", slots=4, pinned=PINNED), max_num_tokens=24)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.metrics()["expert_stats"]["pinned"] > 0
+    llm.scheduler.check()
