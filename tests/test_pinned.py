@@ -208,3 +208,15 @@ def test_fp8_rows_with_pinned_bit_exact():
         got = slots.forward(x, ids, w)
         assert bool(got.isfinite().all()) and torch.equal(got, res.forward(x, ids, w)), i
     assert slots.stats()["pinned"] > 0
+
+
+def test_refresh_ranks_cached_experts_only():
+    from moetier.experts.prefill.cache_policy import refresh_reference
+
+    c = SlotCache(E, 2, pinned=PINNED)
+    # pinned 1, 4, 5, 11 are the most used, then 7 and 2: the two slots go to 7 and 2
+    ids = torch.tensor([[1, 4, 5], [1, 4, 11], [1, 5, 7], [4, 7, 2], [2, 11, 9]])
+    miss = refresh_reference(c, ids)
+    n = int(miss.count)
+    assert sorted(miss.expert[:n].tolist()) == [2, 7] and c.read_stats()["steps"] == 0
+    c.check()
