@@ -148,3 +148,50 @@ def test_bench_preflight_plans_a_split_bed_with_its_cached_store():
     opts = RandomModel("glm-5.3-flash", 14, "slots", 0.9, pinned=pinned).options(cfg)
     assert opts.pinned == pinned and opts.slots == 288 - 195  # capped at the cached experts
 
+
+
+def plan_cli(*args: str):
+    return CliRunner().invoke(app, ["plan", "--preset", "glm-5.3-flash", "--gpu-memory", "139GiB", *args])
+
+
+def test_quantized_preset_plans_fp8_rows_and_the_whole_model_is_refused_with_numbers():
+    # the whole model in FP8 (25.2 MB rows) is more than 139 GiB + 125 GiB: refused, with the rows it lacks
+    r = plan_cli("--dtype", "fp8", "--host-memory", "125GiB")
+    assert r.exit_code == 2 and "12,096 rows of 25,171,968 B" in r.output and "must be pinned" in r.output
+    r = plan_cli("--dtype", "fp8", "--layers", "24", "--host-memory", "125GiB", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    assert plan["row_bytes"] == 25_171_968 and plan["fits"] and sum(plan["pinned_per_layer"].values()) > 0
+    small = json.loads(plan_cli("--dtype", "fp8", "--layers", "24", "--host-memory", "64GiB", "--json").output)
+    assert small["fits"] and sum(small["pinned_per_layer"].values()) > sum(plan["pinned_per_layer"].values())
+    r = CliRunner().invoke(app, ["plan", "--model", "/nonexistent", "--dtype", "fp8", "--gpu-memory", "139GiB"])
+    assert r.exit_code == 2
+
+
+def test_split_that_fits_only_at_a_smaller_chunk_takes_it():
+    # at 8192-token steps the activations leave too few rows for what the host cannot hold; at 2048 they fit
+    args = ("--dtype", "fp8", "--layers", "24", "--host-memory", "64GiB", "--gpu-memory", "114GiB")
+    r = plan_cli(*args, "--max-num-tokens", "8192")
+    assert r.exit_code == 2 and "the experts do not fit the two budgets" in r.output
+    r = plan_cli(*args, "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    reason = plan["chunk"]["reason"]
+    assert plan["fits"] and "reduced from 8192 to" in reason and "the experts would not fit the two budgets" in reason
+    assert plan["chunk"]["tokens"] < 8192 and sum(plan["pinned_per_layer"].values()) == 3810
+
+
+@pytest.mark.skipif("nvfp4" not in __import__("moetier.quant.registry", fromlist=["FORMATS"]).FORMATS,
+                    reason="the NVFP4 rows come with issue 30's branch")
+def test_whole_glm53_flash_in_nvfp4_fits_one_h200():
+    r = plan_cli("--dtype", "nvfp4", "--host-memory", "125GiB", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    cached = 42 * 288 - sum(plan["pinned_per_layer"].values())
+    assert plan["fits"] and 0 < cached < 42 * 288 and plan["host_total"] < 125 * GiB
+    # a 64 GiB host: the 1M-token KV leaves too few GPU rows for what it cannot hold; shorter requests fit
+    r = plan_cli("--dtype", "nvfp4", "--host-memory", "64GiB")
+    assert r.exit_code == 2 and "must be pinned on the GPU" in r.output
+    small = json.loads(plan_cli("--dtype", "nvfp4", "--host-memory", "64GiB", "--max-model-len", "131072",
+                                "--json").output)
+    assert small["fits"] and sum(small["pinned_per_layer"].values()) > sum(plan["pinned_per_layer"].values())

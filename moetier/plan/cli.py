@@ -84,6 +84,32 @@ def predict(plan, cfg, trace, policy: str) -> dict:
             "physics": f"HBM {phys.hbm_GBps:.0f} GB/s, link {phys.link_GBps:.1f} GB/s, H200 figures"}
 
 
+def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
+    """--dtype fp8 (every format of quant/registry.FORMATS) with --preset: the preset with its routed
+    experts in that format (rows counted exactly, quant/rows.RowLayout) and dense weights in bf16, as
+    such a checkpoint loads; -> (cfg, the model dtype). Other --dtype values pass through."""
+    import dataclasses
+
+    from moetier.quant.registry import FORMATS
+
+    if dtype not in FORMATS:
+        return cfg, dtype
+    if from_checkpoint:
+        raise MoetierError(f"--dtype {dtype}: a checkpoint's weight format is its own (config.json); with --model, "
+                           "--dtype is the model dtype (auto, bfloat16, float16, float32)")
+    return dataclasses.replace(cfg, quant=dtype, quant_config=quant_config(dtype)), "bfloat16"
+
+
+def quant_config(name: str) -> dict:
+    """The quantization_config of a checkpoint of format `name` (what a preset in that format carries)."""
+    from moetier.quant import fp8_block
+
+    configs = {"fp8": fp8_block.QUANT_CONFIG}
+    if name not in configs:
+        raise MoetierError(f"--dtype {name}: no example quantization_config for it here")
+    return dict(configs[name])
+
+
 def plan_cmd(
     model: opt.Model = None,
     preset: Optional[str] = typer.Option(None, "--preset", metavar="<name>", help="A named shape instead of --model."),
@@ -144,6 +170,7 @@ def plan_cmd(
             check_shards(model_dir_of(model), cfg)  # plan what generate would load: a truncated shard is refused
         else:
             cfg = presets.preset(preset, layers)
+        cfg, dtype = quantized_preset(cfg, dtype, model is not None)
         tdtype = resolve_dtype(dtype, cfg)
         loaded = None
         if trace is not None:

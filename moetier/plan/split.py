@@ -27,6 +27,10 @@ DEFAULT_NOTE = ("no trace: pinned only the {p} experts the host cannot hold ({pe
                 "routing and a pinned set cannot; give --trace to pin a stable hot set")
 
 
+class SplitRefused(MoetierError):
+    """The two budgets cannot hold the experts at this request (plan/chunk.py tries a smaller chunk)."""
+
+
 def even(total: int, layers: list[int], cap: int) -> dict[int, int]:
     base, extra = divmod(total, len(layers))
     return {layer: min(cap, base + (i < extra)) for i, layer in enumerate(layers)}
@@ -56,7 +60,7 @@ def split_plan(req: PlanRequest, margin: int, trace=None, policy: str = "lfru") 
     total = len(layers) * e
     must = max(0, total - host_rows)
     if dev_rows < must + len(layers):
-        raise MoetierError(
+        raise SplitRefused(
             f"the experts do not fit the two budgets: {total:,} rows of {base.row_bytes:,} B; the host holds "
             f"{min(host_rows, total):,} after the process and its margin, so {must:,} must be pinned on the GPU, "
             f"which has room for {max(dev_rows, 0):,} expert rows after dense weights, KV and workspaces "
