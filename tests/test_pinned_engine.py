@@ -86,3 +86,22 @@ def test_engine_batch_with_pinned_equals_resident_alone(tiny_ckpt):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert llm.metrics()["expert_stats"]["pinned"] > 0
     llm.scheduler.check()
+
+
+def test_served_random_weights_in_fp8_with_a_split(capsys):
+    """moetier serve --preset tiny --dtype fp8 --pinned-experts-file: the plan counts FP8 rows and the
+    store only the cached ones; the engine generates."""
+    from moetier.checkpoint.random_bed import RandomModel
+    from moetier.sampling_params import SamplingParams
+    from moetier.server.run import EngineSpec, build_llm
+
+    r = RandomModel("tiny", backend="slots", budget=0.25, quant="fp8", pinned=PINNED)
+    llm, name = build_llm(EngineSpec(random=r, dtype="bfloat16", device="cpu",
+                                     engine={"max_num_seqs": 2, "max_model_len": 256}))
+    table = capsys.readouterr().err
+    assert "experts FP8 slots" in table and "the 106 cached experts' rows" in table, table
+    for block in llm.model.moe_blocks():
+        held = PINNED.get(block.layer, ())
+        assert block.experts.cache.pinned == held and block.experts.host.dtype == torch.uint8
+    out = llm.generate([[5, 17, 300, 42]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6 and llm.metrics()["expert_stats"]["pinned"] > 0

@@ -93,6 +93,17 @@ class RandomModel:
                              pinned=dict(self.pinned or {}))
 
 
+def quantized(cfg: ModelConfig, quant: str | None) -> ModelConfig:
+    """cfg with its routed experts in format `quant` (quant/registry.FORMATS; None: as it is) and its
+    dense weights in the model dtype, as a checkpoint of that format loads (the plan's, the server's
+    and the bench's random weights)."""
+    if quant is None:
+        return cfg
+    if quant != "fp8":
+        raise ValueError(f"unknown expert quantization {quant!r}; only fp8")
+    return dataclasses.replace(cfg, quant=quant, quant_config=dict(fp8.QUANT_CONFIG))
+
+
 def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens: int,
                  par: Parallel = Parallel()) -> Bed:
     """This rank's share of r, its expert backends built (the worker's and rank 0's model)."""

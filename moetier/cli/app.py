@@ -216,8 +216,13 @@ def serve(
             if expert_backend == "auto":  # random weights have no plan to ask: slots when a budget is given
                 expert_backend = "slots" if expert_budget is not None else "resident"
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
+            from moetier.quant.registry import FORMATS
+
+            # --dtype fp8 (a weight format): random experts in that format, dense weights bf16, as plan's
+            quant = dtype if dtype in FORMATS else None
+            dtype = "bfloat16" if quant else dtype
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
-                                 split=opt.expert_split(expert_split),
+                                 quant=quant, split=opt.expert_split(expert_split),
                                  pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None)
             spec = EngineSpec(random=random, dtype=dtype, device=device, engine=engine, gpu_memory=gpu_memory,
                               host_memory=host_memory)

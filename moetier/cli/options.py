@@ -23,7 +23,8 @@ def fail(e: Exception | str) -> NoReturn:
 Model = Annotated[Optional[Path], typer.Option(
     "--model", metavar="<dir>", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
     "shipped with moetier).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16; with "
+                                     "--preset also a weight format (fp8): the routed experts in it, dense bf16.")]
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
 
 # -- expert tiers -----------------------------------------------------------------------------------

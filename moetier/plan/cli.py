@@ -88,8 +88,7 @@ def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
     """--dtype fp8 (every format of quant/registry.FORMATS) with --preset: the preset with its routed
     experts in that format (rows counted exactly, quant/rows.RowLayout) and dense weights in bf16, as
     such a checkpoint loads; -> (cfg, the model dtype). Other --dtype values pass through."""
-    import dataclasses
-
+    from moetier.checkpoint.random_bed import quantized
     from moetier.quant.registry import FORMATS
 
     if dtype not in FORMATS:
@@ -97,17 +96,7 @@ def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
     if from_checkpoint:
         raise MoetierError(f"--dtype {dtype}: a checkpoint's weight format is its own (config.json); with --model, "
                            "--dtype is the model dtype (auto, bfloat16, float16, float32)")
-    return dataclasses.replace(cfg, quant=dtype, quant_config=quant_config(dtype)), "bfloat16"
-
-
-def quant_config(name: str) -> dict:
-    """The quantization_config of a checkpoint of format `name` (what a preset in that format carries)."""
-    from moetier.quant import fp8_block
-
-    configs = {"fp8": fp8_block.QUANT_CONFIG}
-    if name not in configs:
-        raise MoetierError(f"--dtype {name}: no example quantization_config for it here")
-    return dict(configs[name])
+    return quantized(cfg, dtype), "bfloat16"
 
 
 def plan_cmd(
