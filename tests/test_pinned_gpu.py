@@ -131,3 +131,75 @@ def test_random_bed_on_gpu_holds_pinned_rows_on_the_device_only():
         la, lb = plain.model.logits(a.forward(tok)), bed.model.logits(b.forward(tok))
         assert torch.equal(la, lb)
         tok = la[-1:].argmax(-1)
+
+
+def draw_rows(n: int, layout, g: torch.Generator) -> torch.Tensor:
+    """n random expert rows [n, R] on the GPU in the layout's format, drawn as the random bed draws them."""
+    from moetier.checkpoint import random_bed
+
+    rows = torch.empty(n, layout.numel, dtype=layout.row_dtype(torch.bfloat16), device="cuda")
+    if layout.quant is None:
+        return rows.normal_(0.0, 0.02, generator=g)
+    fill = getattr(random_bed, "fill_fp8_rows" if layout.quant == "fp8" else "fill_4bit_rows")
+    fill(rows, layout, g, torch.bfloat16)
+    return rows
+
+
+def formats() -> list[str | None]:
+    from moetier.quant.registry import FORMATS
+
+    return [None, *FORMATS]
+
+
+@pytest.mark.parametrize("quant", formats())
+def test_glm53_flash_layer_split_bit_exact_per_format(quant):
+    """One MoE layer of GLM-5.3-Flash's shape (288 experts of 4096 x 2048, top-8) in every expert format:
+    the plan's kind of split (a hot set pinned, a few slots, the rest on the host) against resident,
+    decode steps in a CUDA graph and eager large steps, bit-exact."""
+    from dataclasses import replace
+
+    from moetier.experts.backends import ResidentExperts, SlotExperts
+    from moetier.experts.cache.store import HostStore
+    from moetier.presets import preset
+
+    shape = preset("glm-5.3-flash", 4).moe_shape
+    e, k, h = shape.num_experts, shape.top_k, shape.hidden
+    layout = replace(shape.layout, quant=quant)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    full = torch.cat([draw_rows(16, layout, g) for _ in range(e // 16)])
+    hot = tuple(range(0, e, 2))[:120]  # a hot set of 120 pinned: every other id, so cached runs are short
+    store = HostStore([0], e, layout, torch.bfloat16, pin=True, pinned={0: hot})
+    cached = [x for x in range(e) if x not in hot]
+    store.rows(0)[cached] = full[cached].cpu()
+    s = 24
+    dev = torch.empty(s + len(hot), layout.numel, dtype=full.dtype, device="cuda")
+    dev[s:] = full[list(hot)]
+    slots = SlotExperts(store.rows(0), layout, k, s, decode_tokens=8, device="cuda", policy="lfru", pinned=hot,
+                        device_rows=dev)
+    resident = ResidentExperts(full, layout, k, decode_tokens=8)
+    cpu = torch.Generator().manual_seed(4)
+    zipf = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 0.8  # hot ids first: most lookups pinned
+    order = torch.tensor(hot + tuple(cached))
+
+    def ids_of(t):
+        return order[torch.stack([torch.multinomial(zipf, k, generator=cpu) for _ in range(t)])]
+
+    t = 4
+    x = torch.zeros(t, h, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(t, k, dtype=torch.int64, device="cuda")
+    w = torch.zeros(t, k, dtype=torch.bfloat16, device="cuda")
+    ids.copy_(ids_of(t))
+    graph, out = capture(lambda: slots.forward(x, ids, w))
+    for step in range(60):
+        x.copy_(torch.randn(t, h, generator=cpu).to(torch.bfloat16))
+        ids.copy_(ids_of(t))
+        w.copy_(torch.rand(t, k, generator=cpu).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, resident.forward(x, ids, w)), f"decode step {step}"
+    for n in (64, 300):  # the large-step path: pinned rows, slots and host rows in one GEMM
+        xs = torch.randn(n, h, generator=cpu).to(torch.bfloat16).cuda()
+        ids_n, ws = ids_of(n).cuda(), torch.rand(n, k, generator=cpu).to(torch.bfloat16).cuda()
+        assert torch.equal(slots.forward(xs, ids_n, ws), resident.forward(xs, ids_n, ws)), f"{n} tokens"
+    slots.cache.check()
+    st = slots.stats()
+    assert st["pinned"] > st["hits"] - st["pinned"] > 0 and st["misses"] > 0
