@@ -115,7 +115,7 @@ python3 -c "import fla" 2>/dev/null || echo "warning: fla-core is missing: glm5_
 step trace 30 400 "${MT[@]}" trace synth --preset glm-5.3-like --experts 288 --layers "$MOE" --tokens 8192 --out "$TRACE"
 plans > "$OUT/plan.log" 2>&1 &
 plan_pid=$!
-step tests 100 330 python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
+step tests 120 330 python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
 wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
 SHARE=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(f'{100*(sum(s.values())//len(s))/288:.4f}%')" \
