@@ -106,7 +106,16 @@ def test_placement_takes_the_clamped_model_on_every_backend(backend):
 # -- the engine -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def glm5_next(tmp_path_factory):
-    return hf_glm5_next_checkpoint(tmp_path_factory.mktemp("glm5next-clamp") / "ckpt", seed=2)[0]
+    """Written by transformers where it knows glm5_next's layer types; else (the GPU image's older
+    transformers) by our own writer: these tests compare our backends with each other, not with HF."""
+    out = tmp_path_factory.mktemp("glm5next-clamp") / "ckpt"
+    try:
+        return hf_glm5_next_checkpoint(out, seed=2)[0]
+    except Exception as e:  # an older transformers refuses `indexed_attention` in layer_types (its own error type)
+        if "indexed_attention" not in str(e):
+            raise
+    from moetier.checkpoint.writer import make_checkpoint
+    return make_checkpoint(out, "tiny-glm5-next", seed=2, dtype="float32")
 
 
 def run_engine(path, opts, device="cpu", steps=8, **engine):

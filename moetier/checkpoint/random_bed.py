@@ -34,6 +34,7 @@ from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.cache.split import local_pinned
+from moetier.experts.registry import Resident, Slots, backend_kind
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
@@ -73,7 +74,7 @@ class RandomModel:
 
     preset: str
     layers: int | None = None
-    backend: str = "slots"
+    backend: str = Slots.name
     budget: float = 0.5  # slots backends: the share of the model's routed experts each rank's slots hold
     policy: str = "lfru"
     seed: int = 0
@@ -135,7 +136,7 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
-    split = resolve(split, cfg.moe_shape, par.tp, par.ep, "resident")  # refuses a bad explicit columns
+    split = resolve(split, cfg.moe_shape, par.tp, par.ep, Resident.name)  # refuses a bad explicit columns
     ours = local_shape(cfg.moe_shape, split, par.tp).layout  # this rank's rows (the whole without columns)
     ep, mine = par.ep, par.ep_rank
     pinned = {layer: tuple(sorted(ids)) for layer, ids in (pinned or {}).items() if ids}
@@ -260,7 +261,7 @@ def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1, column
     """Slots per MoE layer of a budget (0: a backend without slots): the share of the model's routed
     expert bytes, at least top_k slots, at most the experts a rank holds. columns: the "columns" expert
     split's tp (a slot holds 1/columns of an expert, so the same bytes hold columns times the slots)."""
-    if backend not in ("slots", "hybrid"):
+    if not backend_kind(backend).cached:
         return 0
     return min(local_experts(cfg.num_experts, ep), max(cfg.top_k, round(cfg.num_experts * budget * columns)))
 
@@ -277,10 +278,11 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     slots = slots_for(cfg, backend, budget, bed.par.ep, bed.par.tp if bed.split == "columns" else 1)
-    if bed.pinned and backend not in ("resident", "slots", "hybrid"):
+    kind = backend_kind(backend)
+    if bed.pinned and not (kind.cached or not kind.host_store):
         raise ValueError(f"a bed with pinned experts serves resident, slots or hybrid, not {backend}: "
                          "their host rows are not there")
-    if bed.pinned and backend != "resident":
+    if bed.pinned and kind.cached:
         most = max(len(ids) for ids in bed.pinned_rows.values())  # slots: at most the cached experts
         slots = min(slots, local_experts(cfg.num_experts, bed.par.ep) - most) if slots else slots
         options.setdefault("pinned", bed.pinned)
@@ -290,7 +292,7 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
                                 decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
         rows, layer = bed.host[block.layer], block.layer
-        if backend == "resident":
+        if not placement.kind.host_store:  # resident: a device copy of every row
             rows = rows.to(dev, copy=True)
             if layer in bed.pinned_rows:  # the pinned experts' host rows are unbacked zeros
                 rows[list(local_pinned(bed.pinned[layer], bed.par.ep_rank, bed.par.ep))] = bed.pinned_rows[layer]

@@ -99,7 +99,6 @@ def mlp_param(mlp: MoEBlock | SwigluMLP, rest: str) -> torch.Tensor | None:
 class MlaMoeForCausalLM(CausalLM):
     cfg: MlaMoeConfig
     tensor_parallel = True
-    par = Parallel()  # the default for instances made without __init__ (plan/memory.py)
 
     def __init__(self, cfg: MlaMoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  par: Parallel = Parallel()):
@@ -215,11 +214,11 @@ class MlaMoeForCausalLM(CausalLM):
 
     # -- runtime --
 
-    def kv_spec(self) -> MlaKVSpec:
-        # from cfg alone: plan/memory.py calls it on a model built without weights. Whole under tensor
-        # parallelism: the latent is shared by all heads, so every rank holds (and writes) all of it.
-        cfg = self.cfg
-        return MlaKVSpec(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *self.index_keys(cfg))
+    @classmethod
+    def kv_spec_of(cls, cfg: MlaMoeConfig, par: Parallel) -> MlaKVSpec:
+        # whole under tensor parallelism: the latent is shared by all heads, so every rank holds (and
+        # writes) all of it
+        return MlaKVSpec(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *cls.index_keys(cfg))
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moetier.errors import MoetierError
+from moetier.experts.registry import Slots
 from moetier.plan.memory import Plan, PlanRequest, count
 from moetier.plan.units import gib
 
@@ -43,7 +44,7 @@ def _store(plan: Plan) -> int:
 def rooms(req: PlanRequest, margin: int) -> tuple[int, int, Plan]:
     """(GPU rows for experts, host rows for cached experts, the plan with no expert rows at all)."""
     layers = req.cfg.moe_layers
-    base = count(replace(req, backend="slots", slots_per_layer=dict.fromkeys(layers, 0), pinned_per_layer={}))
+    base = count(replace(req, backend=Slots.name, slots_per_layer=dict.fromkeys(layers, 0), pinned_per_layer={}))
     row = base.row_bytes
     dev = (req.gpu_budget - margin - base.device_total) // (row + 64)  # a row, its share of the cache state
     if req.host_available is None:
@@ -119,7 +120,7 @@ def covers(trace, layers: list[int], num_experts: int) -> bool:
 
 
 def _count(req: PlanRequest, slots: dict[int, int], pinned: dict[int, list[int]]) -> Plan:
-    return count(replace(req, backend="slots", slots_per_layer=dict(slots),
+    return count(replace(req, backend=Slots.name, slots_per_layer=dict(slots),
                          pinned_per_layer={la: len(v) for la, v in pinned.items()}))
 
 
