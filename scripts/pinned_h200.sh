@@ -3,8 +3,13 @@
 # GLM-5.3-Flash shape with random weights, pinned experts made on the GPU and only the cached ones on the
 # host (docs/pinned.md). Run from the repository root; everything lands under $OUT, a table last.
 #
-#   bash scripts/pinned_h200.sh        (carry .whl: fla-core 0.6.0 for glm5_next's KDA on CUDA, and the
-#                                       server's wheels, /work/shared/tools/device-wheels.sh)
+#   bash scripts/pinned_h200.sh
+#
+# Carry .whl/: fla-core 0.6.0 and einops (glm5_next's KDA on CUDA) and the server's wheels, made with
+#   PKGS="fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
+#     opentelemetry-api importlib-metadata sniffio openai httpx2 httpcore2 truststore distro jiter
+#     prometheus-client fla-core==0.6.0 einops" bash /work/shared/tools/device-wheels.sh
+# (its default list plus the last three). Without fla-core the GPU tests still run; decode and serve are skipped.
 #
 # Format: NVFP4 experts on the whole 45-layer model when this tree has the NVFP4 rows (issue 30), else
 # FP8 experts on its first 24 layers (the whole model in FP8 is 305 GB, more than both memories hold;
@@ -111,7 +116,8 @@ serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
   [ "$ok" = 1 ]
 }
 
-python3 -c "import fla" 2>/dev/null || echo "warning: fla-core is missing: glm5_next cannot run on CUDA (carry it in .whl/)"
+FLA=1
+python3 -c "import fla" 2>/dev/null || { FLA=0; echo "error: fla-core is missing: glm5_next cannot run on CUDA (carry it and einops in .whl/); decode and serve skipped"; }
 step trace 30 400 "${MT[@]}" trace synth --preset glm-5.3-like --experts 288 --layers "$MOE" --tokens 8192 --out "$TRACE"
 plans > "$OUT/plan.log" 2>&1 &
 plan_pid=$!
@@ -120,7 +126,9 @@ wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
 SHARE=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(f'{100*(sum(s.values())//len(s))/288:.4f}%')" \
   "$OUT/pinned-bench.json" 2>/dev/null) || SHARE=""
-if [ -n "$SHARE" ]; then
+if [ "$FLA" = 0 ]; then
+  echo "{\"step\": \"decode\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
+elif [ -n "$SHARE" ]; then
   # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots
   step decode 190 150 "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" --pinned-experts-file "$OUT/pinned-bench.json" \
     --backends slots --expert-budget 1% --expert-budget "$SHARE" --batch 1 --batch 8 --batch 32 \
