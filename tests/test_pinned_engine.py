@@ -105,3 +105,28 @@ def test_served_random_weights_in_fp8_with_a_split(capsys):
         assert block.experts.cache.pinned == held and block.experts.host.dtype == torch.uint8
     out = llm.generate([[5, 17, 300, 42]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6 and llm.metrics()["expert_stats"]["pinned"] > 0
+
+
+
+def test_hybrid_model_over_a_split_near_resident(tiny_ckpt):
+    """hybrid with pinned experts through the whole model, every miss computed by the host cores (a link
+    priced as slow): each step's logits within the hybrid tolerance of resident's, the pinned experts hits
+    and never on the host (their host rows are not there)."""
+    from moetier.bench.outputs import LOGITS_RTOL
+    from moetier.experts.hybrid.cost_model import PathRates
+
+    slow = PathRates(1e-3, {"bfloat16": 50.0, "float32": 50.0})
+    _, resident, _ = load_model(tiny_ckpt, experts=ExpertOptions("resident"))
+    _, hybrid, _ = load_model(tiny_ckpt, experts=ExpertOptions("hybrid", slots=4, pinned=PINNED, rates=slow,
+                                                              host_kernel="grouped"))
+    a, b = Sequence(resident, 40), Sequence(hybrid, 40)
+    tok, g = torch.tensor([5, 17, 300, 42, 9]), torch.Generator().manual_seed(2)
+    for step in range(24):
+        want, got = resident.logits(a.forward(tok)), hybrid.logits(b.forward(tok))
+        assert (got - want).abs().max() <= LOGITS_RTOL * want.abs().max(), f"step {step}"
+        tok = torch.multinomial(torch.softmax(want[-1], -1), 1, generator=g)
+    stats = hybrid.expert_stats()
+    assert stats["pinned"] > 0 and stats["host"] > 0
+    for block in hybrid.moe_blocks():
+        assert block.experts.cache.pinned == PINNED.get(block.layer, ())
+        block.experts.cache.check()
