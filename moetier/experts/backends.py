@@ -204,7 +204,7 @@ class SlotExperts(ExpertBackend):
             from moetier.experts.cache.slot_kernels import BookkeepingScratch
 
             self._host_dev = DevicePointer(host_rows)
-            # NOTE: at least S pairs: a refresh step asks for S ids (plan/residents.slot_cache_state)
+            # NOTE: at least S pairs: a refresh step asks for S ids (experts/registry.slot_cache_state)
             self._scratch = BookkeepingScratch(num_experts, num_slots, max(decode_tokens * top_k, num_slots),
                                                self.device)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
