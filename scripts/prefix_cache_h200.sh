@@ -3,6 +3,7 @@
 # on with a host tier; Qwen3-30B-A3B 8 layers and GLM-5.3-Flash 4 layers, slots at 50%), `bench serve`
 # shared-prefix and multi-turn against each, JSON under $OUT and a table last. Run from the repository root
 # with the device wheels (fastapi, uvicorn, fla-core ...) installed under /tmp/site.
+set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site
 M="python3 -m moetier.cli"
 port=8100
