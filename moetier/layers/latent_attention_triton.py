@@ -270,9 +270,10 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
     num_q_blocks = triton.cdiv(max_q, block_t)
     head_blocks = triton.cdiv(hq, block_h)
     if num_splits is None:
-        keys = max(batch.seq_lens_host)
-        num_splits = default_num_splits(num_seqs * num_q_blocks * head_blocks,
-                                        min(keys, topk.shape[1]) if topk is not None else keys, q.device)
+        # with a selection: its width alone (fixed per model), so that an eager step and a graph replay
+        # (whose host lists say every context is the longest) split, and so sum, the same way
+        keys = topk.shape[1] if topk is not None else max(batch.seq_lens_host)
+        num_splits = default_num_splits(num_seqs * num_q_blocks * head_blocks, keys, q.device)
     assert 1 <= num_splits <= 4 * MAX_SPLITS, f"num_splits {num_splits} must be 1 to {4 * MAX_SPLITS}"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     upcast = q.dtype == torch.bfloat16 and interpret
