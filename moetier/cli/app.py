@@ -38,6 +38,7 @@ def generate(
     expert_slots: opt.ExpertSlots = None,
     decode_tokens: opt.DecodeTokens = 64,
     fp8_dense: opt.Fp8Dense = "dequantize",
+    speculative_config: opt.SpeculativeConfigOption = None,
     max_num_tokens: opt.MaxNumTokens = None,
     prefill_cache: opt.PrefillCache = "bypass",
     prefill_stream: opt.PrefillStream = "ring",
@@ -72,6 +73,7 @@ def generate(
             raise MoetierError("--system needs --chat")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
+        speculative = opt.speculative_config(speculative_config)
         model_dir = model_dir_of(model)
         experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
         if record_trace is not None:
@@ -86,7 +88,8 @@ def generate(
                                    prefill_stream=opt.prefill_stream(prefill_stream),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
-                                   distributed_executor=opt.executor(distributed_executor))
+                                   distributed_executor=opt.executor(distributed_executor),
+                                   speculative_config=speculative)
         rank_plans = None
         if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
             from moetier.plan.nodes import parallel_preflight
@@ -153,6 +156,7 @@ def serve(
     prefill_cache: opt.PrefillCache = "bypass",
     prefill_stream: opt.PrefillStream = "ring",
     fp8_dense: opt.Fp8Dense = "dequantize",
+    speculative_config: opt.SpeculativeConfigOption = None,
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -197,7 +201,7 @@ def serve(
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
                   "prefill_stream": opt.prefill_stream(prefill_stream),
-                  "fp8_dense": fp8_dense}
+                  "fp8_dense": fp8_dense, "speculative_config": opt.speculative_config(speculative_config)}
         if preset is not None:
             from moetier.bench.cli import parse_budget
 

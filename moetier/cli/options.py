@@ -69,6 +69,23 @@ PrefillStream = Annotated[str, typer.Option(
 MaxNumTokens = Annotated[Optional[int], typer.Option(
     "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
     "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
+SpeculativeConfigOption = Annotated[Optional[str], typer.Option(
+    "--speculative-config", metavar="<json>", help="Speculative decoding, as vLLM spells it: "
+    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's MTP layers) or "
+    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}' (prompt lookup); "
+    "docs/speculative.md. Parsed and checked; the step loop does not speculate yet.")]
+
+
+def speculative_config(text: str | None):
+    """The checked --speculative-config record (None: off). Until the step loop speculates, asking for
+    it is one line saying so (spec/config.refuse_unwired), never silently ignored."""
+    if text is None:
+        return None
+    from moetier.spec.config import parse_speculative_config, refuse_unwired
+
+    config = parse_speculative_config(text)
+    refuse_unwired(config)
+    return config
 
 
 def prefill_cache(value: str) -> str:

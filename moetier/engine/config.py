@@ -16,6 +16,7 @@ from moetier.errors import MoetierError
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS
 from moetier.parallel import layout_problems
+from moetier.spec.config import SpeculativeConfig, refuse_unwired
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
 
@@ -66,6 +67,9 @@ class EngineConfig:
     # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
     # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
     fp8_dense: str = "dequantize"
+    # Speculative decoding (--speculative-config, spec/config.py): None is off. NOTE: the step loop
+    # does not speculate yet; validate() refuses a config that asks for it (docs/speculative.md).
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -110,6 +114,9 @@ class EngineConfig:
             out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
         if self.fp8_dense not in ("dequantize", "fp8"):
             out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            out.append("speculative_config must be a spec.config.SpeculativeConfig (parse_speculative_config "
+                       f"makes one from JSON), got {type(self.speculative_config).__name__}")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out
@@ -120,6 +127,8 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         problems = self.problems()
+        if not problems:
+            refuse_unwired(self.speculative_config)  # until the step loop speculates: one line, not ignored
         if problems:
             raise MoetierError("invalid engine configuration: " + "; ".join(problems))
         return self
