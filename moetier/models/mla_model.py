@@ -231,7 +231,8 @@ class MlaMoeForCausalLM(CausalLM):
         # from cfg alone: plan/memory.py calls it on a model built without weights. Whole under tensor
         # parallelism: the latent is shared by all heads, so every rank holds (and writes) all of it.
         cfg = self.cfg
-        return MlaKVSpec(cfg.num_layers + cfg.mtp_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *self.index_keys(cfg))
+        return MlaKVSpec(cfg.num_layers + cfg.mtp_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                         *self.index_keys(cfg))  # loaded MTP layers: KV rows of their own
 
     def moe_blocks(self) -> list[MoEBlock]:
         layers = [*self.layers, *(head.block for head in self.mtp)]
