@@ -95,6 +95,7 @@ def test_rejection_batches_different_draft_lengths():
     lens = torch.tensor([0, 1, 2]).repeat(n)
     g = torch.Generator().manual_seed(2)
     draft = torch.multinomial(q[0], 3 * n * k, replacement=True, generator=g).view(3 * n, k)
+    draft[torch.arange(k)[None, :] >= lens[:, None]] = PAD  # padding past each draft: never read
     accepted, tokens = rejection_accept(draft, lens, p.expand(3 * n, -1, -1), q[:1].expand(3 * n, k, -1),
                                         generator=g)
     assert tokens.shape == (3 * n, k + 1) and (accepted <= lens).all()

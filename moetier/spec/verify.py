@@ -67,13 +67,14 @@ def rejection_accept(draft: torch.Tensor, draft_lens: torch.Tensor, target_probs
     come from `generator` (a fixed seed gives fixed tokens)."""
     b, k, v = draft.shape[0], draft.shape[1], target_probs.shape[-1]
     p = target_probs.float()
-    p_draft = p[:, :k].gather(2, draft[:, :, None])[:, :, 0]  # [B, K]
+    safe = draft.clamp_min(0)[:, :, None]  # entries past draft_lens may be PAD: gathered, never used
+    p_draft = p[:, :k].gather(2, safe)[:, :, 0]  # [B, K]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
-        residual = p[:, :k].scatter(2, draft[:, :, None], 0.0)  # max(p - onehot, 0) but at x: 0
+        residual = p[:, :k].scatter(2, safe, 0.0)  # max(p - onehot, 0) but at x: 0
     else:
         q = draft_probs.float()
-        q_draft = q.gather(2, draft[:, :, None])[:, :, 0]
+        q_draft = q.gather(2, safe)[:, :, 0]
         residual = (p[:, :k] - q).clamp_min(0.0)
     u = torch.rand(b, k, generator=generator, device=draft.device)
     # u < p / q, written without the division (q may be 0 where p is not: then always kept)
