@@ -182,3 +182,19 @@ def test_mtp_refusals(tmp_path):
     (path / "model.safetensors.index.json").unlink()
     with pytest.raises(MoetierError, match="eh_proj"):
         _ours(path)
+
+
+def test_mtp_layers_split_under_tensor_and_expert_parallelism():
+    """Built on the meta device with rank 0's layout: the MTP layer's attention heads and shared
+    expert split under tp 2 like a decoder layer's, and its experts under ep 2."""
+    from moetier import presets
+    from moetier.checkpoint.loader import build_model, check_parallel
+    from moetier.models.mtp import with_mtp
+    from moetier.parallel import Parallel
+
+    cfg = with_mtp(presets.preset("tiny-glm5", mtp_layers=1), True)
+    for par in (Parallel(0, 2, 2, 1), Parallel(0, 2, 1, 2), Parallel(0, 2, 2, 2)):
+        check_parallel(cfg, ExpertOptions(), 64, par)
+    model, placement, rows = build_model(cfg, torch.float32, "meta", ExpertOptions(), 64, Parallel(0, 2, 2, 1))
+    head = model.mtp[0].block.attn
+    assert cfg.num_layers in rows and head.hq == cfg.num_heads // 2
