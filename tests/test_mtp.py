@@ -198,3 +198,30 @@ def test_mtp_layers_split_under_tensor_and_expert_parallelism():
     model, placement, rows = build_model(cfg, torch.float32, "meta", ExpertOptions(), 64, Parallel(0, 2, 2, 1))
     head = model.mtp[0].block.attn
     assert cfg.num_layers in rows and head.hq == cfg.num_heads // 2
+
+
+def test_trace_hooks_with_mtp_layers_loaded(tmp_path):
+    """A draft step runs the MTP layer alone: the recorder keeps the target's layers only (the MTP
+    layer's routing is not recorded yet), the replayer routes the MTP layer from its cursor without
+    moving it, and the target's steps move it as before."""
+    from moetier.traces.format import read_trace
+    from moetier.traces.hooks import Recorder, Replayer
+
+    path, _, _ = hf_mtp_checkpoint(tmp_path / "m", "tiny-dsv3", 7)
+    model = _ours(path)
+    ids = torch.randint(0, 512, (10,), generator=torch.Generator().manual_seed(7))
+    rec = Recorder(model, tmp_path / "t.mtrace")
+    _run(model, ids, 1)  # target step, then a draft step
+    rec.end_step(["a"], [10])
+    rec.close()
+    trace = read_trace(tmp_path / "t.mtrace")
+    assert trace.layers == [1, 2] and trace.num_tokens == 10
+    rep = Replayer(model, trace)
+    routed = {}
+    block = model.mtp[0].block.mlp
+    hook = block.route_hook
+    block.route_hook = lambda layer, i, w: routed.setdefault(layer, hook(layer, i, w))
+    _run(model, ids, 1)
+    rep.close()
+    assert int(rep.cursor) == 10  # the target's 10 tokens; the MTP step kept it
+    assert routed[model.cfg.num_layers][0].shape == (9, model.cfg.top_k)
