@@ -9,9 +9,7 @@ problem in a config.json is reported in one error, so a user fixes them all in o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -174,26 +172,3 @@ class ModelConfig:
         """Bytes of each transient the attention of one layer holds at a step of `tokens` tokens
         (plan/residents.step_activations)."""
         raise NotImplementedError
-
-
-def config_from_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """The family's config class, chosen by model_type (or architectures), parses d."""
-    from moetier.models.registry import config_class, lookup
-
-    return config_class(lookup(d, source)).from_dict(d, source)
-
-
-def config_from_dir(path: str | Path) -> ModelConfig:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ConfigError(
-            f"{f} not found: --model must be a Hugging Face checkpoint directory holding config.json, "
-            "tokenizer.json and *.safetensors"
-        )
-    try:
-        d = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{f} is not readable JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{f} must hold a JSON object")
-    return config_from_dict(d, source=str(f))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetier.config import ModelConfig, config_from_dict
+from moetier.config import ModelConfig
+from moetier.models.registry import config_from_dict
 from moetier.errors import ConfigError
 from moetier.experts.shape import MoeShape
 

@@ -26,6 +26,10 @@ class SamplingParams:
     # log-probabilities of each sampled token and of this many most likely alternatives (None = off,
     # 0 = the sampled token's only), from the model's distribution before temperature and filters
     logprobs: int | None = None
+    # log-probabilities of the prompt's tokens (each after the first) and of this many most likely
+    # alternatives at each position (None = off), computed in the prefill from the logits of the same
+    # forward pass (vLLM's prompt_logprobs): what scoring (echo, lm-eval's log-likelihoods) reads
+    prompt_logprobs: int | None = None
     # token id -> bias added to its logit before sampling (temperature, filters), as OpenAI and vLLM do;
     # not to the logprobs, which stay the model's (raw) distribution
     logit_bias: dict[int, float] | None = None
@@ -47,6 +51,8 @@ class SamplingParams:
             problems.append(f"seed must be in [0, 2^63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            problems.append(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs}")
         for token, bias in (self.logit_bias or {}).items():
             if not (isinstance(token, int) and token >= 0 and -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
                 problems.append(f"logit_bias {{{token}: {bias}}}: keys are token ids >= 0, biases in [-100, 100]")

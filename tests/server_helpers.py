@@ -120,8 +120,8 @@ def serve(model=None, engine_cls=AsyncLLM, name: str = "tiny-stdlib", llm_option
 def wait_idle(llm: LLM, timeout: float = 10.0) -> None:
     """Until no request holds pages (an abort reaches the engine thread between steps)."""
     deadline = time.time() + timeout
-    while llm.scheduler.pages.num_used or llm.scheduler.running or llm.scheduler.waiting:
-        assert time.time() < deadline, (f"{llm.scheduler.pages.num_used} KV pages still held, "
+    while llm.scheduler.cache.num_in_use or llm.scheduler.running or llm.scheduler.waiting:
+        assert time.time() < deadline, (f"{llm.scheduler.cache.num_in_use} KV pages still held, "
                                         f"{len(llm.scheduler.running)} requests running")
         time.sleep(0.02)
     llm.scheduler.check()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetier.bench import decode
-from moetier.bench.cli import parse_budget
+from moetier.cli.bench_common import parse_budget
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
-from moetier.config import config_from_dict, config_from_dir
+from moetier.models.registry import config_from_dict, config_from_dir
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 from moetier.errors import CheckpointError, ConfigError
 from moetier.checkpoint.loader import load_model

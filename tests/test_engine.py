@@ -46,7 +46,7 @@ def test_batch_of_32_equals_each_alone(tiny_ckpt, solo, engine):
     assert [o.outputs[0].token_ids for o in outs] == solo
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     llm.scheduler.check()
-    assert llm.scheduler.pages.num_used == 0
+    assert llm.scheduler.cache.num_in_use == 0
     if "kv_tokens" in engine:
         assert sum(o.metrics["preemptions"] for o in outs) > 0
     if "experts" in engine and engine["experts"].backend == "slots":
@@ -122,11 +122,11 @@ def test_async_cancel_frees_pages(tiny_ckpt):
         deadline = time.time() + 10
         while time.time() < deadline:
             with engine._lock:
-                if llm.scheduler.pages.num_used == 0 and not llm.has_unfinished():
+                if llm.scheduler.cache.num_in_use == 0 and not llm.has_unfinished():
                     break
             time.sleep(0.01)
         with engine._lock:
-            assert llm.scheduler.pages.num_used == 0 and not llm.has_unfinished()
+            assert llm.scheduler.cache.num_in_use == 0 and not llm.has_unfinished()
     finally:
         engine.shutdown()
 

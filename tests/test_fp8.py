@@ -211,7 +211,7 @@ def test_bench_decode_runs_fp8_rows_beside_bf16_on_cpu(tmp_path):
     float32 compute); FP8 rows move and read fewer expert bytes and agree with their own resident."""
     from moetier import presets
     from moetier.bench import decode
-    from moetier.bench.cli import parse_dtypes
+    from moetier.cli.bench_common import parse_dtypes
     from moetier.checkpoint.random_bed import random_bed
     from moetier.errors import MoetierError
     from moetier.traces.format import write_trace

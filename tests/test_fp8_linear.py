@@ -198,7 +198,7 @@ def test_plan_counts_fp8_dense_bytes(aligned):
 def test_bench_decode_runs_fp8_dense_rows_beside_fp8(tmp_path, aligned):
     from moetier import presets
     from moetier.bench import decode
-    from moetier.bench.cli import WEIGHT_DTYPES, parse_dtypes
+    from moetier.cli.bench_common import WEIGHT_DTYPES, parse_dtypes
     from moetier.checkpoint.random_bed import random_bed
     from moetier.traces.format import write_trace
     from moetier.traces.synth import SynthParams, meta_of, synthesize

@@ -35,7 +35,7 @@ def test_prefill_logits_match_transformers(checkpoint):
 def test_vision_tower_is_known_and_skipped(checkpoint):
     from moetier.checkpoint.index import Checkpoint
     from moetier.checkpoint.validate import validate
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.models.glm5_next import Glm5NextForConditionalGeneration as Model
 
     path, _ = checkpoint
@@ -54,7 +54,7 @@ def test_vision_tower_is_known_and_skipped(checkpoint):
 
 
 def test_config_problems_are_one_error():
-    from moetier.config import config_from_dict
+    from moetier.models.registry import config_from_dict
     from moetier.errors import ConfigError
     from moetier.presets import preset_dict
 
@@ -112,7 +112,7 @@ def test_bfloat16_tracks_transformers(checkpoint):
 def test_linear_attn_config_is_read_as_transformers_reads_it():
     from transformers import Glm5NextTextConfig
 
-    from moetier.config import config_from_dict
+    from moetier.models.registry import config_from_dict
     from moetier.presets import preset_dict
 
     d = preset_dict("tiny-glm5-next")

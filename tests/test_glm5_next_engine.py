@@ -95,7 +95,7 @@ def test_batch_equals_each_alone(checkpoint, alone, engine):
     outs = llm.generate(prompts(), greedy(8))
     assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in alone]
     llm.scheduler.check()
-    assert llm.scheduler.pages.num_used == 0 and llm.scheduler.states.num_used == 0
+    assert llm.scheduler.cache.num_in_use == 0 and llm.scheduler.states.num_used == 0
     if "kv_tokens" in engine:
         assert sum(o.metrics["preemptions"] for o in outs) > 0
 
@@ -143,14 +143,3 @@ def test_routing_trace_records_and_replays(checkpoint, tmp_path):
     assert t.layers == [1, 2, 3, 4] and t.top_k == 4 and t.num_tokens == 25 + 7
     replay = LLM(path, dtype="float32", device="cpu", replay_trace=tmp_path / "t.mtrace")
     assert replay.generate(prompt, sp)[0].outputs[0].token_ids == first
-
-
-def test_decode_graphs_are_refused_before_the_kv_is_allocated(checkpoint, monkeypatch):
-    """The decode graphs carry no state slots: an engine that would capture them (CUDA, graphs on) is
-    refused in one line naming the way out (here forced on the CPU by making it capture)."""
-    import moetier.engine.llm as llm_module
-    from moetier.errors import MoetierError
-
-    monkeypatch.setattr(llm_module, "captures", lambda *a, **k: True)
-    with pytest.raises(MoetierError, match="no CUDA-graph decode path yet.*cuda_graphs=False"):
-        LLM(checkpoint[0], dtype="float32", device="cpu")

@@ -29,7 +29,7 @@ H, I = 200, 72  # ragged: neither a multiple of 128 nor of any SIMD width
 def lib():
     """Built once per session (then cached on disk in the user's cache)."""
     if host_ext.compiler() is None:
-        pytest.skip("no C++ compiler found (c++, g++ or clang++; or MOETIER_CXX): the compiled host kernel "
+        pytest.skip("no C++ compiler found (c++, g++ or clang++; or CXX): the compiled host kernel "
                     "cannot be built here")
     return host_ext.load()  # with a compiler present, a failed build is a test failure
 
@@ -153,9 +153,9 @@ def test_torch_kernel_takes_fp8_rows():
 
 # -- the build: where it goes, and what happens when it cannot --------------------------------------------
 def test_build_goes_to_the_cache_dir_never_the_source_tree(lib, tmp_path, monkeypatch):
-    monkeypatch.setenv("MOETIER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = host_ext.build(host_ext.compiler(), host_ext.cache_dir())
-    assert path.parent == tmp_path / "host_ext" and path.suffix == ".so"
+    assert path.parent == tmp_path / "moetier" / "host_ext" and path.suffix == ".so"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
     assert host_ext.build(host_ext.compiler(), host_ext.cache_dir()) == path  # cached: no second build
     assert not list(host_ext.SOURCE.parent.glob("*.so"))
@@ -166,8 +166,8 @@ def test_a_failed_build_falls_back_to_grouped_with_one_line(tmp_path, monkeypatc
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
                     "echo 'host_experts.cpp:1: error: forced by the test' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("MOETIER_CXX", str(fake))
-    monkeypatch.setenv("MOETIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     ok, reason = host_ext.available()
     assert not ok and "error: forced by the test" in reason and "\n" not in reason
     lay, rows = rows_of("bf16")
@@ -183,7 +183,7 @@ def test_a_failed_build_falls_back_to_grouped_with_one_line(tmp_path, monkeypatc
     hyb = HybridExperts(rows, lay, 2, 3, 8, host=path)
     x, ids, w = step(3, 2, rows.shape[0])
     assert hyb.forward(x, ids.view(3, 2), w.view(3, 2)).isfinite().all() and hyb.stats()["host"] > 0
-    monkeypatch.setenv("MOETIER_CXX", str(tmp_path / "missing"))
+    monkeypatch.setenv("CXX", str(tmp_path / "missing"))
     assert "cannot be run" in host_ext.available()[1]
 
 

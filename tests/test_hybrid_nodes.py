@@ -147,7 +147,8 @@ def test_the_default_mode_is_nodes_on_cuda_only_where_it_ran():
     """hybrid_nodes None: nodes on CUDA with the compiled kernel, one rank and unquantized rows (not on
     the CPU, not with a torch host kernel, not over several ranks, not FP8 rows: never run in a nodes
     graph); hybrid_nodes True / False force a mode."""
-    from moetier.experts.placement import ExpertPlacement, nodes_by_default
+    from moetier.experts.placement import ExpertPlacement
+    from moetier.experts.registry import nodes_by_default
     from moetier.experts.shape import MoeShape
 
     assert nodes_by_default("cuda") and nodes_by_default("cuda", "compiled")

@@ -71,14 +71,18 @@ def test_plan_counts_the_state_slots():
 
 def test_engine_allocates_what_the_plan_counts(tmp_path):
     from moetier.checkpoint.writer import make_checkpoint
+    from moetier.engine.kv_setup import num_checkpoints
     from moetier.engine.llm import LLM
     from moetier.sampling_params import SamplingParams
 
     path = make_checkpoint(tmp_path / "ckpt", "tiny-glm5-next", seed=0, dtype="float32")
     llm = LLM(path, device="cpu", max_num_seqs=3)
     spec = llm.model.kv_spec()
-    assert llm.kv.state.nbytes() == sum(spec.state.tensor_bytes(torch.float32, 4)) == 4 * spec.state_bytes_per_seq(
-        torch.float32)
+    # 3 sequences + the spare slot + 3 prefix-cache state checkpoints (engine/kv_setup.py)
+    slots = 3 + 1 + num_checkpoints(llm.config, spec, torch.float32)
+    assert slots == 7
+    assert llm.kv.state.nbytes() == sum(spec.state.tensor_bytes(torch.float32, slots)) == \
+        slots * spec.state_bytes_per_seq(torch.float32)
     outs = llm.generate([[1, 2, 3]] * 4 + [[9] * 70], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 1  # equal prompts, equal tokens
     llm.scheduler.check()

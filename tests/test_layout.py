@@ -1,4 +1,5 @@
-"""The package's shape: imports point down (DESIGN.md "Rooms"), modules stay one concept."""
+"""The package's shape: imports point down (DESIGN.md "Rooms"; the levels in layout_rules.py cover
+every room), no two modules import each other around a loop, modules stay one concept."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from layout_rules import LEVEL, LEVELS, cycles, unplaced_rooms, up_arrows
 
 ROOT = Path(__file__).parents[1] / "moetier"
 # package -> packages it must never import
@@ -31,6 +34,9 @@ FORBIDDEN = {
     # called by the engine's step loop; it knows no model, layer, expert backend or engine
     "spec": ("moetier.models", "moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint",
              "moetier.layers", "moetier.experts", "moetier.dist", "moetier.plan", "moetier.bench"),
+    # eval/ talks to a server over HTTP (a spawned `moetier serve` or any URL), never to an engine
+    "eval": ("moetier.engine", "moetier.server", "moetier.models", "moetier.experts", "moetier.layers",
+             "moetier.dist"),
 }
 
 
@@ -78,3 +84,34 @@ def test_modules_stay_small():
     big = [f"{f.relative_to(ROOT)}: {n} lines" for f in sorted(ROOT.rglob("*.py"))
            if (n := len(f.read_text().splitlines())) > 400]
     assert not big, big
+
+
+def test_every_room_has_a_level():
+    assert not unplaced_rooms(ROOT), f"add these rooms to tests/layout_rules.LEVELS: {unplaced_rooms(ROOT)}"
+    for room in ("plan", "server", "traces", "bench", "dist", "quant", "config", "cli", "engine", "experts"):
+        assert room in LEVEL, room
+    assert LEVEL["cli"] == 0 and LEVELS[-1] == ("errors",)
+
+
+def test_arrows_point_down_between_every_room():
+    bad = up_arrows(ROOT)
+    assert not bad, bad
+
+
+def test_no_import_cycles():
+    found = cycles(ROOT)
+    assert not found, found
+
+
+def test_the_checks_can_fail(tmp_path):
+    # a tree with an up arrow (plan -> cli) and a cycle (a <-> b) is caught by both checks
+    pkg = tmp_path / "moetier"
+    for d in ("cli", "plan"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "a.py").write_text("from moetier.cli import b\n")
+    (pkg / "cli" / "b.py").write_text("def f():\n    from moetier.cli import a\n")
+    (pkg / "plan" / "c.py").write_text("from moetier.cli.a import x\n")
+    assert up_arrows(pkg) == ["moetier.plan.c -> moetier.cli.a"]
+    assert cycles(pkg) == [["moetier.cli.a", "moetier.cli.b"]]

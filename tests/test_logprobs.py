@@ -83,7 +83,9 @@ def test_completion_logprobs_match_the_engine_streaming_or_not(live, client):
     assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
     assert [x for c in streamed for x in c.tokens] == lp.tokens
     zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
-    assert zero.choices[0].logprobs.top_logprobs is None and len(zero.choices[0].logprobs.token_logprobs) == 4
+    zl = zero.choices[0].logprobs  # logprobs 0: each token's own logprob only, in top_logprobs too (as vLLM)
+    assert len(zl.token_logprobs) == 4
+    assert [list(t.values()) for t in zl.top_logprobs] == [[x] for x in zl.token_logprobs]
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).choices[0].logprobs is None
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier import presets
-from moetier.config import config_from_dict
+from moetier.models.registry import config_from_dict
 from moetier.errors import ConfigError
 from moetier.layers.attention import make_batch
 from moetier.layers.dsa_indexer import DsaIndexer

@@ -95,7 +95,7 @@ def test_node_problems_names_node_ranks_and_gib():
 
 
 def test_rank_plan_is_a_share(tiny_ckpt):
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.engine.config import EngineConfig
     from moetier.experts.placement import ExpertOptions
     from moetier.plan.preflight import request_for
@@ -120,7 +120,7 @@ def test_rank_plan_is_a_share(tiny_ckpt):
 def test_a_node_too_small_for_its_ranks_is_refused(tiny_ckpt):
     """Two CPU ranks on this machine: a host budget that holds one rank's share but not two is refused
     by the node check (the ranks' needs summed), naming the node, the ranks and GiB."""
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.engine.config import EngineConfig
     from moetier.experts.placement import ExpertOptions
     from moetier.plan.nodes import rank_plans

@@ -291,7 +291,7 @@ def test_disconnected_stream_aborts_and_frees_pages(live):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-        assert live.llm.scheduler.pages.num_used > 0
+        assert live.llm.scheduler.cache.num_in_use > 0
     wait_idle(live.llm)  # pages back to zero long before 400 tokens would have been made
 
 
@@ -352,7 +352,8 @@ def test_metrics_have_vllm_names_and_expert_tiers(live, client):
                  "generation_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_sum", "request_queue_time_seconds_count", "num_preemptions_total",
                  "request_success_total", "expert_hits_total", "expert_misses_total", "expert_overflow_total",
-                 "expert_link_bytes_total"):
+                 "expert_link_bytes_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "kv_cache_cached_pages"):
         assert f"moetier:{name}" in text, name
     assert 'moetier:expert_hits_total{layer="total",model_name="tiny-stdlib"}' in text
     assert 'moetier:expert_hits_total{layer="0",model_name="tiny-stdlib"}' in text

@@ -146,7 +146,7 @@ def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
 
 
 def test_rank_plan_counts_half_the_expert_bytes(ckpts):
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.engine.config import EngineConfig
     from moetier.plan.nodes import rank_plan
     from moetier.plan.preflight import request_for

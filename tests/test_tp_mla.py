@@ -187,7 +187,7 @@ def test_layouts_the_heads_or_columns_cannot_split_are_refused(ckpts, monkeypatc
 
 
 def test_rank_plan_keeps_the_latent_cache_whole(ckpts):
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.engine.config import EngineConfig
     from moetier.plan.nodes import rank_plan
     from moetier.plan.preflight import request_for

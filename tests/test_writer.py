@@ -8,7 +8,7 @@ from tests.helpers import Sequence
 from safetensors import safe_open
 
 from moetier.checkpoint.index import Checkpoint
-from moetier.config import config_from_dir
+from moetier.models.registry import config_from_dir
 from moetier.checkpoint.loader import load_model
 from moetier.presets import preset
 from moetier.checkpoint.safetensors_io import StreamingWriter

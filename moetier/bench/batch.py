@@ -10,7 +10,6 @@ import torch
 
 from moetier.bench.common import record
 from moetier.engine.llm import LLM
-from moetier.experts.placement import ExpertOptions
 from moetier.sampling_params import SamplingParams
 
 
@@ -21,13 +20,10 @@ def workload(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
     return prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in range(n)]
 
 
-def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str, experts: ExpertOptions,
-        seed: int = 0, plan=None, progress: Callable[[str], None] = lambda text: None) -> dict:
-    """plan: the memory plan preflight made (moetier/plan/preflight.py); audited and recorded.
+def run(llm: LLM, n: int, prompt_len: int, max_tokens: int, seed: int = 0, plan=None,
+        progress: Callable[[str], None] = lambda text: None) -> dict:
+    """llm: loaded by engine/startup.plan_then_load; plan: its memory plan, recorded.
     progress: told each phase (and each quarter of the requests one after another), one short line each."""
-    from moetier.engine.llm import pick_device
-
-    llm = LLM(model, device=pick_device(device), experts=experts, plan=plan)
     prompts, params = workload(n, prompt_len, max_tokens, llm.tokenizer.vocab_size, seed)
     progress("warm-up")
     llm.generate(prompts[:2], params[:2])  # warm-up: first-call costs stay out of the figures
@@ -47,7 +43,8 @@ def run(model: str | None, n: int, prompt_len: int, max_tokens: int, device: str
     out_tokens = sum(len(o.outputs[0].token_ids) for o in batch)
     same = [a.outputs[0].token_ids for a in alone] == [b.outputs[0].token_ids for b in batch]
     return record("batch", {
-        "model": str(llm.model_dir), "device": str(llm.model.device), "expert_backend": experts.backend,
+        "model": str(llm.model_dir), "device": str(llm.model.device),
+        "expert_backend": plan.backend if plan is not None else None,
         "requests": n, "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
         "one_by_one_s": t_alone, "batched_s": t_batch, "speedup": t_alone / t_batch,
         "one_by_one_tok_per_s": out_tokens / t_alone, "batched_tok_per_s": out_tokens / t_batch,

@@ -28,6 +28,7 @@ from moetier.bench.prefill import warm_slots
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
+from moetier.experts.registry import backend_kind
 from moetier.sampling_params import SamplingParams
 
 
@@ -75,25 +76,27 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
     g = torch.Generator().manual_seed(args["seed"])
     prompt = torch.randint(0, bed.tokenizer.vocab_size, (prompt_len,), generator=g).tolist()
     for backend, budget in backends:
+        kind = backend_kind(backend)
         slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"])
         for chunk in chunks:
             config = EngineConfig(replay_trace=trace_path, max_num_seqs=streams + 1, max_num_tokens=chunk,
                                   decode_tokens=args["decode_tokens"],
                                   prefill_cache_policy=args.get("prefill_cache", "bypass"),
-                                  kv_tokens=(streams + 1) * (prompt_len + 2048))
+                                  kv_tokens=(streams + 1) * (prompt_len + 2048),
+                                  enable_prefix_caching=False)  # the timed prompt ran untimed first
             llm = LLM.from_model(bed.model, bed.tokenizer, config)
             try:
-                if backend == "slots":
+                if kind.cached:
                     warm_slots(bed, trace_path)
                 one_row(llm, prompt, streams, args["before"], args["seed"])  # untimed: compile, allocator
                 llm.replayer.cursor.zero_()
-                if backend == "slots":
+                if kind.cached:
                     warm_slots(bed, trace_path)
                 row = one_row(llm, prompt, streams, args["before"], args["seed"])
             finally:
                 llm.close()
-            row.update(backend=backend, budget=budget if backend == "slots" else None, slots=slots, chunk=chunk,
-                       prefill_cache=args.get("prefill_cache", "bypass") if backend == "slots" else None,
+            row.update(backend=backend, budget=budget if kind.cached else None, slots=slots, chunk=chunk,
+                       prefill_cache=args.get("prefill_cache", "bypass") if kind.cached else None,
                        prompt_len=prompt_len, streams=streams)
             rows.append(row)
             print(table([row]), flush=True)

@@ -28,12 +28,13 @@ import re
 
 import torch
 
-from moetier.bench.decode import decode_once, distinct_per_step, graph_mode, roofline, warm_all
+from moetier.bench.decode_steps import decode_once, distinct_per_step, graph_mode, roofline, warm_all
 from moetier.checkpoint.random_bed import RandomModel, slots_for
 from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
+from moetier.experts.registry import backend_kind
 from moetier.parallel import layout_problems
 from moetier.traces.format import Trace
 
@@ -110,14 +111,15 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
                                                  / max(1, llm.runner.broadcasts - sent[1]))
             r["step_record_group"] = args.get("step_record_group", "world")
             st = r["expert_stats"]  # rank 0's: the roofline is one rank's bytes
-            if backend == "slots":
+            kind = backend_kind(backend)
+            if kind.cached:
                 per = max(1, st["steps"])
                 hbm, link = (st["hits"] + st["misses"]) / per, (st["misses"] + st["overflow"]) / per
             else:  # rank 0 computes the distinct experts of the step that it owns: 1/ep of them
                 distinct = distinct_per_step(trace, *r["cursor"], b) / ep
-                hbm, link = (distinct, 0.0) if backend == "resident" else (0.0, distinct)
+                hbm, link = (0.0, distinct) if kind.host_store else (distinct, 0.0)
             roof = roofline(bed, b, hbm, link, bw["hbm_GBps"], bw["link_GBps"])
-            rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+            rows.append({"backend": backend, "budget": budget if kind.cached else None, "slots": slots,
                          "graphs": graph_mode(llm), "parallel": label(tp, ep), "world": max(tp, ep), "tp": tp,
                          "expert_split": bed.split,
                          "ep": ep, **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],

@@ -46,6 +46,7 @@ from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
+from moetier.experts.registry import backend_kind
 from moetier.sampling_params import SamplingParams
 
 
@@ -160,26 +161,27 @@ def prefill_checked(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]]
 
 def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, lengths: list[int], batches: list[int],
                   args: dict, bw: dict, prefill: str = "bypass", stream: str = "uva") -> list[dict]:
-    cfg, gemm = bed.cfg, GemmConfig()
+    cfg, gemm, kind = bed.cfg, GemmConfig(), backend_kind(backend)
     ring = {"ring_group": args.get("ring_group", RING_GROUP), "ring_depth": args.get("ring_depth", RING_DEPTH)}
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"],
-                        **(ring if backend == "slots" else {}))
-    ringed = backend == "slots" and stream == "ring" and prefill == "bypass"
+                        **(ring if kind.cached else {}))
+    ringed = kind.cached and stream == "ring" and prefill == "bypass"
     steps = args.get("decode_steps", 0)
     # graphs only for the decode after the prefill (prefill steps run eagerly either way)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
                           decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0, prefill_cache_policy=prefill,
-                          prefill_stream=stream if backend == "slots" else "uva",
-                          kv_tokens=max(batches) * (max(lengths) + steps + 16))
+                          prefill_stream=stream if kind.cached else "uva",
+                          kv_tokens=max(batches) * (max(lengths) + steps + 16),
+                          enable_prefix_caching=False)  # repeats time the same prompts: prefill, not a hit
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     blocks = bed.model.moe_blocks()
 
     def warm() -> None:  # every prefill starts from decode's steady state, whatever the last one did
-        if backend == "slots":
+        if kind.cached:
             warm_slots(bed, trace_path)
 
     warm()
-    in_hbm = {b.layer: (np.ones(cfg.num_experts, bool) if backend == "resident" else
+    in_hbm = {b.layer: (np.ones(cfg.num_experts, bool) if not kind.host_store else
                         b.experts.cache.expert_slot.cpu().numpy() >= 0 if isinstance(b.experts, SlotExperts)
                         else np.zeros(cfg.num_experts, bool)) for b in blocks}
     g = torch.Generator().manual_seed(args["seed"])
@@ -211,7 +213,7 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                 sampled, logits = prefill_checked(llm, prompts)
                 streamed = ring_rows(blocks) - streamed
                 log.close()
-                if prefill == "refresh" and backend == "slots":
+                if prefill == "refresh" and kind.cached:
                     # the rows filled, once each, then the experts not in slots after the refresh (exact
                     # when the prompt is one step; a chunked prompt's earlier steps saw earlier slots)
                     now = {b.layer: b.experts.cache.expert_slot.cpu().numpy() >= 0 for b in blocks}
@@ -229,10 +231,10 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                                       + bed.dense_params)
                 link_s = link_bytes / (bw["link_GBps"] * GB)
                 work_s = max(hbm_bytes / (bw["hbm_GBps"] * GB), flops / (bw["tflops"] * 1e12))
-                rows.append({"backend": backend, "budget": budget if backend == "slots" else None, "slots": slots,
+                rows.append({"backend": backend, "budget": budget if kind.cached else None, "slots": slots,
                              "dtype": bed_dtype(bed),
-                             "prefill_cache": prefill if backend == "slots" else None,
-                             "prefill_stream": stream if backend == "slots" else None,
+                             "prefill_cache": prefill if kind.cached else None,
+                             "prefill_stream": stream if kind.cached else None,
                              **({"ring": [ring["ring_group"], ring["ring_depth"]]} if ringed else {}), **after,
                              "prompt_len": n, "batch": b, "steps": len(log.ids), "seconds": seconds,
                              "runs_s": times, "runs": len(times),

@@ -10,6 +10,16 @@ the first, E2EL the whole request. Failures (an HTTP error, a
 broken stream) and cancellations (the client timed out, or the server aborted) are counted apart.
 Outputs: requests are greedy and the levels share their prompts, so each level's completions are
 compared with the first level's (`check`); a level whose completions differ is marked.
+
+Datasets with repeated prefixes (prefix caching, docs/prefix-cache.md): `shared-prefix` sends requests
+over a few long prefixes (--num-prefixes of --prefix-len tokens, the rest of --input-len a random
+suffix); `multi-turn` runs conversations of --turns turns under one shared system prompt of
+--prefix-len tokens, each turn's prompt the previous turn's plus a reply of --output-len tokens and a
+new user message of --input-len minus --prefix-len tokens, the turns of a conversation one after the
+other (a concurrency slot holds a conversation). NOTE: the replies in the history are client-made
+tokens, not the server's completions, so that every level sends the same prompts. Against a moetier
+server each level also reads the prefix cache's counters from /metrics: tokens queried, tokens hit
+(prefill skipped) and those brought back from the host KV tier.
 """
 
 from __future__ import annotations
@@ -41,6 +51,52 @@ class Result:
     itl: list[float] = field(default_factory=list)
     e2el: float = 0.0
     text: str = ""  # the completion (greedy: the output check compares it across levels)
+
+
+DATASETS = ("random", "sharegpt-like", "shared-prefix", "multi-turn")
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """The shape of the repeated-prefix datasets (the CLI's --prefix-len, --num-prefixes, --turns)."""
+
+    prefix_len: int = 0  # 0: three quarters of input_len
+    num_prefixes: int = 4
+    turns: int = 4
+
+
+def chains(dataset: str, n: int, input_len: int, output_len: int, ids: list[int], seed: int, shape: Prefixes
+           ) -> list[list[tuple[list[int], int]]]:
+    """At least n requests as chains (each chain's requests run in order, one after the other), their
+    prompts cut from the token ids `ids`: one request per chain but for multi-turn."""
+    rng = random.Random(seed)
+
+    def cut(k: int) -> list[int]:
+        start = rng.randrange(0, max(1, len(ids) - k))
+        return ids[start:start + k]
+
+    if dataset in ("random", "sharegpt-like"):
+        return [[(cut(i), o)] for i, o in lengths(dataset, n, input_len, output_len, seed)]
+    head = min(shape.prefix_len or input_len * 3 // 4, input_len - 1)
+    if dataset == "shared-prefix":
+        heads = [cut(head) for _ in range(shape.num_prefixes)]
+        return [[(heads[i % len(heads)] + cut(input_len - head), output_len)] for i in range(n)]
+    system, out = cut(head), []
+    for _ in range(-(-n // shape.turns)):
+        prompt, turns = list(system), []
+        for _ in range(shape.turns):
+            prompt = prompt + cut(input_len - head)
+            turns.append((prompt, output_len))
+            prompt = prompt + cut(output_len)  # the reply, as the next turn's history
+        out.append(turns)
+    return out
+
+
+def corpus_tokens(dataset: str, n: int, input_len: int, output_len: int, seed: int) -> int:
+    """Tokens of the corpus the prompts are cut from."""
+    if dataset in ("random", "sharegpt-like"):
+        return sum(i for i, _ in lengths(dataset, n, input_len, output_len, seed))
+    return 4 * (input_len + output_len)  # a pool to cut from: prompts repeat by construction
 
 
 def lengths(dataset: str, n: int, input_len: int, output_len: int, seed: int) -> list[tuple[int, int]]:
@@ -113,26 +169,50 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return res
 
 
-async def level(client, url: str, model: str, prompts: list[tuple[list[int], int]], warmup: int,
+async def level(client, url: str, model: str, work: list[list[tuple[list[int], int]]], warmup: int,
                 concurrency: int | None, rate: float | None, seed: int, timeout: float) -> dict:
-    """One concurrency level (or request rate): warm-up, then the measured requests."""
-    limit = asyncio.Semaphore(concurrency or len(prompts))
+    """One concurrency level (or request rate): warm-up chains, then the measured ones; a concurrency
+    slot runs one chain's requests in order. With a moetier server, the prefix cache's counters."""
+    limit = asyncio.Semaphore(concurrency or len(work))
 
-    async def limited(p, n):
+    async def limited(chain):
         async with limit:
-            return await one(client, url, model, p, n, timeout)
+            return [await one(client, url, model, p, n, timeout) for p, n in chain]
 
-    warm = await asyncio.gather(*(limited(p, n) for p, n in prompts[:warmup]))
+    warm = [r for rs in await asyncio.gather(*(limited(c) for c in work[:warmup])) for r in rs]
+    before = await prefix_counters(client, url)
     rng = np.random.default_rng(seed)
     tasks, start = [], time.perf_counter()
-    for p, n in prompts[warmup:]:
-        tasks.append(asyncio.create_task(limited(p, n)))
+    for chain in work[warmup:]:
+        tasks.append(asyncio.create_task(limited(chain)))
         if rate:  # Poisson arrivals
             await asyncio.sleep(rng.exponential(1.0 / rate))
-    results = await asyncio.gather(*tasks)
+    results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     out = summarize(results, time.perf_counter() - start, concurrency, rate)
+    after = await prefix_counters(client, url)
+    if before is not None and after is not None:
+        d = {k: after[k] - before[k] for k in after}
+        out |= {"prefix_cache_queries": d["queries"], "prefix_cache_hits": d["hits"],
+                "prefix_cache_hit_rate": d["hits"] / d["queries"] if d["queries"] else 0.0,
+                "kv_host_hit_tokens": d["host"]}
     out["_texts"] = {i: r.text for i, r in enumerate([*warm, *results]) if r.ok}  # by prompt index
     return out
+
+
+async def prefix_counters(client, url: str) -> dict[str, float] | None:
+    """moetier's prefix cache counters from /metrics (tokens); None from a server without them."""
+    try:
+        r = await client.get(url + "/metrics")
+    except httpx.HTTPError:
+        return None
+    names = {"moetier:prefix_cache_queries_total": "queries", "moetier:prefix_cache_hits_total": "hits",
+             "moetier:kv_host_hits_total": "host"}
+    got = {"queries": None, "hits": None, "host": 0.0}
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            got[names[name]] = float(line.rsplit(" ", 1)[-1])
+    return None if got["queries"] is None or got["hits"] is None else got
 
 
 def check_levels(rows: list[dict]) -> None:
@@ -173,7 +253,8 @@ def summarize(results: list[Result], duration: float, concurrency: int | None, r
 
 
 async def run_async(url: str, api_key: str | None, concurrencies: list[int], rate: float | None, num_prompts: int,
-                    input_len: int, output_len: int, dataset: str, warmup: int, seed: int, timeout: float) -> dict:
+                    input_len: int, output_len: int, dataset: str, warmup: int, seed: int, timeout: float,
+                    shape: Prefixes = Prefixes()) -> dict:
     url = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrencies + [64]) + 8)
@@ -188,21 +269,18 @@ async def run_async(url: str, api_key: str | None, concurrencies: list[int], rat
             raise MoetierError(f"--url {url}: no OpenAI server answers there ({e})") from None
         model = models[0]["id"]
         levels = [None] if rate else concurrencies
-        biggest = max(num_prompts or 4 * (c or 16) for c in levels) + warmup
-        lens = lengths(dataset, biggest, input_len, output_len, seed)
-        ids = await corpus(client, url, sum(i for i, _ in lens), seed)
-        rng = random.Random(seed)
-        prompts = []
-        for i, o in lens:
-            start = rng.randrange(0, max(1, len(ids) - i))
-            prompts.append((ids[start:start + i], o))
+        per_chain = shape.turns if dataset == "multi-turn" else 1
+        biggest = max(num_prompts or 4 * (c or 16) for c in levels) + warmup * per_chain
+        ids = await corpus(client, url, corpus_tokens(dataset, biggest, input_len, output_len, seed), seed)
+        work = chains(dataset, biggest, input_len, output_len, ids, seed, shape)
         rows = []
         for c in levels:
-            n = (num_prompts or max(16, 4 * (c or 16))) + warmup
-            rows.append(await level(client, url, model, prompts[:n], warmup, c, rate, seed, timeout))
+            n = -(-(num_prompts or max(16, 4 * (c or 16))) // per_chain) + warmup
+            rows.append(await level(client, url, model, work[:n], warmup, c, rate, seed, timeout))
         check_levels(rows)
         return {"url": url, "model": model, "dataset": dataset, "input_len": input_len, "output_len": output_len,
-                "warmup": warmup, "seed": seed, "results": rows}
+                "warmup": warmup, "seed": seed, "results": rows,
+                **({"prefixes": shape.__dict__} if dataset in ("shared-prefix", "multi-turn") else {})}
 
 
 def run(*args, **kw) -> dict:
@@ -211,12 +289,14 @@ def run(*args, **kw) -> dict:
 
 def table(data: dict) -> str:
     lines = [f"{'conc':>5} {'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT ms':>8} "
-             f"{'TPOT ms':>8} {'p99 ITL':>8} {'E2EL ms':>8}  outputs"]
+             f"{'TPOT ms':>8} {'p99 ITL':>8} {'E2EL ms':>8} {'hit tok':>8} {'hit %':>6}  outputs"]
     for r in data["results"]:
+        hit = (f"{r['prefix_cache_hits']:8.0f} {r['prefix_cache_hit_rate']:6.1%}" if "prefix_cache_hits" in r
+               else f"{'-':>8} {'-':>6}")
         lines.append(f"{str(r['max_concurrency']):>5} {str(r['request_rate']):>6} {r['completed']:>5} "
                      f"{r['failed'] + r['cancelled']:>4} {r['request_throughput']:7.2f} {r['output_throughput']:9.1f} "
                      f"{r['median_ttft_ms']:8.1f} {r['median_tpot_ms']:8.2f} {r['p99_itl_ms']:8.1f} "
-                     f"{r['median_e2el_ms']:8.0f}  {check_text(r.get('check'))}")
+                     f"{r['median_e2el_ms']:8.0f} {hit}  {check_text(r.get('check'))}")
     return "\n".join(lines)
 
 

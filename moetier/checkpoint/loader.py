@@ -36,7 +36,8 @@ from safetensors import safe_open
 from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8, require_fp8, with_dense
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import validate
-from moetier.config import ModelConfig, config_from_dir
+from moetier.config import ModelConfig
+from moetier.models.registry import config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement

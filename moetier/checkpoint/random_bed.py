@@ -33,6 +33,7 @@ from moetier.config import ModelConfig
 from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.registry import Resident, Slots, backend_kind
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.models.base import CausalLM
@@ -68,7 +69,7 @@ class RandomModel:
 
     preset: str
     layers: int | None = None
-    backend: str = "slots"
+    backend: str = Slots.name
     budget: float = 0.5  # slots backends: the share of the model's routed experts each rank's slots hold
     policy: str = "lfru"
     seed: int = 0
@@ -111,7 +112,7 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
-    split = resolve(split, cfg.moe_shape, par.tp, par.ep, "resident")  # refuses a bad explicit columns
+    split = resolve(split, cfg.moe_shape, par.tp, par.ep, Resident.name)  # refuses a bad explicit columns
     ours = local_shape(cfg.moe_shape, split, par.tp).layout  # this rank's rows (the whole without columns)
     ep, mine = par.ep, par.ep_rank
     store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), ours, dtype,
@@ -197,7 +198,7 @@ def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1, column
     """Slots per MoE layer of a budget (0: a backend without slots): the share of the model's routed
     expert bytes, at least top_k slots, at most the experts a rank holds. columns: the "columns" expert
     split's tp (a slot holds 1/columns of an expert, so the same bytes hold columns times the slots)."""
-    if backend not in ("slots", "hybrid"):
+    if not backend_kind(backend).cached:
         return 0
     return min(local_experts(cfg.num_experts, ep), max(cfg.top_k, round(cfg.num_experts * budget * columns)))
 
@@ -220,5 +221,5 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
                                 decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
         rows = bed.host[block.layer]
-        block.experts = placement.build(block.layer, rows.to(dev, copy=True) if backend == "resident" else rows)
+        block.experts = placement.build(block.layer, rows if placement.kind.host_store else rows.to(dev, copy=True))
     return slots

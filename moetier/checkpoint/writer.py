@@ -23,7 +23,8 @@ import torch
 from moetier import presets
 from moetier.checkpoint.loader import DTYPES
 from moetier.checkpoint.safetensors_io import StreamingWriter
-from moetier.config import ModelConfig, config_from_dict
+from moetier.config import ModelConfig
+from moetier.models.registry import config_from_dict
 from moetier.errors import MoetierError
 from moetier.models.registry import model_class
 from moetier.quant import fp8_block as fp8

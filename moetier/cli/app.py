@@ -1,5 +1,6 @@
-"""The `moetier` command: generate and make-checkpoint here, `moetier bench ...` from bench/cli.py,
-`moetier trace ...` from traces/cli.py. Shared options and argument checks live in options.py."""
+"""The `moetier` command: generate, serve and make-checkpoint here, `moetier bench ...` from bench.py
+and bench_prefill.py, `moetier trace ...` from trace.py, `moetier plan` from plan.py, `moetier eval`
+from eval.py. Shared options and argument checks live in options.py."""
 
 from __future__ import annotations
 
@@ -34,37 +35,35 @@ def generate(
                                    help="Stop string; not printed. Repeat the option for several."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past EOS tokens."),
     dtype: opt.Dtype = "auto",
-    expert_backend: opt.ExpertBackend = "auto",
-    expert_slots: opt.ExpertSlots = None,
-    decode_tokens: opt.DecodeTokens = 64,
-    fp8_dense: opt.Fp8Dense = "dequantize",
+    expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
+    expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
+    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     speculative_config: opt.SpeculativeConfigOption = None,
-    max_num_tokens: opt.MaxNumTokens = None,
-    prefill_cache: opt.PrefillCache = "bypass",
-    prefill_stream: opt.PrefillStream = "ring",
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
-                                                help="Prompt + output tokens (default: the model's); sizes the KV pool."),
+    max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
+    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
+    prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
+    enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
+    kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
+    max_model_len: opt.MaxModelLen = opt.ENGINE.max_model_len,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
-    expert_slots_file: opt.ExpertSlotsFile = None,
-    cache_policy: opt.CachePolicy = "lfru",
+    expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
+    cache_policy: opt.CachePolicy = opt.EXPERTS.policy,
     device: opt.Device = "auto",
-    tp: opt.TensorParallel = 1,
-    expert_split: opt.ExpertSplit = "auto",
-    ep: opt.ExpertParallel = 1,
-    distributed_executor: opt.DistributedExecutor = "mp",
-    record_trace: Optional[Path] = typer.Option(None, "--record-trace", metavar="<file>",
-                                                help="Write the routing of this run."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
-                                                help="Route by this trace's experts instead of the router's."),
+    tp: opt.TensorParallel = opt.ENGINE.tensor_parallel_size,
+    expert_split: opt.ExpertSplit = opt.EXPERTS.split,
+    ep: opt.ExpertParallel = opt.ENGINE.expert_parallel_size,
+    distributed_executor: opt.DistributedExecutor = opt.ENGINE.distributed_executor,
+    record_trace: opt.RecordTrace = opt.ENGINE.record_trace,
+    replay_trace: opt.ReplayTrace = opt.ENGINE.replay_trace,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     verbose: bool = typer.Option(False, "--verbose", help="Also print the run's choices (the prefill chunk and why)."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
-    from moetier.cli.progress import ByteBar
     from moetier.engine.generate import Generator
-    from moetier.engine.llm import LLM, model_dir_of, pick_device
-    from moetier.plan.preflight import preflight
+    from moetier.engine.llm import model_dir_of, pick_device
+    from moetier.engine.startup import plan_then_load
     from moetier.sampling_params import SamplingParams
     from moetier.tokenizer import TokenizerError
 
@@ -83,24 +82,17 @@ def generate(
         dev = pick_device(device)
         if max_num_tokens is not None:
             opt.at_least(max_num_tokens, 1, "--max-num-tokens")
-        config = opt.engine_config(model_dir, max_model_len, max_num_seqs=1, decode_tokens=decode_tokens,
+        config = opt.engine_config(model_dir, max_model_len, max_num_seqs=opt.ONE_REQUEST, decode_tokens=decode_tokens,
                                    max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
                                    prefill_stream=opt.prefill_stream(prefill_stream),
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor),
                                    speculative_config=speculative)
-        rank_plans = None
-        if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
-            from moetier.plan.nodes import parallel_preflight
-
-            plan, experts, rank_plans = parallel_preflight(model_dir, dtype, dev, experts, config, gpu_memory,
-                                                           host_memory)
-        else:
-            plan, experts = preflight(model_dir, dtype, dev, experts, config, gpu_memory, host_memory)
-        with ByteBar("loading") as bar:
-            llm = LLM(model_dir, dtype=dtype, device=dev, experts=experts, config=config, plan=plan, progress=bar,
-                      on_audit=None if as_json else lambda text: typer.echo(text, err=True), rank_plans=rank_plans)
+        llm, plan = plan_then_load(model_dir, dtype, dev, experts, config, gpu_memory, host_memory,
+                                   on_audit=None if as_json else lambda text: typer.echo(text, err=True))
         if verbose and not as_json and llm.chunk_reason:
             typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)
         gen = Generator(llm)
@@ -147,15 +139,17 @@ def serve(
                                                     help="Model id clients send (default: the directory name)."),
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
-    expert_backend: opt.ExpertBackend = "auto",
-    expert_slots: opt.ExpertSlots = None,
-    expert_slots_file: opt.ExpertSlotsFile = None,
-    cache_policy: opt.CachePolicy = "lfru",
-    decode_tokens: opt.DecodeTokens = 64,
-    max_num_tokens: opt.MaxNumTokens = None,
-    prefill_cache: opt.PrefillCache = "bypass",
-    prefill_stream: opt.PrefillStream = "ring",
-    fp8_dense: opt.Fp8Dense = "dequantize",
+    expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
+    expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
+    expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
+    cache_policy: opt.CachePolicy = opt.EXPERTS.policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
+    max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
+    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
+    prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
+    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
+    kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     speculative_config: opt.SpeculativeConfigOption = None,
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
@@ -163,17 +157,16 @@ def serve(
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share>",
                                                 help="With --preset and --expert-backend slots: share of the "
                                                      "routed experts in HBM slots, like 50%."),
-    replay_trace: Optional[Path] = typer.Option(None, "--replay-trace", metavar="<file>",
-                                                help="Route by this trace's experts instead of the router's."),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests running at once."),
-    kv_tokens: int = typer.Option(32768, "--kv-tokens", help="Tokens the KV pool holds, over all requests."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output per request."),
+    replay_trace: opt.ReplayTrace = opt.ENGINE.replay_trace,
+    max_num_seqs: opt.MaxNumSeqs = opt.ENGINE.max_num_seqs,
+    kv_tokens: opt.KvTokens = opt.ENGINE.kv_tokens,
+    max_model_len: opt.MaxModelLen = opt.ENGINE.max_model_len,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting beyond --max-num-seqs before "
                                   "new ones get 503 with Retry-After."),
-    tp: opt.TensorParallel = 1,
-    ep: opt.ExpertParallel = 1,
-    expert_split: opt.ExpertSplit = "auto",
-    distributed_executor: opt.DistributedExecutor = "mp",
+    tp: opt.TensorParallel = opt.ENGINE.tensor_parallel_size,
+    ep: opt.ExpertParallel = opt.ENGINE.expert_parallel_size,
+    expert_split: opt.ExpertSplit = opt.EXPERTS.split,
+    distributed_executor: opt.DistributedExecutor = opt.ENGINE.distributed_executor,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="On Ctrl-C, how long running requests "
@@ -201,18 +194,23 @@ def serve(
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
                   "prefill_stream": opt.prefill_stream(prefill_stream),
-                  "fp8_dense": fp8_dense, "speculative_config": opt.speculative_config(speculative_config)}
+                  "fp8_dense": fp8_dense, "enable_prefix_caching": enable_prefix_caching,
+                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory),
+                  "speculative_config": opt.speculative_config(speculative_config)}
         if preset is not None:
-            from moetier.bench.cli import parse_budget
+            from moetier.cli.bench_common import parse_budget
 
             if model is not None:
                 raise MoetierError("give --model or --preset, not both")
             if expert_slots is not None or expert_slots_file is not None:
                 raise MoetierError("with --preset, size the slots with --expert-budget")
-            if expert_budget is not None and expert_backend not in ("slots", "auto"):
-                raise MoetierError("--expert-budget needs --expert-backend slots")
-            if expert_backend == "auto":  # random weights have no plan to ask: slots when a budget is given
-                expert_backend = "slots" if expert_budget is not None else "resident"
+            from moetier.experts.registry import AUTO, Resident, Slots, backend_kind
+
+            if expert_budget is not None and expert_backend not in (Slots.name, AUTO):
+                raise MoetierError(f"--expert-budget needs --expert-backend {Slots.name}")
+            if expert_backend == AUTO:  # random weights have no plan to ask: slots when a budget is given
+                expert_backend = Slots.name if expert_budget is not None else Resident.name
+            backend_kind(expert_backend)  # an unknown name: one line naming the choices
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
                                  split=opt.expert_split(expert_split))
@@ -247,7 +245,7 @@ def make_checkpoint_cmd(
 ) -> None:
     """Write a random-weight checkpoint of a named shape, with a tokenizer."""
     from moetier.checkpoint.writer import make_checkpoint
-    from moetier.cli.progress import ByteBar
+    from moetier.progress import ByteBar
 
     with ByteBar(f"{preset} ({layers or 'all'} layers)", force=True) as bar:
         try:
@@ -264,12 +262,17 @@ def make_checkpoint_cmd(
     typer.echo(f"wrote {path}")
 
 
-from moetier.bench.cli import app as bench_app  # noqa: E402
-from moetier.traces.cli import app as trace_app  # noqa: E402
+from moetier.cli import bench_prefill  # noqa: E402,F401  (registers bench prefill and bench chunk)
+from moetier.cli.bench import app as bench_app  # noqa: E402
+from moetier.cli.trace import app as trace_app  # noqa: E402
 
 app.add_typer(trace_app, name="trace")
 app.add_typer(bench_app, name="bench")
 
-from moetier.plan.cli import plan_cmd  # noqa: E402
+from moetier.cli.plan import plan_cmd  # noqa: E402
 
 app.command("plan")(plan_cmd)
+
+from moetier.cli.eval import eval_cmd  # noqa: E402
+
+app.command("eval")(eval_cmd)

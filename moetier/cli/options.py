@@ -10,8 +10,36 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
+from moetier.engine.config import EngineConfig
 from moetier.errors import MoetierError
+from moetier.experts import registry as _backends
+from moetier.experts.placement import ExpertOptions
 from moetier.server import parsers as _parsers
+
+# -- the record ---------------------------------------------------------------------------------------
+# Every user option that sets the engine or the experts is a field of EngineConfig (engine/config.py)
+# or ExpertOptions (experts/placement.py); its default is that field's default, written there once,
+# and the commands' signatures read it from ENGINE / EXPERTS. Flag -> field; tests/test_options.py
+# checks every option of generate, serve, plan and bench against these tables, so a new user option
+# is one field in a record, one line here and one Annotated declaration below.
+ENGINE, EXPERTS = EngineConfig(), ExpertOptions()
+ENGINE_FIELDS = {
+    "--max-num-seqs": "max_num_seqs", "--max-num-tokens": "max_num_tokens", "--kv-tokens": "kv_tokens",
+    "--max-model-len": "max_model_len", "--decode-tokens": "decode_tokens",
+    "--prefill-cache": "prefill_cache_policy", "--prefill-stream": "prefill_stream",
+    "--record-trace": "record_trace", "--replay-trace": "replay_trace", "--tp": "tensor_parallel_size",
+    "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
+    "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
+    "--enable-prefix-caching": "enable_prefix_caching", "--kv-host-memory": "kv_host_bytes",
+}
+EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
+                 "--cache-policy": "policy", "--expert-split": "split"}
+# The command line's own defaults, where they differ from the records' on purpose: --expert-backend
+# auto (the memory plan chooses; the Python API without a plan builds resident), --expert-slots-file
+# none (no per-layer counts), and one request at a time for generate (and for plan, which plans what
+# generate runs unless told otherwise); --kv-host-memory is a size string, "0" the record's 0 bytes.
+CLI_DEFAULTS = {"--expert-backend": _backends.AUTO, "--expert-slots-file": None, "--kv-host-memory": "0"}
+ONE_REQUEST = 1
 
 
 def fail(e: Exception | str) -> NoReturn:
@@ -27,10 +55,7 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), fl
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
 
 # -- expert tiers -----------------------------------------------------------------------------------
-ExpertBackend = Annotated[str, typer.Option(
-    "--expert-backend", help="Where routed experts live: auto (resident when every expert fits the memory plan, "
-    "else as many slots as fit), resident, slots (an HBM slot cache over pinned host memory), "
-    "uva (read from host memory on every use) or hybrid (slots whose misses the host cores may compute).")]
+ExpertBackend = Annotated[str, typer.Option("--expert-backend", help=_backends.choices_help())]
 ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
@@ -51,7 +76,24 @@ HostMemory = Annotated[Optional[str], typer.Option(
     "--host-memory", metavar="<size>", help="Host memory available: 100GiB, 120GB or 80% of MemTotal (default: the "
     "least of MemAvailable and the cgroup's room).")]
 
+KvHostMemory = Annotated[str, typer.Option(
+    "--kv-host-memory", metavar="<size>", help="Pinned host memory for the host KV tier: prefix-cache pages evicted "
+    "from the GPU are kept there and copied back on a hit, like 16GiB or 20GB; 0 (the default): no host tier, the "
+    "host memory stays the expert store's. The memory plan counts it in the host budget.")]
+
 # -- engine -----------------------------------------------------------------------------------------
+MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Requests running at once.")]
+KvTokens = Annotated[int, typer.Option("--kv-tokens", help="Tokens the KV pool holds, over all requests.")]
+MaxModelLen = Annotated[Optional[int], typer.Option(
+    "--max-model-len", help="Prompt + output tokens per request (default: the model's); sizes the KV pool.")]
+RecordTrace = Annotated[Optional[Path], typer.Option("--record-trace", metavar="<file>",
+                                                     help="Write the routing of this run.")]
+ReplayTrace = Annotated[Optional[Path], typer.Option("--replay-trace", metavar="<file>",
+                                                     help="Route by this trace's experts instead of the router's.")]
+PrefixCaching = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV pages of prompt prefixes already "
+    "computed (full pages, hash-keyed, shared, evicted least recently used): a prompt whose start is cached skips "
+    "its prefill. On by default.")]
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
@@ -86,6 +128,13 @@ def speculative_config(text: str | None):
     config = parse_speculative_config(text)
     refuse_unwired(config)
     return config
+
+
+def kv_host_memory(text: str) -> int:
+    """--kv-host-memory -> bytes (0: no host tier)."""
+    from moetier.plan.units import parse_size
+
+    return 0 if text.strip() in ("0", "0B", "0GiB", "0GB") else parse_size(text, "--kv-host-memory")
 
 
 def prefill_cache(value: str) -> str:
@@ -130,13 +179,14 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
-    if backend not in ("auto", "resident", "slots", "uva", "hybrid"):
-        raise MoetierError(f"--expert-backend {backend!r}: unknown expert backend; choose auto, resident, slots, uva "
-                           "or hybrid")
-    if (slots is not None or slots_file is not None) and backend == "auto":
-        backend = "slots"  # a slot count says which backend
-    if (slots is not None or slots_file is not None) and backend not in ("slots", "hybrid"):
-        raise MoetierError("--expert-slots and --expert-slots-file need --expert-backend slots (or hybrid)")
+    if backend != _backends.AUTO:
+        _backends.backend_kind(backend)  # an unknown name: one line naming the choices
+    if (slots is not None or slots_file is not None) and backend == _backends.AUTO:
+        backend = _backends.Slots.name  # a slot count says which backend
+    if (slots is not None or slots_file is not None) and not _backends.backend_kind(backend).cached:
+        cached = [k.name for k in _backends.KINDS.values() if k.cached]
+        raise MoetierError(f"--expert-slots and --expert-slots-file need --expert-backend {cached[0]} (or "
+                           f"{_backends.either(cached[1:])})")
     if slots is not None and slots_file is not None:
         raise MoetierError("give --expert-slots or --expert-slots-file, not both")
     if slots is not None and slots < 1:
@@ -155,22 +205,30 @@ def expert_split(split: str) -> str:
 
 
 def engine_config(model_dir: Path, max_model_len: int | None, max_num_seqs: int, **options):
+    """engine_config_for the model in model_dir."""
+    from moetier.models.registry import config_from_dir
+
+    return engine_config_for(config_from_dir(model_dir).max_position_embeddings, max_model_len, max_num_seqs,
+                             **options)
+
+
+def engine_config_for(limit: int, max_model_len: int | None, max_num_seqs: int, **options):
     """EngineConfig whose KV pool holds max_num_seqs requests of max_model_len tokens (default: the
-    model's limit), so the memory plan and the engine count the same pages."""
-    from moetier.config import config_from_dir
+    model's limit, `limit`) by the one sizing rule (plan/memory.kv_pool_tokens), so the memory plan
+    and the engine count the same pages."""
     from moetier.engine.config import EngineConfig
+    from moetier.plan.memory import kv_pool_tokens
 
     if max_model_len is not None:
         at_least(max_model_len, 2, "--max-model-len")
-    limit = config_from_dir(model_dir).max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is {limit:,} tokens "
                            "(max_position_embeddings in its config.json); give at most that, or leave the option "
                            "out to use it")
     length = max_model_len or limit
-    page = options.get("page_size", 16)
+    page = options.get("page_size", EngineConfig.page_size)
     return EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=length,
-                           kv_tokens=max_num_seqs * -(-length // page) * page, **options)
+                           kv_tokens=kv_pool_tokens(max_num_seqs, length, page), **options)
 
 
 # -- checks -------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from moetier.errors import MoetierError
 
 class ChannelError(RuntimeError):
     """A pipe broke under rank 0 (a worker died: EOF or a broken pipe) or an answer did not come in
-    time. A RuntimeError, as torch.distributed's errors are, so executor.WorkerGroup.failed names the
+    time. A RuntimeError, as torch.distributed's errors are, so worker_group.WorkerGroup.failed names the
     dead worker for every channel alike."""
 
 

@@ -4,7 +4,7 @@ cluster, running the same worker loop as the multiprocessing executor (worker.ru
 same step protocol; rank 0 stays this process. Ray is optional: pip install 'moetier[ray]'.
 
     workers = RayWorkers(spec)   # connect, reserve N bundles, place the actors, start their loops
-    ... then the WorkerGroup interface of executor.py: check(), ready(), broadcast(), stop()
+    ... then the WorkerGroup interface of worker_group.py: check(), ready(), broadcast(), stop()
 
 Cluster: ray.init(address="auto") joins a running cluster (RAY_ADDRESS, or the one `ray start`
 made on this machine); without one a local cluster is started (and shut down at stop()).
@@ -16,14 +16,14 @@ replayed trace) must be at the same path on every node.
 
 Liveness: each actor's loop is one Ray task (run); it ends only when the worker returns or dies,
 so a finished task is a dead rank: check() names it before each step, and a collective broken by a
-dead actor names it too (executor.WorkerGroup.failed), never a hang.
+dead actor names it too (worker_group.WorkerGroup.failed), never a hang.
 """
 
 from __future__ import annotations
 
 import os
 
-from moetier.dist.executor import WorkerGroup
+from moetier.dist.worker_group import WorkerGroup
 from moetier.dist.group import local_rendezvous, release
 from moetier.dist.worker import WorkerSpec
 from moetier.errors import MoetierError

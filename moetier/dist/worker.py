@@ -125,6 +125,7 @@ def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, deco
 
 def build_runner(spec: WorkerSpec, device: str, par):
     from moetier.engine.graphs import captures, decode_graphs
+    from moetier.engine.kv_setup import engine_kv, engine_moves
     from moetier.engine.runner import ModelRunner
 
     config = spec.config
@@ -136,20 +137,19 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
         replayer = Replayer(model, read_trace(config.replay_trace))  # hooks the routers; lives as long as the model
     # the same page count as rank 0's pool (engine/llm.py: one scratch page more)
-    kv = model.kv_spec().allocate(config.num_pages + 1, config.page_size, model.dtype, model.device,
-                                  state_slots=config.max_num_seqs + 1)
+    kv = engine_kv(model.kv_spec(), config, model.dtype, model.device)
     dist.barrier()  # loaded: rank 0 waits here for every rank before its first step
     graphs = None
     if captures(config, model, parallel=True):  # exactly when rank 0 does (engine/llm.py)
         graphs = decode_graphs(model, kv, config, config.model_len(model.cfg.max_position_embeddings))
         if config.replay_trace is not None:
             replayer.cursor.zero_()  # as rank 0 (engine/llm.py): the capture's warm-up steps moved it
-    return ModelRunner(model, kv, graphs)
+    return ModelRunner(model, kv, graphs, engine_moves(kv, config, model.kv_spec(), model.dtype))
 
 
 def serve(runner, channel) -> None:
     """Run the steps rank 0 sends on `channel` (dist/channel.py: GroupReceiver or PipeReceiver) until
-    it sends None; answer its queries on the same channel (executor.WorkerGroup.gather)."""
+    it sends None; answer its queries on the same channel (worker_group.WorkerGroup.gather)."""
     from moetier.engine.step import RankQuery
 
     while True:

@@ -37,7 +37,7 @@ class EngineConfig:
     prefill_cache_policy: str = "bypass"
     # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
     # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill/ring.py).
-    # NOTE: "ring" is the default: on the H200 it prefilled 3-4% faster (docs/bench-prefill.md).
+    # "ring" is the default: it prefilled faster (docs/measured-defaults.md).
     prefill_stream: str = "ring"
     # CUDA graphs of the decode step (False: every step eager). With hybrid backends the engine captures
     # their host path's graph (the nodes graph, or the pieces of engine/piecewise.py where a backend
@@ -65,11 +65,19 @@ class EngineConfig:
     step_record_group: str = "world"
     # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
     # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
-    # fall back). NOTE: "dequantize" stays the default until the H200 says which is faster.
+    # fall back). "dequantize" stays the default until a GPU run says which is faster.
     fp8_dense: str = "dequantize"
     # Speculative decoding (--speculative-config, spec/config.py): None is off. NOTE: the step loop
     # does not speculate yet; validate() refuses a config that asks for it (docs/speculative.md).
     speculative_config: SpeculativeConfig | None = None
+    # Automatic prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages keyed by a
+    # hash chain of their tokens, shared between requests, the free ones kept until evicted LRU; a prompt
+    # whose leading pages are cached skips their prefill. vLLM's name and default (on).
+    enable_prefix_caching: bool = True
+    # Bytes of pinned host memory for the host KV tier: GPU pages the prefix cache evicts are copied there
+    # instead of dropped, and a later hit brings them back by the copy engine. 0 (the default): no host
+    # tier, because the host memory belongs to the expert store first; the memory plan counts it.
+    kv_host_bytes: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -117,6 +125,15 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             out.append("speculative_config must be a spec.config.SpeculativeConfig (parse_speculative_config "
                        f"makes one from JSON), got {type(self.speculative_config).__name__}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            out.append(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 0:
+            out.append(f"kv_host_bytes must be a non-negative integer of bytes, got {self.kv_host_bytes!r}")
+        elif self.kv_host_bytes and not self.enable_prefix_caching:
+            out.append("kv_host_bytes (--kv-host-memory) holds evicted prefix pages: it needs prefix caching on")
+        elif self.kv_host_bytes and self.world_size > 1:
+            out.append("kv_host_bytes (--kv-host-memory) with several ranks is not supported yet: run one "
+                       "process, or keep the prefix cache on the GPU alone (--kv-host-memory 0)")
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out

@@ -7,9 +7,12 @@ between; the only host read of a step is its sampled tokens. Splitting the sampl
 modes from tripling the model captures.
 
 Every graph reads its inputs from static buffers (token ids, positions, KV slots, context lengths,
-page tables, sampling parameters) that each step overwrites in place; padding rows write their keys
-into a scratch page that no request owns and attend to that page only. The slot cache's state
-lives in device tensors, so replays advance it exactly as eager steps would.
+page tables, sampling parameters, and for models with recurrent state the sequences' state slots)
+that each step overwrites in place; padding rows write their keys into a scratch page that no request
+owns and attend to that page only, and read and write the state pool's spare slot
+(layers/state_cache.py). The slot cache's state lives in device tensors, so replays advance it exactly
+as eager steps would. A step with a sequence at position 0 (a one-token prompt) runs eagerly when the
+model keeps state: its slot is zeroed first from host integers (layers/kda.py).
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
+from moetier.plan.residents import GRAPH_SIZES as SIZES
+from moetier.plan.residents import captured_sizes
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("greedy", "sample", "filter")
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
-                 piecewise: bool = False):
+                 piecewise: bool = False, scratch_state: int | None = None):
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
         # with hybrid backends (pieces, or nodes: one graph with host-function nodes): also the whole step
@@ -55,13 +59,19 @@ class DecodeGraphs:
         dev = model.device
         self.width = width = max_pages_per_seq
         # The static inputs are views of two device blocks with pinned host twins, so a step fills
-        # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps;
-        # 32-bit: context lengths, page table (int32), then temperature and top_p (float32 bits).
-        self._dev64 = torch.zeros(6 * b, dtype=torch.int64, device=dev)
+        # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps, state
+        # slots; 32-bit: context lengths, page table (int32), then temperature and top_p (float32 bits).
+        self._dev64 = torch.zeros(7 * b, dtype=torch.int64, device=dev)
         self._dev32 = torch.zeros(b * (3 + width), dtype=torch.int32, device=dev)
-        self._host64 = torch.zeros(6 * b, dtype=torch.int64, pin_memory=True)
+        self._host64 = torch.zeros(7 * b, dtype=torch.int64, pin_memory=True)
         self._host32 = torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)
-        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps = self._dev64.view(6, b)
+        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps, self.state_slots = \
+            self._dev64.view(7, b)
+        state = getattr(kv, "state", None)  # the recurrent-state pool (layers/state_cache.py) or None
+        self.has_state = state is not None
+        # the pool's spare slot (engine/kv_setup.py: index max_num_seqs; the slots above it hold prefix-cache
+        # state checkpoints, which padding rows must never write)
+        self.scratch_state = (state.num_slots - 1 if scratch_state is None else scratch_state) if state is not None else 0
         self.seq_lens = self._dev32[:b]
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
@@ -74,20 +84,23 @@ class DecodeGraphs:
 
     def _batch(self, n: int, max_ctx: int) -> AttnBatch:
         return AttnBatch(self.positions[:n], self.slots[:n], self.query_start[:n + 1], self.seq_lens[:n],
-                         self.page_table[:n], list(range(n + 1)), [max_ctx] * n, 1)
+                         self.page_table[:n], list(range(n + 1)), [max_ctx] * n, 1,
+                         state_slots=self.state_slots[:n] if self.has_state else None)
 
     def _host_views(self):
         # numpy views of the pinned blocks: a host step writes a few dozen scalars, and a numpy store
         # costs ~0.1 us against a torch op's few us (the host part of a decode step is serial).
         b, w = self.max_batch, self.width
-        h64, h32 = self._host64.numpy().reshape(6, b), self._host32.numpy()
-        return (*h64, h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b))
+        h64, h32 = self._host64.numpy().reshape(7, b), self._host32.numpy()
+        return (*h64[:6], h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b),
+                h64[6])
 
     def _pad_host(self) -> None:
-        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state = self._host_views()
         for t in (ids, pos, top_k, seeds, steps, temp):
             t.fill(0)
         slot.fill(self.scratch * self.kv.page_size)
+        state.fill(self.scratch_state)
         lens.fill(1)
         table.fill(self.scratch)
         top_p.fill(1.0)
@@ -157,7 +170,9 @@ class DecodeGraphs:
         return self.logits[next(s for s in self.sizes if s >= n)][:n]
 
     def fits(self, seqs: list[SeqStep]) -> bool:
-        return 0 < len(seqs) <= self.max_batch and all(s.num_tokens == 1 and s.sample for s in seqs)
+        # a sequence at position 0 of a model with state needs its slot zeroed first: eager (layers/kda.py)
+        return 0 < len(seqs) <= self.max_batch and all(
+            s.num_tokens == 1 and s.sample and (s.start > 0 or not self.has_state) for s in seqs)
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqStep], sample: bool = True) -> torch.Tensor | None:
@@ -169,7 +184,7 @@ class DecodeGraphs:
         # NOTE: the host blocks are rewritten each step; the previous step's copies have finished,
         # because the caller read its sampled tokens back to the host.
         self._pad_host()
-        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p = self._host_views()
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state = self._host_views()
         for i, s in enumerate(seqs):
             p = s.start
             ids[i] = s.token_ids[0]
@@ -179,6 +194,7 @@ class DecodeGraphs:
             table[i, : len(s.pages)] = s.pages
             top_k[i], seeds[i], steps[i] = s.params.top_k, s.seed, s.sample_index
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
+            state[i] = s.state_slot
         self._upload()
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
@@ -210,7 +226,6 @@ def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise:
     requests of up to max_len tokens. NOTE: every rank of a parallel engine calls this with the same
     config and max_len, so all capture the same sizes in the same order: the warm-up forwards before
     each capture run their collectives in lockstep, and each step replays the same graph everywhere."""
-    cap = min(config.max_num_seqs, config.decode_tokens)  # steps above the decode limit run eagerly
-    sizes = [n for n in SIZES if n <= cap] or [1]
+    sizes = captured_sizes(config.max_num_seqs, config.decode_tokens)
     return DecodeGraphs(model, kv, scratch_page=config.num_pages, max_pages_per_seq=-(-max_len // config.page_size),
-                        sizes=sizes, piecewise=piecewise)
+                        sizes=sizes, piecewise=piecewise, scratch_state=config.max_num_seqs)

@@ -21,15 +21,14 @@ from typing import Any
 import torch
 
 from moetier.checkpoint.loader import LoadReport, load_model
-from moetier.config import config_from_dir
+from moetier.models.registry import config_from_dir
 from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
-from moetier.engine.pages import PagePool
+from moetier.engine.kv_setup import engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
-from moetier.engine.scheduler import Scheduler
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
@@ -235,19 +234,13 @@ class LLM:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                f"{self.cfg.vocab_size}: tokenizer.json does not belong to this model")
         self.eos_ids = eos_ids
-        num_pages, page = config.num_pages, config.page_size
         max_len = config.model_len(self.cfg.max_position_embeddings)
-        # One page more than the pool hands out: padding rows of graph-replayed steps write there.
-        # and one state slot more (models with recurrent state): the same, for the state pool
+        # the device pool, the prefix cache and its host tier, the scheduler over them (kv_setup.py)
         spec = model.kv_spec()
-        if spec.state_bytes_per_seq(model.dtype) and captures(config, model, parallel=self._workers is not None):
-            raise MoetierError(f"{self.cfg.model_type}: its linear-attention (KDA) layers have no CUDA-graph decode "
-                               "path yet (the decode graphs carry no state slots); run it with --device cpu, or "
-                               "with cuda_graphs=False from Python (eager on CUDA)")
-        self.kv = spec.allocate(num_pages + 1, page, model.dtype, model.device, state_slots=config.max_num_seqs + 1)
-        states = PagePool(config.max_num_seqs) if spec.state_bytes_per_seq(model.dtype) else None
-        self.scheduler = Scheduler(PagePool(num_pages), page, config.max_num_tokens, config.max_num_seqs, max_len,
-                                   states)
+        self.kv = engine_kv(spec, config, model.dtype, model.device)
+        moves = engine_moves(self.kv, config, spec, model.dtype)
+        self.scheduler = engine_scheduler(config, spec, model.dtype, moves, max_len, self.cfg.model_type)
+        self.kv_page_bytes = page_bytes(self.kv)
         self.outputs = OutputProcessor(tokenizer)
         self.recorder = self.replayer = None
         if config.record_trace is not None:  # no graphs then (graphs.captures)
@@ -266,7 +259,7 @@ class LLM:
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
-        self.runner = ModelRunner(model, self.kv, graphs)
+        self.runner = ModelRunner(model, self.kv, graphs, moves)
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner
 
@@ -319,7 +312,7 @@ class LLM:
         result = self.runner.execute(step)
         if self.recorder is not None:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
-        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs)
+        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs)
         self.steps += 1
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
@@ -389,9 +382,12 @@ class LLM:
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
-            "kv_pages_used": s.pages.num_used,
+            # pages held by requests; cached pages no request holds are free to take (as vLLM counts)
+            "kv_pages_used": s.cache.num_in_use,
+            "kv_pages_cached": s.cache.num_evictable,
             "kv_pages_total": s.pages.num_pages,
-            "kv_usage": s.pages.usage(),
+            "kv_usage": s.cache.num_in_use / s.pages.num_pages,
+            **s.cache.metrics_dict(self.kv_page_bytes),
             "steps": self.steps,
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,

@@ -37,6 +37,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)  # timings: queue, ttft, e2e, token times, preemptions
+    # when the request asked for prompt logprobs: per prompt token (logprob, rank, [(alternative id,
+    # logprob)]), None for the first
+    prompt_logprobs: list[tuple | None] | None = None
 
 
 @dataclass
@@ -81,4 +84,5 @@ class OutputProcessor:
             self.drop(req.id)
         done = CompletionOutput(0, st.text, list(req.output_ids), req.finish_reason, req.stop_reason, text,
                                 list(req.output_logprobs) if req.params.logprobs is not None else None)
-        return RequestOutput(req.id, req.prompt, list(req.prompt_ids), [done], finished, req.metrics())
+        scored = req.prompt_logprobs if req.params.prompt_logprobs is not None else None  # complete by now
+        return RequestOutput(req.id, req.prompt, list(req.prompt_ids), [done], finished, req.metrics(), scored)

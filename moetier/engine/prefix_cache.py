@@ -299,6 +299,16 @@ class PrefixCache:
             return None
         return self._checkpoint_of.setdefault(h, checkpoint_id)
 
+    def checkpoint_ids(self) -> set[int]:
+        """The checkpoint ids some cached boundary keeps."""
+        return set(self._checkpoint_of.values())
+
+    def forget_checkpoint(self, checkpoint_id: int) -> None:
+        """The engine takes checkpoint_id back to save another boundary into it (its pool is full): the
+        boundary that held it keeps none."""
+        for h in [h for h, c in self._checkpoint_of.items() if c == checkpoint_id]:
+            del self._checkpoint_of[h]
+
     def _drop_checkpoint(self, page_hash_: bytes) -> None:
         ckpt = self._checkpoint_of.pop(page_hash_, None)
         if ckpt is not None:
@@ -315,12 +325,19 @@ class PrefixCache:
         """The host<->GPU copies planned since the last call; the step that follows must run them."""
         return self.host.take_copies() if self.host is not None else CopyPlan()
 
-    def metrics_dict(self) -> dict[str, int]:
+    def metrics_dict(self, page_bytes: int | None = None) -> dict[str, int | float | None]:
+        """Counters since start; the hit rate in tokens (None before any query); with page_bytes (one
+        page over all layers) the host tier's bytes moved each way."""
         m = self.metrics
         out = {"prefix_cache_queries": m.queries, "prefix_cache_hits": m.hits,
-               "prefix_cache_evictions": m.evictions, "kv_host_hits": m.host_hits}
+               "prefix_cache_hit_rate": m.hits / m.queries if m.queries else None,
+               "prefix_cache_evictions": m.evictions, "kv_host_hits": m.host_hits,
+               "kv_host_pages_total": 0 if self.host is None else self.host.capacity}
         if self.host is not None:
             out |= self.host.metrics.as_dict()
+            if page_bytes is not None:
+                out["kv_host_bytes_to_host"] = self.host.metrics.pages_to_host * page_bytes
+                out["kv_host_bytes_to_gpu"] = self.host.metrics.pages_to_gpu * page_bytes
         return out
 
     def check(self) -> None:

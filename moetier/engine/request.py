@@ -34,12 +34,23 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    num_cached_tokens: int = 0  # tokens its last admission found in the prefix cache (prefill skipped)
     # per output token, when params.logprobs is set: (logprob, [(alternative id, logprob)])
     output_logprobs: list[tuple] = field(default_factory=list)
+    # when params.prompt_logprobs is set: per prompt token its (logprob, rank, [(alternative id, logprob)]),
+    # None for the first (nothing predicts it); filled chunk by chunk as the prefill computes them
+    prompt_logprobs: list[tuple | None] = field(default_factory=lambda: [None])
 
     @property
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def score_prompt(self, first: int, entries: list[tuple]) -> None:
+        """Record the logprobs of prompt tokens first, first + 1, ...; a recomputed prefill (after a
+        preemption) writes the same positions again."""
+        del self.prompt_logprobs[first:]
+        assert len(self.prompt_logprobs) == first, f"{self.id}: prompt logprobs from {first} after a gap"
+        self.prompt_logprobs.extend(entries)
 
     def token(self, i: int) -> int:
         """Token i of prompt + output."""
@@ -60,5 +71,6 @@ class Request:
             "prompt_tokens": len(self.prompt_ids),
             "output_tokens": len(self.output_ids),
             "preemptions": self.preemptions,
+            "cached_tokens": self.num_cached_tokens,
             "finish_reason": self.finish_reason,
         }

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from moetier.engine.graphs import DecodeGraphs
+from moetier.engine.kv_moves import KVMoves
+from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
@@ -15,8 +17,12 @@ from moetier.models.base import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None,
+                 moves: KVMoves | None = None):
+        """moves: the prefix cache's host-tier copies and state checkpoints (None: neither)."""
         self.model, self.kv, self.graphs = model, kv, graphs
+        self.moves = moves if moves is not None else KVMoves(kv)
+        self.moves.attach(model)  # per-layer waits for the host tier's copies (CUDA)
         self.graph_steps = 0
         self.graphs_on = True  # False: every step eager with the graphs kept (bench decode --parallel)
         # bench decode/prefill's output check (bench/outputs.py): each step, the logits of its first
@@ -34,7 +40,9 @@ class ModelRunner:
         seqs = step.seqs
         if not seqs:
             return StepOutput({}, 0)
-        if self.replays(seqs):
+        replay = self.replays(seqs)  # one-token steps that sample: no prompt token left to score (SeqStep)
+        self.moves.before(step, layered=not replay)
+        if replay:
             tokens = self.graphs.run(seqs)
             self.graph_steps += 1
             logits = self.graphs.logits_of(len(seqs)) if _wants_logprobs(seqs) or self.keep_logits else None
@@ -42,16 +50,19 @@ class ModelRunner:
             return self._output(seqs, tokens, logits if _wants_logprobs(seqs) else None, len(seqs))
         dev = self.model.device
         hidden, batch, ids = self._forward(seqs)
+        scored = prompt_logprobs(self.model, hidden, batch.query_start_host, seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
-            return StepOutput({}, len(ids))
+            return StepOutput({}, len(ids), prompt_logprobs=scored)
         last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
         logits = self.model.logits(hidden[last])
         picked = [seqs[i] for i in rows]
         tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
                         [s.sample_index for s in picked])
         self._keep(picked, logits)
-        return self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+        out = self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+        out.prompt_logprobs = scored
+        return out
 
     def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:
         if self.keep_logits:
@@ -62,12 +73,14 @@ class ModelRunner:
     def forward_only(self, step: StepInput) -> torch.Tensor:
         """The step's forward without sampling -> last hidden states [N, H]: what a worker rank runs
         (dist/worker.py; rank 0 samples). Writes the step's KV like execute()."""
+        self.moves.before(step)
         return self._forward(step.seqs)[0]
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:
         """A worker rank's step (dist/worker.py): the forward rank 0 runs, without sampling, graph-replayed
         when rank 0's is (step.replay: rank 0 decided). Waits for the GPU before returning."""
+        self.moves.before(step)
         if step.replay:
             self.graphs.run(step.seqs, sample=False)
             # NOTE: the next step rewrites the graphs' pinned input blocks; rank 0 is protected by
@@ -94,7 +107,9 @@ class ModelRunner:
         ids = [t for s in seqs for t in s.token_ids]
         slots = [s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else None  # models with state
         batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev, slots)
-        return self.model.forward(torch.tensor(ids, device=dev), batch, self.kv), batch, ids
+        hidden = self.model.forward(torch.tensor(ids, device=dev), batch, self.kv)
+        self.moves.after(seqs)
+        return hidden, batch, ids
 
     @staticmethod
     def _output(seqs: list[SeqStep], tokens: torch.Tensor, logits: torch.Tensor | None, num_tokens: int

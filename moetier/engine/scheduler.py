@@ -13,6 +13,16 @@ those layers: with a state pool (a PagePool of max_num_seqs slots), a request ta
 it starts running and gives it back when it finishes or is preempted (its state is then recomputed
 with its KV; a fresh start at position 0 zeroes whatever the slot held).
 
+Prefix caching (prefix_cache.py, docs/prefix-cache.md): every page table is held through the
+PrefixCache, on or off (off: refcounts without match or insert). A request admitted with no KV first
+matches its tokens against the cached pages; the hit's pages join its page table and its first chunk
+starts after them, so the hit costs no budget and no compute. A request that asks for prompt log-probs
+never takes a hit (its prompt's logits must be computed). Pages that a step fills are registered
+after the step (update). For models with recurrent state a hit also needs the state at its end: the
+scheduler ends prefill chunks on page boundaries (a prompt's last partial page is its own chunk) and
+asks the runner to save the state there into a checkpoint (SeqStep.save_checkpoint); a hit resumes
+from the last boundary that has one (SeqStep.restore_checkpoint).
+
 A plain CPU object (no torch): tests drive it with fake runner outputs. Each step it hands the
 runner one plain record (step.StepInput) and takes one back (the sampled tokens).
 """
@@ -20,13 +30,18 @@ runner one plain record (step.StepInput) and takes one back (the sampled tokens)
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from moetier.engine.kv_host_tier import CopyPlan
 from moetier.engine.pages import PagePool
+from moetier.engine.prefix_cache import PrefixCache, PrefixHit
 from moetier.engine.request import Request, Status
 from moetier.engine.step import SeqStep, StepInput
 from moetier.errors import MoetierError
+
+
+CHECKPOINT_OWNER = "<state-checkpoints>"  # owner of every id in the checkpoint pool
 
 
 @dataclass
@@ -35,18 +50,27 @@ class ScheduledSeq:
     start: int  # tokens computed before this step
     num_tokens: int  # tokens to compute this step
     sample: bool  # the chunk reaches the end: the step samples this request's next token
+    num_cached: int = 0  # tokens of `start` that a prefix hit supplied (admission only)
+    restore_checkpoint: int = -1  # state checkpoint to load into the slot before the chunk; -1: none
+    save_checkpoint: int = -1  # checkpoint to save the slot's state into after the chunk; -1: none
 
     def record(self) -> SeqStep:
         r = self.request
         tokens = [r.token(i) for i in range(self.start, self.start + self.num_tokens)]
         slot = -1 if r.state_slot is None else r.state_slot
-        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot)
+        targets = []
+        if r.params.prompt_logprobs is not None:  # position j predicts prompt token j + 1
+            targets = r.prompt_ids[self.start + 1:min(self.start + self.num_tokens, len(r.prompt_ids) - 1) + 1]
+        return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot,
+                       self.num_cached, self.restore_checkpoint, self.save_checkpoint, targets)
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    copies: CopyPlan = field(default_factory=CopyPlan)  # host <-> GPU page copies, before the step's KV writes
+    free_checkpoints: list[int] = field(default_factory=list)  # state checkpoints no longer kept
 
     @property
     def num_tokens(self) -> int:
@@ -54,18 +78,30 @@ class SchedulerOutput:
 
     def step(self) -> StepInput:
         """The record the runner gets."""
-        return StepInput([s.record() for s in self.seqs])
+        return StepInput([s.record() for s in self.seqs], copies_to_host=list(self.copies.to_host),
+                         copies_to_gpu=list(self.copies.to_gpu))
 
 
 class Scheduler:
     def __init__(self, pages: PagePool, page_size: int, max_num_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int = 4096, states: PagePool | None = None):
+                 max_model_len: int = 4096, states: PagePool | None = None, cache: PrefixCache | None = None,
+                 checkpoints: PagePool | None = None):
+        """cache: the prefix cache over `pages` (None: one that is off). checkpoints: the ids of the
+        state checkpoints the runner holds (models with recurrent state and prefix caching on)."""
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_tokens and max_num_seqs must be positive")
         if states is not None and states.num_pages < max_num_seqs:
             raise ValueError(f"the state pool has {states.num_pages} slots for max_num_seqs {max_num_seqs}")
+        if cache is not None and cache.pool is not pages:
+            raise ValueError("the prefix cache must be built over the scheduler's page pool")
         self.states = states  # None: the model keeps no per-sequence state
         self.pages, self.page_size = pages, page_size
+        self.cache = cache if cache is not None else PrefixCache(pages, page_size, enabled=False)
+        self.checkpoints = checkpoints if self.cache.enabled and states is not None else None
+        self.cache.checkpoints = self.checkpoints is not None  # match stops at a checkpointed boundary
+        self.aligned = self.checkpoints is not None  # prefill chunks end on page boundaries
+        # kept checkpoints, least recently recorded or restored first: a full pool reuses the oldest
+        self._checkpoint_lru: OrderedDict[int, None] = OrderedDict()
         self.max_num_tokens, self.max_num_seqs, self.max_model_len = max_num_tokens, max_num_seqs, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission; the last is the newest
@@ -97,46 +133,102 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.total_tokens - req.num_computed, budget)
+            n = self._chunk(req, req.num_computed, budget)
             if not self._grow(req, req.num_computed + n, out):
                 break  # req itself was preempted: it was the newest, nothing runs after it
-            out.seqs.append(ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.total_tokens))
+            out.seqs.append(self._seq(req, req.num_computed, n, out))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            n = min(req.total_tokens - req.num_computed, budget)
-            need = self._pages_for(req.num_computed + n) - len(req.pages)
-            if not self.pages.can_allocate(need):
+            hit = self._match(req)
+            start = hit.num_tokens  # tokens whose prefill is skipped: they cost no budget
+            n = self._chunk(req, start, budget)
+            need = self._pages_for(start + n) - hit.num_pages
+            if not self.cache.can_acquire(hit, need):
                 break  # FIFO: later arrivals do not jump the queue
             self.waiting.popleft()
-            req.pages += self.pages.allocate(need, req.id)
+            req.pages = self.cache.acquire(req.id, hit) + self.cache.allocate(req.id, need)
+            req.num_computed = req.num_cached_tokens = start
             if self.states is not None:
                 req.state_slot = self.states.allocate(1, req.id)[0]  # free: running < max_num_seqs
             req.status = Status.RUNNING
             if req.first_scheduled is None:
                 req.first_scheduled = time.perf_counter()
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.total_tokens))
+            if hit.checkpoint is not None:
+                self._checkpoint_lru.move_to_end(hit.checkpoint)
+            seq = self._seq(req, start, n, out)
+            seq.num_cached = start
+            seq.restore_checkpoint = -1 if hit.checkpoint is None else hit.checkpoint
+            out.seqs.append(seq)
             budget -= n
+        out.copies = self.cache.take_copies()
+        if self.checkpoints is not None:
+            out.free_checkpoints += self._free_dropped_checkpoints()
         return out
+
+    def _free_dropped_checkpoints(self) -> list[int]:
+        """Give back the checkpoints whose boundary left every tier (before any is chosen again)."""
+        ids = self.cache.take_dropped_checkpoints()
+        self.checkpoints.free(ids, CHECKPOINT_OWNER)
+        for c in ids:
+            self._checkpoint_lru.pop(c, None)
+        return ids
+
+    def _checkpoint_for_save(self, out: SchedulerOutput) -> int:
+        """A checkpoint id to save into: a free one, else the least recently used kept one (its boundary
+        forgets it; a hit of this very step may still restore from it: restores run before the forward,
+        saves after it); -1 when every id is being saved into this step."""
+        out.free_checkpoints += self._free_dropped_checkpoints()
+        if self.checkpoints.can_allocate(1):
+            return self.checkpoints.allocate(1, CHECKPOINT_OWNER)[0]
+        if not self._checkpoint_lru:
+            return -1
+        oldest, _ = self._checkpoint_lru.popitem(last=False)
+        self.cache.forget_checkpoint(oldest)
+        return oldest
+
+    def _match(self, req: Request) -> PrefixHit:
+        """The cached prefix of a request about to start (nothing held yet). A request that wants its
+        prompt's log-probs computes its whole prompt (as vLLM does): no hit, but still a query."""
+        tokens = req.prompt_ids + req.output_ids
+        if req.params.prompt_logprobs is not None:
+            return PrefixHit(num_query_tokens=len(tokens))
+        return self.cache.match(tokens)
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start` within budget. With state checkpoints a chunk of more than one
+        token is cut back to the last page boundary inside it, so every prefill chunk ends where a
+        checkpoint can be saved but a last partial page, which becomes a chunk of its own."""
+        n = min(req.total_tokens - start, budget)
+        if not self.aligned or n <= 1:
+            return n
+        cut = (start + n) // self.page_size * self.page_size
+        return cut - start if cut > start else n
+
+    def _seq(self, req: Request, start: int, n: int, out: SchedulerOutput) -> ScheduledSeq:
+        seq = ScheduledSeq(req, start, n, start + n == req.total_tokens)
+        if self.checkpoints is not None and n > 1 and (start + n) % self.page_size == 0:
+            seq.save_checkpoint = self._checkpoint_for_save(out)
+        return seq
 
     def _grow(self, req: Request, tokens: int, out: SchedulerOutput) -> bool:
         """Give req pages for `tokens`, preempting the newest running requests as needed.
         False when req itself had to be preempted."""
         need = self._pages_for(tokens) - len(req.pages)
-        while not self.pages.can_allocate(need):
+        while not self.cache.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
                 return False
-        req.pages += self.pages.allocate(need, req.id)
+        req.pages += self.cache.allocate(req.id, need)
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.pages.free(req.pages, req.id)
+        self.cache.release(req.id)  # its hashed pages stay cached: it may find them again
         self._free_state(req)
         req.pages, req.num_computed = [], 0
         req.status = Status.WAITING
@@ -144,15 +236,27 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
-               logprobs: dict[str, tuple] | None = None) -> list[Request]:
+               logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None
+               ) -> list[Request]:
         """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
-        asked) appended. Finishes requests on a stop token or on max_tokens; returns the requests that
-        got a token this step."""
+        asked) appended, prompt logprobs recorded. Finishes requests on a stop token or on max_tokens;
+        returns the requests that got a token this step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
             req = s.request
             req.num_computed = s.start + s.num_tokens
+            if self.cache.enabled and req.num_computed // self.page_size > self.cache.num_hashed_pages(req.id):
+                self.cache.insert(req.id, req.prompt_ids + req.output_ids, req.num_computed)
+            if s.save_checkpoint >= 0:
+                kept = self.cache.record_checkpoint(req.id, req.num_computed, s.save_checkpoint)
+                if kept is not None:
+                    self._checkpoint_lru[kept] = None
+                    self._checkpoint_lru.move_to_end(kept)
+                if kept != s.save_checkpoint:  # the boundary had one already, or its KV is gone
+                    self.checkpoints.free([s.save_checkpoint], CHECKPOINT_OWNER)
+            if prompt_logprobs and req.id in prompt_logprobs:
+                req.score_prompt(*prompt_logprobs[req.id])
             if not s.sample:
                 continue
             tok = sampled[req.id]
@@ -178,8 +282,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        if req.pages:
-            self.pages.free(req.pages, req.id)
+        self.cache.release(req.id)
         self._free_state(req)
         req.pages = []
         req.status, req.finish_reason = Status.FINISHED, reason
@@ -198,16 +301,24 @@ class Scheduler:
         return True
 
     def check(self) -> None:
-        """Integrity: pages of running requests are theirs and cover their computed tokens."""
-        self.pages.check()
-        owned = sum(len(r.pages) for r in self.running)
-        assert owned == self.pages.num_used, "pages are held by requests that are not running"
+        """Integrity: the prefix cache's (refcounts, hash maps, free + evictable + in use == total);
+        pages of running requests are theirs and cover their computed tokens."""
+        self.cache.check()
         for r in self.running:
+            assert r.pages == self.cache.pages(r.id), f"{r.id}'s page table differs from the cache's"
             assert len(r.pages) >= self._pages_for(r.num_computed), f"{r.id} lacks pages for its KV"
+        held = {p for r in self.running for p in r.pages}
+        assert len(held) == self.cache.num_in_use, "pages are held by requests that are not running"
         for r in self.waiting:
             assert not r.pages and r.num_computed == 0, f"waiting {r.id} still holds KV"
             assert r.state_slot is None, f"waiting {r.id} still holds a state slot"
+            assert not self.cache.pages(r.id), f"waiting {r.id} still holds pages in the prefix cache"
         if self.states is not None:
             self.states.check()
             assert self.states.num_used == len(self.running), "state slots are held by requests that are not running"
             assert all(r.state_slot is not None for r in self.running), "a running request has no state slot"
+        if self.checkpoints is not None:  # between steps every save has been recorded or given back
+            self.checkpoints.check()
+            kept = self.cache.checkpoint_ids()
+            assert kept == self._checkpoint_lru.keys(), "the checkpoint LRU differs from the kept checkpoints"
+            assert self.checkpoints.num_used == len(kept), "a checkpoint id is held but kept by no boundary"

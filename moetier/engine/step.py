@@ -4,8 +4,9 @@ Plain data only (ints, lists, SamplingParams): no Request objects, no tensors, n
 worker in another process can receive the same record (multi-GPU) and tests can build one by hand.
 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
-               slot), and how to sample its next token when the chunk reaches its end
-    StepOutput the token sampled for each request that sampled
+               slot, and state checkpoints to restore or save), and how to sample its next token when
+               the chunk reaches its end; the host KV tier's page copies of the step
+    StepOutput the token sampled for each request that sampled (and the logprobs asked for)
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
 """
@@ -29,6 +30,15 @@ class SeqStep:
     seed: int  # noise seed of the request's sampling
     sample_index: int  # index of the token sampled (its output length so far)
     state_slot: int = -1  # its slot of the recurrent-state pool (layers/state_cache.py); -1: no state
+    num_cached: int = 0  # tokens of `start` a prefix-cache hit supplied (metrics and logs only)
+    # models with recurrent state and prefix caching: the state checkpoint copied into state_slot before
+    # the chunk (a hit resumes from it), and the one the slot's state is saved into after it; -1: none
+    restore_checkpoint: int = -1
+    save_checkpoint: int = -1
+    # requests that asked for prompt logprobs: the prompt tokens this chunk's positions predict
+    # (position start + i predicts prompt_targets[i]); shorter than token_ids by one where the chunk
+    # holds the prompt's last token, whose logits sample the first output token instead
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +51,10 @@ class StepInput:
     # set by rank 0 of a parallel engine before the broadcast: whether its runner replays the decode
     # graph for this step; NOTE: workers follow it, so every rank replays or runs eagerly together
     replay: bool = False
+    # the prefix cache's host tier (engine/kv_host_tier.CopyPlan), run before the step writes its KV:
+    # first every (GPU page, host slot) copy to the host, then every (host slot, GPU page) copy back
+    copies_to_host: list[tuple[int, int]] = field(default_factory=list)
+    copies_to_gpu: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +63,8 @@ class StepInput:
 
 # a sampled token's logprob and its alternatives [(token id, logprob)], most likely first
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+# a prompt token's logprob, its rank in the distribution (1: the most likely) and the alternatives
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -56,6 +72,8 @@ class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
     num_tokens: int
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
+    # request id -> (the position of the first token scored, one entry per scored prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 # what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from moetier.errors import MoetierError
-from moetier.experts.backends import BACKENDS, ExpertBackend, ResidentExperts, SlotExperts, UvaExperts
+from moetier.experts.backends import ExpertBackend
 from moetier.experts.parallel.columns import ColumnExperts, local_shape, resolve, split_problems
 from moetier.experts.hybrid.cost_model import PathRates
 from moetier.experts.hybrid.host_kernels import CHOICES as HOST_KERNELS
@@ -32,6 +32,7 @@ from moetier.experts.parallel.ep import ShardedExperts, local_experts, owned_exp
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
+from moetier.experts.registry import NAMES, backend_kind, find
 from moetier.experts.shape import MoeShape
 from moetier.experts.cache.store import HostStore
 from moetier.parallel import Parallel
@@ -63,13 +64,12 @@ class ExpertOptions:
     rates: PathRates | None = None
     # hybrid: the host's share as a host-function node of the engine's one decode graph (graph-safe, no
     # host sync; experts/hybrid/nodes.py; needs the compiled host kernel), or False: the pieces
-    # (engine/piecewise.py, a host sync per layer). None: nodes where nodes_by_default() says; True / False
+    # (engine/piecewise.py, a host sync per layer). None: nodes where registry.nodes_by_default() says; True / False
     # force one (tests and scripts/profile_hybrid.py compare the two)
     hybrid_nodes: bool | None = None
     # routed experts under tensor parallelism (experts/parallel/columns.py): "replicate" (every rank holds every
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
-    # auto is the default: on two H200s columns measured 1.09x one GPU at batch 1 where replicate was
-    # 0.75x (docs/parallel.md)
+    # auto is the default: columns measured faster than replicate (docs/measured-defaults.md)
     split: str = "auto"
 
     def slots_for(self, layer: int, num_experts: int) -> int:
@@ -79,11 +79,11 @@ class ExpertOptions:
         """Everything wrong with these options for this shape (and tp, ep ranks), one line each."""
         out = split_problems(self.split, shape, tp, ep, self.backend)
         e = shape.num_experts // ep  # the experts one rank holds
-        if ep > 1 and self.backend == "hybrid":
-            out.append("expert parallelism with the hybrid backend is not supported yet; choose resident, "
-                       "slots or uva")
-        if self.backend not in BACKENDS:
-            out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
+        kind = find(self.backend)
+        if kind is None:
+            out.append(f"unknown expert backend {self.backend!r}; choose one of: {', '.join(NAMES)}")
+        else:
+            out += kind.problems(self, shape, ep, tp)
         if self.slots is not None and not 1 <= self.slots <= e:
             held = "experts" if ep == 1 else f"experts a rank holds under expert parallelism {ep}"
             out.append(f"--expert-slots {self.slots}: it must be between 1 and the number of {held} ({e})")
@@ -128,8 +128,9 @@ class ExpertPlacement:
         self.shape = local_shape(shape, self.split, par.tp)  # this rank's rows
         self.layout = self.shape.layout
         self.moe_layers = moe_layers
+        self.kind = backend_kind(options.backend)
         self.store: HostStore | None = None  # made by the first rows() of a host-backed placement
-        self._hostpath = None  # hybrid: one host worker and one calibration for every layer
+        self.hostpath = None  # hybrid: one host worker and one calibration for every layer
 
     def local_id(self, expert: int) -> int | None:
         """The row of global expert `expert` in this rank's rows; None: another rank owns it."""
@@ -138,7 +139,7 @@ class ExpertPlacement:
     def rows(self, layer: int) -> torch.Tensor:
         """[E, R] rows the loader fills for `layer` (E: this rank's experts): device memory (resident)
         or the host store."""
-        if self.options.backend == "resident":
+        if not self.kind.host_store:
             return torch.empty(self.num_local, self.layout.numel, dtype=self.layout.row_dtype(self.dtype),
                                device=self.device)
         if self.store is None:
@@ -147,34 +148,10 @@ class ExpertPlacement:
         return self.store.rows(layer)
 
     def build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
-        backend = self._build(layer, rows)
+        backend = self.kind.build(self, layer, rows)
         if self.split == "columns":
             return ColumnExperts(backend, self.par)
         return ShardedExperts(backend, self.par) if self.par.ep > 1 else backend
-
-    def _build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
-        o, k, n = self.options, self.shape.top_k, self.decode_tokens
-        if o.backend == "resident":
-            return ResidentExperts(rows, self.layout, k, n, o.gemm)
-        if o.backend == "uva":
-            return UvaExperts(rows, self.layout, k, n, self.device, o.gemm)
-        if o.backend == "hybrid":
-            from moetier.experts.hybrid.backend import HostPath, HybridExperts
-            from moetier.experts.hybrid.nodes import HybridNodesExperts
-
-            nodes = o.hybrid_nodes
-            if nodes is None:
-                nodes = nodes_by_default(self.device, o.host_kernel, self.par.tp * self.par.ep, self.layout.quant)
-            if self._hostpath is None:
-                self._hostpath = HostPath(self.layout, o.host_kernel, o.host_threads, o.rates)
-            kind = HybridNodesExperts if nodes else HybridExperts
-            hybrid = kind(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy, o.gemm,
-                          self._hostpath)
-            hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
-            hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
-            return hybrid
-        return SlotExperts(rows, self.layout, k, o.slots_for(layer, self.num_local), n, self.device, o.policy,
-                           o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth))
 
 
 def read_slots_file(path: str | Path) -> dict[int, int]:
@@ -185,15 +162,3 @@ def read_slots_file(path: str | Path) -> dict[int, int]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise MoetierError(f"--expert-slots-file {path}: not a slots file ({e}); make one with "
                            "`moetier trace plan-slots`") from None
-
-
-def nodes_by_default(device: torch.device | str = "cuda", host_kernel: str = "auto", ranks: int = 1,
-               quant: str | None = None) -> bool:
-    """Whether a hybrid backend whose options leave hybrid_nodes None runs the nodes mode: on CUDA with
-    the compiled host kernel (which the node calls; a torch kernel named by host_kernel keeps the pieces),
-    one rank and unquantized rows; it measured the fastest there (docs/hybrid.md). NOTE: several ranks'
-    nodes graphs and FP8 rows in them never ran on a GPU: those keep the pieces."""
-    from moetier.experts.hybrid import host_ext
-
-    return (ranks == 1 and quant is None and torch.device(device).type == "cuda"
-            and host_kernel in ("auto", "compiled") and host_ext.available()[0])

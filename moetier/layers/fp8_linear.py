@@ -41,10 +41,6 @@ from moetier.layers.param import param
 from moetier.quant import fp8_block as fp8
 
 DECODE_MAX_M = 64  # up to this many rows: the FP8 kernel; above: dequantize + F.linear
-BLOCK_M = 16  # rows per tl.dot (its smallest M); fixed so that no row's bits depend on the batch
-BLOCK_N, BLOCK_K = 32, 128  # BLOCK_K = the scale block: one scale column per K tile
-PROGRAMS = 4 * 132  # K-split target: about four programs per H200 SM per M block
-NUM_WARPS, NUM_STAGES = 4, 4
 
 
 class Fp8Weight(nn.Module):

@@ -18,11 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.layers import fp8_linear as cfg
 from moetier.quant import fp8_block as fp8
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
 from moetier.quant.fp8_block_triton import dequant_tile as _dequant
+
+BLOCK_M = 16  # rows per tl.dot (its smallest M); fixed so that no row's bits depend on the batch
+BLOCK_N, BLOCK_K = 32, 128  # BLOCK_K = the scale block: one scale column per K tile
+PROGRAMS = 4 * 132  # K-split target: about four programs per SM of a 132-SM card per M block
+NUM_WARPS, NUM_STAGES = 4, 4
 
 
 @triton.jit
@@ -84,8 +88,8 @@ def _dequant_rows(w_ptr, s_ptr, y_ptr, N, K, KB, DOT: tl.constexpr, EMULATE: tl.
     tl.store(y_ptr + at, w.to(y_ptr.dtype.element_ty), mask=nm[:, None] & km[None, :])
 
 
-def splits(n: int, k: int, block_n: int = cfg.BLOCK_N, block_k: int = cfg.BLOCK_K,
-           programs: int = cfg.PROGRAMS) -> tuple[int, int]:
+def splits(n: int, k: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+           programs: int = PROGRAMS) -> tuple[int, int]:
     """(K splits, K tiles per split) for an [N, K] weight: about `programs` programs per M block,
     from the shape alone (never from M: a row's bits must not depend on the batch)."""
     tiles = triton.cdiv(k, block_k)
@@ -105,7 +109,7 @@ def _check(q: torch.Tensor, scale: torch.Tensor, block_k: int) -> None:
 
 
 def fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-           block_n: int = cfg.BLOCK_N, block_k: int = cfg.BLOCK_K, programs: int = cfg.PROGRAMS) -> torch.Tensor:
+           block_n: int = BLOCK_N, block_k: int = BLOCK_K, programs: int = PROGRAMS) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ dequant(q, scale)^T (+ bias [N]) -> [M, N] in x.dtype."""
     _check(q, scale, block_k)
     m, k = x.shape
@@ -117,11 +121,11 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
-    grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, block_n), split)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)
     _fp8_mm[grid](x, q.view(torch.uint8), scale, b, y, part, m, n, k, x.stride(0), scale.shape[1],
                   TILES=per, SPLIT=split, HAS_BIAS=bias is not None, DOT=dot, PRECISION=precision, EMULATE=emulate,
-                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
+                  BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](part, b, y, m, n, SPLIT=split, HAS_BIAS=bias is not None,
@@ -131,11 +135,11 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """-> [N, K] in dtype, equal to fp8.dequantize(q, scale, dtype) (a fresh buffer each call)."""
-    _check(q, scale, cfg.BLOCK_K)
+    _check(q, scale, BLOCK_K)
     n, k = q.shape
     dot, _, emulate = _dot_type(dtype)
     y = torch.empty(n, k, dtype=dtype, device=q.device)
-    grid = (triton.cdiv(n, 64), triton.cdiv(k, cfg.BLOCK_K))
+    grid = (triton.cdiv(n, 64), triton.cdiv(k, BLOCK_K))
     _dequant_rows[grid](q.view(torch.uint8), scale, y, n, k, scale.shape[1], DOT=dot, EMULATE=emulate,
-                        BLOCK_N=64, BLOCK_K=cfg.BLOCK_K)
+                        BLOCK_N=64, BLOCK_K=BLOCK_K)
     return y

@@ -16,6 +16,12 @@ position 0 starts from zeros). Decode steps (one token per sequence) run one bat
 with no host read (graph-safe shapes); other steps loop over their sequences on the host: the chunked
 form for several tokens, the recurrent step for one. Same ops as transformers' Glm5NextTextLinear-
 Attention, so float32 agrees to rounding.
+
+On CUDA the recurrence runs in fla-core's kernels (layers/kda_cuda.py): decode updates the slots in
+place inside the decode graph, prefill runs every sequence of the step in one varlen launch. The
+decode conv is one Triton launch over the slots (layers/kda_conv_triton.py); prefill's is torch. A
+decode row at position 0 (a one-token prompt) has its slot zeroed first from host integers, so such
+a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs).
 """
 
 from __future__ import annotations
@@ -25,9 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
+from moetier.layers.kda_cuda import kda_decode_slots, kda_prefill_varlen
 from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_step
 from moetier.layers.param import param
 from moetier.layers.state_cache import KdaStateCache
+
+
+def on_fla(x: torch.Tensor) -> bool:
+    """Whether this layer's recurrence runs in fla-core's kernels (CUDA) rather than the reference.
+    NOTE: tests on the CPU point it at True, with the kernels swapped for references, to check the
+    slot gathering, scattering and zeroing around the kernels."""
+    return x.is_cuda
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,34 +115,56 @@ class KdaAttention(nn.Module):
         """One token per sequence, all sequences at once: gather the slots' states, one step, scatter
         back. A token at position 0 (a one-token prompt) starts from zeros (fixed shapes, no branch)."""
         live = (batch.positions > 0)
-        conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
-        rec_in = rec[slots] * live[:, None, None, None].float()
-        mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
+        if qkv.is_cuda:  # the same conv in one launch, the slots' states updated in place
+            from moetier.layers.kda_conv_triton import conv_step_slots
+
+            mixed = conv_step_slots(qkv, conv, self.conv, slots, batch.positions)
+        else:
+            conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
+            mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
+            conv[slots] = conv_out
         q, k, v = self._split(mixed)
+        if on_fla(qkv):
+            # host integers only: a graph's batch says every context is long (no fresh row replays)
+            host = batch.state_slots_host or list(range(batch.num_seqs))
+            fresh = [s for s, n in zip(host, batch.seq_lens_host) if n == 1]
+            if fresh:
+                rec[torch.tensor(fresh, device=rec.device)] = 0
+            return kda_decode_slots(q, k, v, g, beta, rec, slots)
+        rec_in = rec[slots] * live[:, None, None, None].float()
         o, rec_out = kda_step(q, k, v, g, beta, rec_in)
-        conv[slots] = conv_out
         rec[slots] = rec_out
         return o
 
     def _prefill(self, qkv, g, beta, conv, rec, batch) -> torch.Tensor:
-        """Each sequence on its own (host integers): the chunked recurrence from its carried state."""
-        out = qkv.new_empty(qkv.shape[0], self.heads, self.d)
+        """Each sequence on its own (host integers): the conv from its carried state, then the chunked
+        recurrence from its carried state (on CUDA: every sequence in one varlen launch)."""
+        mixed = torch.empty_like(qkv)
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
-        for i in range(batch.num_seqs):
+        todo = [i for i in range(batch.num_seqs) if qs[i + 1] > qs[i]]
+        for i in todo:
             a, b = qs[i], qs[i + 1]
-            if a == b:
-                continue
+            c0 = torch.zeros_like(conv[slots[i]]) if lens[i] == b - a else conv[slots[i]]
+            mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
+        q, k, v = self._split(mixed)
+        if on_fla(qkv) and todo:
+            rows = torch.tensor([slots[i] for i in todo], device=rec.device)
+            keep = torch.tensor([lens[i] != qs[i + 1] - qs[i] for i in todo], device=rec.device)
+            initial = rec[rows] * keep[:, None, None, None].float()
+            o, final = kda_prefill_varlen(q, k, v, g, beta, initial, [0, *(qs[i + 1] for i in todo)])
+            rec[rows] = final
+            return o
+        out = qkv.new_empty(qkv.shape[0], self.heads, self.d)
+        for i in todo:
+            a, b = qs[i], qs[i + 1]
             slot, fresh = slots[i], lens[i] == b - a
-            c0 = torch.zeros_like(conv[slot]) if fresh else conv[slot]
             s0 = torch.zeros_like(rec[slot]) if fresh else rec[slot]
-            mixed, conv[slot] = causal_conv(qkv[a:b], c0, self.conv)
-            q, k, v = self._split(mixed)
             if b - a == 1 and not fresh:
-                o, s = kda_step(q, k, v, g[a:b], beta[a:b], s0[None])
+                o, s = kda_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s0[None])
                 s = s[0]
             else:
-                o, s = kda_chunked(q, k, v, g[a:b], beta[a:b], s0)
+                o, s = kda_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s0)
             rec[slot] = s
             out[a:b] = o
         return out

@@ -13,9 +13,10 @@ groups of `kpool` consecutive keys instead of single keys, for NoPE attention (n
     incomplete pool (s - s % kpool .. s, when (s + 1) % kpool != 0).
     -> [N, index_topk + kpool - 1] int32 positions, -1 where unused (fixed width for graphs)
 
-The reference (CPU) uses the same ops in the same order as transformers' Glm5NextTextIndexer, with
-one sequence's row of scores over the complete pools of its context (as transformers' row for one
-sequence), so equal scores break the same way.
+The reference (CPU, and prefill on CUDA) uses the same ops in the same order as transformers'
+Glm5NextTextIndexer, with one sequence's row of scores over the complete pools of its context (as
+transformers' row for one sequence), so equal scores break the same way. Decode on CUDA takes
+select_pools_fixed: the same scores in fixed shapes from device tensors only (graph-safe).
 """
 
 from __future__ import annotations
@@ -31,14 +32,22 @@ from moetier.layers.param import param
 
 
 def pool_keys(rows: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
-    """rows: [ctx, 2D] one sequence's [k | gate]; ape: [kpool, D] -> [ctx // kpool, D] the complete
-    pools' keys, in rows' dtype."""
+    """rows: [..., ctx, 2D] a sequence's [k | gate] (leading dims: several); ape: [kpool, D]
+    -> [..., ctx // kpool, D] the complete pools' keys, in rows' dtype."""
     d = ape.shape[1]
-    n = rows.shape[0] // kpool
-    grouped = rows[: n * kpool].view(n, kpool, 2 * d)
+    n = rows.shape[-2] // kpool
+    grouped = rows[..., : n * kpool, :].reshape(*rows.shape[:-2], n, kpool, 2 * d)
     keys, gate = grouped[..., :d], grouped[..., d:]
-    probs = (gate.float() + ape.float()[None]).softmax(dim=1).to(keys.dtype)
-    return (probs * keys).sum(dim=1)
+    probs = (gate.float() + ape.float()).softmax(dim=-2).to(keys.dtype)
+    return (probs * keys).sum(dim=-2)
+
+
+def tail_positions(pos: torch.Tensor, kpool: int) -> torch.Tensor:
+    """pos [T] -> [T, kpool - 1]: the tokens of each query's incomplete pool (itself included), -1 after."""
+    offsets = torch.arange(kpool - 1, device=pos.device)
+    count = (pos + 1) % kpool  # tokens in the query's incomplete pool, itself included
+    tail = (pos + 1 - count)[:, None] + offsets[None, :]
+    return tail.masked_fill(offsets[None, :] >= count[:, None], -1)
 
 
 def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
@@ -46,6 +55,9 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
     """q: [N, Hi, D]; w: [N, Hi] float32; index_k: [pages, page_size, 2D] of one layer, this step's rows
     written. -> [N, topk + kpool - 1] int32 positions within each sequence, -1 padded. A loop over host
     integers: the CPU path and the oracle."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("select_pools_reference loops over host integers and cannot be captured in a CUDA "
+                           "graph; decode steps go through select_pools_fixed")
     n, width = q.shape[0], topk + kpool - 1
     out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
     qs, lens = batch.query_start_host, batch.seq_lens_host
@@ -70,10 +82,35 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
                 tokens = tokens.masked_fill(~ok[..., None], -1).flatten(1)
                 out[c:d, : tokens.shape[1]] = tokens.to(torch.int32)
             if kpool > 1:
-                count = (pos + 1) % kpool  # tokens in the query's incomplete pool, itself included
-                tail = (pos + 1 - count)[:, None] + offsets[None, : kpool - 1]
-                tail = tail.masked_fill(offsets[None, : kpool - 1] >= count[:, None], -1)
-                out[c:d, topk:] = tail.to(torch.int32)
+                out[c:d, topk:] = tail_positions(pos, kpool).to(torch.int32)
+    return out
+
+
+def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
+                       batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
+    """select_pools_reference in fixed shapes from device tensors only (graph-safe): every token
+    scores the pools of all W * page_size rows of its sequence's page table, those that end past its
+    position masked. For decode steps (N the batch): a prefill would gather N copies of the keys.
+    NOTE: equal scores may break differently from the reference (its rows end at the context)."""
+    n, width = q.shape[0], topk + kpool - 1
+    seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
+    rows = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, 2D]
+    keys = pool_keys(rows, ape, kpool)  # [N, P, D]
+    pos = batch.positions
+    out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
+    select = min(topk // kpool, keys.shape[1])
+    if select:
+        scores = F.relu(torch.einsum("nhd,npd->nhp", q.float(), keys.float()) * scale)
+        index = torch.einsum("nh,nhp->np", w, scores)
+        ends = torch.arange(1, keys.shape[1] + 1, device=q.device) * kpool - 1
+        visible = ends[None, :] <= pos[:, None]
+        index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
+        picked = index.topk(select, dim=-1).indices
+        ok = visible.gather(1, picked)
+        tokens = picked[..., None] * kpool + torch.arange(kpool, device=q.device)
+        out[:, : select * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1).to(torch.int32)
+    if kpool > 1:
+        out[:, topk:] = tail_positions(pos, kpool).to(torch.int32)
     return out
 
 
@@ -107,4 +144,5 @@ class KpoolIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, F.linear(x, self.gate)], dim=-1)
         w = F.linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
-        return select_pools_reference(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)
+        select = select_pools_fixed if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
+        return select(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)

@@ -34,6 +34,15 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Device bytes the pool holds."""
 
+    @abstractmethod
+    def page_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold pages, each [rows, num_pages, page_size, ...]: what a copy of one page
+        (the prefix cache's host tier) moves."""
+
+    @abstractmethod
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        """Per model layer with pages, its (index into page_tensors(), row) pairs, in layer order."""
+
 
 @dataclass(frozen=True)
 class KVSpec(ABC):
@@ -87,6 +96,12 @@ class GqaKVCache(KVCache):
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def page_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        return {layer: [(0, layer), (1, layer)] for layer in range(self.k.shape[0])}
+
 
 @dataclass(frozen=True)
 class MlaKVSpec(KVSpec):
@@ -128,3 +143,13 @@ class MlaKVCache(KVCache):
 
     def nbytes(self) -> int:
         return self.latent.numel() * self.latent.element_size() + self.index_k.numel() * self.index_k.element_size()
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        return [self.latent, self.index_k]
+
+    def layer_rows(self) -> dict[int, list[tuple[int, int]]]:
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for t, slots in enumerate((self.latent_slot, self.index_slot)):
+            for layer, row in slots.items():
+                rows.setdefault(layer, []).append((t, row))
+        return dict(sorted(rows.items()))

@@ -15,6 +15,9 @@ per-token mixing weights.
 The head collapses the streams by their plain mean before the final norm. The same ops in the
 same order as transformers' Glm5NextTextHyperConnection, so float32 agrees to rounding. fn is kept
 in the model dtype and applied in float32; base and scale are float32 in the checkpoints.
+
+On CUDA, steps of up to mhc_triton.MAX_ROWS tokens (decode) compute the weights and the collapse in
+one Triton launch (layers/mhc_triton.py; these torch ops are its oracle).
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [N, S, H] -> (post [N, S] float32, comb [N, S, S] float32, block input [N, H])."""
         n, s = streams.shape[0], self.s
+        if streams.is_cuda:
+            from moetier.layers import mhc_triton  # decode on CUDA: one launch for all of the below
+
+            if mhc_triton.fused_supported(streams):
+                return mhc_triton.mhc_weights_fused(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                                    self.norm_eps)
         flat = streams.reshape(n, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         mixed = F.linear(flat, self.fn.float())

@@ -7,7 +7,8 @@ instead of pages, and the KV pool of a hybrid model that holds both.
 A running sequence owns one state slot (the same index in every KDA layer), handed out and taken
 back by the scheduler with the sequence (engine/scheduler.py; a preempted sequence loses it and is
 recomputed). A sequence whose step starts at position 0 starts from zeros whatever its slot held,
-so slots are never cleared. Slot `slots - 1` is spare (the decode graphs' padding rows may use it).
+so slots are never cleared. The engine's pool has max_num_seqs + 1 slots (the last one spare: the decode
+graphs' padding rows read and write it) plus, with prefix caching, slots that hold state checkpoints (engine/kv_moves.py).
 
 HybridKVSpec -> HybridKVCache: the MLA latent pages (layers/kv_cache.MlaKVCache, for the attention
 layers only) plus the state pool. The state's bytes are per sequence, not per token: the memory

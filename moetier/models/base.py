@@ -24,6 +24,7 @@ from moetier.config import ModelConfig
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache, KVSpec
 from moetier.layers.moe import MoEBlock
+from moetier.parallel import Parallel
 
 COUNTERS = ("hits", "misses", "overflow", "steps", "bypassed")
 
@@ -79,6 +80,7 @@ class CausalLM(nn.Module, ABC):
     # tensor-parallel splits; other families refuse tensor parallelism (expert parallelism lives in
     # the expert placement and needs nothing from the model).
     tensor_parallel: bool = False
+    par: Parallel = Parallel()  # this rank; one rank for the families without tensor parallelism
 
     @classmethod
     @abstractmethod
@@ -90,9 +92,14 @@ class CausalLM(nn.Module, ABC):
     def param(self, name: str) -> torch.Tensor | None:
         """The tensor (or slice) checkpoint tensor `name` fills; None: read and not kept (a tied copy)."""
 
-    @abstractmethod
     def kv_spec(self) -> KVSpec:
-        ...
+        return self.kv_spec_of(self.cfg, self.par)
+
+    @classmethod
+    @abstractmethod
+    def kv_spec_of(cls, cfg: ModelConfig, par: Parallel) -> KVSpec:
+        """What one token's KV holds on one rank of par, from the config alone (the memory plan asks
+        before any model exists)."""
 
     @abstractmethod
     def moe_blocks(self) -> list[MoEBlock]:

@@ -25,6 +25,7 @@ from torch import nn
 
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kda import KdaAttention
+from moetier.layers.kda_cuda import fla_kda
 from moetier.layers.kpool_indexer import KpoolIndexer
 from moetier.layers.mhc import HyperConnection, expand, hyper_head
 from moetier.layers.mla_attention import MlaAttention
@@ -38,6 +39,7 @@ from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.glm5_next_config import Glm5NextConfig
 from moetier.models.mla_model import _swiglu_weights as _swiglu
 from moetier.models.mla_model import mlp_param
+from moetier.parallel import Parallel
 
 PREFIX = "model.language_model."
 _LAYER = re.compile(re.escape(PREFIX) + r"layers\.(\d+)\.(.+)")
@@ -95,6 +97,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
     def __init__(self, cfg: Glm5NextConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        if self.device.type == "cuda" and cfg.kda_layers:
+            fla_kda()  # fla-core missing: one clear line before any weight is made or read
         self.embed = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(Glm5NextLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
@@ -197,8 +201,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
 
     # -- runtime --
 
-    def kv_spec(self) -> HybridKVSpec:
-        cfg = self.cfg
+    @classmethod
+    def kv_spec_of(cls, cfg: Glm5NextConfig, par: Parallel) -> HybridKVSpec:
         state = KdaStateSpec(cfg.kda_layers, 3 * cfg.linear_heads * cfg.linear_head_dim, cfg.linear_conv_width,
                              cfg.linear_heads, cfg.linear_head_dim, cfg.linear_head_dim)
         return HybridKVSpec(cfg.num_layers, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim, cfg.index_layers,

@@ -101,7 +101,6 @@ def mlp_param(mlp: MoEBlock | SwigluMLP, rest: str) -> torch.Tensor | None:
 class MlaMoeForCausalLM(CausalLM):
     cfg: MlaMoeConfig
     tensor_parallel = True
-    par = Parallel()  # the default for instances made without __init__ (plan/memory.py)
 
     def __init__(self, cfg: MlaMoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  par: Parallel = Parallel()):
@@ -227,12 +226,12 @@ class MlaMoeForCausalLM(CausalLM):
 
     # -- runtime --
 
-    def kv_spec(self) -> MlaKVSpec:
-        # from cfg alone: plan/memory.py calls it on a model built without weights. Whole under tensor
-        # parallelism: the latent is shared by all heads, so every rank holds (and writes) all of it.
-        cfg = self.cfg
+    @classmethod
+    def kv_spec_of(cls, cfg: MlaMoeConfig, par: Parallel) -> MlaKVSpec:
+        # whole under tensor parallelism: the latent is shared by all heads, so every rank holds (and
+        # writes) all of it; loaded MTP layers (cfg.mtp_layers) have KV rows of their own
         return MlaKVSpec(cfg.num_layers + cfg.mtp_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                         *self.index_keys(cfg))  # loaded MTP layers: KV rows of their own
+                         *cls.index_keys(cfg))
 
     def moe_blocks(self) -> list[MoEBlock]:
         layers = [*self.layers, *(head.block for head in self.mtp)]

@@ -175,7 +175,6 @@ class DecoderLayer(nn.Module):
 
 class Qwen3MoeForCausalLM(CausalLM):
     tensor_parallel = True
-    par = Parallel()  # the default for instances made without __init__ (plan/memory.py sizes the KV so)
 
     def __init__(self, cfg: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  par: Parallel = Parallel()):
@@ -242,10 +241,10 @@ class Qwen3MoeForCausalLM(CausalLM):
             return mlp.part(rest[len("mlp."):-len(".weight")])  # this rank's columns
         return None
 
-    def kv_spec(self) -> GqaKVSpec:
+    @classmethod
+    def kv_spec_of(cls, cfg: Qwen3MoeConfig, par: Parallel) -> GqaKVSpec:
         # this rank's kv heads only (all of them without tensor parallelism)
-        return GqaKVSpec(self.cfg.num_layers, self.par.tp_split(self.cfg.num_kv_heads, "num_key_value_heads"),
-                         self.cfg.head_dim)
+        return GqaKVSpec(cfg.num_layers, par.tp_split(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

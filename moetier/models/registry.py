@@ -6,7 +6,9 @@ Adding an architecture: its model file (model class + config class) and one line
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetier.errors import ConfigError
@@ -68,3 +70,24 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         if a.model_type == cfg.model_type:
             return _attr(a, a.model_class)
     raise ConfigError(f"model_type {cfg.model_type!r} is not supported. moetier supports: {supported()}.")
+
+
+def config_from_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The family's config class, chosen by model_type (or architectures), parses d."""
+    return config_class(lookup(d, source)).from_dict(d, source)
+
+
+def config_from_dir(path: str | Path) -> ModelConfig:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ConfigError(
+            f"{f} not found: --model must be a Hugging Face checkpoint directory holding config.json, "
+            "tokenizer.json and *.safetensors"
+        )
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{f} is not readable JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{f} must hold a JSON object")
+    return config_from_dict(d, source=str(f))

@@ -2,10 +2,9 @@
 chosen from the memory plan, shown with its reason (`moetier plan`, the serve log, generate's
 startup line), and counted in the plan, so preflight stays honest.
 
-Measured on the H200 (`moetier bench chunk`, docs/bench-prefill.md):
+As `moetier bench chunk` measured (docs/bench-prefill.md, docs/measured-defaults.md):
   - every expert in device memory: a larger chunk trades the decodes' latency beside a long prompt
-    for its TTFT at about the same rate (2048 -> 8192: TTFT 1.3x shorter, the decodes' ITL 1.9x
-    longer), so RESIDENT_CHUNK, the middle ground;
+    for its TTFT at about the same rate, so RESIDENT_CHUNK, the middle ground;
   - experts off the GPU (slots short of every expert, uva, hybrid): a prefill step costs about the
     same at any size (the missing experts cross the link once per chunk), so small chunks do not
     spare the decodes and only lengthen the TTFT: as large as the activation budget allows, up to
@@ -22,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from moetier.plan.memory import CACHED, Plan, PlanRequest, count
+from moetier.experts.registry import backend_kind
+from moetier.plan.memory import Plan, PlanRequest, count
 from moetier.plan.units import gib
 
 RESIDENT_CHUNK = 2048
@@ -72,9 +72,10 @@ def over(plan: Plan) -> int:
 
 def in_hbm(plan: Plan) -> bool:
     """Every routed expert in device memory: resident, or a cache with a slot for every expert."""
-    if plan.backend == "resident":
+    kind = backend_kind(plan.backend)
+    if not kind.host_store:
         return True
-    return plan.backend in CACHED and sum(plan.slots_per_layer.values()) * plan.row_bytes >= plan.expert_bytes
+    return kind.cached and sum(plan.slots_per_layer.values()) * plan.row_bytes >= plan.expert_bytes
 
 
 def activations(plan: Plan) -> int:

@@ -25,15 +25,13 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
+from moetier.experts.registry import backend_kind
 from moetier.layers.kv_cache import KVSpec
 from moetier.plan import residents as r
 from moetier.plan.units import GiB, gib, round_up
 
 HOST_MARGIN_SHARE, HOST_MARGIN_MIN = 0.05, 4 * GiB  # keep this much of available host memory free
 
-
-
-CACHED = ("slots", "hybrid")  # backends with an HBM slot cache per MoE layer
 
 @dataclass
 class PlanRequest:
@@ -62,6 +60,10 @@ class PlanRequest:
     ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)
     # the "columns" expert split (experts/parallel/columns.py): each rank's expert rows hold I / expert_columns
     expert_columns: int = 1
+    # prefix caching (engine/prefix_cache.py): state checkpoints of linear-attention models on the device,
+    # and the host KV tier's pinned bytes (--kv-host-memory; whole pages of the pool are kept)
+    prefix_caching: bool = True
+    kv_host_bytes: int = 0
 
     @property
     def model_len(self) -> int:
@@ -69,19 +71,24 @@ class PlanRequest:
 
     @property
     def pool_tokens(self) -> int:
-        """Tokens the KV pool holds, in whole pages: each running request can reach full length."""
-        per_seq = round_up(self.model_len, self.page_size)
-        return round_up(self.kv_tokens, self.page_size) if self.kv_tokens else self.max_num_seqs * per_seq
+        """Tokens the KV pool holds, in whole pages (kv_pool_tokens)."""
+        return kv_pool_tokens(self.max_num_seqs, self.model_len, self.page_size, self.kv_tokens)
 
     @property
     def graph_sizes(self) -> list[int]:
-        """The batch sizes engine/llm.py captures (engine/graphs.SIZES up to the decode cap)."""
+        """The batch sizes the engine captures (residents.captured_sizes)."""
         if not (self.cuda_graphs and self.device == "cuda"):
             return []
-        from moetier.engine.graphs import SIZES
+        return r.captured_sizes(self.max_num_seqs, self.decode_tokens)
 
-        cap = min(self.max_num_seqs, self.decode_tokens)
-        return [n for n in SIZES if n <= cap] or [1]
+
+def kv_pool_tokens(max_num_seqs: int, model_len: int, page_size: int, kv_tokens: int | None = None) -> int:
+    """The one KV-sizing rule, for the plan and every command: the tokens the pool holds, in whole
+    pages: kv_tokens when given (serve's --kv-tokens), else max_num_seqs requests that each reach
+    model_len tokens."""
+    if kv_tokens:
+        return round_up(kv_tokens, page_size)
+    return max_num_seqs * round_up(model_len, page_size)
 
 
 @dataclass
@@ -168,8 +175,8 @@ def count(req: PlanRequest) -> Plan:
         shape = local_shape(shape, "columns", req.expert_columns)
     row = r.row_bytes(shape, dt)
     e, p = shape.num_experts, req.decode_tokens * shape.top_k
-    backend = req.backend
-    slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if backend in CACHED else {}
+    backend, kind = req.backend, backend_kind(req.backend)
+    slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if kind.cached else {}
     dense = r.dense_weights(cfg, dt)
     dev: list[Item] = []
     tensors: list[int] = list(dense.tensors)  # every device tensor, for the allocator's rounding
@@ -179,11 +186,11 @@ def count(req: PlanRequest) -> Plan:
     dev.append(Item("dense: decoder layers", dense.layers, "load",
                     what + (" (FP8 projections: weights + block scales)" if cfg.dense_quant else ""),
                     sum(r.block(n) for n in dense.tensors) - r.block(dense.embedding_and_head)))
-    if backend == "resident":
-        rows = [e * row] * len(layers)
+    if not kind.host_store:
+        rows = [kind.device_rows(e, 0) * row] * len(layers)
         note = f"{len(layers)} layers x {e} experts x {row:,} B rows (scales in the row)"
-    elif backend in CACHED:
-        rows = [slots[layer] * row for layer in layers]
+    elif kind.cached:
+        rows = [kind.device_rows(e, slots[layer]) * row for layer in layers]
         note = (f"{sum(slots.values())} slots over {len(layers)} layers "
                 f"({min(slots.values(), default=0)}..{max(slots.values(), default=0)} per layer) x {row:,} B rows")
     else:
@@ -192,15 +199,14 @@ def count(req: PlanRequest) -> Plan:
     tensors += rows
     if cuda:
         scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
-        state = [n for layer in layers for n in r.backend_extras(backend, shape, dt, req.decode_tokens,
-                                                                 slots.get(layer, 0))[1:]]
-        if backend == "hybrid":  # the pieces' pair outputs and the nodes mode's buffers, one set per model
-            # NOTE: both counted: the plan does not know which mode the backend builds (placement.nodes_by_default)
+        state = [n for layer in layers for n in kind.layer_state(shape, dt, req.decode_tokens, slots.get(layer, 0))]
+        if kind.host_compute:  # the pieces' pair outputs and the nodes mode's buffers, one set per model
+            # NOTE: both counted: the plan does not know which mode the backend builds (registry.nodes_by_default)
             state += r.hybrid_piece_buffers(req.decode_tokens, shape.top_k, shape.hidden)
             state += r.hybrid_node_buffers(req.decode_tokens, shape.top_k, shape.hidden, shape.num_experts)
         dev.append(_item("expert workspaces", "load", scratch + state,
                          f"GEMM scratch, slot maps, miss lists: {p} pairs per step"))
-        if backend == "hybrid":  # an eager layer of the pieces: counted whichever mode runs, as above
+        if kind.host_compute:  # an eager layer of the pieces: counted whichever mode runs, as above
             gathered = r.hybrid_piece_transients(req.decode_tokens, shape.top_k, shape.hidden, dt.itemsize)
             dev.append(Item("hybrid pieces' layer transients", r.segments(gathered), "load",
                             f"{p} pairs' gathered rows and outputs, one layer at a time",
@@ -220,6 +226,11 @@ def count(req: PlanRequest) -> Plan:
         dev.append(_item("KDA state slots", "capture", st,
                          f"{req.max_num_seqs} sequences + 1, {spec.state_bytes_per_seq(dt):,} B/sequence"))
         tensors += st
+        if req.prefix_caching:  # engine/kv_setup.num_checkpoints: one per running sequence
+            ck = spec.state.tensor_bytes(dt, req.max_num_seqs)
+            dev.append(_item("KDA state checkpoints", "capture", ck,
+                             f"{req.max_num_seqs} prefix-cache checkpoints at page boundaries"))
+            tensors += ck
     sizes = req.graph_sizes
     width = -(-req.model_len // req.page_size)
     if sizes:
@@ -227,7 +238,7 @@ def count(req: PlanRequest) -> Plan:
         gin = r.graph_inputs(b, width)
         dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
         kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
-        if backend == "hybrid":  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
+        if kind.host_compute:  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
             kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
         peak = r.step_activations(cfg, b, dt, 0) + [r.sampler_transient(b, cfg.vocab_size)]
         pool = r.segments(kept) + r.segments(peak)
@@ -247,13 +258,13 @@ def count(req: PlanRequest) -> Plan:
         tensors += streams + [ws]
     rows_eager = min(req.max_num_seqs, req.max_num_tokens)
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
-    if backend != "resident":
+    if kind.host_store:
         act.append(r.prefill_stream(shape, dt))
     if dense.fp8_transient:  # FP8 dense: a prefill projection dequantizes its weight first
         act.append(dense.fp8_transient)
     if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
         act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
-        if backend in CACHED and req.prefill_stream == "ring":
+        if kind.cached and req.prefill_stream == "ring":
             act += r.ring_step_scratch(req.max_num_tokens, shape)
             ring = r.staging_ring(shape, dt, *req.ring)
             dev.append(Item("prefill staging ring", ring, "runtime",
@@ -281,17 +292,24 @@ def count(req: PlanRequest) -> Plan:
         host.append(Item("process baseline", r.HOST_BASELINE_CPU, "host", "python, torch (stated)"))
         host += [Item(f"{i.name} (in host memory)", i.bytes, "host", i.note) for i in dev]
         dev = []
-    if backend != "resident":
+    if kind.host_store:
         requested, allocated = r.store_allocation(len(layers), e, row, req.page)
         pinned = requested if cuda else 0
         would = r.torch_pinned_would_charge(len(layers), e, row)
         host.append(Item("expert store (exact size)", allocated, "host",
                          f"{requested:,} B + {len(layers)} pages; "
                          + (f"pinned exactly (torch would pin {gib(would)})" if cuda else "not pinned (cpu)")))
+    host_pages = req.kv_host_bytes // (kv_spec_bytes * req.page_size) if req.prefix_caching else 0
+    if host_pages:  # engine/kv_moves.py: one page-aligned block, registered at exact size on CUDA
+        nbytes = host_pages * kv_spec_bytes * req.page_size
+        pinned += nbytes if cuda else 0
+        host.append(Item("KV host tier (exact size)", nbytes + req.page, "host",
+                         f"{host_pages:,} pages of {kv_spec_bytes * req.page_size:,} B (evicted prefix pages); "
+                         + ("pinned exactly" if cuda else "not pinned (cpu)")))
     if cuda and sizes:
         host.append(Item("decode graph input twins",
                          r.graph_host_inputs(sizes[-1], width), "host", "pinned by torch: 2^n"))
-    if cuda and backend == "hybrid":
+    if cuda and kind.host_compute:
         host.append(Item("hybrid host staging", r.hybrid_host_staging(req.decode_tokens, shape.top_k, shape.hidden,
                                                                      shape.inter, dt.itemsize), "host-capture",
                          "hidden states down, host outputs up: pinned by torch (2^n, cached)"))
@@ -302,6 +320,7 @@ def count(req: PlanRequest) -> Plan:
                "dense_quant": cfg.dense_quant,  # "fp8": dense projections held in FP8 with their scales
                "device": req.device, "max_model_len": req.model_len,
                "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
+               "prefix_caching": req.prefix_caching, "kv_host_pages": host_pages,
                "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,
                "gpu_budget_source": req.gpu_source, "host_source": req.host_source}
     return Plan(request, backend, slots, dev, host, req.gpu_budget if cuda else None, req.host_available, pinned,
@@ -317,10 +336,4 @@ def _kv_spec(cfg: ModelConfig, tp: int = 1) -> KVSpec:
     from moetier.models.registry import model_class
     from moetier.parallel import Parallel
 
-    # kv_spec() is an instance method; the spec depends on the config only, so build it without weights
-    cls = model_class(cfg)
-    model = cls.__new__(cls)
-    object.__setattr__(model, "cfg", cfg)  # nn.Module.__setattr__ needs __init__
-    if tp > 1:
-        object.__setattr__(model, "par", Parallel(0, tp, tp, 1))
-    return model.kv_spec()
+    return model_class(cfg).kv_spec_of(cfg, Parallel(0, tp, tp, 1) if tp > 1 else Parallel())

@@ -188,7 +188,7 @@ def parallel_preflight(model_dir, dtype: str, device: str, experts, config, gpu_
     """preflight() for several ranks: shards checked, one rank's plan made (auto placement sized for
     a rank's share); the budgets are checked per node by node_check() once the ranks have started."""
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.plan.preflight import check_shards, request_for
 
     cfg = config_from_dir(model_dir)

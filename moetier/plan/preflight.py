@@ -20,6 +20,7 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.errors import MoetierError
+from moetier.experts.registry import AUTO, Slots, Uva, backend_kind
 from moetier.plan import machine
 from moetier.plan.memory import Plan, PlanRequest, count
 from moetier.plan.render import table
@@ -37,14 +38,16 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
 
     gpu, gpu_src, with_context = machine.gpu_budget(gpu_memory, device)
     host, host_src = machine.host_budget(host_memory)
-    cfg = with_dense(cfg, getattr(config, "fp8_dense", "dequantize"))  # the dense weights as they will be held
+    cfg = with_dense(cfg, config.fp8_dense)  # the dense weights as they will be held
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
                        max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
                        cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
                        host_source=host_src, memlock=machine.memlock_limit(),
-                       prefill_stream=getattr(config, "prefill_stream", "ring"))
+                       prefill_stream=config.prefill_stream,
+                       prefix_caching=config.enable_prefix_caching,
+                       kv_host_bytes=config.kv_host_bytes)
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
@@ -61,18 +64,18 @@ def _placed(req: PlanRequest, experts, trace=None) -> Plan:
     layers, e = req.cfg.moe_layers, req.cfg.num_experts
     req = replace(req, ring=(getattr(experts, "ring_group", req.ring[0]),  # the ring mode's staging ring
                              getattr(experts, "ring_depth", req.ring[1])))
-    if experts.backend != "auto":
-        problems = experts.problems(req.cfg.moe_shape, layers)
-        if problems:
-            raise MoetierError("; ".join(problems))
-    if experts.backend == "auto":
+    if experts.backend == AUTO:
         return auto_plan(req, trace, experts.policy)
-    if experts.backend in ("slots", "hybrid"):  # hybrid: the slots' plan, then counted as hybrid
+    problems = experts.problems(req.cfg.moe_shape, layers)
+    if problems:
+        raise MoetierError("; ".join(problems))
+    if backend_kind(experts.backend).cached:  # hybrid: the slots' plan, then counted as hybrid
         b = experts.backend
         if experts.slots is None and not experts.slots_per_layer:
             plan = auto_plan(req, trace, experts.policy)
-            if plan.backend == "slots":
-                return plan if b == "slots" else count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer))
+            if backend_kind(plan.backend).cached:
+                return plan if b == plan.backend else count(replace(req, backend=b,
+                                                                    slots_per_layer=plan.slots_per_layer))
             return count(replace(req, backend=b, slots_per_layer=dict.fromkeys(layers, e)))
         slots = {layer: experts.slots_for(layer, e) for layer in layers}
         return count(replace(req, backend=b, slots_per_layer=slots))
@@ -82,7 +85,7 @@ def _placed(req: PlanRequest, experts, trace=None) -> Plan:
 def options_for(plan: Plan, experts):
     """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
     return replace(experts, backend=plan.backend, slots=None,
-                   slots_per_layer=dict(plan.slots_per_layer) if plan.backend in ("slots", "hybrid") else {})
+                   slots_per_layer=dict(plan.slots_per_layer) if backend_kind(plan.backend).cached else {})
 
 
 def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
@@ -117,7 +120,7 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
               host_memory: str | None = None):
     """-> (plan, ExpertOptions to load with). Raises PlanRefused or another MoetierError."""
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
 
     cfg = config_from_dir(model_dir)
     check_shards(model_dir, cfg)
@@ -139,11 +142,13 @@ def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu
     from moetier.experts.placement import ExpertOptions
 
     req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
-    checks = [("the random weights' host store", "uva", None)]
+    checks = [("the random weights' host store", Uva.name, None)]
     for backend, budget in rows:
-        slots = max(cfg.top_k, round(cfg.num_experts * budget)) if backend in ("slots", "hybrid") else None
+        kind = backend_kind(backend)
+        slots = max(cfg.top_k, round(cfg.num_experts * budget)) if kind.cached else None
+        # a hybrid row is checked as slots of its size (the bed builds it from the slots' rows)
         checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
-                       "slots" if backend == "hybrid" else backend, slots))
+                       Slots.name if kind.cached else backend, slots))
     for what, backend, slots in checks:
         geometry = {} if ring is None else {"ring_group": ring[0], "ring_depth": ring[1]}
         plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry))

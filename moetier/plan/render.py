@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moetier.experts.registry import backend_kind
 from moetier.plan.memory import Plan
 from moetier.plan.units import gb, gib
 
@@ -33,7 +34,7 @@ def table(plan: Plan) -> str:
     con = Console(file=buf, width=WIDTH, force_terminal=False, color_system=None)
     q = plan.request
     slots = plan.slots_per_layer
-    placement = plan.backend if plan.backend not in ("slots", "hybrid") else (
+    placement = plan.backend if not backend_kind(plan.backend).cached else (
         f"{plan.backend} {min(slots.values())}..{max(slots.values())} per layer" if slots else plan.backend)
     con.print(f"memory plan: {q['model_type']}, {q['layers']} layers ({q['moe_layers']} MoE), {q['dtype']}, "
               f"experts {'FP8 ' if q.get('experts_quant') == 'fp8' else ''}{placement}; KV of {q['kv_tokens']:,} tokens "

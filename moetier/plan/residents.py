@@ -3,7 +3,7 @@ allocated). Each function mirrors the code that allocates the thing, named in it
 change there shows up here as a failing hand-computed test (tests/test_plan.py).
 
 Stated rules (not measurable before the run; the audit checks them after load and capture), each
-calibrated on the H200 (torch 2.11, scripts/plan_audit.py at 8 and 48 layers; docs/plan.md):
+calibrated on a GPU with scripts/plan_audit.py (the figures: docs/measured-defaults.md):
   CUDA context     CONTEXT_BYTES: the CUDA runtime at init. The audit prints the measured figure
                    (device used minus torch reserved: context plus the next item).
   CUDA modules     modules_bytes(): kernels loaded at first use (cuBLAS, Triton) and the decode graphs'
@@ -25,13 +25,13 @@ from moetier.config import ModelConfig
 from moetier.experts.shape import MoeShape
 from moetier.plan.units import GiB, MiB, next_pow2, round_up
 
-# H200: device used minus torch reserved read 0.76 GiB (8 layers) and 0.85 GiB (48 layers) after
-# capture; these three rules give 0.76 and 0.85.
+# the CUDA context and the modules outside torch: three rules that give what the audit measured at 8
+# and 48 layers (docs/measured-defaults.md)
 CONTEXT_BYTES = 528 * MiB
 MODULES_BASE, MODULES_PER_LAYER = 228 * MiB, 2458 * 1024  # 228 MiB + 2.4 MiB per layer
-CUBLAS_WORKSPACE_DEFAULT = 32 * MiB  # torch on Hopper; the H200 held 160 MiB for five streams
+CUBLAS_WORKSPACE_DEFAULT = 32 * MiB  # torch on Hopper, per stream
 HOST_BASELINE_CUDA = 5 * GiB // 2  # python + torch + libcudart/cublas mapped, before the first step
-HOST_FIRST_USE = 512 * MiB  # measured 0.47-0.53 GiB of VmRSS growth from load to captured graphs
+HOST_FIRST_USE = 512 * MiB  # VmRSS growth from load to captured graphs, as measured
 HOST_BASELINE_CPU = 1 * GiB
 # torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): blocks round to 512 bytes;
 # requests up to 1 MiB share 2 MiB segments, up to 10 MiB share 20 MiB segments, larger ones get
@@ -136,17 +136,6 @@ def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
     return shape.layout.row_bytes(dtype)
 
 
-def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
-    """Device tensors of one slots layer besides its rows: SlotCache (experts/cache/slots.py: expert_slot,
-    freq, fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill
-    refresh counter (experts/backends.SlotExperts, int64 [1]) and BookkeepingScratch
-    (experts/cache/slot_kernels.py: first [E], used [S], victim [next_pow2(S)], slots_out / miss_expert /
-    miss_slot [max(P, S)]: a refresh step asks for S ids, miss_count [1], all int32)."""
-    e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
-            4 * e, 4 * s, 4 * next_pow2(s), 4 * p, 4 * p, 4 * p, 4]
-
-
 def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
     """GemmScratch (experts/kernels/grouped_gemm.py), one per shape and device: order, chunk_end, one_order,
     one_end [P] int32; h [P, I] and y [P, H] float32."""
@@ -154,19 +143,14 @@ def gemm_scratch(max_pairs: int, hidden: int, inter: int) -> list[int]:
     return [4 * p, 4 * p, 4 * p * inter, 4 * p * hidden, 4 * p, 4 * p]
 
 
-def backend_extras(backend: str, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int) -> list[int]:
-    """Device tensors one MoE layer's backend holds besides rows (experts/backends.py): the decode
-    output [decode_tokens, H] (every backend), uva's [P] sentinel ids and one dummy row, slots'
-    cache state."""
-    p = decode_tokens * shape.top_k
-    out = [decode_tokens * shape.hidden * dtype.itemsize]
-    if backend == "uva":
-        out += [4 * p, row_bytes(shape, dtype)]
-    elif backend == "slots":
-        out += slot_cache_state(shape.num_experts, slots, p)
-    elif backend == "hybrid":  # slots' state; the pair outputs [P, H] fp32 are one buffer for all layers
-        out += slot_cache_state(shape.num_experts, slots, p)
-    return out
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes the engine may capture
+
+
+def captured_sizes(max_num_seqs: int, decode_tokens: int) -> list[int]:
+    """The decode graphs an engine captures (engine/graphs.decode_graphs) and the plan counts: the
+    sizes up to the decode cap; steps above it run eagerly."""
+    cap = min(max_num_seqs, decode_tokens)
+    return [n for n in GRAPH_SIZES if n <= cap] or [1]
 
 
 def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moetier.errors import MoetierError
+from moetier.experts.registry import Resident, Slots, backend_kind
 from moetier.plan.memory import Plan, PlanRequest, count
 from moetier.plan.units import GiB, gib
 
@@ -43,7 +44,7 @@ def split_slots(total: int, layers: list[int], num_experts: int, trace=None, pol
 
 
 def with_slots(req: PlanRequest, slots: dict[int, int]) -> Plan:
-    return count(replace(req, backend="slots", slots_per_layer=slots))
+    return count(replace(req, backend=Slots.name, slots_per_layer=slots))
 
 
 def auto_plan(req: PlanRequest, trace=None, policy: str = "lfru") -> Plan:
@@ -51,12 +52,12 @@ def auto_plan(req: PlanRequest, trace=None, policy: str = "lfru") -> Plan:
     Raises MoetierError (with the numbers) when not even one slot per layer fits."""
     layers, e = req.cfg.moe_layers, req.cfg.num_experts
     if req.gpu_budget is None or req.device != "cuda":
-        plan = count(replace(req, backend="resident"))
+        plan = count(replace(req, backend=Resident.name))
         plan.notes.append("no device budget: every expert resident")
         return plan
     keep = margin(req.gpu_budget)
     limit = req.gpu_budget - keep
-    resident = count(replace(req, backend="resident"))
+    resident = count(replace(req, backend=Resident.name))
     if resident.device_total <= limit or not layers:
         resident.notes.append(f"every expert fits: resident ({gib(limit - resident.device_total)} to spare "
                               f"after the {gib(keep)} margin)")
@@ -102,11 +103,11 @@ def suggestions(req: PlanRequest, plan: Plan) -> list[str]:
     if plan.gpu_budget is not None and plan.device_total > plan.gpu_budget:
         try:
             auto = auto_plan(req)
-            if auto.backend == "slots":
+            if backend_kind(auto.backend).cached:
                 s = sorted(auto.slots_per_layer.values())
                 out.append(f"--expert-backend slots --expert-slots {s[0]} (of {req.cfg.num_experts} experts per "
                            f"layer; the automatic plan gives {s[0]}..{s[-1]}) at this length and batch")
-            elif plan.backend != "resident":
+            elif backend_kind(plan.backend).host_store:
                 out.append("--expert-backend resident: every expert fits")
         except MoetierError:
             pass
@@ -126,7 +127,7 @@ def suggestions(req: PlanRequest, plan: Plan) -> list[str]:
             if b is not None:
                 out.append(f"--max-num-seqs {b} with the same experts and length")
     if plan.host_available is not None and plan.host_total > plan.host_available - plan.host_margin:
-        if plan.backend != "resident":
+        if backend_kind(plan.backend).host_store:
             out.append("--expert-backend resident, if the device can hold every expert (no host store)")
         short = gib(plan.host_total + plan.host_margin - plan.host_available)
         if req.host_source.startswith("--host-memory"):  # the limit is the user's own flag, not the machine

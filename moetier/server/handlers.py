@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from moetier.engine.output import RequestOutput
 from moetier.errors import MoetierError
 from moetier.sampling_params import SamplingParams
+from moetier.server.echo import Echo
 from moetier.server.logprobs import LogprobFormatter
 from moetier.server.metrics import ServerMetrics
 from moetier.server.protocol import ApiError, ChatRequest, CompletionRequest
@@ -146,7 +147,8 @@ class Handlers:
         return sse(ApiError(status, f"the request failed: {e}").body())
 
     def stream(self, outputs: AsyncIterator[RequestOutput], head: dict, include_usage: bool,
-               chunks: Callable[[RequestOutput], list[bytes]], first: bytes | None = None) -> StreamingResponse:
+               chunks: Callable[[RequestOutput], list[bytes]], first: bytes | None = None,
+               usage_of: Callable[[RequestOutput], dict] = usage) -> StreamingResponse:
         """Server-sent events: `first`, the chunks of each output, the usage chunk if asked, [DONE]."""
 
         async def events():
@@ -161,7 +163,7 @@ class Handlers:
             except Exception as e:  # a failed engine step: tell the client, end the stream cleanly
                 yield self.error_event(e)
             if include_usage and last is not None:
-                yield sse({**head, "choices": [], "usage": usage(last)})
+                yield sse({**head, "choices": [], "usage": usage_of(last)})
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -169,11 +171,13 @@ class Handlers:
     # -- /v1/completions -------------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, http: HttpRequest):
         self.check_model(req.model)
-        ids = self.encode(req.single_prompt())
+        prompt = req.single_prompt()
+        ids = self.encode(prompt)
         params = self.params(req, ids)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         outputs = self.outputs(ids, params, rid)
+        echo = Echo(req, ids, prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids), self.logprob_text)
 
         def choice(text: str, out: RequestOutput, new: int | None = None) -> dict:
             """new: the output's last `new` tokens are this chunk's (None: all of them)."""
@@ -181,7 +185,7 @@ class Handlers:
             lp = None
             if c.logprobs is not None:
                 ids, entries = (c.token_ids, c.logprobs) if new is None else (c.token_ids[-new:], c.logprobs[-new:])
-                lp = self.logprob_text.completion(ids, entries, len(c.text) - len(text))
+                lp = self.logprob_text.completion(ids, entries, len(c.text) - len(text) + len(echo.text))
             o = c if out.finished else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": o and o.finish_reason,
                     "stop_reason": o and o.stop_reason}
@@ -190,16 +194,23 @@ class Handlers:
             out = await self.last_output(outputs, http)
             if out is None:
                 return Response(status_code=CLIENT_GONE)
-            return JSONResponse({**head, "choices": [choice(out.outputs[0].text, out)], "usage": usage(out)})
+            whole = echo.whole(out) if req.echo else choice(out.outputs[0].text, out)
+            if req.prompt_logprobs is not None:
+                whole["prompt_logprobs"] = self.logprob_text.prompt(ids, out.prompt_logprobs, req.prompt_logprobs)
+            return JSONResponse({**head, "choices": [whole], "usage": echo.usage(out)})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         # NOTE: one chunk per output that brings tokens, even when they add no text yet (a token that
         # ends inside a UTF-8 sequence, or a random-weight model's ids outside its tokenizer), as vLLM
-        # does: a client times every token, not only the ones that print.
+        # does: a client times every token, not only the ones that print. With echo the prompt comes
+        # first, in a chunk of its own, with the first output (its logprobs are known from then on).
         def chunks(out: RequestOutput) -> list[bytes]:
-            return [sse({**head, "choices": [choice(out.outputs[0].delta, out, new=1)]})]
+            first = [sse({**head, "choices": [echo.prompt_chunk(out)]})] if req.echo and echo.first(out) else []
+            if req.scoring_only:
+                return first + ([sse({**head, "choices": [echo.last_chunk()]})] if out.finished else [])
+            return first + [sse({**head, "choices": [choice(out.outputs[0].delta, out, new=1)]})]
 
-        return self.stream(outputs, head, include_usage, chunks)
+        return self.stream(outputs, head, include_usage, chunks, usage_of=echo.usage)
 
     # -- /v1/chat/completions ------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatRequest) -> str:

@@ -20,6 +20,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 P = "moetier:"
+# (metric name, LLM.metrics() key, help): counters since start; the host tier's only when it exists
+PREFIX_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens of the admitted prompts."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens whose prefill was skipped."),
+    ("prefix_cache_evictions", "prefix_cache_evictions", "KV pages the prefix cache evicted from the GPU."),
+    ("kv_host_hits", "kv_host_hits", "Prefix cache hit tokens brought back from the host KV tier."),
+    ("kv_host_bytes_to_host", "kv_host_bytes_to_host", "Bytes of KV pages copied to the host KV tier."),
+    ("kv_host_bytes_to_gpu", "kv_host_bytes_to_gpu", "Bytes of KV pages copied back from the host KV tier."),
+    ("kv_host_evictions", "kv_host_evictions", "KV pages dropped from the host KV tier to make room."),
+)
 
 
 class EngineCollector:
@@ -37,6 +47,17 @@ class EngineCollector:
                 ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m["kv_usage"])):
             g = GaugeMetricFamily(P + name, doc, labels=labels)
             g.add_metric([self.model_name], value)
+            yield g
+        # prefix caching (engine/prefix_cache.py): vLLM's two counters in tokens, ours for the host KV tier
+        for name, key, doc in PREFIX_COUNTERS:
+            if key in m:
+                c = CounterMetricFamily(P + name, doc, labels=labels)
+                c.add_metric([self.model_name], m[key])
+                yield c
+        if m.get("kv_pages_cached") is not None:
+            g = GaugeMetricFamily(P + "kv_cache_cached_pages", "Free KV pages that still hold a cached prefix.",
+                                  labels=labels)
+            g.add_metric([self.model_name], m["kv_pages_cached"])
             yield g
         docs = {"hits": "Expert lookups served from an HBM slot.",
                 "misses": "Expert lookups that copied the expert into a slot first.",

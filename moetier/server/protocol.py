@@ -16,7 +16,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
                       ValidationError)
 
 from moetier.errors import MoetierError
-from moetier.sampling_params import LOGIT_BIAS_MAX, SamplingParams
+from moetier.sampling_params import LOGIT_BIAS_MAX, MAX_LOGPROBS, SamplingParams
 
 
 
@@ -116,14 +116,19 @@ class _Common(BaseModel):
             temperature=float(self.temperature if self.temperature is not None else 1.0),
             top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=top_k, seed=self.seed,
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.wanted_logprobs(),
-            logit_bias=self.token_bias(vocab))
+            prompt_logprobs=self.wanted_prompt_logprobs(), logit_bias=self.token_bias(vocab))
         try:
             return params.validate()
         except MoetierError as e:
-            raise ApiError(400, str(e), "logprobs" if "logprobs" in str(e) else None) from None
+            name = next((n for n in ("prompt_logprobs", "logprobs") if n in str(e)), None)
+            raise ApiError(400, str(e), name) from None
 
     def wanted_logprobs(self) -> int | None:
         """Alternatives per token to report (0: the sampled token's logprob only), None: no logprobs."""
+        return None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to compute in the prefill, None: the prompt is not scored."""
         return None
 
 
@@ -131,13 +136,31 @@ class CompletionRequest(_Common):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
+    prompt_logprobs: Optional[StrictInt] = None  # vLLM's extension: choices[].prompt_logprobs
     best_of: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
 
+    @property
+    def scoring_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt back with its logprobs, nothing generated (the engine
+        samples one token, which the response leaves out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def output_limit(self) -> int | None:
+        return 1 if self.scoring_only else self.max_tokens
+
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise ApiError(400, "echo is not supported yet; leave it out", "echo")
+        for name in ("logprobs", "prompt_logprobs"):  # named here: echo turns logprobs into prompt logprobs too
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise ApiError(400, f"{name} must be in 0..{MAX_LOGPROBS}, got {n}", name)
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens 0 scores the prompt without generating: it needs echo: true",
+                           "max_tokens")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is returned with the whole response only; send stream: false "
+                                "(or echo: true with logprobs, which streams)", "prompt_logprobs")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported; leave it out", "best_of")
         if self.suffix:
@@ -145,6 +168,11 @@ class CompletionRequest(_Common):
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        # echo reports the prompt's tokens with the output's logprobs: as many alternatives as either asks
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt

@@ -47,21 +47,13 @@ def build_llm(spec: EngineSpec):
     config = EngineConfig.of(**spec.engine)
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if spec.random is None:
-        from moetier.cli.progress import ByteBar
-        from moetier.plan.nodes import parallel_preflight
-        from moetier.plan.preflight import preflight
+        from moetier.engine.startup import plan_then_load
 
-        rank_plans = None
-        if config.world_size > 1:  # one rank's share; every node is checked once the ranks have started
-            plan, experts, rank_plans = parallel_preflight(spec.model, spec.dtype, device, spec.experts, config,
-                                                           spec.gpu_memory, spec.host_memory)
-        else:
-            plan, experts = preflight(spec.model, spec.dtype, device, spec.experts, config, spec.gpu_memory,
-                                      spec.host_memory)
-        _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
-        with ByteBar("loading") as bar:
-            llm = LLM(spec.model, dtype=spec.dtype, device=device, experts=experts, config=config, plan=plan,
-                      progress=bar, on_audit=_log, rank_plans=rank_plans)
+        def on_plan(plan, rank_plans) -> None:
+            _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
+
+        llm, _ = plan_then_load(spec.model, spec.dtype, device, spec.experts, config, spec.gpu_memory,
+                                spec.host_memory, on_plan=on_plan, on_audit=_log)
         return llm, llm.model_dir.name
     import torch
 

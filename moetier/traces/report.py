@@ -14,7 +14,7 @@ from moetier.traces.format import Trace
 from moetier.traces.slot_plan import grid_for
 from moetier.traces.simulate import Physics, simulate_many
 
-# The H200 figures of bench/results/h200-layer.json, used when nothing else is given.
+# Measured HBM and link rates (docs/measured-defaults.md), used when nothing else is given.
 DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS = 4165.0, 55.4
 
 

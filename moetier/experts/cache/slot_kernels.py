@@ -21,8 +21,8 @@ from moetier.experts.cache.store import DevicePointer
 
 BIG32 = 2**31 - 1
 REGS_LIMIT = 16384  # largest [BLOCK_N, BLOCK_S] the register bookkeeping takes
-# Measured by `moetier bench layer` on the H200 (Qwen3-30B shape, hit / miss step): 1 warp 1.8 / 3.6 us,
-# 4 warps 1.6 / 3.4 us, 8 warps 1.5 / 3.4 us.
+# 4 warps: within a tenth of a microsecond of the fastest at a hit and a miss step (`moetier bench
+# layer`; docs/measured-defaults.md)
 BOOKKEEPING_WARPS = 4
 COPY_BLOCK = 8192  # elements per copy work item
 

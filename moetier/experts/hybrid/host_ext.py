@@ -12,15 +12,15 @@ The source is plain C++ with OpenMP and a C ABI (no torch or Python headers), co
 for the call (the hybrid backend's main thread keeps launching device work meanwhile). A build takes a
 few seconds on 2 cores; the library is cached, never in the source tree:
 
-    $MOETIER_CACHE_DIR, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier  ->  host_ext/host_experts-<key>.so
+    $XDG_CACHE_HOME/moetier, else ~/.cache/moetier  ->  host_ext/host_experts-<key>.so
 
 <key> hashes the source (so a change of the kernel's arguments, such as the SwiGLU limit's, never
 reuses an older build: its ctypes signature below would not match), the flags, the compiler's identity and the CPU's feature flags: -march=native
 code from one machine must never be loaded on another that shares the home directory. Writes are
 atomic (a temporary file renamed into place), so concurrent first builds are safe.
 
-Environment: MOETIER_CXX (the compiler; else $CXX, else c++ / g++ on the PATH) and MOETIER_CACHE_DIR
-(above) say where the compiler and the cache are, never what runs. A failed build is remembered for the process (per
+The build tools' own conventions say where the compiler and the cache are, never what runs: $CXX
+(else c++ / g++ / clang++ on the PATH) and $XDG_CACHE_HOME (above); moetier reads no variable of its own. A failed build is remembered for the process (per
 compiler and cache dir) and reported as one line, and the hybrid backend falls back to a torch kernel.
 """
 
@@ -54,16 +54,13 @@ class HostExtUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MOETIER_CACHE_DIR")
-    if base:
-        return Path(base) / "host_ext"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "moetier" / "host_ext"
 
 
 def compiler() -> str | None:
     """The C++ compiler to use, or None when none is configured or found."""
-    cxx = os.environ.get("MOETIER_CXX") or os.environ.get("CXX")
+    cxx = os.environ.get("CXX")
     if cxx:
         return cxx
     return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -90,7 +87,7 @@ def build(cxx: str, out_dir: Path) -> Path:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set MOETIER_CXX") from None
+        raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set CXX") from None
     if version.returncode != 0:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} failed on --version: {_one_line(version.stderr)}")
     for source in (SOURCE, NODE_SOURCE):  # an install without its package data (pyproject's package-data)
@@ -107,7 +104,7 @@ def build(cxx: str, out_dir: Path) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out_dir)
         os.close(fd)
     except OSError as e:
-        raise HostExtUnavailable(f"cannot write the kernel cache {out_dir} ({e}); set MOETIER_CACHE_DIR") from None
+        raise HostExtUnavailable(f"cannot write the kernel cache {out_dir} ({e}); set XDG_CACHE_HOME") from None
     try:
         r = subprocess.run([cxx, *FLAGS, str(SOURCE), str(NODE_SOURCE), "-o", tmp], capture_output=True, text=True,
                            timeout=600)
@@ -131,7 +128,7 @@ def load() -> ctypes.CDLL:
         try:
             if cxx is None:
                 raise HostExtUnavailable("no C++ compiler found (c++, g++ or clang++ on the PATH; or set "
-                                         "MOETIER_CXX)")
+                                         "CXX)")
             lib = ctypes.CDLL(str(build(cxx, cache_dir())))
             for f in (lib.moetier_host_experts, lib.moetier_host_experts_start):
                 f.restype = ctypes.c_int

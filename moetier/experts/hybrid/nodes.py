@@ -1,4 +1,4 @@
-"""The `hybrid` backend's `nodes` mode (the CUDA default: placement.nodes_by_default): the whole decode
+"""The `hybrid` backend's `nodes` mode (the CUDA default: registry.nodes_by_default): the whole decode
 step of a hybrid MoE layer as fixed-shape, capturable work, the host's share run by a host-function
 node, so the engine captures the decode step as ONE CUDA graph (graph_safe: no pieces, no host sync; the engine's switch
 replays it or the whole slots-step graph, engine/switch.py).

@@ -2,9 +2,8 @@
 
 At one token the grouped GEMM (grouped_gemm.py) has nothing to group: each chunk is one pair padded to
 tl.dot's 16 rows, and on FP8 rows each tile also goes fp8 -> fp32 -> x block scale -> bf16 -> the
-dot operand layout before the MMA. On the H200 that ran 8 Qwen3-30B experts at 1.5 TB/s of FP8
-bytes (24 us), barely ahead of bf16's 27 us for twice the bytes (bench/results/
-h200-tune-experts-fp8-25e4573.json). Here a program multiplies a [BLOCK_N, BLOCK_K] tile straight
+dot operand layout before the MMA, which left FP8 barely ahead of bf16 for half the bytes
+(docs/measured-defaults.md). Here a program multiplies a [BLOCK_N, BLOCK_K] tile straight
 against the token's activations in fp32, with no dot and no layout change:
 
     tile   w [BLOCK_N, C, 128] (C = BLOCK_K / 128: whole scale blocks of one row-block), x [C, 128]

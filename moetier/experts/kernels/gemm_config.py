@@ -13,9 +13,8 @@ SWEEP = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4), (
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Block sizes of the two GEMM kernels. (64, 128, 4) was the fastest (or tied) of SWEEP at 1, 8, 32
-    and 64 tokens of a Qwen3-30B layer on the H200 (scripts/tune_experts.py,
-    bench/results/h200-tune-experts.json).
+    """Block sizes of the two GEMM kernels: the fastest of each sweep (scripts/tune_experts.py,
+    scripts/tune_prefill.py; the figures are in docs/measured-defaults.md).
 
     NOTE: a backend holds one config for every step, never chosen by T or the routing, so every
     backend and every step of a shape runs the same compiled kernels (bit-exactness between them)."""
@@ -23,20 +22,15 @@ class GemmConfig:
     gate_up: tuple[int, int, int] = (64, 128, 4)
     down: tuple[int, int, int] = (64, 128, 4)
     # Large steps (prefill, grouped_expert_mlp_large): pairs of one row per chunk, and the blocks of
-    # the two kernels for them. (64; 128, 64, 4) was the fastest of scripts/tune_prefill.py's sweep at
-    # 512 tokens of a Qwen3-30B layer on the H200 (0.943 ms) and third at 2048 (1.846 ms against the
-    # best 1.492 of (128, 64, 8), which is 1.377 ms at 512): bench/results/h200-tune-prefill-0fd395f.json.
+    # the two kernels for them.
     large_block_m: int = 64
     large_gate_up: tuple[int, int, int] = (128, 64, 4)
     large_down: tuple[int, int, int] = (128, 64, 4)
-    # FP8 rows at decode: half the bytes per tile, so other blocks win. (32, 128, 4) / (128, 128, 4)
-    # were the fastest at 8 tokens of a Qwen3-30B layer on the H200 (83.4 us against 92.9 for bf16's
-    # blocks) and within 2% of the best at 32 (bench/results/h200-tune-experts-fp8-25e4573.json).
-    # BLOCK_K must divide 128 here: wider K tiles gather a scale per element (5-10x slower, same file).
+    # FP8 rows at decode: half the bytes per tile, so other blocks win. BLOCK_K must divide 128 here:
+    # wider K tiles gather a scale per element.
     fp8_gate_up: tuple[int, int, int] = (32, 128, 4)
     fp8_down: tuple[int, int, int] = (128, 128, 4)
-    # One-token steps on FP8 rows (fp8_gemv.py): BLOCK_K a multiple of 128. The fastest of its sweep on
-    # the H200: 20.8 us for 8 Qwen3-30B experts against 23.6 for the grouped GEMM (same file, 94bac60).
+    # One-token steps on FP8 rows (fp8_gemv.py): BLOCK_K a multiple of 128.
     fp8_gemv_gate_up: tuple[int, int, int] = (8, 1024, 4)
     fp8_gemv_down: tuple[int, int, int] = (16, 256, 4)
 

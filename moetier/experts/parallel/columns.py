@@ -22,6 +22,7 @@ import torch
 from moetier.errors import MoetierError
 from moetier.experts.backends import ExpertBackend
 from moetier.experts.parallel.ep import ReducedExperts
+from moetier.experts.registry import KINDS, either, find
 from moetier.experts.shape import MoeShape
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
@@ -40,9 +41,11 @@ def split_problems(split: str, shape: MoeShape, tp: int, ep: int, backend: str) 
         out.append(f"--expert-split columns splits every expert over the tensor-parallel ranks, but expert "
                    f"parallelism {ep} already splits the experts by owner: with --ep keep --expert-split "
                    "auto or replicate")
-    if backend == "hybrid":
-        out.append("--expert-split columns with the hybrid backend is not supported yet; choose resident, slots "
-                   "or uva, or --expert-split replicate")
+    kind = find(backend)
+    if kind is not None and not kind.column_split:
+        able = either(k.name for k in KINDS.values() if k.column_split)
+        out.append(f"--expert-split columns with the {backend} backend is not supported yet; choose {able}, or "
+                   "--expert-split replicate")
     i = shape.inter
     if i % tp:
         out.append(f"--expert-split columns: tensor parallelism {tp} does not divide the experts' intermediate size "

@@ -4,7 +4,7 @@ prefill stream mode, SlotExperts(prefill_stream=...).
     uva   one large-step grouped GEMM (grouped_gemm_large.py): hits read their slot rows
           from HBM, misses read their rows from pinned host memory across the link inside the kernel,
           once per chunk of GemmConfig.large_block_m pairs of a row. No host sync.
-    ring  (the default: 3-4% faster on the H200, docs/bench-prefill.md) the distinct missing experts are copied G at a time by the copy engine, on a side stream,
+    ring  (the default: the faster, docs/bench-prefill.md) the distinct missing experts are copied G at a time by the copy engine, on a side stream,
           from the pinned host rows into a staging ring of D device buffers of G exact rows each,
           while the compute stream runs the GEMM over the hits and then over each group as its copy
           lands: the link and the tensor cores work at once, and each needed row crosses the link

@@ -11,6 +11,7 @@ import typer
 
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.registry import AUTO, Slots, backend_kind
 
 def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None, budget: str | None, trace,
                    policy: str):
@@ -22,17 +23,17 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
                             ("--expert-budget", budget)) if v is not None]
     if len(given) > 1:
         raise MoetierError(f"give one of {', '.join(given)}, not several")
-    if given and backend == "auto":
-        backend = "slots"
+    if given and backend == AUTO:
+        backend = Slots.name
     if budget is None:
         return opt.expert_options(backend, slots, slots_file, policy)
-    if backend != "slots":
-        raise MoetierError("--expert-budget needs --expert-backend slots (or auto)")
+    if backend != Slots.name:
+        raise MoetierError(f"--expert-budget needs --expert-backend {Slots.name} (or {AUTO})")
     layers, e = cfg.moe_layers, cfg.num_experts
     row = cfg.moe_shape.layout.row_bytes(cfg_dtype(cfg))  # exact bytes of one expert row (FP8: with scales)
     text = budget.strip()
     if text.endswith("%") or text.replace(".", "", 1).isdigit():
-        from moetier.bench.cli import parse_budget
+        from moetier.cli.bench_common import parse_budget
 
         total = round(parse_budget(text) * e * len(layers))
     else:
@@ -42,7 +43,7 @@ def expert_request(cfg, backend: str, slots: int | None, slots_file: Path | None
                            f"({len(layers)} layers)")
     from moetier.experts.placement import ExpertOptions
 
-    return ExpertOptions("slots", slots_per_layer=split_slots(min(total, e * len(layers)), layers, e, trace, policy),
+    return ExpertOptions(Slots.name, slots_per_layer=split_slots(min(total, e * len(layers)), layers, e, trace, policy),
                          policy=policy)
 
 
@@ -60,14 +61,15 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     if trace.num_experts != cfg.num_experts:
         raise MoetierError(f"--trace routes over {trace.num_experts} experts, the model has {cfg.num_experts}")
     e = cfg.num_experts
-    slots = plan.slots_per_layer if plan.backend in ("slots", "hybrid") else {}
+    kind = backend_kind(plan.backend)
+    slots = plan.slots_per_layer if kind.cached else {}
     mean = round(sum(slots.values()) / len(slots)) if slots else e
     per_layer = {layer: slots.get(layer, mean) if slots else e for layer in trace.layers}
     dense = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: decoder layers"))
     head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
     phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
-    if plan.backend == "uva":
+    if not kind.cached and kind.host_store:  # uva: every row read across the link
         per_layer = dict.fromkeys(trace.layers, 0)
         row = {"hit_rate": 0.0, "ms_per_token": phys.ms_per_token(trace.top_k, 0.0, trace.top_k)}
     else:
@@ -85,27 +87,27 @@ def plan_cmd(
     device: opt.Device = "auto",
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request (default: the model's)."),
-    max_num_seqs: int = typer.Option(1, "--max-num-seqs", help="Requests running at once."),
-    max_num_tokens: opt.MaxNumTokens = None,
-    decode_tokens: opt.DecodeTokens = 64,
-    expert_backend: str = typer.Option("auto", "--expert-backend",
-                                       help="auto (fit the budget: resident, else slots), resident, slots or uva."),
-    expert_slots: opt.ExpertSlots = None,
-    expert_slots_file: opt.ExpertSlotsFile = None,
+    max_model_len: opt.MaxModelLen = opt.ENGINE.max_model_len,
+    max_num_seqs: opt.MaxNumSeqs = opt.ONE_REQUEST,
+    max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
+    expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
+    expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
+    expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", metavar="<share|size>",
                                                 help="Slots as a share of the experts (50%) or a size (40GiB)."),
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
-    policy: opt.CachePolicy = "lfru",
-    fp8_dense: opt.Fp8Dense = "dequantize",
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
+    kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
     from moetier import presets
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import plan_for, refusal, request_for
     from moetier.plan.render import table, to_json
 
@@ -123,7 +125,7 @@ def plan_cmd(
         if device not in ("auto", "cuda", "cpu"):
             raise MoetierError(f"--device {device!r}: choose auto, cuda or cpu")
         if model is not None:
-            from moetier.config import config_from_dir
+            from moetier.models.registry import config_from_dir
             from moetier.engine.llm import model_dir_of
 
             from moetier.plan.preflight import check_shards
@@ -147,15 +149,12 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
-        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-            raise MoetierError(f"--max-model-len {max_model_len:,}: the model's limit is "
-                               f"{cfg.max_position_embeddings:,} tokens; give at most that, or leave the option out")
-        length = max_model_len or cfg.max_position_embeddings
-        # the pool: max_num_seqs requests of full length, as the engine is then configured
-        config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, max_model_len=length,
-                                 decode_tokens=decode_tokens, kv_tokens=max_num_seqs * length, fp8_dense=fp8_dense)
+        # the pool: max_num_seqs requests of full length, as generate configures the engine
+        config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
+                                       max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense,
+                                       enable_prefix_caching=enable_prefix_caching,
+                                       kv_host_bytes=opt.kv_host_memory(kv_host_memory))
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
-        req.kv_tokens = None
         plan = plan_for(req, experts, loaded)
         if loaded is not None:
             plan.prediction = predict(plan, cfg, loaded, policy)

@@ -1,5 +1,5 @@
 """`moetier bench prefill` and `moetier bench chunk`: the large-step path through the engine, and the
-prefill chunk against the decodes beside it (CUDA). Registered on bench/cli.py's app."""
+prefill chunk against the decodes beside it (CUDA). Registered on cli/bench_common.py's app."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Optional
 
 import typer
 
-from moetier.bench.cli import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget, parse_dtypes,
-                               preflight_rows)
+from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_modules, parse_budget,
+                                      parse_dtypes, preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.registry import NAMES, backend_kind
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 
 
@@ -38,12 +39,10 @@ def bench_prefill(
                                        help="Comma-separated prefill stream modes for the slots rows under bypass: "
                                             "uva (misses read over the link in the GEMM), ring (staged by the copy "
                                             "engine; a row each)."),
-    ring_group: int = typer.Option(RING_GROUP, "--ring-group", help="ring: expert rows per staging buffer (G)."),
-    ring_depth: int = typer.Option(RING_DEPTH, "--ring-depth", help="ring: staging buffers (D: 2 double, 3 triple)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Decode steps timed after each row's prefill "
                                      "(tok/s and hit rate: the policy's trade-off); 0: none."),
-    policy: opt.CachePolicy = "lfru",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
                                                       "fp8-dense (FP8 experts and dense projections)."),
@@ -58,8 +57,9 @@ def bench_prefill(
         budgets = [parse_budget(b) for b in budget]
         dtypes = parse_dtypes(dtype, WEIGHT_DTYPES)
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        if not names or set(names) - {"resident", "uva", "slots"}:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, slots, uva")
+        rows_of = [k for k in NAMES if not backend_kind(k).host_compute]  # hybrid has no prefill row
+        if not names or set(names) - set(rows_of):
+            raise MoetierError(f"--backends {backends!r}: choose from {', '.join(rows_of)}")
         for value in (*length, *batch):
             opt.at_least(value, 1, "--prompt-len" if value in length else "--batch")
         opt.at_least(chunk, decode_tokens + 1, "--chunk")
@@ -71,8 +71,6 @@ def bench_prefill(
         streams = [opt.prefill_stream(s.strip()) for s in prefill_stream.split(",") if s.strip()]
         if not streams:
             raise MoetierError("--prefill-stream: give uva, ring or both (comma-separated)")
-        opt.at_least(ring_group, 1, "--ring-group")
-        opt.at_least(ring_depth, 2, "--ring-depth")
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if plot is not None:
             need_modules("matplotlib", why="--plot")
@@ -83,17 +81,18 @@ def bench_prefill(
     except MoetierError as e:
         opt.fail(e)
     need_cuda("prefill")
-    preflight_rows(cfg, [(b, 1.0) for b in names if b != "slots"] + [("slots", b) for b in budgets if "slots" in names],
+    preflight_rows(cfg, [(b, 1.0) for b in names if not backend_kind(b).cached]
+                   + [(b, budget) for b in names if backend_kind(b).cached for budget in budgets],
                    max_num_seqs=max(batch), max_num_tokens=chunk,
                    kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
-                   prefill_stream="ring" if "ring" in streams else "uva", ring=(ring_group, ring_depth))
+                   prefill_stream="ring" if "ring" in streams else "uva")
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import make_bed
 
     args = {"chunk": chunk, "reps": reps, "policy": policy, "decode_tokens": decode_tokens, "seed": seed,
             "preset": preset, "dtype": dtype, "prefill_cache": policies, "prefill_stream": streams,
-            "ring_group": ring_group, "ring_depth": ring_depth, "decode_steps": decode_steps}
+            "ring_group": RING_GROUP, "ring_depth": RING_DEPTH, "decode_steps": decode_steps}
     data, link = None, None
     for d in dtypes:  # one bed at a time, rows side by side (each tagged with its dtype)
         bed = make_bed(cfg, d, seed)
@@ -126,9 +125,9 @@ def bench_chunk(
     before: int = typer.Option(16, "--before", help="Timed decode-only steps before the prompt comes."),
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
-    policy: opt.CachePolicy = "lfru",
-    prefill_cache: opt.PrefillCache = "bypass",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:

@@ -1,79 +1,19 @@
-"""`moetier bench ...`: the benchmarks' command line. Each checks its arguments and its optional
-dependencies before any work, and writes its JSON record (machine, commit, command) with --out."""
+"""`moetier bench layer|decode|batch|serve`: the benchmarks' command line (bench/ holds the
+benchmarks). Each checks its arguments and its optional dependencies before any work, and writes its
+JSON record (machine, commit, command) with --out."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from moetier.cli import options as opt
+from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_gpus, need_modules,
+                                      parse_budget, parse_dtypes, preflight_rows)
 from moetier.errors import MoetierError
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
-
-BENCH_EXTRA = "pip install 'moetier[bench]'"
-# The committed trace of a checkout (an editable install); a wheel has none and asks for --trace.
-REPO_TRACE = Path(__file__).parents[2] / "data" / "traces" / "qwen3-30b-like.mtrace"
-
-
-def need_cuda(what: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        opt.fail(f"bench {what} needs a CUDA GPU")
-
-
-def need_gpus(n: int, what: str) -> None:
-    import torch
-
-    if torch.cuda.device_count() < n:
-        opt.fail(f"{what} needs {n} GPUs (one per rank) but {torch.cuda.device_count()} are visible")
-
-
-def need_modules(*names: str, why: str) -> None:
-    missing = [n for n in names if importlib.util.find_spec(n) is None]
-    if missing:
-        raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
-
-
-EXPERT_DTYPES = ("bf16", "fp8")
-WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
-
-
-def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[str]:
-    """'bf16,fp8' -> ['bf16', 'fp8']: the weight formats whose rows run side by side."""
-    names = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in names if d not in allowed]
-    if bad or not names or len(set(names)) != len(names):
-        dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
-        raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
-                           f"block-scaled e4m3 experts, dense weights bf16{dense})")
-    return names
-
-
-def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, **engine) -> None:
-    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
-    from moetier.engine.config import EngineConfig
-    from moetier.plan.preflight import bench_preflight
-
-    try:
-        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring)
-    except MoetierError as e:
-        opt.fail(e)
-
-
-def parse_budget(text: str) -> float:
-    """'50%' or '0.5' -> 0.5, in (0, 1]."""
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise MoetierError(f"--expert-budget {text!r}: give a share like 50% or 0.5") from None
-    if not 0 < value <= 1:
-        raise MoetierError(f"--expert-budget {text!r}: must be above 0% and at most 100%")
-    return value
+from moetier.experts.registry import NAMES, backend_kind
 
 
 @app.command("layer")
@@ -84,7 +24,7 @@ def bench_layer(
     hits: str = typer.Option("1.0,0.85,0.75", "--hits", help="Hit rates of the slots rows, comma-separated."),
     slot_frac: float = typer.Option(0.5, "--slots-frac", help="Slots per layer as a share of the experts."),
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Sweep expert-kernel block sizes first."),
-    policy: opt.CachePolicy = "lfru",
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
     extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
     dtype: str = typer.Option("bf16", "--dtype", help="Expert formats, comma-separated: bf16, fp8 or bf16,fp8 "
                                                       "(every row for each, side by side)."),
@@ -139,8 +79,8 @@ def bench_decode(
                                 "tok/s and spread (min-max)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens per request."),
     hf_tokens: int = typer.Option(3, "--hf-tokens", help="Timed decode steps of the transformers peer."),
-    policy: opt.CachePolicy = "lfru",
-    decode_tokens: opt.DecodeTokens = 64,
+    policy: opt.CachePolicy = opt.EXPERTS.policy,
+    decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     host_kernel: str = typer.Option("auto", "--host-kernel",
                                     help="hybrid rows: host expert kernel (auto: compiled where it builds, else "
@@ -163,18 +103,18 @@ def bench_decode(
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "
                                       "is per GPU; parallel rows run resident, uva and slots."),
-    step_records: str = typer.Option("world", "--step-record-group",
+    step_records: str = typer.Option(opt.ENGINE.step_record_group, "--step-record-group",
                                      help="Parallel rows: the group each step's record goes to the workers on: "
                                           "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
                                           "worker)."),
-    expert_split: opt.ExpertSplit = "auto",
+    expert_split: opt.ExpertSplit = opt.EXPERTS.split,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
 ) -> None:
     """Decode tok/s through the engine for resident, slots, uva, hybrid and transformers+accelerate (CUDA)."""
     from moetier.experts.hybrid.host_kernels import CHOICES as HOST_KERNELS
-    from moetier.config import config_from_dir
+    from moetier.models.registry import config_from_dir
     from moetier.presets import preset as make_preset
 
     try:
@@ -195,9 +135,9 @@ def bench_decode(
             raise MoetierError("--dtype picks the format of random weights (--preset); a --model checkpoint runs in "
                                "its own format (make one with `moetier make-checkpoint --dtype fp8`)")
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        unknown = sorted(set(names) - {"resident", "uva", "slots", "hybrid", "hf"})
+        unknown = sorted(set(names) - {*NAMES, "hf"})  # hf: the transformers + accelerate peer
         if unknown or not names:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, uva, slots, hybrid, hf")
+            raise MoetierError(f"--backends {backends!r}: choose from {', '.join(NAMES)}, hf")
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
@@ -233,8 +173,8 @@ def bench_decode(
     need_cuda("decode")
     need_gpus(max(max(lay) for lay in layouts), f"--parallel {parallel}")
     if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
-        rows = [(b, 1.0) for b in ("resident", "uva") if b in names]
-        rows += [(b, budget) for b in ("slots", "hybrid") if b in names for budget in budgets]
+        rows = [(b, 1.0) for b in NAMES if b in names and not backend_kind(b).cached]
+        rows += [(b, budget) for b in NAMES if b in names and backend_kind(b).cached for budget in budgets]
         preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
@@ -271,8 +211,8 @@ def bench_batch(
     prompt_len: int = typer.Option(64, "--prompt-len", help="Longest prompt in tokens; prompts are half to all of it."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Output tokens per request."),
     device: opt.Device = "auto",
-    expert_backend: opt.ExpertBackend = "auto",
-    expert_slots: opt.ExpertSlots = None,
+    expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
+    expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
@@ -282,7 +222,7 @@ def bench_batch(
     from moetier.bench.common import write_json
     from moetier.engine.config import EngineConfig
     from moetier.engine.llm import model_dir_of, pick_device
-    from moetier.plan.preflight import preflight
+    from moetier.engine.startup import plan_then_load
 
     try:
         opt.at_least(requests, 1, "--requests")
@@ -292,8 +232,10 @@ def bench_batch(
             opt.output_file(out, "--out")
         experts = opt.expert_options(expert_backend, expert_slots)
         dev = pick_device(device)
-        plan, experts = preflight(model_dir_of(model), "auto", dev, experts, EngineConfig(), gpu_memory, host_memory)
-        data = run(str(model) if model else None, requests, prompt_len, max_tokens, dev, experts, plan=plan,
+        # the batch repeats the one-after-another prompts: both sides compute them (no prefix cache)
+        llm, plan = plan_then_load(model_dir_of(model), "auto", dev, experts, EngineConfig(enable_prefix_caching=False),
+                                   gpu_memory, host_memory)
+        data = run(llm, requests, prompt_len, max_tokens, plan=plan,
                    progress=lambda text: typer.echo(f"bench batch: {text} ...", err=True))
     except MoetierError as e:
         opt.fail(e)
@@ -315,8 +257,13 @@ def bench_serve(
                                     "at least 16)."),
     input_len: int = typer.Option(128, "--input-len", help="Prompt tokens (the median with sharegpt-like)."),
     output_len: int = typer.Option(128, "--output-len", help="Output tokens (the median with sharegpt-like)."),
-    dataset: str = typer.Option("random", "--dataset", help="random (fixed lengths) or sharegpt-like (a "
-                                "log-normal mix of lengths)."),
+    dataset: str = typer.Option("random", "--dataset", help="random (fixed lengths), sharegpt-like (a "
+                                "log-normal mix of lengths), shared-prefix (requests over --num-prefixes long "
+                                "prefixes) or multi-turn (conversations of --turns turns carrying their history)."),
+    prefix_len: int = typer.Option(0, "--prefix-len", help="shared-prefix, multi-turn: tokens of each shared prefix "
+                                   "(the system prompt) (0: three quarters of --input-len)."),
+    num_prefixes: int = typer.Option(4, "--num-prefixes", help="shared-prefix: distinct prefixes."),
+    turns: int = typer.Option(4, "--turns", help="multi-turn: turns per conversation, sent one after the other."),
     warmup: int = typer.Option(4, "--warmup", help="Untimed requests before each level."),
     seed: int = typer.Option(0, "--seed"),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before a request counts as cancelled."),
@@ -337,10 +284,17 @@ def bench_serve(
             raise MoetierError(f"--concurrency {concurrency!r}: every level must be at least 1")
         if request_rate is not None:
             opt.positive(request_rate, "--request-rate")
-        if dataset not in ("random", "sharegpt-like"):
-            raise MoetierError(f"--dataset {dataset!r}: choose random or sharegpt-like")
-        for value, name in ((input_len, "--input-len"), (output_len, "--output-len"), (num_gpus, "--num-gpus")):
+        from moetier.bench import serve as bench
+
+        if dataset not in bench.DATASETS:
+            raise MoetierError(f"--dataset {dataset!r}: choose {', '.join(bench.DATASETS)}")
+        for value, name in ((input_len, "--input-len"), (output_len, "--output-len"), (num_gpus, "--num-gpus"),
+                            (num_prefixes, "--num-prefixes"), (turns, "--turns")):
             opt.at_least(value, 1, name)
+        opt.at_least(prefix_len, 0, "--prefix-len")
+        if prefix_len >= input_len:
+            raise MoetierError(f"--prefix-len {prefix_len} must be below --input-len {input_len} (each request "
+                               "adds tokens of its own)")
         for value, name in ((num_prompts, "--num-prompts"), (warmup, "--warmup")):
             opt.at_least(value, 0, name)
         opt.positive(timeout, "--timeout")
@@ -349,10 +303,8 @@ def bench_serve(
             opt.output_file(plot, "--plot")
         if out is not None:
             opt.output_file(out, "--out")
-        from moetier.bench import serve as bench
-
         data = bench.run(url, api_key, levels, request_rate, num_prompts, input_len, output_len, dataset, warmup,
-                         seed, timeout)
+                         seed, timeout, bench.Prefixes(prefix_len, num_prefixes, turns))
     except MoetierError as e:
         opt.fail(e)
     from moetier.bench.common import record, write_json
@@ -364,5 +316,3 @@ def bench_serve(
         bench.plot(data, str(plot), num_gpus)
     typer.echo(bench.table(data))
 
-
-from moetier.bench import cli_prefill  # noqa: E402,F401  (registers bench prefill and bench chunk)

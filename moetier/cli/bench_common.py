@@ -1,0 +1,75 @@
+"""The `moetier bench` group and what its commands share: the argument checks (dtypes, budgets),
+the optional-dependency and GPU checks, and the memory plan of the benchmark rows."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import typer
+
+from moetier.cli import options as opt
+from moetier.errors import MoetierError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
+
+BENCH_EXTRA = "pip install 'moetier[bench]'"
+# The committed trace of a checkout (an editable install); a wheel has none and asks for --trace.
+REPO_TRACE = Path(__file__).parents[2] / "data" / "traces" / "qwen3-30b-like.mtrace"
+
+
+def need_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        opt.fail(f"bench {what} needs a CUDA GPU")
+
+
+def need_gpus(n: int, what: str) -> None:
+    import torch
+
+    if torch.cuda.device_count() < n:
+        opt.fail(f"{what} needs {n} GPUs (one per rank) but {torch.cuda.device_count()} are visible")
+
+
+def need_modules(*names: str, why: str) -> None:
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
+
+
+EXPERT_DTYPES = ("bf16", "fp8")
+WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
+
+
+def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8']: the weight formats whose rows run side by side."""
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in names if d not in allowed]
+    if bad or not names or len(set(names)) != len(names):
+        dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
+        raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
+                           f"block-scaled e4m3 experts, dense weights bf16{dense})")
+    return names
+
+
+def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, **engine) -> None:
+    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.preflight import bench_preflight
+
+    try:
+        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring)
+    except MoetierError as e:
+        opt.fail(e)
+
+
+def parse_budget(text: str) -> float:
+    """'50%' or '0.5' -> 0.5, in (0, 1]."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise MoetierError(f"--expert-budget {text!r}: give a share like 50% or 0.5") from None
+    if not 0 < value <= 1:
+        raise MoetierError(f"--expert-budget {text!r}: must be above 0% and at most 100%")
+    return value

@@ -1,0 +1,103 @@
+"""glm5_next's decode kernels in Triton's interpreter on the CPU, each against its torch reference.
+Run as a script (TRITON_INTERPRET must be set before triton is imported); test_kda.py does that in a
+subprocess.
+
+  - mHC's fused weights (layers/mhc_triton.py) against HyperConnection's torch ops: post, comb and
+    the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
+    scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
+    a missing Sinkhorn round shows).
+  - the decode conv over the state pool (layers/kda_conv_triton.py) against
+    kda_reference.causal_conv_step on the gathered states: outputs within float32 tolerance, the
+    slots' states shifted in place exactly, a row at position 0 starting from zeros, other slots
+    untouched; float32 and bfloat16 pools, channels not a multiple of the block.
+  - the KDA decode step through our fla-core wrapper (layers/kda_cuda.kda_decode_slots): each row reads
+    and writes its own slot of the pool in place; the other slots stay untouched; o and the new
+    states within float32 tolerance of kda_reference.kda_step. Skipped (said so on stdout) where
+    fla-core is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from moetier.layers.mhc import HyperConnection  # noqa: E402
+from moetier.layers.mhc_triton import mhc_weights_fused  # noqa: E402
+
+TOL = 1e-5  # float32, relative to the norm
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_mhc(n: int, s: int, h: int, iters: int, g: torch.Generator) -> None:
+    hc = HyperConnection(h, s, iters, 1e-6, 1e-5, torch.float32, "cpu")
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.5)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g))
+        hc.scale.copy_(torch.tensor([1.5, 0.7, 2.0]))
+    streams = torch.randn(n, s, h, generator=g)
+    want = hc.weights(streams)  # on the CPU: the torch ops
+    got = mhc_weights_fused(streams, hc.fn, hc.base, hc.scale, iters, hc.hc_eps, hc.norm_eps)
+    for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        assert rel(a, b) <= TOL, (name, n, s, h, rel(a, b))
+    assert got[1].std() > 0.05, "the comb came out flat: the check could not tell rows or rounds apart"
+    print(f"mhc n={n} S={s} H={h} iters={iters}: ok")
+
+
+def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.kda_conv_triton import conv_step_slots
+    from moetier.layers.kda_reference import causal_conv_step
+
+    b, c, w, slots = 3, 300, 4, 5
+    qkv = torch.randn(b, 2 * c, generator=g).to(dtype)[:, :c]  # strided rows, as the projection's split
+    pool = torch.randn(slots, c, w - 1, generator=g).to(dtype)
+    weight = torch.randn(c, 1, w, generator=g)
+    rows, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 3])
+    before = pool.clone()
+    state = before[rows] * (pos > 0)[:, None, None].to(dtype)
+    want, want_state = causal_conv_step(qkv, state, weight)
+    got = conv_step_slots(qkv, pool, weight, rows, pos)
+    assert got.dtype == dtype and rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
+    assert torch.equal(pool[rows], want_state)
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+    print(f"conv step over slots {dtype}: ok")
+
+
+def check_kda_decode(g: torch.Generator) -> None:
+    from moetier.layers.kda_cuda import kda_decode_slots
+    from moetier.layers.kda_reference import kda_step
+
+    b, heads, dk, dv, slots = 3, 2, 16, 16, 6
+    q, k = torch.randn(b, heads, dk, generator=g), torch.randn(b, heads, dk, generator=g)
+    v = torch.randn(b, heads, dv, generator=g)
+    gate = -torch.rand(b, heads, dk, generator=g) * 2
+    beta = torch.rand(b, heads, generator=g)
+    pool = torch.randn(slots, heads, dk, dv, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    before = pool.clone()
+    want_o, want_s = kda_step(q, k, v, gate, beta, pool[rows].clone())
+    o = kda_decode_slots(q, k, v, gate, beta, pool, rows)
+    assert rel(o, want_o) <= TOL and rel(pool[rows], want_s) <= TOL, (rel(o, want_o), rel(pool[rows], want_s))
+    others = [i for i in range(slots) if i not in rows.tolist()]
+    assert torch.equal(pool[others], before[others])
+    print("kda decode (fla fused_recurrent over state slots): ok")
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    check_mhc(3, 4, 200, 20, g)
+    check_mhc(1, 4, 64, 1, g)
+    check_mhc(2, 2, 300, 5, g)
+    check_conv(torch.float32, g)
+    check_conv(torch.bfloat16, g)
+    if importlib.util.find_spec("fla") is None:
+        print("kda decode: skipped (fla-core is not installed)")
+    else:
+        check_kda_decode(g)

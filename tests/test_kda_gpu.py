@@ -1,0 +1,157 @@
+"""GPU tests of glm5_next's kernels (marked `gpu`, skipped without CUDA), each against its torch
+reference: KDA prefill and decode through fla-core (layers/kda_cuda.py) and the decode conv over the
+slots (layers/kda_conv_triton.py), both decode steps replayed from CUDA graphs over state slots
+that change between replays; the fused mHC weights (layers/mhc_triton.py) at GLM-5.3-Flash's width;
+the graph-safe kpool selection.
+
+fla's chunked kernels use tensor-core dots (TF32 for float32 inputs), so the KDA bounds are those of
+bf16-level rounding; each test also checks that a wrong input (a lost carried state) fails the bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.layers.kda_reference import kda_chunked, kda_step
+from tests.test_gpu import capture
+from tests.test_parity import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+fla = pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core==0.6.0)") \
+    if torch.cuda.is_available() else None
+
+H, DK, DV = 4, 128, 128  # GLM-5.3-Flash's head size; fewer heads
+
+
+def kda_inputs(t: int, seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, H, DK, generator=g), torch.randn(t, H, DK, generator=g)
+    v = torch.randn(t, H, DV, generator=g)
+    gate = -5 * torch.sigmoid(torch.randn(t, H, DK, generator=g))  # the lower-bounded forget gate
+    beta = torch.rand(t, H, generator=g)
+    return [x.to(dtype) for x in (q, k, v)] + [gate, beta.to(dtype)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)])
+def test_prefill_varlen_with_carried_states_matches_the_reference(dtype, tol):
+    from moetier.layers.kda_cuda import kda_prefill_varlen
+
+    lens = [130, 7, 1, 64, 200]  # past a chunk, short, one token, exactly a chunk
+    q, k, v, gate, beta = kda_inputs(sum(lens), 1, dtype)
+    g = torch.Generator().manual_seed(2)
+    initial = torch.randn(len(lens), H, DK, DV, generator=g) * 0.3
+    initial[1] = 0  # a fresh sequence
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    o, final = kda_prefill_varlen(*(x.cuda() for x in (q, k, v, gate, beta)), initial.cuda(), starts)
+    assert o.dtype == v.dtype and final.dtype == torch.float32
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        want_o, want_s = kda_chunked(q[a:b].float(), k[a:b].float(), v[a:b].float(), gate[a:b], beta[a:b].float(),
+                                     initial[i])
+        assert rel_err(o[a:b].float().cpu(), want_o) <= tol, (i, rel_err(o[a:b].float().cpu(), want_o))
+        assert rel_err(final[i].cpu(), want_s) <= tol, (i, rel_err(final[i].cpu(), want_s))
+        if i in (0, 2):  # the carried state matters: from zeros the outputs are far off
+            lost = kda_chunked(q[a:b].float(), k[a:b].float(), v[a:b].float(), gate[a:b], beta[a:b].float(),
+                               torch.zeros_like(initial[i]))[0]
+            assert rel_err(o[a:b].float().cpu(), lost) > 5 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_over_slots_replays_from_a_graph(dtype, tol):
+    """Three steps of one captured graph, the slots buffer rewritten in place between replays (as the
+    decode graphs do): every row reads and writes its own slot, padding rows share the spare one, the
+    other slots stay as they were."""
+    from moetier.layers.kda_cuda import kda_decode_slots
+
+    b, slots = 4, 9
+    g = torch.Generator().manual_seed(3)
+    pool = (torch.randn(slots, H, DK, DV, generator=g) * 0.3).cuda()
+    static = [x.cuda() for x in kda_inputs(b, 4, dtype)]
+    rows = torch.zeros(b, dtype=torch.int64, device="cuda")
+    graph, out = capture(lambda: kda_decode_slots(*static, pool, rows))
+    for step, picked in enumerate(([5, 0, 2, 8], [2, 5, 8, 8], [7, 3, 1, 8])):  # 8: the spare slot
+        new = kda_inputs(b, 10 + step, dtype)
+        for s, x in zip(static, new):
+            s.copy_(x)
+        rows.copy_(torch.tensor(picked))
+        live = [i for i, p in enumerate(picked) if p != slots - 1]
+        before = pool.clone()
+        want_o, want_s = kda_step(*(x.float() for x in new[:3]), new[3], new[4].float(), before[rows].cpu())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out[live].float().cpu(), want_o[live]) <= tol
+        assert rel_err(pool[rows[live]].cpu(), want_s[live]) <= tol
+        rest = [i for i in range(slots) if i not in picked]
+        assert torch.equal(pool[rest], before[rest])
+
+
+# float32: the sigmoids, softmax and Sinkhorn amplify the projection's reassociation (logits about 10)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n", [1, 8, 33])
+def test_fused_mhc_matches_the_torch_ops_and_captures(n, dtype, tol):
+    from moetier.layers.mhc import HyperConnection
+    from moetier.layers.mhc_triton import mhc_weights_fused
+
+    hidden, s = 4096, 4
+    g = torch.Generator().manual_seed(n)
+    hc = HyperConnection(hidden, s, 20, 1e-6, 1e-5, dtype, "cpu")
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.02)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g))
+        hc.scale.copy_(torch.tensor([1.0, 1.0, 4.0]))
+    streams = torch.randn(n, s, hidden, generator=g).to(dtype)
+    want = hc.weights(streams)  # the CPU: the torch ops
+    hc = hc.cuda()
+    x = streams.cuda()
+    graph, got = capture(lambda: mhc_weights_fused(x, hc.fn, hc.base, hc.scale, 20, hc.hc_eps, hc.norm_eps))
+    x.copy_(streams.cuda())
+    graph.replay()
+    for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+        err = rel_err(a.float().cpu(), b.float())
+        assert a.dtype == b.dtype and err <= tol, (name, err)
+    assert want[1].std() > 0.05  # the comb is not flat: rows and Sinkhorn rounds can be told apart
+
+
+def test_fixed_kpool_selection_captures_and_equals_the_reference():
+    from moetier.layers.attention import make_batch
+    from moetier.layers.kpool_indexer import select_pools_fixed, select_pools_reference
+
+    g = torch.Generator().manual_seed(8)
+    d, kpool, topk = 8, 2, 4
+    index_k = torch.rand(14, 4, 2 * d, generator=g).cuda()
+    ape = torch.rand(kpool, d, generator=g).cuda()
+    batch = make_batch([(9, 1, [3, 7, 1]), (13, 1, [5, 11, 4, 9]), (2, 1, [6, 8]), (6, 1, [2, 10])], 4, "cuda")
+    q, w = torch.rand(4, 3, d, generator=g).cuda(), torch.rand(4, 3, generator=g).cuda()
+    graph, got = capture(lambda: select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.3))
+    graph.replay()
+    want = select_pools_reference(q, w, index_k, ape, batch, topk, kpool, 0.3)
+    assert torch.equal(got[:, :topk].sort(-1).values, want[:, :topk].sort(-1).values)
+    assert torch.equal(got[:, topk:], want[:, topk:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_conv_over_slots_replays_from_a_graph(dtype):
+    from moetier.layers.kda_conv_triton import conv_step_slots
+    from moetier.layers.kda_reference import causal_conv_step
+
+    b, c, w, slots = 4, 3 * H * DK, 4, 7
+    g = torch.Generator().manual_seed(9)
+    pool = torch.randn(slots, c, w - 1, generator=g).to(dtype).cuda()
+    weight = torch.randn(c, 1, w, generator=g).cuda()
+    qkv = torch.zeros(b, 2 * c, dtype=dtype, device="cuda")
+    rows, pos = torch.zeros(b, dtype=torch.int64, device="cuda"), torch.zeros(b, dtype=torch.int64, device="cuda")
+    graph, out = capture(lambda: conv_step_slots(qkv[:, :c], pool, weight, rows, pos))
+    for picked, at in (([5, 0, 2, 6], [9, 0, 4, 0]), ([2, 5, 1, 6], [5, 10, 0, 0])):  # 6: the spare slot
+        qkv.copy_(torch.randn(b, 2 * c, generator=g).to(dtype))
+        rows.copy_(torch.tensor(picked)), pos.copy_(torch.tensor(at))
+        before = pool.clone()
+        live = (pos > 0)[:, None, None].to(dtype)
+        want, want_state = causal_conv_step(qkv[:, :c], before[rows] * live, weight)
+        graph.replay()
+        torch.cuda.synchronize()
+        real = [i for i, p in enumerate(picked) if p != slots - 1]
+        torch.testing.assert_close(out[real], want[real], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert torch.equal(pool[rows[real]], want_state[real])
+        rest = [i for i in range(slots) if i not in picked]
+        assert torch.equal(pool[rest], before[rest])
