@@ -29,8 +29,9 @@ def _plain(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _speculative(model, prompt: list[int], n: int, k: int, method: str) -> tuple[list[int], int]:
-    """-> (tokens, target forwards after the prefill)."""
+def _speculative(model, prompt: list[int], n: int, k: int, method: str, log: list | None = None
+                 ) -> tuple[list[int], int]:
+    """-> (tokens, target forwards after the prefill); log: each step's drafts appended."""
     kv = model.kv_spec().allocate(16, PAGE, model.dtype, model.device)
     pages = list(range(kv.num_pages))
 
@@ -53,6 +54,8 @@ def _speculative(model, prompt: list[int], n: int, k: int, method: str) -> tuple
                 draft.append(int(logits[-1].argmax()))
         else:
             draft = propose(prompt + out, k, 1, 3)
+        if log is not None:
+            log.append(list(draft))
         # fixed shape: k + 1 tokens verified whatever the draft's length; padding rows write KV rows that
         # the next step overwrites before anything reads them
         padded = draft + [0] * (k - len(draft))

@@ -39,7 +39,7 @@ def generate(
     expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
-    speculative_config: opt.SpeculativeConfigOption = None,
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
     prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
     prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
@@ -150,7 +150,7 @@ def serve(
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
-    speculative_config: opt.SpeculativeConfigOption = None,
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),

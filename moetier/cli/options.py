@@ -31,6 +31,7 @@ ENGINE_FIELDS = {
     "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
     "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
     "--enable-prefix-caching": "enable_prefix_caching", "--kv-host-memory": "kv_host_bytes",
+    "--speculative-config": "speculative_config",
 }
 EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
                  "--cache-policy": "policy", "--expert-split": "split"}
@@ -115,19 +116,14 @@ SpeculativeConfigOption = Annotated[Optional[str], typer.Option(
     "--speculative-config", metavar="<json>", help="Speculative decoding, as vLLM spells it: "
     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's MTP layers) or "
     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}' (prompt lookup); "
-    "docs/speculative.md. Parsed and checked; the step loop does not speculate yet.")]
+    "docs/speculative.md. Greedy outputs equal decoding without it; speculative steps run eagerly.")]
 
 
 def speculative_config(text: str | None):
-    """The checked --speculative-config record (None: off). Until the step loop speculates, asking for
-    it is one line saying so (spec/config.refuse_unwired), never silently ignored."""
-    if text is None:
-        return None
-    from moetier.spec.config import parse_speculative_config, refuse_unwired
+    """The checked --speculative-config record (None: off); every problem one line."""
+    from moetier.spec.config import speculative_config_of
 
-    config = parse_speculative_config(text)
-    refuse_unwired(config)
-    return config
+    return speculative_config_of(text, "--speculative-config")
 
 
 def kv_host_memory(text: str) -> int:

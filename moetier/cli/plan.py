@@ -103,6 +103,7 @@ def plan_cmd(
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -153,7 +154,8 @@ def plan_cmd(
         config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
                                        max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense,
                                        enable_prefix_caching=enable_prefix_caching,
-                                       kv_host_bytes=opt.kv_host_memory(kv_host_memory))
+                                       kv_host_bytes=opt.kv_host_memory(kv_host_memory),
+                                       speculative_config=opt.speculative_config(speculative_config))
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
         plan = plan_for(req, experts, loaded)
         if loaded is not None:

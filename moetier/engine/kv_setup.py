@@ -13,6 +13,7 @@ from moetier.engine.kv_moves import KVMoves
 from moetier.engine.pages import PagePool
 from moetier.engine.prefix_cache import PrefixCache
 from moetier.engine.scheduler import Scheduler
+from moetier.engine.speculation import Speculation
 from moetier.errors import MoetierError
 from moetier.layers.kv_cache import KVCache, KVSpec
 
@@ -63,5 +64,6 @@ def engine_scheduler(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, mov
     cache = PrefixCache(pages, config.page_size, extra_key=extra_key, enabled=config.enable_prefix_caching,
                         host=KVHostTier(moves.host_slots) if moves.host_slots else None)
     ckpts = num_checkpoints(config, spec, dtype)
+    spec = None if config.speculative_config is None else Speculation(config.speculative_config)
     return Scheduler(pages, config.page_size, config.max_num_tokens, config.max_num_seqs, max_len, states, cache,
-                     PagePool(ckpts) if ckpts else None)
+                     PagePool(ckpts) if ckpts else None, spec)

@@ -125,7 +125,8 @@ class LLM:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
                                                     decode_tokens=config.decode_tokens, progress=progress,
-                                                    fp8_dense=config.fp8_dense, **kw)
+                                                    fp8_dense=config.fp8_dense, mtp=config.drafts_with_mtp,
+                                                    **kw)
             if self._workers is not None:
                 self._workers.ready()
         except BaseException:
@@ -254,12 +255,12 @@ class LLM:
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
         graphs = None
-        if captures(config, model, parallel=self._workers is not None):
+        if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
-        self.runner = ModelRunner(model, self.kv, graphs, moves)
+        self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner
 
@@ -312,7 +313,8 @@ class LLM:
         result = self.runner.execute(step)
         if self.recorder is not None:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
-        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs)
+        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
+                                    result.emitted, result.drafts)
         self.steps += 1
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
@@ -392,4 +394,6 @@ class LLM:
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,
+            # speculative decoding, vLLM's names (engine/speculation.py); absent without it
+            **({} if s.spec is None else s.spec.counters.as_dict()),
         }

@@ -247,16 +247,20 @@ class MlaMoeForCausalLM(CausalLM):
         return add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)[0]
 
     @torch.inference_mode()
-    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv: MlaKVCache, depth: int = 0
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv: MlaKVCache, depth: int = 0,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP draft step (models/mtp.py): input_ids [N], each row's next token, hidden [N, H] the
         hidden state that predicted it (forward()'s output, or the previous draft step's), batch at
-        the positions of those hidden states -> (logits [N, V] float32, the hidden state to chain)."""
+        the positions of those hidden states -> (logits [N, V] float32, the hidden state to chain).
+        rows [R]: only these rows' logits and hidden states ([R, V], [R, H]); every row still writes
+        its KV (a prefill chunk's catch-up needs the logits of its last row alone)."""
         head = self.mtp[depth % len(self.mtp)]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype, self.cfg.rope_attention_factor)
         x = head.project(F.embedding(input_ids, self.embed), hidden)
         x, delta, _ = head.block(x, None, cos, sin, batch, kv, None)
         out = head.finish(x, delta)
+        if rows is not None:
+            out = out[rows]
         return self.logits(out), out
 
     @torch.inference_mode()

@@ -21,9 +21,6 @@ from moetier.errors import MoetierError
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # above this the verify step's union of experts is the whole layer
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "expert_aware_k")
-NOT_WIRED = ("--speculative-config: speculative decoding is not yet wired into the engine's step loop (the MTP "
-             "layers, the verify arithmetic, n-gram drafting and the choice of k are built: docs/speculative.md); "
-             "run without --speculative-config")
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,12 @@ def parse_speculative_config(text: str | dict[str, Any], option: str = "--specul
     return SpeculativeConfig(method, k, lo, hi, aware)
 
 
-def refuse_unwired(config: SpeculativeConfig | None) -> None:
-    """Until the step loop speculates, a run that asks for it is told so (never silently ignored)."""
-    if config is not None:
-        raise MoetierError(NOT_WIRED)
+def speculative_config_of(value: Any, option: str = "speculative_config") -> SpeculativeConfig | None:
+    """The record from what a caller gave: None (off), a SpeculativeConfig, or the JSON text or dict
+    vLLM's LLM(speculative_config=...) takes."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, (str, dict)):
+        return parse_speculative_config(value, option)
+    raise MoetierError(f"{option} must be a JSON object (text or dict) like {{\"method\": \"ngram\", "
+                       f"\"num_speculative_tokens\": 2}}, got {type(value).__name__}")

@@ -60,11 +60,14 @@ def sample_from(probs: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_accept(draft: torch.Tensor, draft_lens: torch.Tensor, target_probs: torch.Tensor,
-                     draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None
+                     draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                     uniforms: torch.Tensor | None = None, exponentials: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled verification preserving the target distribution. draft_probs [B, K, V]: the
     distributions the drafts were drawn from (None: deterministic drafts, n-gram). The random numbers
-    come from `generator` (a fixed seed gives fixed tokens)."""
+    come from `generator` (a fixed seed gives fixed tokens), or are given: uniforms [B, K] in (0, 1)
+    for the accept tests, exponentials [B, V] (Exp(1)) for the last token's draw (the engine derives
+    both from each request's own seed, as its sampler does)."""
     b, k, v = draft.shape[0], draft.shape[1], target_probs.shape[-1]
     p = target_probs.float()
     safe = draft.clamp_min(0)[:, :, None]  # entries past draft_lens may be PAD: gathered, never used
@@ -76,7 +79,7 @@ def rejection_accept(draft: torch.Tensor, draft_lens: torch.Tensor, target_probs
         q = draft_probs.float()
         q_draft = q.gather(2, safe)[:, :, 0]
         residual = (p[:, :k] - q).clamp_min(0.0)
-    u = torch.rand(b, k, generator=generator, device=draft.device)
+    u = torch.rand(b, k, generator=generator, device=draft.device) if uniforms is None else uniforms
     # u < p / q, written without the division (q may be 0 where p is not: then always kept)
     accepted = _kept(u * q_draft < p_draft, draft_lens)
     mass = residual.sum(dim=-1, keepdim=True)
@@ -86,7 +89,8 @@ def rejection_accept(draft: torch.Tensor, draft_lens: torch.Tensor, target_probs
     ends = torch.arange(k + 1, device=draft.device)[None, :] < draft_lens[:, None]  # [B, K + 1]: a rejection there
     final = torch.where(ends[:, :, None], torch.cat([residual, p[:, k:]], dim=1), p)  # [B, K + 1, V]
     at = final.gather(1, accepted[:, None, None].expand(b, 1, v))[:, 0]  # [B, V]
-    e = torch.empty(b, v, device=draft.device).exponential_(generator=generator)
+    e = torch.empty(b, v, device=draft.device).exponential_(generator=generator) if exponentials is None \
+        else exponentials
     return accepted, _emit(draft, accepted, sample_from(at, e))
 
 
