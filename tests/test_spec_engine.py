@@ -209,3 +209,20 @@ def test_refusals():
 
     with pytest.raises(MoetierError, match="recurrent state"):
         Scheduler(PagePool(8), 4, max_num_seqs=2, states=PagePool(2), speculation=Speculation(SpeculativeConfig("ngram", 2)))
+
+
+def test_the_plan_counts_the_mtp_layer_when_it_drafts(mtp_ckpt):
+    from moetier.engine.config import EngineConfig
+    from moetier.models.registry import config_from_dir
+    from moetier.plan.memory import count
+    from moetier.plan.preflight import request_for
+
+    cfg = config_from_dir(mtp_ckpt)
+    reqs = [request_for(cfg, torch.float32, "cpu", EngineConfig.of(speculative_config=spec, kv_tokens=256,
+                                                                   max_num_tokens=64)) for spec in (None, NGRAM, MTP)]
+    plans = [count(r) for r in reqs]
+    layers = [p.request["moe_layers"] for p in plans]
+    assert layers[0] == layers[1] == len(cfg.moe_layers) and layers[2] == layers[0] + 1
+    assert plans[2].as_dict() != plans[1].as_dict() and plans[0].as_dict() == plans[1].as_dict()
+    # an engine drafting with MTP runs every step eagerly: no decode graphs planned
+    assert reqs[1].cuda_graphs and not reqs[2].cuda_graphs

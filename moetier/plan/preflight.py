@@ -45,7 +45,9 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
                        max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
-                       cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
+                       # an engine drafting with MTP runs every step eagerly: no decode graphs
+                       cuda_graphs=config.cuda_graphs and config.record_trace is None and not config.drafts_with_mtp,
+                       gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
                        host_source=host_src, memlock=machine.memlock_limit(),
                        prefill_stream=config.prefill_stream,
