@@ -226,3 +226,27 @@ def test_the_plan_counts_the_mtp_layer_when_it_drafts(mtp_ckpt):
     assert plans[2].as_dict() != plans[1].as_dict() and plans[0].as_dict() == plans[1].as_dict()
     # an engine drafting with MTP runs every step eagerly: no decode graphs planned
     assert reqs[1].cuda_graphs and not reqs[2].cuda_graphs
+
+
+def test_server_metrics_carry_vllms_speculative_counters():
+    import httpx
+
+    from tests.server_helpers import serve, wait_idle
+
+    server = serve(llm_options={"max_model_len": 256, "device": "cpu", "speculative_config": NGRAM})
+    try:
+        body = {"model": "tiny-stdlib", "prompt": CODE[0], "max_tokens": 30, "ignore_eos": True}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        wait_idle(server.llm)
+        m = server.llm.metrics()
+        lines = {x.split(" ")[0]: float(x.split(" ")[1]) for x in httpx.get(server.url + "/metrics").text.splitlines()
+                 if x.startswith("moetier:spec_decode")}
+    finally:
+        server.close()
+    label = '{model_name="tiny-stdlib"}'
+    assert lines["moetier:spec_decode_num_drafts_total" + label] == m["spec_decode_num_drafts"] > 0
+    assert lines["moetier:spec_decode_num_draft_tokens_total" + label] == m["spec_decode_num_draft_tokens"]
+    assert lines["moetier:spec_decode_num_accepted_tokens_total" + label] == m["spec_decode_num_accepted_tokens"] > 0
+    per_pos = [lines[f'moetier:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny-stdlib",position="{j}"}}']
+               for j in range(3)]
+    assert per_pos == m["spec_decode_num_accepted_tokens_per_pos"]
