@@ -18,8 +18,9 @@ from moetier.engine.step import SeqStep
 from moetier.errors import MoetierError
 from moetier.sampling_params import SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
+# k fixed: expert-aware k (tests/test_spec_k.py) prices k by copies timed on this busy CPU
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "expert_aware_k": False}
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "expert_aware_k": False}
 CODE = ["def foo(self):\n    return self.foo\n\ndef bar(self):\n    return self.",
         "import os\nimport sys\nimport os.path\nimport",
         "for i in range(10):\n    print(i)\nfor j in range(10):\n    print("]
@@ -235,7 +236,7 @@ def test_server_metrics_carry_vllms_speculative_counters():
 
     server = serve(llm_options={"max_model_len": 256, "device": "cpu", "speculative_config": NGRAM})
     try:
-        body = {"model": "tiny-stdlib", "prompt": CODE[0], "max_tokens": 30, "ignore_eos": True}
+        body = {"model": "tiny-stdlib", "prompt": CODE[0], "max_tokens": 30, "ignore_eos": True, "temperature": 0}
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
         wait_idle(server.llm)
         m = server.llm.metrics()

@@ -29,6 +29,7 @@ from moetier.engine.output import OutputProcessor, RequestOutput
 from moetier.engine.kv_setup import engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
+from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
@@ -254,6 +255,7 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
+        attach_chooser(self.scheduler.spec, model)  # expert-aware k: its route hook is in the graphs too
         graphs = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
@@ -265,8 +267,7 @@ class LLM:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
-        self._ids = itertools.count()
-        self.steps = 0
+        self._ids, self.steps = itertools.count(), 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:

@@ -147,6 +147,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.spec is not None:
+            self.spec.begin_step(len(self.running))  # expert-aware k: this step's k
         budget = self.max_num_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -273,7 +275,7 @@ class Scheduler:
             req = s.request
             new = (emitted[req.id] if s.draft else [sampled[req.id]]) if s.sample else []
             if s.draft:
-                self.spec.counters.record(len(s.draft), len(new) - 1)
+                self.spec.record(len(s.draft), len(new) - 1)
             # tokens whose KV is valid: the chunk's own, plus the kept drafts
             computed = s.start + s.num_tokens - len(s.draft) + (len(new) - 1 if s.draft else 0)
             new = self._until_stop(req, new, eos_ids)
@@ -306,6 +308,8 @@ class Scheduler:
                 self.finish(req, "stop")
             elif len(req.output_ids) >= p.max_tokens:
                 self.finish(req, "length")
+        if self.spec is not None:
+            self.spec.end_step()
         return got
 
     @staticmethod

@@ -64,6 +64,23 @@ class Speculation:
         self.config = config
         self.k = config.num_speculative_tokens  # this step's most drafts (expert-aware k may lower it)
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        # expert-aware k (engine/spec_k.KChooser, attached by the engine): choose(batch) -> k before a
+        # step, observe([(drafted, kept)]) after it; None: always the configured k
+        self.chooser = None
+        self._outcomes: list[tuple[int, int]] = []
+
+    def begin_step(self, batch: int) -> None:
+        if self.chooser is not None:
+            self.set_k(self.chooser.choose(batch))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.counters.record(drafted, accepted)
+        self._outcomes.append((drafted, accepted))
+
+    def end_step(self) -> None:
+        if self.chooser is not None:
+            self.chooser.observe(self._outcomes)
+        self._outcomes = []
 
     @property
     def mtp(self) -> bool:
