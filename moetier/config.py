@@ -16,7 +16,8 @@ import torch
 
 from moetier.errors import ConfigError, problem_list
 from moetier.experts.shape import MoeShape
-from moetier.quant.fp8_block import quant_problems
+from moetier.quant import quant_config as qconfig
+from moetier.quant.registry import get as quant_format
 
 REQUIRED = object()
 
@@ -78,8 +79,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's dtype as config.json states it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # config.json quantization_config: None, or "fp8" (block-scaled float8 weights, quant/fp8_block.py:
-    # routed experts stay FP8 in their rows, other FP8 weights are dequantized at load)
+    # config.json quantization_config (or hf_quant_config.json): None, "fp8" (block-scaled float8
+    # weights, quant/fp8_block.py), "nvfp4", "int4" or "int4-g32" (weight-only 4-bit, quant/nvfp4.py,
+    # quant/int4.py): routed experts stay quantized in their rows, other quantized weights are
+    # dequantized at load
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written
     # How the model holds the dense projections of an FP8 checkpoint: None, dequantized to the model
@@ -110,8 +113,9 @@ class ModelConfig:
             f.problems.append(f"num_experts_per_tok {top_k} is larger than num_experts {experts}")
         eos = f.get("eos_token_id", default=[])
         qc = f.get("quantization_config", default=None)
-        if qc is not None:
-            f.problems.extend(quant_problems(qc))
+        fmt = qconfig.format_of(qc) if qc is not None else None
+        if qc is not None:  # block FP8, NVFP4 (ModelOpt, compressed-tensors), INT4 (compressed-tensors)
+            f.problems.extend(quant_format(fmt).config_problems(qc) if fmt else qconfig.unsupported(qc))
         return dict(
             model_type=f.d.get("model_type"),
             vocab_size=f.positive_int("vocab_size"),
@@ -126,7 +130,7 @@ class ModelConfig:
             torch_dtype=str(f.get("torch_dtype", "dtype", default="bfloat16")).replace("torch.", ""),
             bos_token_id=f.get("bos_token_id", default=None),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
-            quant="fp8" if qc is not None else None,
+            quant=fmt,
             quant_config=qc,
             extra=f.d,
         )

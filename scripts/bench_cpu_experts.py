@@ -10,6 +10,7 @@ as a cold miss does. Rows:
     bf16  both kernels (compiled, grouped) at every thread count
     fp8   compiled at every thread count; grouped (which dequantizes each expert into bf16 scratch)
           at grouped's best bf16 thread count
+    nvfp4, int4, int4-g32 (4-bit rows, 2.65 / 2.43 / 2.65 MB): as fp8
 It prints, per row, the median us per call and GB/s of weights (distinct experts x row bytes / time;
 GB = 1e9 B); then per dtype and kernel the best thread count (least time for 1 x 8 plus 8 x 8) with
 the cost-model fit from 1 x 1 and 1 x 8,
@@ -19,7 +20,7 @@ winners while the copy engine streams pinned memory to the GPU (they share the h
 The compiled kernel is also run with other work-item sizes (--blocks) at its best thread count. Last,
 a short table of the 1 x 8 and 8 x 29 rows of the compiled and grouped kernels and of those sizes.
 
-    python scripts/bench_cpu_experts.py [--out FILE] [--small] [--threads 1,4,8,16] [--dtypes bf16,fp8]
+    python scripts/bench_cpu_experts.py [--out FILE] [--small] [--threads 1,4,8,16] [--dtypes bf16,fp8,nvfp4,int4]
                                         [--kernels compiled,grouped] [--blocks 16,256] [--reps 7]
 --small: a tiny shape for a CPU smoke run (not a measurement). The JSON's `winner` is the bf16 winner
 (--host-profile reads it), `winners` has one per dtype (cost_model.rates_from_bench takes each GB/s).
@@ -41,6 +42,7 @@ from moetier.experts.hybrid import host_ext
 from moetier.experts.hybrid.host_kernels import KERNELS, host_kernel
 from moetier.experts.shape import RowLayout
 from moetier.quant import fp8_block as fp8
+from moetier.quant.registry import PACKED4 as FOUR_BIT
 
 CASES = ((1, 1, 1), (1, 8, 8), (8, 8, 8), (8, 29, 8), (32, 8, 8))  # tokens, distinct experts, k per token
 POOL = 64
@@ -163,10 +165,21 @@ def contended(best: dict, layout: RowLayout, rows: torch.Tensor, reps: int) -> d
 
 
 def make_rows(dtype: str, hidden: int, inter: int) -> tuple[RowLayout, torch.Tensor]:
-    """A pool of POOL expert rows: random bf16 weights, or FP8 bytes with plausible block scales."""
+    """A pool of POOL expert rows: random bf16 weights, FP8 bytes with plausible block scales, or 4-bit
+    rows of random codes with plausible group (and NVFP4 tensor) scales."""
     if dtype == "bf16":
         lay = RowLayout(hidden, inter)
         return lay, (torch.randn(POOL, lay.numel) * 0.02).to(torch.bfloat16)
+    if dtype in FOUR_BIT:
+        lay = RowLayout(hidden, inter, dtype)
+        rows = torch.zeros(POOL, lay.numel, dtype=torch.uint8)
+        rows[:, :lay.w13_numel + lay.w2_numel] = torch.randint(0, 256, (POOL, lay.w13_numel + lay.w2_numel),
+                                                               dtype=torch.uint8)
+        for part in ("gate_up", "down"):  # weights about N(0, 0.02): codes up to 6 (NVFP4) or 8 (INT4) steps
+            lay.part(rows, part + "_scale").fill_(0.02 / 3 if dtype != "nvfp4" else 1.0)
+            if dtype == "nvfp4":
+                lay.part(rows, part + "_scale_2").fill_(0.02 / 3)
+        return lay, rows
     lay = RowLayout(hidden, inter, "fp8")
     rows = torch.zeros(POOL, lay.numel, dtype=torch.uint8)
     w = (torch.randn(POOL, lay.w13_numel + lay.w2_numel) * 64).clamp(-fp8.FP8_MAX, fp8.FP8_MAX)
@@ -183,7 +196,8 @@ def main() -> None:
     ap.add_argument("--threads", default=None,
                     help="comma-separated thread counts (default 1,2,4,8,12 and all cores, less 2, less 1: the "
                          "hybrid backend's main thread also needs a core)")
-    ap.add_argument("--dtypes", default="bf16,fp8", help="row dtypes to measure: bf16, fp8 or both")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="row dtypes to measure: bf16, fp8, nvfp4, int4, int4-g32 "
+                                                          "(comma-separated)")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="kernels to measure (default: all)")
     ap.add_argument("--blocks", default="16,256",
                     help="compiled kernel: also these work-item sizes (KB of weights; its default is 64) at its "
@@ -196,8 +210,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     hidden, inter = (256, 96) if a.small else (2048, 768)
     dtypes = [d for d in a.dtypes.split(",") if d]
-    if set(dtypes) - {"bf16", "fp8"} or not dtypes:
-        raise SystemExit(f"--dtypes {a.dtypes!r}: choose bf16, fp8 or bf16,fp8")
+    if set(dtypes) - {"bf16", "fp8", *FOUR_BIT} or not dtypes:
+        raise SystemExit(f"--dtypes {a.dtypes!r}: choose from bf16, fp8, {', '.join(FOUR_BIT)} (comma-separated)")
     try:
         busy_counts = sorted({int(c) for c in a.contended_threads.split(",") if c.strip()})
     except ValueError:
@@ -281,7 +295,7 @@ def main() -> None:
     main_dtype = "bf16" if "bf16" in winners else dtypes[0]
     data = record("cpu-experts", {
         "shape": {"hidden": hidden, "inter": inter, "dtype": main_dtype,
-                  "row_bytes": {d: RowLayout(hidden, inter, None if d == "bf16" else "fp8").row_bytes(torch.bfloat16)
+                  "row_bytes": {d: RowLayout(hidden, inter, None if d == "bf16" else d).row_bytes(torch.bfloat16)
                                 for d in dtypes}},
         "cores": cores, "compiled": {"available": ok, "reason": why, "build_s": build_s}, "results": results,
         "ceilings": ceilings, "best": {f"{d}/{n}": b for (d, n), b in best.items()},

@@ -1,9 +1,13 @@
 """Times the expert kernel at decode on the GPU: the grouped GEMM (grouped_gemm.py) over a sweep of
-block sizes, tuned kernel by kernel (gate_up with the default down, then down with the best gate_up), for bf16 and FP8 rows of a Qwen3-30B-shaped layer,
+block sizes, tuned kernel by kernel (gate_up with the default down, then down with the best gate_up), for bf16, FP8
+and 4-bit (nvfp4, int4, int4-g32: quant/packed4.py) rows of a Qwen3-30B-shaped layer,
 resident rows, random routing, CUDA-graph replayed (20 calls on different ids per replay, so the
 50 MB L2 holds little). Prints us per call and GB/s of distinct rows read; writes JSON.
 
-    python scripts/tune_experts.py OUT.json [--dtypes bf16,fp8] [--tokens 1,8,32,64]
+    python scripts/tune_experts.py OUT.json [--dtypes bf16,fp8,nvfp4,int4] [--tokens 1,8,32,64]
+
+The winners go into experts/kernels/gemm_config.GemmConfig by hand (gate_up/down, fp8_*, q4_*: one
+pair for all 4-bit formats), with the JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import torch
 
 from moetier.bench.common import GB, record, time_graph
-from moetier.checkpoint.random_bed import fill_fp8_rows
+from moetier.checkpoint.random_bed import fill_4bit_rows, fill_fp8_rows
 from moetier.experts.kernels.gemm_config import SWEEP, GemmConfig
 from moetier.experts.kernels.grouped_gemm import GemmScratch, grouped_expert_mlp
 from moetier.experts.shape import RowLayout
@@ -23,6 +27,7 @@ from moetier.presets import moe_shape
 CALLS = 20
 FP8_SWEEP = [(16, 128, 4), (32, 128, 2), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
              (128, 64, 4), (128, 128, 4), (128, 128, 8)]  # K tiles past 128 gather a scale per element: slow
+Q4_SWEEP = [*SWEEP, (32, 128, 8), (64, 128, 8), (16, 128, 4), (128, 128, 4)]  # any BLOCK_K: a scale per element
 GEMV_SWEEP = [(16, 512, 4), (8, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
               (16, 512, 8), (16, 128, 4), (64, 128, 4)]
 
@@ -33,7 +38,7 @@ def rows_for(quant: str | None, layout: RowLayout, e: int) -> torch.Tensor:
     rows = torch.zeros(e, layout.numel, dtype=torch.uint8, device="cuda")
     g = torch.Generator("cuda").manual_seed(0)
     for a in range(0, e, 16):
-        fill_fp8_rows(rows[a:a + 16], layout, g)
+        (fill_fp8_rows if quant == "fp8" else fill_4bit_rows)(rows[a:a + 16], layout, g)
     return rows
 
 
@@ -48,11 +53,11 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     results, best = [], {}
     for dt in args.dtypes.split(","):
-        quant = "fp8" if dt == "fp8" else None
+        quant = None if dt == "bf16" else dt
         layout = RowLayout(h, i, quant)
         rows = rows_for(quant, layout, e)
         row_bytes = layout.row_bytes(torch.bfloat16)
-        sweep = FP8_SWEEP if quant else SWEEP
+        sweep = {"fp8": FP8_SWEEP, None: SWEEP}.get(quant, Q4_SWEEP)
         for t in (int(x) for x in args.tokens.split(",")):
             ids = torch.stack([torch.rand(t, e, device="cuda", generator=g).argsort(-1)[:, :k] for _ in range(CALLS)])
             distinct = sum(int(c.unique().numel()) for c in ids) / CALLS
@@ -71,7 +76,7 @@ def main() -> None:
                 gbs = distinct * row_bytes / GB / (ms / 1e3)
                 results.append({"dtype": dt, "tokens": t, "kernel": name, "config": cfg, "ms": ms,
                                 "distinct_rows": distinct, "GBps_distinct": gbs})
-                print(f"{dt:4s} T={t:3d} {name:8s} {str(cfg):28s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s", flush=True)
+                print(f"{dt:8s} T={t:3d} {name:8s} {str(cfg):28s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s", flush=True)
                 return ms
 
             def grouped(cfg: GemmConfig):
@@ -82,25 +87,29 @@ def main() -> None:
 
             default = GemmConfig()
             base = timed("default", grouped(default), default.decode_blocks(quant))
-            if not (quant and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks
+            if not (quant == "fp8" and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks
                 gu = {c: timed("gate_up", grouped(default.with_decode(quant, gate_up=c)), c) for c in sweep}
                 bgu = min(gu, key=gu.get)
                 dn = {c: timed("down", grouped(default.with_decode(quant, bgu, c)), c) for c in sweep}
                 bdn = min(dn, key=dn.get)
                 best[f"{dt} T={t}"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
-            if quant and t == 1:  # one token on FP8 rows runs the GEMV (fp8_gemv.py): its own blocks
+            if quant == "fp8" and t == 1:  # one token on FP8 rows runs the GEMV (fp8_gemv.py): its own blocks
                 gu = {c: timed("gemv_gu", grouped(GemmConfig(fp8_gemv_gate_up=c)), c) for c in GEMV_SWEEP}
                 bgu = min(gu, key=gu.get)
                 dn = {c: timed("gemv_dn", grouped(GemmConfig(fp8_gemv_gate_up=bgu, fp8_gemv_down=c)), c)
                       for c in GEMV_SWEEP}
                 bdn = min(dn, key=dn.get)
                 best[f"{dt} T={t} gemv"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+            save(args.out, s, results, best)  # after every token count: a capped run keeps what finished
     print("\nbest per dtype and tokens (us per call, default -> tuned):")
     for key, b in best.items():
         print(f"  {key:10s} gate_up {str(b['gate_up']):16s} down {str(b['down']):16s} "
               f"{b['default_ms'] * 1e3:7.1f} -> {b['ms'] * 1e3:7.1f} us")
-    with open(args.out, "w") as f:
-        json.dump(record("tune-experts", {"shape": s, "results": results, "best": best}), f, indent=2,
+
+
+def save(path: str, shape, results: list, best: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record("tune-experts", {"shape": shape, "results": results, "best": best}), f, indent=2,
                   default=str)
 
 

@@ -48,13 +48,15 @@ def fp8_rows(layout: RowLayout, e: int, g: torch.Generator) -> torch.Tensor:
     return rows
 
 
-def check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype) -> float:
+def check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype, limit=None) -> float:
+    # limit: the rows' SwiGLU clamp (layout.swiglu_limit; tests/quant4_interpreter.py clamps some cases)
     assert torch.equal(out_slots, out_res), f"{name}: slots vs resident {(out_slots - out_res).abs().max()}"
     assert torch.equal(out_uva, out_res), f"{name}: uva vs resident {(out_uva - out_res).abs().max()}"
     # the oracle's weights are the reference model's: dequantized into the compute dtype (the kernel
     # rounds fp32(q) * scale to it once, as fp8.dequantize does), then every product in float64
     fetch = row_fetch(rows, layout, dtype)
-    oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key))), w.double())
+    oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key)), limit),
+                     w.double())
     err = ((out_res.double() - oracle).norm() / oracle.norm()).item()
     assert err <= TOL[dtype], (name, err)
     torch_path = ResidentExperts(rows, layout, ids.shape[1]).forward(x, ids, w)  # the CPU backend
@@ -63,11 +65,11 @@ def check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype) -> 
     return err
 
 
-def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool, wide: bool = False) -> str:
-    g = torch.Generator().manual_seed(seed)
-    e = 8
-    layout = RowLayout(h, i, "fp8")
-    rows = fp8_rows(layout, e, g)
+def inputs(layout: RowLayout, rows: torch.Tensor, t: int, k: int, h: int, dtype: torch.dtype, g: torch.Generator):
+    """-> (x [t, h], w [t, k], ids [t, k], slots, slot ids of a mixed placement, all-host slot ids, a
+    poisoned dummy slot): half the experts cached in shuffled slots; slots not holding one, and the
+    dummy, are 0xFF bytes (NaN in e4m3 and in float32 scales)."""
+    e = rows.shape[0]
     x = torch.randn(t, h, generator=g).to(dtype)
     w = torch.rand(t, k, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -76,10 +78,18 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: b
     cached = torch.randperm(e, generator=g)[: e // 2]
     slot_of = torch.full((e,), -1, dtype=torch.int32)
     slot_of[cached] = torch.randperm(e // 2, generator=g).int()
-    slots = torch.full((e // 2, layout.numel), 0xFF, dtype=torch.uint8)  # 0xFF: NaN in e4m3 and in the scales
+    slots = torch.full((e // 2, layout.numel), 0xFF, dtype=torch.uint8)
     slots[slot_of[cached].long()] = rows[cached]
-    mixed, none = slot_of[ids], torch.full_like(ids, -1, dtype=torch.int32)
     dummy = torch.full((1, layout.numel), 0xFF, dtype=torch.uint8)
+    return x, w, ids, slots, slot_of[ids], torch.full_like(ids, -1, dtype=torch.int32), dummy
+
+
+def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool, wide: bool = False) -> str:
+    g = torch.Generator().manual_seed(seed)
+    e = 8
+    layout = RowLayout(h, i, "fp8")
+    rows = fp8_rows(layout, e, g)
+    x, w, ids, slots, mixed, none, dummy = inputs(layout, rows, t, k, h, dtype, g)
 
     def run(slot_ids, dev_rows, max_rows):
         if large:

@@ -51,7 +51,10 @@ def test_generate_refuses(args, says):
     (("--shard-size-gib", "nan"), "it must be a positive number"),
     (("--layers", "999"), "--layers 999: preset tiny has 4 layers; keep 1 to 4 of them"),
     (("--layers", "0"), "keep 1 to 4 of them"),
-    (("--dtype", "int4"), "unsupported --dtype 'int4'"),
+    (("--dtype", "int8"), "unsupported --dtype 'int8'"),
+    (("--dtype", "int4", "--format", "modelopt"), "ModelOpt writes NVFP4 only"),
+    (("--dtype", "nvfp4", "--format", "gguf"), "--format 'gguf': choose modelopt or compressed-tensors"),
+    (("--format", "modelopt"), "--format modelopt names a 4-bit layout"),
     (("--seed", "-1"), "--seed -1: it must be in [0, 2^63)"),  # as generate's
     (("--out", ""), "--out is empty"),
     (("--out", "  "), "--out is empty"),

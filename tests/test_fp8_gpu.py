@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_gpu import capture, random_ids, replay_against_resident
+from tests.test_gpu import random_ids, replay_backends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -82,36 +82,21 @@ def test_fp8_grouped_kernel_vs_reference_and_exact_across_backends(t, dup):
 
 
 def test_fp8_graph_replay_equals_eager_resident():
-    from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-
     store, layout = fp8_store(seed=1)
-    host = store.rows(0)
-    resident = ResidentExperts(host.cuda(), layout, QK)
-    slots = SlotExperts(host, layout, QK, num_slots=QE // 4, device="cuda")
-    uva = UvaExperts(host, layout, QK, device="cuda")
-    t = 4
-    x = torch.zeros(t, QH, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(t, QK, dtype=torch.int64, device="cuda")
-    w = torch.zeros(t, QK, dtype=torch.bfloat16, device="cuda")
-    graphs = {}
-    for name, b in (("slots", slots), ("uva", uva)):
-        ids.copy_(random_ids(torch.Generator().manual_seed(0), t, QK, QE))
-        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
-    replay_against_resident(graphs, resident, slots, x, ids, w, 60, 3,
-                            lambda g, step: random_ids(g, t, QK, QE, dup=step % 5 == 0))
-    st = slots.cache.read_stats()
+    st = replay_backends(store.rows(0), layout, QK, 4, QE // 4, 60, 3)
     assert st["misses"] > 100 and st["overflow"] > 0
 
 
-def test_fp8_large_step_vs_reference_and_backends():
+def large_step_against_oracle(host, layout, seed: int = 5) -> None:
+    """A step of 200 tokens (above decode_tokens: the large-step grouped GEMM) over quantized host rows
+    [E, R]: slots (8 warm) and uva bit-exact against resident, resident within bf16 of the oracle."""
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 
-    store, layout = fp8_store(e=32, seed=2)
-    host = store.rows(0)
-    g = torch.Generator().manual_seed(5)
-    t = 200  # above decode_tokens: the large-step grouped GEMM
-    x = torch.randn(t, QH, generator=g).to(torch.bfloat16).cuda()
-    ids = random_ids(g, t, QK, 32).cuda()
+    e = host.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    t = 200
+    x = torch.randn(t, layout.hidden, generator=g).to(torch.bfloat16).cuda()
+    ids = random_ids(g, t, QK, e).cuda()
     w = torch.rand(t, QK, generator=g).to(torch.bfloat16).cuda()
     resident = ResidentExperts(host.cuda(), layout, QK).forward(x, ids, w)
     slots = SlotExperts(host, layout, QK, num_slots=8, device="cuda")
@@ -122,6 +107,11 @@ def test_fp8_large_step_vs_reference_and_backends():
     want = oracle(x.cpu(), ids.cpu(), w.cpu(), host, layout)
     err = ((resident.double().cpu() - want).norm() / want.norm()).item()
     assert err <= 1e-2, err
+
+
+def test_fp8_large_step_vs_reference_and_backends():
+    store, layout = fp8_store(e=32, seed=2)
+    large_step_against_oracle(store.rows(0), layout)
 
 
 def test_fp8_checkpoint_on_gpu(tmp_path):

@@ -64,6 +64,29 @@ def test_store_pins_exact_size():
         assert store.rows(layer).data_ptr() % PAGE == 0
 
 
+def replay_backends(host, layout, k: int, t: int, num_slots: int, steps: int, seed: int) -> dict:
+    """resident, slots (num_slots) and uva layers over host rows [E, R]: slots and uva captured as CUDA
+    graphs of t-token steps, replayed `steps` times against the eager resident layer, bit for bit
+    (replay_against_resident) -> the slot cache's stats."""
+    from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
+
+    e = host.shape[0]
+    resident = ResidentExperts(host.cuda(), layout, k)
+    slots = SlotExperts(host, layout, k, num_slots=num_slots, device="cuda")
+    uva = UvaExperts(host, layout, k, device="cuda")
+    assert resident.decode_tokens >= t
+    x = torch.zeros(t, layout.hidden, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(t, k, dtype=torch.int64, device="cuda")
+    w = torch.zeros(t, k, dtype=torch.bfloat16, device="cuda")
+    graphs = {}
+    for name, b in (("slots", slots), ("uva", uva)):
+        ids.copy_(random_ids(torch.Generator().manual_seed(0), t, k, e))
+        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
+    replay_against_resident(graphs, resident, slots, x, ids, w, steps, seed,
+                            lambda g, step: random_ids(g, t, k, e, dup=step % 5 == 0))
+    return slots.cache.read_stats()
+
+
 def random_ids(g, t, k=K, e=E, dup=False):
     if dup:
         return torch.randint(0, max(2, e // 8), (t, k), generator=g)
@@ -309,24 +332,9 @@ def test_grouped_kernel_qwen3_sizes_vs_float64_and_exact_across_backends(t, dup)
 def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
     """Slots (half the experts) and uva steps of t tokens replayed from CUDA graphs equal the eager
     resident layer bit for bit: the grouped kernel's plan and grid are graph safe."""
-    from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
-
     store, layout = qwen_rows(seed=1)
-    host = store.rows(0)
-    resident = ResidentExperts(host.cuda(), layout, QK)
-    slots = SlotExperts(host, layout, QK, num_slots=QE // 2, device="cuda")
-    uva = UvaExperts(host, layout, QK, device="cuda")
-    assert resident.decode_tokens >= t
-    x = torch.zeros(t, QH, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(t, QK, dtype=torch.int64, device="cuda")
-    w = torch.zeros(t, QK, dtype=torch.bfloat16, device="cuda")
-    graphs = {}
-    for name, b in (("slots", slots), ("uva", uva)):
-        ids.copy_(random_ids(torch.Generator().manual_seed(0), t, QK, QE))
-        graphs[name] = capture(lambda b=b: b.forward(x, ids, w))
-    replay_against_resident(graphs, resident, slots, x, ids, w, 40, 2,
-                            lambda g, step: random_ids(g, t, QK, QE, dup=step % 5 == 0))
-    st = slots.cache.read_stats()  # at T = 64 most misses overflow: 64 slots cannot hold a step's experts
+    st = replay_backends(store.rows(0), layout, QK, t, QE // 2, 40, 2)
+    # at T = 64 most misses overflow: 64 slots cannot hold a step's experts
     assert st["misses"] + st["overflow"] > 100
 
 

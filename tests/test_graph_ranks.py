@@ -68,7 +68,10 @@ def seq(n_tokens: int, rid: str = "r") -> SeqStep:
 
 def runner(graphs) -> ModelRunner:
     model = SimpleNamespace(device=torch.device("cpu"), expert_stats=lambda: {"hits": 0})
-    r = ModelRunner(model, kv=None, graphs=graphs)
+    # no KV pool: the steps here carry no host-tier copies or state checkpoints
+    moves = SimpleNamespace(attach=lambda model: None, before=lambda step, layered=False: None,
+                            after=lambda seqs: None)
+    r = ModelRunner(model, kv=None, graphs=graphs, moves=moves)
     r._forward = lambda seqs: (r.eager.append(len(seqs)), None, None)  # the eager forward, recorded
     r.eager = []
     return r

@@ -54,6 +54,15 @@ def fp8_rows(src: torch.Tensor, lay: RowLayout) -> torch.Tensor:
 
 
 def rows_of(kind: str, e: int = 6, hidden: int = H, inter: int = I, seed: int = 0):
+    """(layout, rows) of bf16, fp32 or FP8 rows, or 4-bit ones (nvfp4, int4, int4-g32: random experts
+    quantized by the format's rule, random_bed.fill_4bit_rows)."""
+    if kind in ("nvfp4", "int4", "int4-g32"):
+        from moetier.checkpoint.random_bed import fill_4bit_rows
+
+        lay = RowLayout(hidden, inter, kind)
+        rows = torch.zeros(e, lay.numel, dtype=torch.uint8)
+        fill_4bit_rows(rows, lay, torch.Generator().manual_seed(seed))
+        return lay, rows
     lay = RowLayout(hidden, inter)
     rows = bf16_rows(e, lay, seed)
     if kind == "fp8":
@@ -187,15 +196,17 @@ def test_a_failed_build_falls_back_to_grouped_with_one_line(tmp_path, monkeypatc
     assert "cannot be run" in host_ext.available()[1]
 
 
-# -- the hybrid backend with FP8 rows --------------------------------------------------------------------
+# -- the hybrid backend with quantized rows (FP8; NVFP4 and INT4, tests/test_quant4_host.py) ----------------
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4", "int4"])
 @pytest.mark.parametrize("kernel", ["auto", "grouped"])
 @pytest.mark.parametrize("link,host", [(1e-3, 1e6), (50.0, 50.0)], ids=["all-host", "split"])
-def test_hybrid_with_fp8_rows_equals_slots_and_resident(kernel, link, host):
+def test_hybrid_with_quantized_rows_equals_slots_and_resident(kind, kernel, link, host):
     e, k, s = 12, 3, 4
-    lay, rows = rows_of("fp8", e=e)
+    lay, rows = rows_of(kind, e=e)
     res, slots = ResidentExperts(rows, lay, k, 16), SlotExperts(rows, lay, k, s, 16)
-    rates = PathRates(link, {"fp8": host})
+    rates = PathRates(link, {kind: host})
     hyb = HybridExperts(rows, lay, k, s, 16, host=HostPath(lay, kernel, 2, rates))
+    assert hyb.hostpath.kernel.name == ("grouped" if kernel == "grouped" or host_ext.compiler() is None else "compiled")
     g = torch.Generator().manual_seed(7)
     for _ in range(8):
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(3)])
@@ -267,13 +278,16 @@ def test_bench_script_small_run_gives_rates_per_dtype(lib, tmp_path):
     out = tmp_path / "cpu.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(root / "scripts" / "bench_cpu_experts.py"), "--small", "--threads", "1",
-                        "--reps", "1", "--kernels", "compiled,grouped", "--out", str(out)],
+                        "--reps", "1", "--kernels", "compiled,grouped", "--dtypes", "bf16,fp8,nvfp4,int4",
+                        "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dtype  kernel" in r.stdout  # the last table
     data = json.loads(out.read_text())
-    assert data["compiled"]["available"] and set(data["winners"]) == {"bf16", "fp8"}
-    assert {(x["dtype"], x["kernel"]) for x in data["results"]} == {(d, k) for d in ("bf16", "fp8")
+    dtypes = ("bf16", "fp8", "nvfp4", "int4")
+    assert data["compiled"]["available"] and set(data["winners"]) == set(dtypes)
+    assert {(x["dtype"], x["kernel"]) for x in data["results"]} == {(d, k) for d in dtypes
                                                                     for k in ("compiled", "grouped")}
+    assert data["shape"]["row_bytes"]["nvfp4"] == RowLayout(256, 96, "nvfp4").numel  # --small's shape
     rates = rates_from_bench(data, link_GBps=50.0)
-    assert set(rates.host_GBps) == {"bfloat16", "fp8"} and min(rates.host_GBps.values()) > 0
+    assert set(rates.host_GBps) == {"bfloat16", "fp8", "nvfp4", "int4"} and min(rates.host_GBps.values()) > 0

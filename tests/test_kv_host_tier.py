@@ -14,6 +14,34 @@ from tests.prefix_reference import FakeDevice, keys_of, random_run
 PS = 4
 
 
+
+def test_a_chain_evicted_leaf_first_is_one_copy_run_each_way():
+    from moetier.engine.kv_moves import runs
+
+    host = KVHostTier(8)
+    host.store(bytes([9]) * 32, 30)  # slot 0 taken: the chain starts at slot 1
+    host.take_copies()
+    chain = [bytes([i]) * 32 for i in range(1, 6)]  # pages 10..14, evicted from the leaf back
+    host.store_many([(h, 10 + i) for i, h in reversed(list(enumerate(chain)))])
+    host.check()
+    plan = host.take_copies()
+    assert plan.to_host == [(10, 1), (11, 2), (12, 3), (13, 4), (14, 5)]
+    assert runs(plan.to_host) == [(10, 1, 5)], "one contiguous copy per layer row"
+    assert [host.slot_of(h) for h in chain] == [1, 2, 3, 4, 5]
+    host.store(bytes([7]) * 32, 31)  # one more page after the chain: the chain's leaf is evicted first
+    host.store(bytes([8]) * 32, 32)
+    host.store(bytes([6]) * 32, 33)  # the host is full: the page stored first (slot 0) goes
+    host.store(bytes([10]) * 32, 34)  # then the chain's leaf, stored before its parents
+    assert chain[4] not in host and all(h in host for h in chain[:4])
+    for i, h in enumerate(chain[:3]):
+        host.load(h, 40 + i)
+    assert runs(host.take_copies().to_gpu) == [(1, 40, 3)]
+    pages = PagePool(8)
+    got = pages.allocate(3, "a") + pages.allocate(2, "b")
+    pages.free(got[:3], "a")
+    assert pages.allocate(4, "c") == [0, 1, 2, 5], "the lowest free pages first, in order"
+
+
 def test_host_slots_lru_and_plan():
     host = KVHostTier(2)
     h1, h2, h3, h4 = (bytes([i]) * 32 for i in range(1, 5))

@@ -152,6 +152,30 @@ def test_a_full_checkpoint_pool_reuses_the_least_recently_used():
     assert seq.start == 12 and seq.restore_checkpoint == 0
 
 
+
+def test_a_shared_prefix_without_a_checkpoint_gets_one_where_the_requests_diverge():
+    """Requests over one prefix with their own suffixes, each prompt one chunk: the first leaves a
+    checkpoint only at its prompt's end; the second finds the prefix's KV but no state there, so its
+    first chunk ends at the prefix's last page and saves one; the third resumes from it."""
+    pages = PagePool(64)
+    s = Scheduler(pages, PAGE, max_num_tokens=64, max_num_seqs=2, states=PagePool(2),
+                  cache=PrefixCache(pages, PAGE), checkpoints=PagePool(4))
+    prefix = list(range(1, 13))  # three pages
+    s.add(req("a", prefix + [20, 21, 22, 23, 24], max_tokens=1))
+    chunks = [(q.start, q.num_tokens) for out, _ in run(s) for q in out.seqs]
+    assert chunks[0] == (0, 16)  # one chunk, cut back to its last page boundary (16 of 17 tokens)
+    s.add(req("b", prefix + [30, 31, 32, 33, 34], max_tokens=1))
+    out = s.schedule()
+    (seq,) = out.seqs
+    assert (seq.start, seq.num_tokens, seq.restore_checkpoint) == (0, 12, -1) and seq.save_checkpoint >= 0
+    s.update(out, {}, set())
+    s.check()
+    run(s)
+    s.add(req("c", prefix + [40, 41, 42, 43, 44], max_tokens=1))
+    (seq,) = s.schedule().seqs
+    assert seq.start == 12 and seq.restore_checkpoint >= 0
+
+
 def test_copy_runs_group_consecutive_pages_and_slots():
     from moetier.engine.kv_moves import runs
 

@@ -11,12 +11,12 @@ from moetier.quant.rows import RowLayout
 
 
 def test_registry_lists_each_format_once_under_its_name():
-    assert QUANTS == (None, "fp8") and list(FORMATS) == ["fp8"]
+    assert QUANTS == (None, "fp8", "nvfp4", "int4", "int4-g32") and list(FORMATS) == list(QUANTS[1:])
     assert get("fp8") is fp8_block.FORMAT
-    with pytest.raises(ValueError, match="unknown weight format 'nvfp4'"):
-        get("nvfp4")
+    with pytest.raises(ValueError, match="unknown weight format 'mxfp4'"):
+        get("mxfp4")
     with pytest.raises(ValueError, match="unknown expert quantization"):
-        RowLayout(64, 32, "int4")
+        RowLayout(64, 32, "int8")
 
 
 @pytest.mark.parametrize("hidden, inter, row, s13, s2", [

@@ -140,13 +140,16 @@ def bed_dtype(bed: Bed) -> str:
     (FP8 experts, dense in the model dtype), or the model dtype (bf16, float32)."""
     if bed.cfg.quant == "fp8":
         return "fp8-dense" if bed.cfg.dense_quant == "fp8" else "fp8"
+    if bed.cfg.quant is not None:  # 4-bit experts: the format's name
+        return bed.cfg.quant
     return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
 
 
 def make_bed(cfg: ModelConfig, dtype: str, seed: int) -> Bed:
     """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
     dense projections, layers/fp8_linear.py)."""
-    return random_bed(cfg, seed, quant=None if dtype == "bf16" else "fp8", fp8_dense=dtype == "fp8-dense")
+    quant = None if dtype == "bf16" else "fp8" if dtype == "fp8-dense" else dtype  # nvfp4, int4: 4-bit experts
+    return random_bed(cfg, seed, quant=quant, fp8_dense=dtype == "fp8-dense")
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
@@ -231,7 +234,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
             r["dtype"] = label
             refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=not backend_kind(backend).host_compute)
         print(table(rows[-len(batches):]), flush=True)
-    if "hf" in backends and bed.cfg.quant != "fp8":  # the transformers peer runs bf16 experts only
+    if "hf" in backends and bed.cfg.quant is None:  # the transformers peer runs bf16 experts only
         for budget in budgets:
             got = bench_hf(bed, trace, budget, [b for b in batches if b <= 8], args, bw)
             for r in got:

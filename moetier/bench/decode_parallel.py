@@ -86,7 +86,7 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
 
     device, model_dtype = args.get("device", "cuda"), args.get("model_dtype", "bfloat16")
     random = RandomModel(args["preset"], args.get("layers"), backend, budget, args["policy"], args["seed"],
-                         "fp8" if dtype == "fp8" else None, args.get("expert_split", "auto"))
+                         None if dtype == "bf16" else dtype, args.get("expert_split", "auto"))
     prompt_len, most = args["prompt_len"], max(batches)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=most, decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, most * prompt_len),

@@ -13,7 +13,7 @@ def row_name(r: dict) -> str:
     par = r.get("parallel", "1")
     name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
     key = f"{name}@{r['budget']}/b{r['batch']}" if r.get("budget") is not None else f"{name}/b{r['batch']}"
-    return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "") + ("" if par == "1" else "/" + par)
+    return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "") + ("" if par == "1" else "/" + par)
 
 
 def check_tokens(rows: list[dict]) -> dict[str, bool]:
@@ -82,16 +82,18 @@ def phases_line(hyb: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
-    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, and
-    FP8 dense over dequantized dense (fp8-dense over fp8)."""
+    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, FP8
+    dense over dequantized dense (fp8-dense over fp8), and each 4-bit format over FP8 and over bf16
+    (issue 30's targets are both)."""
     by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
     out = []
+    four = ("fp8", "bf16")
     for (backend, budget, batch, dtype), tok_s in by.items():
-        over = {"fp8": "bf16", "fp8-dense": "fp8"}.get(dtype)
-        base = by.get((backend, budget, batch, over))
-        if base:
-            where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
-            out.append(f"{dtype}/{over} {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
+        for over in {"fp8": ("bf16",), "fp8-dense": ("fp8",), "nvfp4": four, "int4": four, "int4-g32": four}.get(dtype, ()):
+            base = by.get((backend, budget, batch, over))
+            if base:
+                where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")
+                out.append(f"{dtype}/{over} {where} b{batch}: {tok_s / base:.2f}x ({tok_s:.1f} / {base:.1f} tok/s)")
     return out
 
 

@@ -15,7 +15,7 @@ import math
 import torch
 
 from moetier.bench.common import GB, links, record, time_eager, time_graph
-from moetier.checkpoint.random_bed import fill_fp8_rows
+from moetier.checkpoint.random_bed import fill_4bit_rows, fill_fp8_rows
 from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
 from moetier.experts.kernels.gemm_config import SWEEP, GemmConfig
 from moetier.experts.kernels.grouped_gemm import grouped_expert_mlp
@@ -66,12 +66,13 @@ def uniform_stream(experts: int, top_k: int, steps: int, tokens: int, seed: int)
 def fill_rows(host: torch.Tensor, layout: RowLayout, seed: int) -> None:
     """Random experts: bf16 rows tiled from one block (fill_random); FP8 rows quantized on the GPU
     from random bf16, 16 experts at a time (random bytes would hold NaNs)."""
-    if layout.quant != "fp8":
+    if layout.quant is None:
         fill_random(host, seed)
         return
     g = torch.Generator("cuda").manual_seed(seed)
+    fill = fill_fp8_rows if layout.quant == "fp8" else fill_4bit_rows  # 4-bit: quantized the same way
     for a in range(0, host.shape[0], 16):
-        fill_fp8_rows(host[a:a + 16], layout, g)
+        fill(host[a:a + 16], layout, g)
 
 
 def bench_shape(name: str, steps: int, hits: list[float], slot_frac: float, tune: bool, seed: int = 0,
@@ -251,8 +252,8 @@ def run(presets: list[str], steps: int, hits: list[float], slot_frac: float, tun
     results = {"steps": steps, "shapes": {}}
     for name in presets:
         for dt in dtypes:
-            quant = "fp8" if dt == "fp8" else None
-            key = name if quant is None else f"{name} fp8"
+            quant = None if dt == "bf16" else dt
+            key = name if quant is None else f"{name} {quant}"
             results["shapes"][key] = bench_shape(name, steps, hits, slot_frac, tune, policy=policy, extras=extras,
                                                  quant=quant)
             torch.cuda.empty_cache()

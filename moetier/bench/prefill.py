@@ -287,7 +287,7 @@ def row_name(r: dict) -> str:
     # records from before the policy and stream options ran bypass and uva, what the names then say
     policy, stream = r.get("prefill_cache") or "bypass", r.get("prefill_stream") or "uva"
     name = r["backend"] if r["budget"] is None else f"{r['backend']}@{r['budget']}/{policy}/{stream}"
-    return f"{name}/pp{r['prompt_len']}x{r['batch']}" + (f"/{r['dtype']}" if str(r.get("dtype")).startswith("fp8") else "")
+    return f"{name}/pp{r['prompt_len']}x{r['batch']}" + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "")
 
 
 def table(rows: list[dict]) -> str:

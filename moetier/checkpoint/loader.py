@@ -34,8 +34,9 @@ import torch
 from safetensors import safe_open
 
 from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8, require_fp8, with_dense
+from moetier.checkpoint import quant4_weights as quant4
 from moetier.checkpoint.index import Checkpoint
-from moetier.checkpoint.validate import validate
+from moetier.checkpoint.validate import model_weights, validate
 from moetier.config import ModelConfig
 from moetier.models.registry import config_from_dir
 from moetier.errors import MoetierError
@@ -47,6 +48,8 @@ from moetier.models.mtp import with_mtp
 from moetier.models.registry import model_class
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
+from moetier.quant import quant_config as qconfig
+from moetier.quant.registry import PACKED4
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -87,6 +90,8 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                  rows: dict[int, torch.Tensor], progress: Callable[[int, int], None] | None = None) -> int:
     """Copy every weight into its destination, shard by shard. Returns the tensors copied.
     progress(bytes read, bytes in all) after each tensor (checkpoint bytes, before dtype conversion)."""
+    cfg = model.cfg
+    four = cfg.quant in PACKED4
     by_file: dict[str, list[Weight]] = {}
     for w in weights:
         by_file.setdefault(ckpt.tensors[w.name].file, []).append(w)
@@ -108,6 +113,11 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                 elif w.expert is not None:
                     if not copy_expert(placement, rows, w, tensor):
                         done -= 1  # another rank's expert: not read, not counted as copied
+                elif four:  # 4-bit dense codes dequantized with their scales (checkpoint/quant4_weights.py)
+                    if (dest := model.param(quant4.param_name(cfg, w.name))) is not None:
+                        with torch.no_grad():
+                            dest.copy_(shard(quant4.read_dense(tensor, ckpt, cfg, w.name, dest.dtype), w,
+                                             placement.par))
                 elif isinstance(dest := model.param(w.name), (Fp8Weight, Fp8Rows)):
                     q, scale = read_fp8(tensor, ckpt, w.name)
                     (dest.rows() if isinstance(dest, Fp8Weight) else dest).copy_(
@@ -150,12 +160,14 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
         if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
             full = tensor(w.name)
             src = full if par.ep == 1 else full[par.ep_rank::par.ep]
-            lay.part(rows[x.layer], x.part, None).copy_(mine(src))
+            dest = lay.part(rows[x.layer], x.part, None)
+            dest.copy_(mine(quant4.to_row(w.name, src, dest)))
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
-        lay.part(rows[x.layer], x.part, local).copy_(mine(tensor(w.name)))
+        dest = lay.part(rows[x.layer], x.part, local)
+        dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest)))
         return True
 
 
@@ -202,7 +214,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
     cfg = with_mtp(with_dense(config_from_dir(path), fp8_dense), mtp)
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
-    weights = validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))  # before allocating
+    weights = validate(cfg, ckpt, model_weights(cfg, ckpt))  # before allocating
     model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens,
                                          parallel)
     check_fp8_dense(model, ckpt, weights)  # before a byte is read
@@ -221,12 +233,24 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
         notes.append(f"routed experts stay FP8: {lay.row_bytes(torch_dtype)} bytes per expert row (weights and "
                      f"block scales; {lay.w13_numel + lay.w2_numel} weight bytes); {kept}other float8 weights "
                      f"dequantized to {str(torch_dtype).removeprefix('torch.')} at load")
+    if cfg.quant in PACKED4:
+        lay = placement.layout
+        notes.append(f"routed experts stay {cfg.quant}: {lay.row_bytes(torch_dtype)} bytes per expert row (codes "
+                     f"and scales; {lay.row_bytes(torch_dtype) / (3 * lay.hidden * lay.inter):.4f} B per weight), "
+                     "computed weight-only (W4A16: dequantized in registers, activations in "
+                     f"{str(torch_dtype).removeprefix('torch.')}); other 4-bit weights dequantized at load")
+        if qconfig.activation_scales(cfg.quant_config) or any(
+                n.rsplit(".", 1)[-1].endswith(quant4.ACTIVATION_SCALES) for n in ckpt.tensors):
+            notes.append("the checkpoint carries activation scales (W4A4 calibration): they are never read; "
+                         "every 4-bit path here is weight-only (W4A16)")
     return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes, notes, dense)
 
 
 def check_fp8_dense(model: CausalLM, ckpt: Checkpoint, weights: list[Weight]) -> None:
     """Every weight the model holds in FP8 must be float8 in the checkpoint (published FP8 checkpoints
     store all dense projections so); one clear error otherwise, before loading."""
+    if model.cfg.quant in PACKED4:
+        return  # 4-bit dense weights are always dequantized at load
     for w in weights:
         if w.expert is None and not is_dense_scale(w) and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)):
             require_fp8(ckpt, w.name)

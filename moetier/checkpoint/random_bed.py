@@ -40,6 +40,9 @@ from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
+from moetier.quant import int4, nvfp4
+from moetier.quant.quant_config import example
+from moetier.quant.registry import FORMATS
 from moetier.tokenizer import Tokenizer
 from moetier.tokenizer.synthetic import write_tokenizer
 
@@ -100,14 +103,14 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
                split: str = "auto") -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
-    rows when quant is "fp8"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
+    rows when quant is "fp8", 4-bit rows for "nvfp4", "int4", "int4-g32"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
     rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert."""
     from moetier.checkpoint.fp8_weights import with_dense
 
     if quant is not None:
-        if quant != "fp8":
-            raise ValueError(f"unknown expert quantization {quant!r}; only fp8")
-        cfg = dataclasses.replace(cfg, quant=quant, quant_config=dict(fp8.QUANT_CONFIG))
+        if quant not in FORMATS:
+            raise ValueError(f"unknown expert quantization {quant!r}; one of {', '.join(FORMATS)}")
+        cfg = dataclasses.replace(cfg, quant=quant, quant_config=example(quant))
     cfg = with_dense(cfg, "fp8" if fp8_dense else "dequantize")
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
@@ -139,6 +142,8 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                 tmp = torch.empty(b - a, layout.numel, dtype=rows.dtype, device=device)
                 if layout.quant == "fp8":
                     fill_fp8_rows(tmp, layout, g, dtype)
+                elif layout.quant is not None:
+                    fill_4bit_rows(tmp, layout, g, dtype)
                 else:
                     tmp.normal_(0.0, 0.02, generator=g)
                 if split == "columns":  # ep is 1 here
@@ -163,6 +168,21 @@ def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.d
     for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
         w = torch.empty(rows.shape[0], *shape, dtype=dtype, device=g.device).normal_(0.0, 0.02, generator=g)
         q, scale = fp8.quantize(w)
+        layout.part(rows, part).copy_(q)
+        layout.part(rows, part + "_scale").copy_(scale)
+
+
+def fill_4bit_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
+    """4-bit rows [N, R] (NVFP4, INT4) of random experts: each projection drawn as N(0, 0.02) in `dtype`,
+    quantized by the format's rule (quant/nvfp4.quantize, quant/int4.quantize), written with its scales."""
+    h, i = layout.hidden, layout.inter
+    for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        w = torch.empty(rows.shape[0], *shape, dtype=dtype, device=g.device).normal_(0.0, 0.02, generator=g)
+        if layout.quant == "nvfp4":
+            q, scale, s2 = nvfp4.quantize(w)
+            layout.part(rows, part + "_scale_2").copy_(s2)
+        else:
+            q, scale = int4.quantize(w, layout.group)
         layout.part(rows, part).copy_(q)
         layout.part(rows, part + "_scale").copy_(scale)
 

@@ -11,11 +11,13 @@ import re
 from collections import Counter
 
 from moetier.checkpoint.fp8_weights import with_scales
+from moetier.checkpoint.quant4_weights import with_tensors
 from moetier.checkpoint.index import Checkpoint
 from moetier.config import ModelConfig
 from moetier.errors import CheckpointError, problem_list
 from moetier.models.base import Weight
 from moetier.quant.fp8_block import FP8_CODE
+from moetier.quant.registry import PACKED4
 
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 # Tensors some exporters add that carry nothing we need.
@@ -58,10 +60,25 @@ def root_causes(cfg: ModelConfig, ckpt: Checkpoint, misshapen: list[tuple[str, t
     return out
 
 
+def model_weights(cfg: ModelConfig, ckpt: Checkpoint) -> list[Weight]:
+    """The model's checkpoint_weights() for this checkpoint's names (compressed-tensors' `W_packed`
+    codes count as `W` where the model asks which layout is present: fused or per-expert)."""
+    from moetier.models.registry import model_class
+
+    names = set(ckpt.tensors)
+    if cfg.quant in PACKED4:
+        names |= {n.removesuffix("_packed") for n in names}
+    return model_class(cfg).checkpoint_weights(cfg, names)
+
+
 def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[Weight]:
     """Check every tensor against the model's list; returns the expected weights that are present
-    (for FP8 checkpoints with their `*_scale_inv` block scales, checkpoint/fp8_weights.py)."""
-    weights, fp8_problems = with_scales(cfg, ckpt, weights)
+    (for FP8 checkpoints with their `*_scale_inv` block scales, checkpoint/fp8_weights.py; for 4-bit
+    ones their codes and scales, checkpoint/quant4_weights.py)."""
+    if cfg.quant in PACKED4:
+        weights, fp8_problems, vouched = with_tensors(cfg, ckpt, weights)
+    else:
+        (weights, fp8_problems), vouched = with_scales(cfg, ckpt, weights), set()
     want = {w.name: w for w in weights}
     present = set(ckpt.tensors)
     missing = sorted(n for n, w in want.items() if n not in present and not w.optional)
@@ -71,11 +88,11 @@ def validate(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> list[
         info = ckpt.tensors[name]
         if info.shape != want[name].shape and not want[name].skipped:
             misshapen.append((name, want[name].shape, info.shape))
-        if info.dtype not in FLOAT_DTYPES and not (info.dtype == FP8_CODE and cfg.quant == "fp8"):
+        if info.dtype not in FLOAT_DTYPES and not (info.dtype == FP8_CODE and cfg.quant == "fp8") and name not in vouched:
             dtypes.append(f"{info.file}: {name} has dtype {info.dtype}; only float32, bfloat16 and float16 "
                           "weights are supported, and float8_e4m3fn in FP8 checkpoints")
     # float8 tensors without quantization_config: that one cause explains every scale and dtype line
-    lead = fp8_problems if cfg.quant != "fp8" else []
+    lead = fp8_problems if cfg.quant is None else []
     dtypes += [p for p in fp8_problems if p not in lead]
     if missing or unexpected or misshapen or dtypes:
         causes = lead + root_causes(cfg, ckpt, misshapen, unexpected, missing)

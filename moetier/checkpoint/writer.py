@@ -7,7 +7,9 @@ whatever the shard size or expert layout.
 --dtype fp8 writes a block-scaled FP8 checkpoint (checkpoint/fp8_weights.py): the same random bf16
 tensors, every projection quantized by the block rule of quant/fp8_block.py into float8_e4m3fn plus its
 `_scale_inv`, written next to each other; embeddings, norms, routers and lm_head stay bf16; config.json
-gets torch_dtype bfloat16 and quantization_config.
+gets torch_dtype bfloat16 and quantization_config. --dtype nvfp4 | int4 | int4-g32 writes the 4-bit
+layouts of ModelOpt and compressed-tensors the same way (checkpoint/quant4_writer.py; --format picks
+NVFP4's layout).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from moetier import presets
+from moetier.checkpoint import quant4_writer as quant4
 from moetier.checkpoint.loader import DTYPES
 from moetier.checkpoint.safetensors_io import StreamingWriter
 from moetier.config import ModelConfig
@@ -31,6 +34,7 @@ from moetier.models.registry import model_class
 from moetier.quant import fp8_block as fp8
 from moetier.quant.fp8_block import checkpoint_config as fp8_config
 from moetier.quant.fp8_block import quantizable, scale_name
+from moetier.quant.registry import PACKED4
 from moetier.tokenizer import Tokenizer
 from moetier.tokenizer.synthetic import write_tokenizer
 
@@ -123,14 +127,19 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, seed: int = 0,
                     dtype: str = "bf16", fused_experts: bool = False, shard_bytes: int = 4 * 2**30,
                     progress: Callable[[int, int], None] | None = None, overwrite: bool = False,
-                    mtp_layers: int | None = None) -> Path:
+                    format: str | None = None, mtp_layers: int | None = None) -> Path:
     """mtp_layers: the DeepSeek-V3 family's MTP layers to write (num_nextn_predict_layers; presets.py)."""
     quant = dtype == "fp8"
-    if dtype not in DTYPES and not quant:
-        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16, float16 or fp8")
+    four = dtype in PACKED4
+    if dtype not in DTYPES and not quant and not four:
+        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16, float16, fp8, nvfp4, int4 or "
+                           "int4-g32")
+    if format is not None and not four:
+        raise MoetierError(f"--format {format} names a 4-bit layout; it goes with --dtype nvfp4, int4 or int4-g32")
+    layout = quant4.check(dtype, format) if four else None
     if not shard_bytes > 0:
         raise MoetierError(f"the shard size must be positive, got {shard_bytes} bytes")
-    torch_dtype = torch.bfloat16 if quant else DTYPES[dtype]  # fp8: quantized from random bf16
+    torch_dtype = torch.bfloat16 if quant or four else DTYPES[dtype]  # fp8, 4-bit: quantized from random bf16
     d = presets.preset_dict(preset, layers, dtype=str(torch_dtype).removeprefix("torch."), mtp_layers=mtp_layers)
     text = d.get("text_config", d)  # a multimodal config keeps the language model's fields there
     if quant and fused_experts and text["moe_intermediate_size"] % fp8.BLOCK:
@@ -150,11 +159,15 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     plan = tensor_plan(with_mtp(cfg, bool(mtp_layers)), fused_experts)  # the MTP layers' weights written too
     if quant:
         cfg = config_from_dict(fp8_config(d, [n for n, _ in plan]), source=f"preset {preset}")
+    if four:
+        cfg = config_from_dict(quant4.config(d, [n for n, _ in plan], dict(plan), dtype, layout),
+                               source=f"preset {preset}")
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": text["eos_token_id"], "do_sample": False}, indent=2) + "\n")
 
-    units = [_entries(n, s, torch_dtype, quant) for n, s in plan]
+    units = [quant4.entries(n, s, torch_dtype, dtype, layout) if four else _entries(n, s, torch_dtype, quant)
+             for n, s in plan]
     shards = list(_shards(units, shard_bytes))
     total = sum(_nbytes(u) for u in units)
     files = ["model.safetensors"] if len(shards) == 1 else [
@@ -163,13 +176,19 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     meta = {"format": "pt", "moetier_preset": preset, "moetier_seed": str(seed)}
     for file, shard in zip(files, shards):
         with StreamingWriter(out / file, shard, meta) as w:
+            planned = dict(plan)
             for name, dtype_, shape in shard:
-                if name.endswith(fp8.SCALE_SUFFIX):
+                if name.endswith(fp8.SCALE_SUFFIX) or (four and name not in planned and
+                                                       not (name.endswith("_packed") and name[:-7] in planned)):
                     continue  # written with its weight, which comes right before it
-                fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                t = (_fused if fused else random_tensor)(name, shape, seed, torch_dtype)
+                base = name.removesuffix("_packed") if four and name not in planned else name
+                shape = planned.get(base, shape)
+                fused = base.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                t = (_fused if fused else random_tensor)(base, shape, seed, torch_dtype)
                 parts = [(name, t)]
-                if dtype_ == fp8.FP8:
+                if four and dtype_ != torch_dtype:
+                    parts = quant4.tensors(base, t, dtype, layout)
+                elif dtype_ == fp8.FP8:
                     q, scale = fp8.quantize(t)
                     parts = [(name, q), (scale_name(name), scale)]
                 for n, x in parts:

@@ -115,6 +115,7 @@ def generate(
             "finish_reason": result.finish_reason,
             "stop": result.stop,
             "timings": {**result.timings, "load_s": gen.load_report.seconds},
+            "load_notes": gen.load_report.notes,
             "experts": gen.llm.metrics()["expert_stats"],
             "plan": plan.as_dict(),
             "audit": gen.llm.audits,
@@ -236,8 +237,11 @@ def make_checkpoint_cmd(
     out: str = typer.Option(..., "--out", metavar="<dir>", help="Directory to write (must be empty or absent)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers of the preset."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, in [0, 2^63)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, or fp8 (block-scaled float8 e4m3 with "
-                       "128 x 128 scales, quantized from random bf16; docs/fp8.md)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, fp8 (block-scaled float8 e4m3 with "
+                       "128 x 128 scales, quantized from random bf16; docs/fp8.md), nvfp4, int4 or int4-g32 "
+                       "(4-bit weight-only, groups of 16, 128 or 32)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="Layout of --dtype nvfp4: modelopt (the default) or "
+                                      "compressed-tensors (INT4 is always compressed-tensors)."),
     fused_experts: bool = typer.Option(False, "--fused-experts",
                                        help="Store experts fused (transformers 5 layout) instead of per expert."),
     shard_gib: float = typer.Option(4.0, "--shard-size-gib", help="Largest shard, in GiB (2^30 bytes)."),
@@ -255,7 +259,8 @@ def make_checkpoint_cmd(
             if not 0 <= seed < 2**63:  # as generate's --seed
                 raise MoetierError(f"--seed {seed}: it must be in [0, 2^63)")
             path = make_checkpoint(Path(out), preset, layers=layers, seed=seed, dtype=dtype, fused_experts=fused_experts,
-                                   shard_bytes=int(shard_gib * 2**30), overwrite=overwrite, progress=bar)
+                                   shard_bytes=int(shard_gib * 2**30), overwrite=overwrite, progress=bar,
+                                   format=fmt)
         except MoetierError as e:
             bar.stop()
             opt.fail(e)

@@ -38,7 +38,7 @@ def need_modules(*names: str, why: str) -> None:
         raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
 
 
-EXPERT_DTYPES = ("bf16", "fp8")
+EXPERT_DTYPES = ("bf16", "fp8", "nvfp4", "int4", "int4-g32")  # nvfp4, int4: 4-bit weight-only experts
 WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
 
 
@@ -49,7 +49,8 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
     if bad or not names or len(set(names)) != len(names):
         dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
         raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
-                           f"block-scaled e4m3 experts, dense weights bf16{dense})")
+                           f"block-scaled e4m3 experts; nvfp4, int4, int4-g32: 4-bit weight-only experts; dense "
+                           f"weights bf16{dense})")
     return names
 
 

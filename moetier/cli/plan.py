@@ -79,6 +79,23 @@ def predict(plan, cfg, trace, policy: str) -> dict:
             "physics": f"HBM {phys.hbm_GBps:.0f} GB/s, link {phys.link_GBps:.1f} GB/s, H200 figures"}
 
 
+def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
+    """--dtype fp8 | nvfp4 | int4 | int4-g32 with --preset: the preset with its routed experts in that
+    format (rows counted exactly, quant/rows.RowLayout) and dense weights in bf16, as such a checkpoint
+    loads; -> (cfg, the model dtype). Other --dtype values pass through."""
+    import dataclasses
+
+    from moetier.quant.quant_config import example
+    from moetier.quant.registry import FORMATS
+
+    if dtype not in FORMATS:
+        return cfg, dtype
+    if from_checkpoint:
+        raise MoetierError(f"--dtype {dtype}: a checkpoint's weight format is its own (config.json); with --model, "
+                           "--dtype is the model dtype (auto, bfloat16, float16, float32)")
+    return dataclasses.replace(cfg, quant=dtype, quant_config=example(dtype)), "bfloat16"
+
+
 def plan_cmd(
     model: opt.Model = None,
     preset: Optional[str] = typer.Option(None, "--preset", metavar="<name>", help="A named shape instead of --model."),
@@ -135,6 +152,7 @@ def plan_cmd(
             check_shards(model_dir_of(model), cfg)  # plan what generate would load: a truncated shard is refused
         else:
             cfg = presets.preset(preset, layers)
+        cfg, dtype = quantized_preset(cfg, dtype, model is not None)
         tdtype = resolve_dtype(dtype, cfg)
         loaded = None
         if trace is not None:

@@ -20,6 +20,7 @@ LRU holds exactly the occupied slots; pinned and pending-copy slots are occupied
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ class KVHostTier:
         if capacity < 1:
             raise ValueError(f"the host KV tier needs at least one page of capacity, got {capacity}")
         self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))  # a stack: the lowest slots go out first
+        self._free = list(range(capacity))  # a min-heap: the lowest free slots go out first (runs, as pages.py)
         self._slot_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
@@ -93,11 +94,28 @@ class KVHostTier:
         if not self._free and not self._evict_one():
             self.metrics.rejected += 1
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._slot_of[page_hash], self._hash_of[slot] = slot, page_hash
         self._lru[slot] = None
         self._to_host[slot] = gpu_page
         return slot
+
+    def store_many(self, pages: list[tuple[bytes, int]]) -> None:
+        """store() each (page_hash, gpu_page) in the given order (the host's recency follows it), then
+        give the slots written here to the pages in ascending GPU-page order: the cache evicts a chain
+        leaf first, and ascending slots along ascending pages make one copy run (engine/kv_moves.py)."""
+        fresh = [(h, p, slot) for h, p in pages if (slot := self.store(h, p)) is not None]
+        fresh = [(h, p, slot) for h, p, slot in fresh if self._hash_of.get(slot) == h and slot not in self._pinned]
+        if len(fresh) < 2:
+            return
+        slots = sorted(slot for _, _, slot in fresh)
+        for slot in slots:
+            del self._lru[slot]
+        by_page = {h: slot for (h, _, _), slot in zip(sorted(fresh, key=lambda f: f[1]), slots)}
+        for h, p, _ in fresh:  # recency in the order stored
+            slot = by_page[h]
+            self._slot_of[h], self._hash_of[slot], self._to_host[slot] = slot, h, p
+            self._lru[slot] = None
 
     def _evict_one(self) -> bool:
         victim = next((s for s in self._lru if s not in self._pinned), None)
@@ -107,7 +125,7 @@ class KVHostTier:
         h = self._hash_of.pop(victim)
         del self._slot_of[h]
         self._to_host.pop(victim, None)  # its copy had not run: nothing to write any more
-        self._free.append(victim)
+        heapq.heappush(self._free, victim)
         self._dropped.append(h)
         self.metrics.evictions += 1
         return True
@@ -136,7 +154,7 @@ class KVHostTier:
 
     def take_copies(self) -> CopyPlan:
         """The copies planned since the last call, for this step's runner; unpins the loaded slots."""
-        plan = CopyPlan(sorted((p, s) for s, p in self._to_host.items()), self._to_gpu)
+        plan = CopyPlan(sorted((p, s) for s, p in self._to_host.items()), sorted(self._to_gpu))
         self._to_host, self._to_gpu = {}, []
         self._pinned.clear()
         self.metrics.pages_to_host += len(plan.to_host)

@@ -96,13 +96,12 @@ class LLM:
                  experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
                  progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
                  rank_plans: Any = None, **options: Any):
-        """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of
-        EngineConfig (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len,
-        decode_tokens, cuda_graphs, record_trace, replay_trace, trace_meta, fp8_dense) over `config`.
-        plan: the memory plan preflight made (moetier/plan); on CUDA it is audited after loading and
-        after graph capture (self.audits; each printed through on_audit). progress(bytes, total): loading.
-        rank_plans: with several ranks, each rank's memory share (plan/nodes.RankPlans), checked against
-        every node's free memory before any rank loads."""
+        """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of EngineConfig
+        (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len, decode_tokens, cuda_graphs,
+        record_trace, replay_trace, trace_meta, fp8_dense) over `config`. plan: the memory plan preflight
+        made (moetier/plan); on CUDA audited after loading and after graph capture (self.audits; each, and
+        each load note, through on_audit). progress(bytes, total): loading. rank_plans: with several ranks,
+        each rank's memory share (plan/nodes.RankPlans), checked against every node's free memory first."""
         config = EngineConfig.of(config, **options)
         self.chunk_reason = None
         if config.max_num_tokens is None and plan is not None:  # the chunk the memory plan counted
@@ -134,6 +133,8 @@ class LLM:
             if self._workers is not None:
                 self._workers.stop(graceful=False)
             raise
+        for note in self.load_report.notes if on_audit else ():  # once each (4-bit: W4A16, input scales unread)
+            on_audit(f"load: {note}")
         self._audit("after load", baseline)
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
         self._audit("after graph capture", baseline)
@@ -242,8 +243,7 @@ class LLM:
         self.kv = engine_kv(spec, config, model.dtype, model.device)
         moves = engine_moves(self.kv, config, spec, model.dtype)
         self.scheduler = engine_scheduler(config, spec, model.dtype, moves, max_len, self.cfg.model_type)
-        self.kv_page_bytes = page_bytes(self.kv)
-        self.outputs = OutputProcessor(tokenizer)
+        self.kv_page_bytes, self.outputs = page_bytes(self.kv), OutputProcessor(tokenizer)
         self.recorder = self.replayer = None
         if config.record_trace is not None:  # no graphs then (graphs.captures)
             from moetier.traces.hooks import Recorder

@@ -3,6 +3,8 @@ the pool for pages before a step; the device pool itself is layers/kv_cache.py."
 
 from __future__ import annotations
 
+import heapq
+
 
 class PagePool:
     """Free list and owners of the pages; check() is the integrity test of the two."""
@@ -11,7 +13,9 @@ class PagePool:
         if num_pages < 1:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go out first
+        # a min-heap: the lowest free ids go out first, so a request's pages (and the host tier's copies
+        # of them, engine/kv_moves.py) form runs of consecutive ids however the pool was churned
+        self._free = list(range(num_pages))
         self._owner: dict[int, str] = {}
 
     @property
@@ -31,7 +35,7 @@ class PagePool:
     def allocate(self, n: int, owner: str) -> list[int]:
         if not self.can_allocate(n):
             raise RuntimeError(f"asked for {n} pages with {len(self._free)} free; call can_allocate first")
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._owner[p] = owner
         return pages
@@ -41,7 +45,7 @@ class PagePool:
             if self._owner.get(p) != owner:
                 raise RuntimeError(f"page {p} is owned by {self._owner.get(p)!r}, not {owner!r}")
             del self._owner[p]
-            self._free.append(p)
+            heapq.heappush(self._free, p)
 
     def check(self) -> None:
         """free + used == total, no page both free and owned, no page free twice."""

@@ -72,6 +72,10 @@ class PrefixHit:
     num_tokens: int = 0  # tokens the hit covers: their prefill is skipped
     num_query_tokens: int = 0  # tokens matched against
     checkpoint: int | None = None  # the state checkpoint at the hit's end (checkpointed models)
+    # checkpointed models: tokens of cached KV pages before the cut back to the last checkpoint; a
+    # request with more of them than num_tokens ends its first chunk there and saves the missing
+    # checkpoint, so the next request over the same prefix resumes from it (engine/scheduler.py)
+    kv_tokens: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -159,6 +163,7 @@ class PrefixCache:
             hit.hashes.append(h)
             hit.gpu_pages.append(page)
             parent = h
+        hit.kv_tokens = len(hit.hashes) * ps
         if self.checkpoints:
             keep = max((i + 1 for i, h in enumerate(hit.hashes) if h in self._checkpoint_of), default=0)
             del hit.hashes[keep:], hit.gpu_pages[keep:]
@@ -247,16 +252,18 @@ class PrefixCache:
     def evict(self, n: int) -> list[int]:
         """Evict up to n evictable pages, least recently used first, to the host tier if any; their ids
         go back to the pool's free list and are returned."""
-        out = []
-        while len(out) < n and self._lru:
+        victims = []
+        while len(victims) < n and self._lru:
             p, _ = self._lru.popitem(last=False)
             h = self._hash_of.pop(p)
             del self._page_of[h]
-            if self.host is not None:
-                self.host.store(h, p)
+            victims.append((h, p))
+        if self.host is not None:
+            self.host.store_many(victims)
+        for h, _ in victims:
             if self.host is None or h not in self.host:
                 self._drop_checkpoint(h)
-            out.append(p)
+        out = [p for _, p in victims]
         if self.host is not None:
             for h in self.host.take_dropped():
                 if h not in self._page_of and h not in self.host:  # it may have come back this call

@@ -168,6 +168,10 @@ class Scheduler:
             hit = self._match(req)
             start = hit.num_tokens  # tokens whose prefill is skipped: they cost no budget
             n = self._chunk(req, start, budget)
+            if self.checkpoints is not None and start < hit.kv_tokens < start + n:
+                # cached KV past the last checkpoint (a shared prefix whose requests diverge inside
+                # their first chunk): end the chunk at the KV's end, where a checkpoint is saved
+                n = hit.kv_tokens - start
             need = self._pages_for(start + n) - hit.num_pages
             if not self.cache.can_acquire(hit, need):
                 break  # FIFO: later arrivals do not jump the queue

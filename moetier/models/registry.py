@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetier.errors import ConfigError
+from moetier.quant import quant_config
 
 if TYPE_CHECKING:
     from moetier.config import ModelConfig
@@ -90,4 +91,14 @@ def config_from_dir(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{f} is not readable JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{f} must hold a JSON object")
+    hq = Path(path) / "hf_quant_config.json"  # ModelOpt's quantization file beside config.json
+    if "quantization_config" not in d and hq.is_file():
+        try:
+            qc = quant_config.from_hf_quant_config(json.loads(hq.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{hq} is not readable JSON: {e}") from None
+        if qc is None:
+            raise ConfigError(f"{hq} has no \"quantization\" object (ModelOpt writes quant_algo, group_size and "
+                              "exclude_modules there)")
+        d = {**d, "quantization_config": qc}
     return config_from_dict(d, source=str(f))

@@ -107,11 +107,10 @@ def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
 def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
     """Missing or unreadable shards, named, before any allocation (the loader's own checks, run early)."""
     from moetier.checkpoint.index import Checkpoint
-    from moetier.checkpoint.validate import validate
-    from moetier.models.registry import model_class
+    from moetier.checkpoint.validate import model_weights, validate
 
     ckpt = Checkpoint(model_dir)
-    validate(cfg, ckpt, model_class(cfg).checkpoint_weights(cfg, set(ckpt.tensors)))
+    validate(cfg, ckpt, model_weights(cfg, ckpt))
     for f in sorted({t.file for t in ckpt.tensors.values()}):
         try:
             with open(ckpt.path / f, "rb") as fh:

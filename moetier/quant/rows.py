@@ -1,10 +1,14 @@
 """Where each weight (and, for a quantized format, each scale) sits inside one routed expert's row.
 One expert is one contiguous row in every tier (host store, slots, device rows), so a fill moves one
 row and no scale is ever left behind. experts/shape.MoeShape hands out the layout of its experts;
-the format's byte offsets come from its quant/ file (FP8: fp8_block.row_offsets).
+the format's byte offsets come from its quant/ file (FP8: fp8_block.row_offsets; NVFP4 and INT4:
+quant/packed4.row_offsets, whose docstring has the 4-bit row's picture).
 
 Parts, the names the checkpoint loader copies into (RowLayout.part): the weights `gate`, `up`,
-`gate_up`, `down` and, for FP8 rows, their block scales `gate_scale`, ..., `down_scale`.
+`gate_up`, `down` (for 4-bit rows their packed codes), for quantized rows their scales
+`gate_scale`, ..., `down_scale` (FP8: block grids; 4-bit: group scales, one row per weight row) and,
+for NVFP4 rows, the float32 tensor scales `gate_scale_2`, `up_scale_2`, `gate_up_scale_2` (both),
+`down_scale_2`.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from moetier.quant import fp8_block as fp8
-from moetier.quant.registry import QUANTS, get
+from moetier.quant import int4, nvfp4
+from moetier.quant.registry import PACKED4, QUANTS, get
 
 WEIGHT_PARTS = ("gate", "up", "gate_up", "down")
-SCALE_PARTS = tuple(p + "_scale" for p in WEIGHT_PARTS)  # FP8 rows only: the parts' block scales
-PARTS = WEIGHT_PARTS + SCALE_PARTS
+SCALE_PARTS = tuple(p + "_scale" for p in WEIGHT_PARTS)  # quantized rows: the parts' scales
+GLOBAL_PARTS = tuple(p + "_scale_2" for p in WEIGHT_PARTS)  # NVFP4 rows: the parts' float32 tensor scales
+PARTS = WEIGHT_PARTS + SCALE_PARTS + GLOBAL_PARTS
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,10 @@ class RowLayout:
         [.., numel)               zero padding up to a multiple of 16 (at most 12 bytes)
     The padding exists only so that every row (rows sit back to back in a block) starts 16-byte
     aligned and its scales 4-byte aligned for float32 views; it is counted in row_bytes.
+
+    quant "nvfp4", "int4", "int4-g32": a row of bytes, codes packed two per byte, group scales in
+    the same row (quant/packed4.py draws it): NVFP4 0.5625 bytes per weight plus three float32
+    tensor scales, INT4 0.5 + 2/128 (or 2/32) bytes per weight, plus at most 31 bytes of padding.
     """
 
     hidden: int
@@ -51,12 +61,31 @@ class RowLayout:
             raise ValueError(f"unknown expert quantization {self.quant!r}; one of {QUANTS}")
 
     @property
-    def w13_numel(self) -> int:  # weights of gate_up (elements; bytes for fp8)
-        return 2 * self.inter * self.hidden
+    def packed4(self) -> bool:  # a 4-bit row (two codes per byte)
+        return self.quant in PACKED4
+
+    @property
+    def w13_numel(self) -> int:  # weights of gate_up (elements; bytes for quantized rows)
+        return 2 * self.inter * self.hidden // (2 if self.packed4 else 1)
 
     @property
     def w2_numel(self) -> int:
-        return self.hidden * self.inter
+        return self.hidden * self.inter // (2 if self.packed4 else 1)
+
+    @property
+    def group(self) -> int:
+        """Elements per scale along K of a 4-bit row (16 for NVFP4, 128 or 32 for INT4)."""
+        return nvfp4.GROUP if self.quant == "nvfp4" else int4.GROUPS[self.quant]
+
+    @property
+    def scale_dtype(self) -> torch.dtype:  # of a quantized row's scales
+        return {"fp8": torch.float32, "nvfp4": nvfp4.E4M3}.get(self.quant, int4.SCALE)
+
+    def offsets4(self) -> tuple[int, int, int, int]:
+        """(s13, s2, gs, row bytes) of a 4-bit row (quant/packed4.row_offsets)."""
+        if self.quant == "nvfp4":
+            return nvfp4.row_offsets(self.hidden, self.inter)
+        return int4.row_offsets(self.hidden, self.inter, self.group)
 
     @property
     def n_inter(self) -> int:  # 128-blocks along I
@@ -68,12 +97,12 @@ class RowLayout:
 
     @property
     def s13_offset(self) -> int:
-        """Byte offset of the gate_up scales in an fp8 row."""
-        return fp8.row_offsets(self.hidden, self.inter)[0]
+        """Byte offset of the gate_up scales in a quantized row."""
+        return self.offsets4()[0] if self.packed4 else fp8.row_offsets(self.hidden, self.inter)[0]
 
     @property
     def s2_offset(self) -> int:
-        return fp8.row_offsets(self.hidden, self.inter)[1]
+        return self.offsets4()[1] if self.packed4 else fp8.row_offsets(self.hidden, self.inter)[1]
 
     @property
     def numel(self) -> int:
@@ -90,35 +119,52 @@ class RowLayout:
         return self.numel * self.row_dtype(dtype).itemsize
 
     def w13(self, rows: torch.Tensor) -> torch.Tensor:
-        # rows [N, numel] -> [N, 2I, H] (a view; float8 for fp8 rows)
+        # rows [N, numel] -> [N, 2I, H] (a view; float8 for fp8 rows; uint8 [N, 2I, H/2] codes for 4-bit)
         w = rows[:, : self.w13_numel]
         if self.quant == "fp8":
             w = w.view(fp8.FP8)
-        return w.view(rows.shape[0], 2 * self.inter, self.hidden)
+        return w.view(rows.shape[0], 2 * self.inter, self.hidden // (2 if self.packed4 else 1))
 
     def w2(self, rows: torch.Tensor) -> torch.Tensor:
-        # rows [N, numel] -> [N, H, I] (a view; float8 for fp8 rows)
+        # rows [N, numel] -> [N, H, I] (a view; float8 for fp8 rows; uint8 [N, H, I/2] codes for 4-bit)
         w = rows[:, self.w13_numel: self.w13_numel + self.w2_numel]
         if self.quant == "fp8":
             w = w.view(fp8.FP8)
-        return w.view(rows.shape[0], self.hidden, self.inter)
+        return w.view(rows.shape[0], self.hidden, self.inter // (2 if self.packed4 else 1))
 
     def s13(self, rows: torch.Tensor) -> torch.Tensor:
-        # fp8 rows [N, numel] uint8 -> [N, 2, nI, nH] float32 (a view): gate's scales, then up's
-        self._need_fp8("gate_up scales")
+        # fp8 rows [N, numel] uint8 -> [N, 2, nI, nH] float32 (a view): gate's scales, then up's;
+        # 4-bit rows -> [N, 2I, ceil(H/g)] in scale_dtype (gate's rows, then up's)
         a, b = self.s13_offset, self.s2_offset
+        if self.packed4:
+            return rows[:, a:b].view(self.scale_dtype).view(rows.shape[0], 2 * self.inter, -1)
+        self._need_fp8("gate_up scales")
         return rows[:, a:b].view(torch.float32).view(rows.shape[0], 2, self.n_inter, self.n_hidden)
 
     def s2(self, rows: torch.Tensor) -> torch.Tensor:
-        # fp8 rows [N, numel] uint8 -> [N, nH, nI] float32 (a view)
-        self._need_fp8("down scales")
+        # fp8 rows [N, numel] uint8 -> [N, nH, nI] float32 (a view); 4-bit rows -> [N, H, ceil(I/g)]
         a = self.s2_offset
+        if self.packed4:
+            g = -(-self.inter // self.group)
+            return rows[:, a:a + self.scale_dtype.itemsize * self.hidden * g].view(self.scale_dtype).view(
+                rows.shape[0], self.hidden, g)
+        self._need_fp8("down scales")
         return rows[:, a:a + 4 * self.n_hidden * self.n_inter].view(torch.float32).view(
             rows.shape[0], self.n_hidden, self.n_inter)
 
+    def globals(self, rows: torch.Tensor) -> torch.Tensor:
+        # nvfp4 rows [N, numel] uint8 -> [N, 3] float32 (a view): gate's, up's and down's scale_2
+        if self.quant != "nvfp4":
+            raise ValueError(f"tensor scales: rows of quantization {self.quant!r} hold none (NVFP4 rows only)")
+        gs = self.offsets4()[2]
+        return rows[:, gs:gs + 4 * nvfp4.N_GLOBAL].view(torch.float32)
+
     def weights(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [N, numel] -> (w13 [N, 2I, H], w2 [N, H, I]) in `dtype`: views of unquantized rows,
-        dequantized copies of fp8 rows (fp8.dequantize, per projection: the CPU path and the oracle)."""
+        dequantized copies of quantized rows (the format's torch reference, per projection: the CPU
+        path and the oracle)."""
+        if self.packed4:
+            return self._weights4(rows, dtype)
         if self.quant != "fp8":
             return self.w13(rows), self.w2(rows)
         w13, s13, i = self.w13(rows), self.s13(rows), self.inter
@@ -126,14 +172,42 @@ class RowLayout:
         up = fp8.dequantize(w13[:, i:], s13[:, 1], dtype)
         return torch.cat([gate, up], dim=1), fp8.dequantize(self.w2(rows), self.s2(rows), dtype)
 
+    def _weights4(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, s13, w2, s2, i = self.w13(rows), self.s13(rows), self.w2(rows), self.s2(rows), self.inter
+        if self.quant != "nvfp4":
+            return int4.dequantize(w13, s13, dtype, self.group), int4.dequantize(w2, s2, dtype, self.group)
+        g = self.globals(rows)
+        gate = nvfp4.dequantize(w13[:, :i], s13[:, :i], g[:, 0], dtype)
+        up = nvfp4.dequantize(w13[:, i:], s13[:, i:], g[:, 1], dtype)
+        return torch.cat([gate, up], dim=1), nvfp4.dequantize(w2, s2, g[:, 2], dtype)
+
+    def _part4(self, sel: torch.Tensor, part: str) -> torch.Tensor:
+        # the [E, ...] view of a 4-bit row's part (see part)
+        i = self.inter
+        if part in GLOBAL_PARTS:
+            g = self.globals(sel)
+            return {"gate": g[:, 0], "up": g[:, 1], "gate_up": g[:, 0:2], "down": g[:, 2]}[part[:-8]]
+        scale = part.endswith("_scale")
+        base = part.removesuffix("_scale")
+        if base == "down":
+            return self.s2(sel) if scale else self.w2(sel)
+        v = self.s13(sel) if scale else self.w13(sel)
+        return v[:, :i] if base == "gate" else v[:, i:] if base == "up" else v
+
     def part(self, rows: torch.Tensor, part: str, expert: int | None = None) -> torch.Tensor:
         """The view a checkpoint tensor fills: `part` of one expert ([I, H] gate or up, [2I, H]
         gate_up, [H, I] down; for fp8 rows also their scales: [nI, nH] gate_scale or up_scale,
-        [2nI, nH] gate_up_scale, [nH, nI] down_scale), or of every expert at once when expert is
-        None ([E, ...])."""
+        [2nI, nH] gate_up_scale, [nH, nI] down_scale; for 4-bit rows the packed codes [I, H/2], ...,
+        their group scales [I, ceil(H/g)], ... and NVFP4's tensor scales: [] gate_scale_2, [2]
+        gate_up_scale_2), or of every expert at once when expert is None ([E, ...])."""
         if part not in PARTS:
             raise ValueError(f"unknown expert part {part!r}; one of {PARTS}")
         sel = rows if expert is None else rows[expert:expert + 1]
+        if self.packed4:
+            view = self._part4(sel, part)
+            return view if expert is None else view[0]
+        if part in GLOBAL_PARTS:
+            raise ValueError(f"expert part {part!r}: rows of quantization {self.quant!r} hold no tensor scales")
         i = self.inter
         if part == "down":
             view = self.w2(sel)

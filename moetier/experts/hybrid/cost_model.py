@@ -118,7 +118,7 @@ BENCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8":
 def rate_key(quant: str | None, dtype: object) -> str:
     """The key of PathRates.host_GBps for rows of this quantization and dtype: "fp8" for FP8 rows (their
     bytes are uint8), else the dtype's name without "torch." ("bfloat16")."""
-    return "fp8" if quant == "fp8" else str(dtype).removeprefix("torch.")
+    return quant if quant is not None else str(dtype).removeprefix("torch.")  # 4-bit rows: "nvfp4", "int4"
 
 
 def rates_from_bench(data: dict, link_GBps: float, threads: int | None = None) -> PathRates:

@@ -43,9 +43,10 @@ from moetier.quant.rows import RowLayout
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
 # the hybrid nodes mode's host-function node (hybrid_nodes.py), linked into the same library
 NODE_SOURCE = SOURCE.with_name("host_node.cpp")
+HEADERS = (SOURCE.with_name("host_decode.h"),)  # included by SOURCE: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared"]
-KINDS = {torch.bfloat16: 0, torch.float32: 1}  # plus FP8 rows (uint8, layout.quant "fp8"): 2
-FP8_KIND = 2
+KINDS = {torch.bfloat16: 0, torch.float32: 1}  # plus quantized rows (uint8), by layout.quant:
+QUANT_KINDS = {"fp8": 2, "nvfp4": 4, "int4": 6, "int4-g32": 8}  # each + 1: weights rounded to bf16 (csrc Kind)
 _LOADED: dict[tuple, ctypes.CDLL | Exception] = {}
 
 
@@ -90,10 +91,10 @@ def build(cxx: str, out_dir: Path) -> Path:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} cannot be run ({e}); set CXX") from None
     if version.returncode != 0:
         raise HostExtUnavailable(f"C++ compiler {cxx!r} failed on --version: {_one_line(version.stderr)}")
-    for source in (SOURCE, NODE_SOURCE):  # an install without its package data (pyproject's package-data)
+    for source in (SOURCE, NODE_SOURCE, *HEADERS):  # an install without its package data (pyproject's package-data)
         if not source.is_file():
             raise HostExtUnavailable(f"the kernel source {source} is missing from this install")
-    src = SOURCE.read_bytes() + b"\0" + NODE_SOURCE.read_bytes()
+    src = b"\0".join(f.read_bytes() for f in (SOURCE, NODE_SOURCE, *HEADERS))
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.stdout.encode(), cxx.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     lib = out_dir / f"host_experts-{key}.so"
@@ -165,19 +166,20 @@ def available() -> tuple[bool, str]:
 
 def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
     """The kernel's code for these rows, or None when it has none (the caller falls back to torch)."""
-    if layout.quant == "fp8":
-        return FP8_KIND if rows.dtype == torch.uint8 else None
+    if layout.quant is not None:  # FP8, NVFP4, INT4: byte rows
+        return QUANT_KINDS[layout.quant] if rows.dtype == torch.uint8 else None
     return KINDS.get(rows.dtype)
 
 
 def call_kind(rows: torch.Tensor, layout: RowLayout, bf16: bool) -> tuple[int, int, int]:
     """-> (kind, s13, s2): the kernel's code for these rows in a model of bf16 (True) or fp32 hidden
-    states (FP8 weights rounded to bf16 in a bf16 model), and the FP8 rows' scale offsets (else 0). Shared
+    states (quantized weights rounded to bf16 in a bf16 model), and the quantized rows' scale offsets
+    (else 0; NVFP4's tensor scales follow its down scales, csrc/host_decode.h). Shared
     by every caller of the kernel (_call, experts/hybrid/nodes.py's job), so they agree on the rounding."""
     kind = kind_of(rows, layout)
     if kind is None:
         raise ValueError(f"the compiled host kernel has no code for {rows.dtype} rows of quantization {layout.quant}")
-    if kind == FP8_KIND:
+    if layout.quant is not None:
         return kind + int(bf16), layout.s13_offset, layout.s2_offset
     return kind, 0, 0
 

@@ -18,14 +18,15 @@ layout.swiglu_limit (the clamped SwiGLU of GLM-5.3-Flash: both kernels clamp). T
               per call); torch's intra-op threads (oneDNN/MKL) split each GEMM
     compiled  csrc/host_experts.cpp (host_ext.py builds it at first use): one OpenMP region per call,
               every distinct expert's gate_up rows, then its down rows, cut into ~64 KB items the
-              threads take in turn; bf16 -> fp32 by a shift, FP8 decoded in registers, fp32 FMA with
+              threads take in turn; bf16 -> fp32 by a shift, FP8 and 4-bit codes (NVFP4, INT4) decoded
+              with their scales in registers (the formats' torch references' products), fp32 FMA with
               all of an expert's tokens per weight chunk. Each weight byte read once per call by one
               core. Its pair outputs are fp32 (the torch kernels' are rounded to the compute dtype);
               docs/hybrid.md has its numerics.
     auto      (host_kernel() only) compiled where it builds, else grouped, with a one-line warning
 
-FP8 rows (layout.quant "fp8", uint8 rows of e4m3 bytes and block scales) compute in the hidden
-state's dtype: the torch kernels dequantize an expert's row into scratch (RowLayout.weights, the CPU
+Quantized rows (layout.quant "fp8", "nvfp4", "int4", "int4-g32": uint8 rows of codes and scales)
+compute in the hidden state's dtype: the torch kernels dequantize an expert's row into scratch (RowLayout.weights, the CPU
 backends' own dequantization) before the same F.linear ops; the compiled kernel decodes the bytes in
 registers. A dtype no kernel knows is refused, not silently computed wrong.
 
@@ -86,8 +87,9 @@ class HostKernel:
     def _check(self, x, pairs, experts, weights, rows) -> None:
         if x.device.type != "cpu" or rows.device.type != "cpu":
             raise ValueError("host expert kernels take CPU tensors (copy the hidden state down first)")
-        if self.layout.quant == "fp8" and rows.dtype != torch.uint8:
-            raise ValueError(f"FP8 rows are bytes (torch.uint8), got {rows.dtype}")
+        if self.layout.quant is not None and rows.dtype != torch.uint8:
+            raise ValueError(f"{'FP8' if self.layout.quant == 'fp8' else self.layout.quant} rows are bytes "
+                             f"(torch.uint8), got {rows.dtype}")
         if self.layout.quant is None and rows.dtype not in DTYPES:
             raise ValueError(f"no host expert kernel for {rows.dtype} rows yet (have {DTYPES})")
         if rows.dim() != 2 or rows.shape[1] != self.layout.numel:
@@ -100,7 +102,7 @@ class HostKernel:
             raise ValueError(f"expert ids must be in 0..{rows.shape[0] - 1}")
 
     def weights(self, rows: torch.Tensor, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, H], w2 [H, I]): views of unquantized rows, FP8 rows dequantized to dtype."""
+        """Expert e's (w13 [2I, H], w2 [H, I]): views of unquantized rows, quantized rows dequantized to dtype."""
         w13, w2 = self.layout.weights(rows[e:e + 1], dtype)
         return w13[0], w2[0]
 
@@ -176,15 +178,15 @@ def host_kernel(name: str, layout: RowLayout, threads: int | None = None, fallba
 
 
 def compute_dtype(rows: torch.Tensor, x_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a pair is computed in: the rows' (the model dtype), or for FP8 (byte) rows the hidden
-    state's."""
+    """The dtype a pair is computed in: the rows' (the model dtype), or for quantized (byte) rows the
+    hidden state's."""
     return rows.dtype if rows.is_floating_point() else x_dtype
 
 
 def reference(x: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
               rows: torch.Tensor, layout: RowLayout, top_k: int) -> torch.Tensor:
     """The oracle: every pair on its own in fp32 math, combined as the kernels do. -> [T, H] fp32.
-    Weights and outputs are rounded to the compute dtype as the torch kernels' are (FP8 rows: weights
+    Weights and outputs are rounded to the compute dtype as the torch kernels' are (quantized rows: weights
     dequantized to the hidden dtype, as RowLayout.weights does for every CPU path)."""
     t = x.shape[0]
     cdt = compute_dtype(rows, x.dtype)

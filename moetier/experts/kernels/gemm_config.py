@@ -34,12 +34,22 @@ class GemmConfig:
     fp8_gemv_gate_up: tuple[int, int, int] = (8, 1024, 4)
     fp8_gemv_down: tuple[int, int, int] = (16, 256, 4)
 
+    # 4-bit rows at decode (NVFP4, INT4; grouped_gemm.py with Q4): bf16's blocks until `bench layer
+    # --dtype nvfp4,int4 --tune` has run on the H200 (a quarter of bf16's bytes per tile: other blocks
+    # may win, as they did for FP8). Any BLOCK_K: each element gathers its own group scale.
+    q4_gate_up: tuple[int, int, int] = (64, 128, 4)
+    q4_down: tuple[int, int, int] = (64, 128, 4)
+
+    def _names(self, quant: str | None) -> tuple[str, str]:
+        return {"fp8": ("fp8_gate_up", "fp8_down"), None: ("gate_up", "down")}.get(quant, ("q4_gate_up", "q4_down"))
+
     def decode_blocks(self, quant: str | None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(gate_up, down) blocks of the decode kernels for rows of `quant`."""
-        return (self.fp8_gate_up, self.fp8_down) if quant == "fp8" else (self.gate_up, self.down)
+        gu, dn = self._names(quant)
+        return getattr(self, gu), getattr(self, dn)
 
     def with_decode(self, quant: str | None, gate_up=None, down=None) -> GemmConfig:
         """A copy with the decode blocks of `quant` rows replaced (the tuners' trial configs)."""
         gu, dn = self.decode_blocks(quant)
-        names = ("fp8_gate_up", "fp8_down") if quant == "fp8" else ("gate_up", "down")
+        names = self._names(quant)
         return replace(self, **{names[0]: gate_up or gu, names[1]: down or dn})

@@ -16,6 +16,9 @@ multiplied against all of them with tl.dot.
 
 FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
 registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
+4-bit rows ("nvfp4", "int4", "int4-g32"; quant/packed4.py): with Q4 set the kernels unpack each
+tile's codes and scale them in registers (quant/packed4_triton.py: the formats' references exactly),
+weight-only: the activations stay in their dtype and no activation scale exists here.
 
 A pair whose expert id is negative (experts/parallel/ep.NOT_MINE: another rank's expert) is no work: the plan
 sorts it last under SKIP_KEY and starts no chunk there, a one-token chunk of it leaves at once (_chunk),
@@ -42,6 +45,7 @@ from moetier.quant import fp8_block as fp8
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
 from moetier.quant.fp8_block_triton import dequant_tile as _dequant
+from moetier.quant.packed4_triton import dequant4_tile as _dequant4
 from moetier.quant.rows import RowLayout
 
 BLOCK_M = 16  # tokens of a group per tl.dot (the smallest M tl.dot takes)
@@ -125,6 +129,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
              DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
              FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
+             Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0,
              HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0):
     # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
@@ -139,6 +144,11 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
     nm = n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_gate = 1.0
+    g_up = 1.0
+    if NVFP4:  # the float32 tensor scales at byte GS: gate's, up's (down's third)
+        g_gate = tl.load((base + GS).to(tl.pointer_type(tl.float32), bitcast=True))
+        g_up = tl.load((base + GS + 4).to(tl.pointer_type(tl.float32), bitcast=True))
     # NOTE: compiled for the GPU, a pair's result depends only on its token, its row's bytes and the
     # fixed K order: tl.dot rows are independent, padding rows are zeros, so neither its chunk-mates
     # nor where the row is read from (slot, host, resident) can change a bit (tests/test_gpu.py). In
@@ -148,9 +158,15 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < hidden
         xa = tl.load(x_ptr + tok[:, None] * hidden + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        wm = nm[:, None] & km[None, :]
-        wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
-        wu = tl.load(base + (n[:, None] + inter) * hidden + kk[None, :], mask=wm, other=0.0)
+        if Q4:  # codes [2I, H/2] at 0, group scales [2I, NH] at byte S13 (NH: groups per row here)
+            sb = 1 if NVFP4 else 2
+            wg = _dequant4(base, hidden // 2, base + S13, NH, n, nm, kk, km, g_gate, NVFP4, GROUP, DOT, EMULATE)
+            wu = _dequant4(base + inter * (hidden // 2), hidden // 2, base + S13 + sb * inter * NH, NH, n, nm, kk, km,
+                           g_up, NVFP4, GROUP, DOT, EMULATE)
+        else:
+            wm = nm[:, None] & km[None, :]
+            wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
+            wu = tl.load(base + (n[:, None] + inter) * hidden + kk[None, :], mask=wm, other=0.0)
         if FP8:  # gate's scale grid [NI, NH] at byte S13 of the row, up's right after it
             wg = _dequant(wg, base + S13, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
             wu = _dequant(wu, base + S13 + 4 * NI * NH, n, nm, kk, km, k0, NH, DOT, EMULATE, BLOCK_K)
@@ -166,7 +182,8 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
           hidden: tl.constexpr, inter: tl.constexpr, row: tl.constexpr, w13: tl.constexpr,
           DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
-          FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr):
+          FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
+          Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0):
     # program (c, nb): chunk c (see _chunk_start), output rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
@@ -176,7 +193,10 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
     if skip:
         return
     pair = pair.to(tl.int64)
-    scales = base + S2  # FP8: down's scale grid [NH, NI] (unused otherwise)
+    scales = base + S2  # FP8: down's scale grid [NH, NI]; 4-bit: its group scales [H, NI] (unused otherwise)
+    g_down = 1.0
+    if NVFP4:
+        g_down = tl.load((base + GS + 8).to(tl.pointer_type(tl.float32), bitcast=True))
     base += w13
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
@@ -185,7 +205,10 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < inter
         ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if Q4:
+            w = _dequant4(base, inter // 2, scales, NI, n, nm, kk, km, g_down, NVFP4, GROUP, DOT, EMULATE)
+        else:
+            w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if FP8:
             w = _dequant(w, scales, n, nm, kk, km, k0, NI, DOT, EMULATE, BLOCK_K)
         acc = _mma(ha, w, acc, DOT, PRECISION, EMULATE)
@@ -297,15 +320,20 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
 
 def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ...]) -> dict:
     """The FP8 constexprs of _gate_up and _down: byte offsets of the two scale grids in a row and the
-    grid widths (zeros when the rows are not FP8). Refuses a BLOCK_K that neither divides nor is a
+    grid widths (zeros when the rows are not FP8); for 4-bit rows the Q4 ones (offsets, groups per
+    row, the group size, the tensor scales' offset). Refuses a BLOCK_K that neither divides nor is a
     multiple of 128 (a K tile must never cut a scale block but at its edges)."""
+    lay = RowLayout(hidden, inter, quant)
+    if lay.packed4:  # NH, NI: groups per gate_up row and per down row
+        s13, s2, gs, _ = lay.offsets4()
+        return dict(FP8=False, S13=s13, S2=s2, NI=-(-inter // lay.group), NH=-(-hidden // lay.group), Q4=True,
+                    NVFP4=quant == "nvfp4", GROUP=lay.group, GS=gs)
     if quant != "fp8":
         return dict(FP8=False, S13=0, S2=0, NI=0, NH=0)
     bad = [bk for bk in blocks_k if fp8.BLOCK % bk and bk % fp8.BLOCK]
     if bad:
         raise ValueError(f"FP8 rows need BLOCK_K dividing or a multiple of {fp8.BLOCK} (K tiles aligned to the "
                          f"scale blocks); the GemmConfig has {bad}: choose a power of two")
-    lay = RowLayout(hidden, inter, quant)
     return dict(FP8=True, S13=lay.s13_offset, S2=lay.s2_offset, NI=lay.n_inter, NH=lay.n_hidden)
 
 
@@ -318,7 +346,7 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     k = topk_ids.shape[1]
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
-    dot, precision, emulate = _dot_type(x.dtype if q["FP8"] else dev_rows.dtype)
+    dot, precision, emulate = _dot_type(x.dtype if quant is not None else dev_rows.dtype)
     bn, bk, nw = gate_up
     _gate_up[(programs, triton.cdiv(inter, bn))](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
@@ -327,7 +355,7 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     bn, bk, nw = down
     _down[(programs, triton.cdiv(hidden, bn))](
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
-        2 * inter * hidden, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
+        RowLayout(hidden, inter, quant).w13_numel, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
         num_warps=nw, **q)
     if combine:
         combine_pairs(y, topk_weights, topk_ids, out)

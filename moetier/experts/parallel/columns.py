@@ -50,6 +50,9 @@ def split_problems(split: str, shape: MoeShape, tp: int, ep: int, backend: str) 
     if i % tp:
         out.append(f"--expert-split columns: tensor parallelism {tp} does not divide the experts' intermediate size "
                    f"({i}); choose a tensor-parallel size that divides {i}, or --expert-split replicate")
+    elif shape.quant not in (None, "fp8"):  # auto then replicates 4-bit experts
+        out.append(f"--expert-split columns does not take {shape.quant} expert rows yet (packed codes and group "
+                   "scales are not sliced per rank); use --expert-split replicate or expert parallelism (--ep)")
     elif shape.quant == "fp8" and (i // tp) % fp8.BLOCK:
         out.append(f"--expert-split columns: FP8 expert rows need each rank's intermediate slice on "
                    f"{fp8.BLOCK}-wide scale blocks, but {i} / {tp} = {i // tp} is not a multiple of {fp8.BLOCK}; "

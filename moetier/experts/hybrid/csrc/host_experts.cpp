@@ -6,7 +6,9 @@
 //     y[p, r] = down_r . h[p]                                      r < H
 // (under a SwiGLU limit L > 0 the gate dot is first clamped to <= L and the up dot to [-L, L], in fp32)
 // straight from the host store's rows (shape.RowLayout): bf16 / fp32 rows [gate_up 2I x H | down H x I],
-// or FP8 rows (e4m3 bytes, then float32 128 x 128 block scales at byte offsets s13 / s2 of the row).
+// FP8 rows (e4m3 bytes, then float32 128 x 128 block scales at byte offsets s13 / s2 of the row), or 4-bit
+// rows (NVFP4, INT4: codes two per byte, then one group scale per row and group at s13 / s2; NVFP4's three
+// float32 tensor scales after them). host_decode.h turns each kind's bytes into fp32 weights.
 //
 // Memory-bandwidth design (decode: 1..8 tokens per expert): the pairs are grouped by expert; each
 // expert's gate_up row pairs are cut into blocks of about 64 KB of weights, every block of every
@@ -67,78 +69,28 @@ static inline vf fmadd(vf a, vf b, vf c) {  // a * b + c, one rounding where the
 
 template <class T> static inline T loadu(const void* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
 
-enum Kind { BF16 = 0, F32 = 1, FP8 = 2, FP8R = 3 };  // FP8R: FP8 weights rounded to bf16 (see load_w)
-
-// fp32 -> the nearest bf16 (ties to even), kept as fp32; finite inputs (weights, activations)
-static inline vf round_bf16(vf v) {
-  vu32 b = (vu32)v;
-  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  return (vf)b;
-}
-static inline float round_bf16_1(float v) {
-  uint32_t b; std::memcpy(&b, &v, 4);
-  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &b, 4);
-  return v;
-}
-
-// e4m3 byte -> fp32, exact: sign to bit 31, exponent+mantissa (7 bits) to bits 20..26 is the fp32 number
-// 2^(e-127) (1 + m/8) (denormal when e = 0), and 2^120 moves the bias from 127 to e4m3's 7 (denormals
-// included, which is why the region clears DAZ/FTZ). 0x7f / 0xff (NaN in e4m3fn) decode to +-480: weights
-// are never NaN.
-static inline vu32 widen_u8(const uint8_t* p) {  // VW bytes -> VW uint32 (GCC's convertvector goes through GPRs)
-#if defined(__AVX512F__)
-  return (vu32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-#elif defined(__AVX2__)
-  return (vu32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-#else
-  return __builtin_convertvector(loadu<vu8>(p), vu32);
-#endif
-}
-static inline vf fp8_decode(const uint8_t* p) {
-  vu32 t = widen_u8(p) << 24;
-  vu32 bits = (t & 0x80000000u) | ((t & 0x7f000000u) >> 4);
-  return (vf)bits * 0x1p120f;
-}
-static inline float fp8_decode1(uint8_t b) {
-  uint32_t t = (uint32_t)b << 24, bits = (t & 0x80000000u) | ((t & 0x7f000000u) >> 4);
-  float f; std::memcpy(&f, &bits, 4);
-  return f * 0x1p120f;
-}
-
-// VW weights of a row from element k (k a multiple of VW, so an FP8 chunk never straddles a 128-block);
-// `scale` is that chunk's block scale (FP8 only): fp32(q) * scale as fp8.dequantize computes it, and for
-// FP8R rounded once to bf16, as the GPU kernels and the torch path (RowLayout.weights) do in a bf16 model.
-template <int KIND> static inline vf load_w(const uint8_t* w, int64_t k, float scale) {
-  if (KIND == BF16) return (vf)(__builtin_convertvector(loadu<vu16>(w + 2 * k), vu32) << 16);
-  if (KIND == F32) return loadu<vf>(w + 4 * k);
-  vf f = fp8_decode(w + k) * scale;
-  return KIND == FP8R ? round_bf16(f) : f;
-}
-template <int KIND> static inline float load_w1(const uint8_t* w, int64_t k, float scale) {
-  if (KIND == BF16) { uint32_t b = (uint32_t)loadu<uint16_t>(w + 2 * k) << 16; float f; std::memcpy(&f, &b, 4); return f; }
-  if (KIND == F32) return loadu<float>(w + 4 * k);
-  float f = fp8_decode1(w[k]) * scale;
-  return KIND == FP8R ? round_bf16_1(f) : f;
-}
+#include "host_decode.h"
 
 // out[r][m] = row r . xs[m] over K, for R rows (gate and up, or two down rows) and M tokens at once.
-// w[r]: the row's first weight; s[r]: its block scales along K (FP8; one per 128 columns), else null.
+// w[r]: the row's first weight; s[r]: its scales along K (quantized rows: scale_at), else null; t[r]: its
+// tensor scale (NVFP4).
 template <int KIND, int R, int M>
-static void dots(const uint8_t* const* w, const float* const* s, const float* const* xs, int64_t K, float (*out)[MT]) {
+static void dots(const uint8_t* const* w, const uint8_t* const* s, const float* t, const float* const* xs, int64_t K,
+                 float (*out)[MT]) {
   vf acc[R][M];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < M; m++) acc[r][m] = (vf){};
   const int64_t kv = K / VW * VW;
-  constexpr int64_t ES = KIND == BF16 ? 2 : KIND == F32 ? 4 : 1;  // bytes per weight
+  constexpr int64_t HB = half_bytes(KIND);
   for (int64_t k = 0; k < kv; k += VW) {
     // FP8: a software prefetch PF_FP8 bytes ahead in each row's stream, once per cache line. Decoding
     // costs more instructions per byte than bf16's shift, which left fewer loads in flight: from DRAM,
-    // one core streamed 2.4 GB/s of FP8 rows without it and 5.2 with it (bf16: no gain, not used).
-    if (KIND >= FP8 && PF_FP8 > 0 && (k * ES) % 64 == 0)
-      for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k * ES + PF_FP8, 0, 0);
+    // one core streamed 2.4 GB/s of FP8 rows without it and 5.2 with it (bf16: no gain, not used; 4-bit
+    // rows decode at more instructions per byte still: prefetched as FP8's).
+    if (KIND >= FP8 && PF_FP8 > 0 && (k * HB / 2) % 64 == 0)
+      for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k * HB / 2 + PF_FP8, 0, 0);
     vf wv[R];
-    for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, KIND >= FP8 ? s[r][k >> 7] : 1.0f);
+    for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r]));
     for (int m = 0; m < M; m++) {
       vf xv = loadu<vf>(xs[m] + k);
       for (int r = 0; r < R; r++) acc[r][m] = fmadd(wv[r], xv, acc[r][m]);
@@ -149,30 +101,30 @@ static void dots(const uint8_t* const* w, const float* const* s, const float* co
       float sum = 0.0f;
       for (int l = 0; l < VW; l++) sum += acc[r][m][l];  // lane order
       for (int64_t k = kv; k < K; k++)
-        sum = std::fma(load_w1<KIND>(w[r], k, KIND >= FP8 ? s[r][k >> 7] : 1.0f), xs[m][k], sum);
+        sum = std::fma(load_w1<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r])), xs[m][k], sum);
       out[r][m] = sum;
     }
 }
 
 template <int KIND, int R>
-static void dots_m(int m, const uint8_t* const* w, const float* const* s, const float* const* xs, int64_t K,
-                   float (*out)[MT]) {
+static void dots_m(int m, const uint8_t* const* w, const uint8_t* const* s, const float* t, const float* const* xs,
+                   int64_t K, float (*out)[MT]) {
   switch (m) {  // compile-time M: the accumulators stay in registers
-    case 1: return dots<KIND, R, 1>(w, s, xs, K, out);
-    case 2: return dots<KIND, R, 2>(w, s, xs, K, out);
-    case 3: return dots<KIND, R, 3>(w, s, xs, K, out);
+    case 1: return dots<KIND, R, 1>(w, s, t, xs, K, out);
+    case 2: return dots<KIND, R, 2>(w, s, t, xs, K, out);
+    case 3: return dots<KIND, R, 3>(w, s, t, xs, K, out);
 #if MT > 4
-    case 4: return dots<KIND, R, 4>(w, s, xs, K, out);
-    case 5: return dots<KIND, R, 5>(w, s, xs, K, out);
-    case 6: return dots<KIND, R, 6>(w, s, xs, K, out);
-    case 7: return dots<KIND, R, 7>(w, s, xs, K, out);
+    case 4: return dots<KIND, R, 4>(w, s, t, xs, K, out);
+    case 5: return dots<KIND, R, 5>(w, s, t, xs, K, out);
+    case 6: return dots<KIND, R, 6>(w, s, t, xs, K, out);
+    case 7: return dots<KIND, R, 7>(w, s, t, xs, K, out);
 #endif
-    default: return dots<KIND, R, MT>(w, s, xs, K, out);
+    default: return dots<KIND, R, MT>(w, s, t, xs, K, out);
   }
 }
 
 struct Call {
-  const uint8_t* rows; int64_t row_bytes, H, I, s13, s2, esize;
+  const uint8_t* rows; int64_t row_bytes, H, I, s13, s2, hb;  // hb: half-bytes per weight (half_bytes)
   bool round_h;  // h rounded to bf16 (a bf16 model: the GPU kernel's down dot reads h as bf16)
   float limit;  // the SwiGLU clamp (activation.silu_mul's order); not above 0 (or NaN): none
   const float* x; const int64_t* tok;
@@ -183,22 +135,34 @@ struct Call {
 // Rows per work item: about `block` bytes of weights (rows of `row_bytes`), an even count (down pairs rows).
 static inline int64_t block_rows(int64_t block, int64_t row_bytes) { return std::max<int64_t>(2, (block / row_bytes) & ~1); }
 
+// Bytes per group scale of a 4-bit kind's rows, and a K's groups
+constexpr int64_t scale_bytes(int k) { return k <= NV4R ? 1 : 2; }
+template <int KIND> static inline int64_t groups(int64_t K) { return (K + group_of(KIND) - 1) / group_of(KIND); }
+
 // gate_up row pairs [lo, hi) of group g (gate rows j and up rows I + j of its expert)
 template <int KIND> static void gate_up(const Call& c, int64_t g, int64_t lo, int64_t hi) {
   const int64_t H = c.H, I = c.I, nH = (H + 127) / 128, nI = (I + 127) / 128;
   for (int64_t j = lo; j < hi; j++) {
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
-    const uint8_t* w[2] = {row + j * H * c.esize, row + (I + j) * H * c.esize};
-    const float* s[2] = {nullptr, nullptr};
-    if (KIND >= FP8) {  // s13 [2, nI, nH]: gate's grid, then up's
+    const uint8_t* w[2] = {row + j * H * c.hb / 2, row + (I + j) * H * c.hb / 2};
+    const uint8_t* s[2] = {nullptr, nullptr};
+    float t[2] = {1.0f, 1.0f};
+    if (KIND == FP8 || KIND == FP8R) {  // s13 [2, nI, nH]: gate's grid, then up's
       const float* s13 = (const float*)(row + c.s13);
-      s[0] = s13 + (j >> 7) * nH; s[1] = s13 + (nI + (j >> 7)) * nH;
+      s[0] = (const uint8_t*)(s13 + (j >> 7) * nH); s[1] = (const uint8_t*)(s13 + (nI + (j >> 7)) * nH);
+    } else if (is4(KIND)) {  // s13 [2I, groups(H)]: gate's rows, then up's; NVFP4: tensor scales gate, up
+      const int64_t gb = groups<KIND>(H) * scale_bytes(KIND);
+      s[0] = row + c.s13 + j * gb; s[1] = row + c.s13 + (I + j) * gb;
+      if (KIND <= NV4R) {
+        const float* gl = (const float*)(row + nvfp4_globals(c.s2, H, I));
+        t[0] = gl[0], t[1] = gl[1];
+      }
     }
     for (int64_t b = c.begin[g]; b < c.begin[g + 1]; b += MT) {
       const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
       const float* xs[MT]; float out[2][MT];
       for (int i = 0; i < m; i++) xs[i] = c.x + c.tok[c.order[b + i]] * H;
-      dots_m<KIND, 2>(m, w, s, xs, H, out);
+      dots_m<KIND, 2>(m, w, s, t, xs, H, out);
       for (int i = 0; i < m; i++) {
         float gv = out[0][i], uv = out[1][i];  // std::min / max keep a NaN first argument, as torch's clamp
         if (c.limit > 0) gv = std::min(gv, c.limit), uv = std::min(std::max(uv, -c.limit), c.limit);
@@ -216,16 +180,19 @@ template <int KIND> static void down(const Call& c, int64_t g, int64_t lo, int64
     const int R = r + 1 < hi ? 2 : 1;  // two rows at once (their results do not depend on it)
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
     const uint8_t* w[2];
-    const float* s[2] = {nullptr, nullptr};
+    const uint8_t* s[2] = {nullptr, nullptr};
+    float t[2] = {1.0f, 1.0f};
     for (int q = 0; q < R; q++) {
-      w[q] = row + (2 * I * H + (r + q) * I) * c.esize;
-      if (KIND >= FP8) s[q] = (const float*)(row + c.s2) + ((r + q) >> 7) * nI;  // s2 [nH, nI]
+      w[q] = row + (2 * I * H + (r + q) * I) * c.hb / 2;
+      if (KIND == FP8 || KIND == FP8R) s[q] = (const uint8_t*)((const float*)(row + c.s2) + ((r + q) >> 7) * nI);
+      if (is4(KIND)) s[q] = row + c.s2 + (r + q) * groups<KIND>(I) * scale_bytes(KIND);  // s2 [H, groups(I)]
+      if (KIND == NV4 || KIND == NV4R) t[q] = ((const float*)(row + nvfp4_globals(c.s2, H, I)))[2];
     }
     for (int64_t b = c.begin[g]; b < c.begin[g + 1]; b += MT) {
       const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
       const float* hs[MT]; float out[2][MT];
       for (int i = 0; i < m; i++) hs[i] = c.h + c.order[b + i] * I;
-      if (R == 2) dots_m<KIND, 2>(m, w, s, hs, I, out); else dots_m<KIND, 1>(m, w, s, hs, I, out);
+      if (R == 2) dots_m<KIND, 2>(m, w, s, t, hs, I, out); else dots_m<KIND, 1>(m, w, s, t, hs, I, out);
       for (int q = 0; q < R; q++)
         for (int i = 0; i < m; i++) c.y[c.order[b + i] * H + r + q] = out[q][i];
     }
@@ -241,8 +208,8 @@ template <int KIND> static void run(const Call& c, int threads, int64_t block) {
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  // clear FTZ (bit 15) and DAZ (bit 6): fp8 decode needs fp32 denormals
 #endif
-    const int64_t b1 = block_rows(block, 2 * c.H * c.esize), n1 = (c.I + b1 - 1) / b1;  // blocks per expert
-    const int64_t b2 = block_rows(block, c.I * c.esize), n2 = (c.H + b2 - 1) / b2;
+    const int64_t b1 = block_rows(block, c.H * c.hb), n1 = (c.I + b1 - 1) / b1;  // blocks per expert
+    const int64_t b2 = block_rows(block, c.I * c.hb / 2), n2 = (c.H + b2 - 1) / b2;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < G * n1; it++) {
       const int64_t g = it / n1, lo = it % n1 * b1;
@@ -264,7 +231,7 @@ template <int KIND> static void run(const Call& c, int threads, int64_t block) {
 static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                    int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
                    const int64_t* experts, int64_t P, float* h, float* y, int threads, float limit, char* err, int errlen) {
-  if (kind < 0 || kind > 3 || H < 1 || I < 1 || threads < 1) {
+  if (kind < 0 || kind > I4SR || H < 1 || I < 1 || threads < 1 || (is4(kind) && (H % 2 || I % 2))) {
     std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
                   (long long)I, threads);
     return 1;
@@ -276,7 +243,7 @@ static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_byte
       return 1;
     }
   }
-  c = Call{(const uint8_t*)rows, row_bytes, H, I, s13, s2, kind == BF16 ? 2 : kind == F32 ? 4 : 1, round_h != 0,
+  c = Call{(const uint8_t*)rows, row_bytes, H, I, s13, s2, half_bytes(kind), round_h != 0,
            limit, x, tokens, h, y, {}, {}, {}};
   c.order.resize(P);
   for (int64_t p = 0; p < P; p++) c.order[p] = p;
@@ -294,10 +261,18 @@ static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_byte
 static void dispatch(const Call& c, int kind, int threads, int64_t block) {
   if (c.expert.empty()) return;
   if (block <= 0) block = 65536;
-  if (kind == BF16) run<BF16>(c, threads, block);
-  else if (kind == F32) run<F32>(c, threads, block);
-  else if (kind == FP8) run<FP8>(c, threads, block);
-  else run<FP8R>(c, threads, block);
+  switch (kind) {
+    case BF16: return run<BF16>(c, threads, block);
+    case F32: return run<F32>(c, threads, block);
+    case FP8: return run<FP8>(c, threads, block);
+    case FP8R: return run<FP8R>(c, threads, block);
+    case NV4: return run<NV4>(c, threads, block);
+    case NV4R: return run<NV4R>(c, threads, block);
+    case I4: return run<I4>(c, threads, block);
+    case I4R: return run<I4R>(c, threads, block);
+    case I4S: return run<I4S>(c, threads, block);
+    default: return run<I4SR>(c, threads, block);
+  }
 }
 
 static double now_s() {  // CLOCK_MONOTONIC: the clock of Python's time.perf_counter on Linux
@@ -344,7 +319,7 @@ static Async* async_state() {
 extern "C" {
 
 // Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
-// rounded to bf16). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
+// rounded to bf16), 4 NVFP4, 6 INT4 in groups of 128, 8 INT4 in groups of 32 (5, 7, 9: rounded). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
 // x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
 // block: weight bytes per work item (0: 64 KB; tests cut finer); limit: the SwiGLU clamp (<= 0 or NaN: none).
 int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Issue 30 on one H200, in one device call (under 8 minutes: every stage has its own time cap, and a
+# stage that runs out leaves its record missing in the summary rather than the call): the GPU tests of
+# 4-bit experts, then the benchmark rows the issue asks for, 4-bit against FP8 and bf16 side by side,
+# every row checked against its reference row of the same run, and the targets' table last.
+#
+#   bash scripts/quant4_h200.sh            (from the repository root; records under $OUT, else ./q4-out)
+#
+# Stages (records in $OUT):
+#   1. pytest -m gpu tests/test_quant4_kernels.py tests/test_quant4_gpu.py   -> q4-gpu-tests.log
+#      the 4-bit grouped GEMMs against the torch reference and bit-exact across resident / slots / uva;
+#      graph replay against eager resident; the large step; 4-bit checkpoints through the engine
+#   2. bench layer qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4                  -> layer-q4.json
+#      resident per-layer time and the fill rates (copy kernel, copy engine) of each format's rows
+#   3. scripts/tune_experts.py --dtypes nvfp4,int4 --tokens 1,8              -> tune-q4.json
+#      the 4-bit decode blocks (GemmConfig.q4_*: bf16's until this has run)
+#   4. bench decode qwen3-30b-a3b 8 layers, resident and slots at 50% / 25%, batch 1, 8, 32
+#                                                                               -> decode-qwen3-q4.json
+#   5. bench decode glm-5.3-flash 4 layers (3 dense, 1 MoE of 288 experts), the same rows at batch 1, 8
+#      (needs fla-core: carry a .whl/ with it, PKGS=fla-core ../shared/tools/device-wheels.sh; else
+#      skipped and said so)                                                     -> decode-glm53flash-q4.json
+#   6. bench prefill qwen3-30b-a3b 8 layers, 2,048 tokens, resident and slots@50%, bf16 / nvfp4 / int4
+#                                                                               -> prefill-q4.json
+#   7. scripts/quant4_summary.py: each target's ratio and verdict, the output checks -> quant4-summary.json
+# Each bench row's greedy tokens are checked against its own format's resident row (the records'
+# greedy_tokens_equal_to_resident and output_checks); the summary lists any that differ.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/q4-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks (fla-core for glm5_next on CUDA)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "warning: the carried wheels in .whl/ did not install" >&2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mt=(python3 -m moetier.cli)
+t0=$(date +%s)
+stage() {  # stage NAME SECONDS COMMAND...: run with a time cap, log to $out/NAME.log, say how it ended
+  local name=$1 cap=$2; shift 2
+  local s=$(date +%s)
+  timeout --signal=INT --kill-after=10 "$cap" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "# $name: exit $rc after $(( $(date +%s) - s )) s (cap $cap s; total $(( $(date +%s) - t0 )) s)" | tee -a "$out/stages.txt"
+  [ "$rc" -eq 124 ] && echo "#   $name ran past its cap: its record is partial or missing" | tee -a "$out/stages.txt"
+  tail -3 "$out/$name.log"
+}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  git rev-parse --short HEAD 2>/dev/null
+} | tee "$out/stages.txt"
+
+stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
+stage layer-q4 55 "${mt[@]}" bench layer --preset qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4 --no-tune --out "$out/layer-q4.json"
+stage tune-q4 30 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nvfp4,int4 --tokens 1,8
+stage decode-qwen3-q4 135 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \
+  --backends resident,slots --expert-budget 50% --expert-budget 25% --batch 1 --batch 8 --batch 32 \
+  --tokens 32 --warmup 16 --out "$out/decode-qwen3-q4.json"
+if python3 -c 'import fla' 2>/dev/null; then
+  # GLM-5.3-Flash's routing: 288 experts, top-8, the glm-5.3-like trace's parameters, every layer id
+  "${mt[@]}" trace synth --out "$out/glm53flash.mtrace" --preset glm-5.3-like --experts 288 --topk 8 --layers 45 \
+    --tokens 4096 > "$out/glm53flash-trace.log" 2>&1
+  stage decode-glm53flash-q4 50 "${mt[@]}" bench decode --preset glm-5.3-flash --layers 4 --trace "$out/glm53flash.mtrace" \
+    --dtype bf16,fp8,nvfp4,int4 --backends resident,slots --expert-budget 50% --expert-budget 25% \
+    --batch 1 --batch 8 --tokens 16 --warmup 8 --out "$out/decode-glm53flash-q4.json"
+else
+  echo "# decode-glm53flash-q4: skipped, fla-core is not installed (glm5_next on CUDA needs it)" | tee -a "$out/stages.txt"
+fi
+stage prefill-q4 40 "${mt[@]}" bench prefill --preset qwen3-30b-a3b --layers 8 --dtype bf16,nvfp4,int4 --prompt-len 2048 \
+  --batch 1 --backends resident,slots --expert-budget 50% --prefill-cache bypass --reps 3 --decode-steps 0 \
+  --out "$out/prefill-q4.json"
+python3 scripts/quant4_summary.py "$out" | tee "$out/summary.txt"
+echo "# total $(( $(date +%s) - t0 )) s" | tee -a "$out/stages.txt"

@@ -1,0 +1,86 @@
+"""Runs the grouped expert GEMMs on 4-bit rows (grouped_gemm.py with Q4 set: NVFP4, INT4 in groups of
+128 and 32) in Triton's interpreter on the CPU. Run as a script (TRITON_INTERPRET must be set before
+triton is imported); tests/test_quant4_kernels.py does that in a subprocess. Every case checks, for
+the decode and the large-step path, with and without the SwiGLU clamp:
+
+  - slots, uva and resident bit-equal (the same chunks over the same row bytes);
+  - the output against a float64 oracle over the weights the torch reference dequantizes into the
+    compute dtype (RowLayout.weights): fp32 1e-5, bf16 1e-2 relative;
+  - the output against the CPU backend (the torch path every CPU backend runs) within the same bounds.
+Shapes are ragged on purpose: K not a multiple of the group (hidden 200, inter 72 / 40), tiles that
+cross groups, slots poisoned with 0xFF (NaN in e4m3 scales, -6 codes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
+from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
+from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
+from moetier.quant import int4, nvfp4  # noqa: E402
+from moetier.quant.rows import RowLayout  # noqa: E402
+from tests.fp8_interpreter import check, inputs  # noqa: E402  (the same placements and checks as FP8 rows)
+
+LARGE = GemmConfig(large_block_m=16, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))
+
+
+def rows4(layout: RowLayout, e: int, g: torch.Generator) -> torch.Tensor:
+    rows = torch.zeros(e, layout.numel, dtype=torch.uint8)
+    h, i = layout.hidden, layout.inter
+    for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        for x in range(e):
+            w = torch.randn(shape, generator=g) * 0.1
+            w[:, :min(16, shape[1])] *= 8.0  # groups of different magnitude: every scale matters
+            if layout.quant == "nvfp4":
+                q, s, s2 = nvfp4.quantize(w)
+                layout.part(rows, part + "_scale_2", x).copy_(s2)
+            else:
+                q, s = int4.quantize(w, layout.group)
+            layout.part(rows, part, x).copy_(q)
+            layout.part(rows, part + "_scale", x).copy_(s)
+    return rows
+
+
+def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool,
+         limit: float | None) -> str:
+    g = torch.Generator().manual_seed(seed)
+    e = 6
+    layout = RowLayout(h, i, quant, limit)
+    rows = rows4(layout, e, g)
+    x, w, ids, slots, mixed, none, dummy = inputs(layout, rows, t, k, h, dtype, g)
+
+    def run(slot_ids, dev_rows, max_rows):
+        if large:
+            return grouped_large.grouped_expert_mlp_large(x, slot_ids, ids, w, dev_rows, rows, h, i, max_rows, LARGE,
+                                                          quant, limit=limit)
+        scratch = grouped.GemmScratch.make(64, h, i, torch.device("cpu"))
+        out = torch.full((t, h), float("nan"), dtype=dtype)
+        return grouped.grouped_expert_mlp(x, slot_ids, ids, w, dev_rows, rows, h, i, scratch, out, GemmConfig(),
+                                          quant, limit).clone()
+
+    out_slots, out_res, out_uva = run(mixed, slots, e + e // 2), run(ids.int(), rows, e), run(none, dummy, e)
+    name = f"{quant} {'large' if large else 'decode'}"
+    err = check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype, limit)
+    return f"{name} t={t} k={k} h={h} i={i} {str(dtype)[6:]} limit={limit} err={err:.2e}"
+
+
+CASES = [  # (t, k, h, i)
+    (1, 3, 200, 72),
+    (5, 2, 64, 40),
+]
+
+if __name__ == "__main__":
+    n = 0
+    for quant in ("nvfp4", "int4", "int4-g32"):
+        for t, k, h, i in CASES:
+            for dtype in (torch.float32, torch.bfloat16):
+                for large in (False, True):
+                    n += 1
+                    print(case(quant, t, k, h, i, dtype, n, large, 0.5 if n % 3 == 0 else None), flush=True)
+    sys.exit(0)
