@@ -9,6 +9,9 @@ verified position are not computed). Method "ngram" looks the drafts up in the r
 at the end of the request's previous step (Request.draft_ids). The step then computes the request's
 last token and its drafts, k + 1 positions; the runner keeps accepted drafts plus one token.
 
+Expert-aware k: an attached chooser (engine/spec_k.KChooser) sets the step's k before the scheduler
+drafts (begin_step) and hears every verify row's outcome after the update (end_step).
+
 Metrics, as vLLM names them: spec_decode_num_drafts (verify rows that carried drafts),
 spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens, and per position j the drafts kept
 there (spec_decode_num_accepted_tokens_per_pos[j]).
@@ -36,8 +39,7 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    # steps with at least one draft, and the k each chose (expert-aware k: the cost model's choice)
-    num_verify_steps: int = 0
+    # steps per k chosen (expert-aware k: engine/spec_k.py)
     k_chosen: dict[int, int] = field(default_factory=dict)
 
     def record(self, drafted: int, accepted: int) -> None:
