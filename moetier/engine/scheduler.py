@@ -297,8 +297,8 @@ class Scheduler:
                     self.checkpoints.free([s.save_checkpoint], CHECKPOINT_OWNER)
             if prompt_logprobs and req.id in prompt_logprobs:
                 req.score_prompt(*prompt_logprobs[req.id])
-            if drafts is not None and req.id in drafts:
-                req.draft_ids = drafts[req.id]
+            if self.spec is not None and self.spec.mtp and s.sample:  # this step's drafts, or none: never stale
+                req.draft_ids = (drafts or {}).get(req.id, [])
             if not s.sample:
                 continue
             if logprobs and req.id in logprobs:
