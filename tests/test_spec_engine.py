@@ -2,7 +2,8 @@
 greedy outputs equal decoding without it, token for token, for n-gram drafts (the embedded model,
 whose code text repeats) and MTP drafts (a tiny DeepSeek-V3 with its MTP layer); continuous batching
 where sequences keep different numbers of drafts in one step (an oracle drafter that knows the plain
-run's tokens and spoils one draft per request); chunked prefill, preemption, prefix caching, stop
+run's tokens and spoils one draft per request); recurrent state rolled back on a rejection (glm5_next);
+chunked prefill, preemption, prefix caching, stop
 tokens and stop strings inside the kept drafts; sampled acceptance reproducible and independent of
 the batch; the engine's MTP drafts equal the reference loop's (tests/test_spec_loop.py)."""
 
@@ -120,6 +121,24 @@ def test_batch_with_different_accepted_lengths_equals_plain(mtp_ckpt, method, en
         assert sum(o.metrics["preemptions"] for o in outs) > 0
 
 
+@pytest.mark.parametrize("engine", [dict(), dict(page_size=4, max_num_tokens=16)], ids=["plain", "checkpointed"])
+def test_recurrent_state_rolls_back_on_rejection(engine, tmp_path):
+    """glm5_next (KDA layers): a verify step's state takes in every draft; where one is rejected the
+    state before the step comes back and the kept tokens are recomputed. With prefix caching's state
+    checkpoints (page-aligned chunks) too."""
+    path = make_checkpoint(tmp_path / "ckpt", "tiny-glm5-next", seed=2, dtype="float32")
+    plain = LLM(path, device="cpu", dtype="float32", **engine)
+    prompts, params = workload(400, n=4, seed=2)
+    want = tokens(plain.generate(prompts, params))
+    llm = LLM(path, device="cpu", dtype="float32", speculative_config=NGRAM, **engine)
+    assert llm.runner.moves.backup_base >= 0
+    keys = [tuple(p) for p in prompts]
+    seen = oracle(llm, dict(zip(keys, want)), {k: 1 + 2 * i for i, k in enumerate(keys)})
+    assert tokens(llm.generate(prompts, params)) == want
+    assert 0 in seen and 3 in seen  # rolled back and kept whole
+    llm.scheduler.check()
+
+
 def test_mtp_random_weights_equal_plain_and_drafts_equal_the_reference_loop(mtp_ckpt):
     from tests.test_spec_loop import _speculative
 
@@ -203,13 +222,6 @@ def test_target_probs_are_the_samplers_distribution():
 def test_refusals():
     with pytest.raises(MoetierError, match="use method ngram"):
         LLM(None, device="cpu", speculative_config=MTP)
-    from moetier.engine.pages import PagePool
-    from moetier.engine.scheduler import Scheduler
-    from moetier.engine.speculation import Speculation
-    from moetier.spec.config import SpeculativeConfig
-
-    with pytest.raises(MoetierError, match="recurrent state"):
-        Scheduler(PagePool(8), 4, max_num_seqs=2, states=PagePool(2), speculation=Speculation(SpeculativeConfig("ngram", 2)))
 
 
 def test_the_plan_counts_the_mtp_layer_when_it_drafts(mtp_ckpt):
@@ -251,3 +263,20 @@ def test_server_metrics_carry_vllms_speculative_counters():
     per_pos = [lines[f'moetier:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny-stdlib",position="{j}"}}']
                for j in range(3)]
     assert per_pos == m["spec_decode_num_accepted_tokens_per_pos"]
+
+
+def test_the_plan_counts_the_state_backups_of_speculation():
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.memory import count
+    from moetier.plan.preflight import request_for
+    from moetier.presets import preset
+
+    cfg = preset("tiny-glm5-next")
+    plans = [count(request_for(cfg, torch.float32, "cpu", EngineConfig.of(speculative_config=spec, kv_tokens=256,
+                                                                          max_num_tokens=64, max_num_seqs=4)))
+             for spec in (None, NGRAM)]
+    names = [[i["name"] for i in p.as_dict()["host"] + p.as_dict()["device"]] for p in plans]
+    assert not any("backups" in n for n in names[0])
+    [item] = [i for i in plans[1].as_dict()["host"] + plans[1].as_dict()["device"] if "backups" in i["name"]]
+    slots = [i for i in plans[1].as_dict()["host"] + plans[1].as_dict()["device"] if i["name"].startswith("KDA state slots")]
+    assert item["bytes"] * 5 == slots[0]["bytes"] * 4  # 4 backups beside 4 + 1 slots

@@ -55,6 +55,7 @@ class ModelRunner:
             self._keep(seqs, logits)
             return self._output(seqs, tokens, logits if _wants_logprobs(seqs) else None, len(seqs))
         dev = self.model.device
+        self.moves.back_up(seqs)  # recurrent state before a verify step (kv_moves.py)
         hidden, batch, ids = self._forward(seqs)
         scored = prompt_logprobs(self.model, hidden, batch.query_start_host, seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample and not s.num_draft]
@@ -71,6 +72,7 @@ class ModelRunner:
             out.prompt_logprobs = scored
         if drafting:
             out.emitted = verify(self.model, hidden, batch.query_start_host, drafting)
+            self.moves.roll_back(seqs, out.emitted)
             out.sampled.update({r: toks[-1] for r, toks in out.emitted.items()})
         if self.mtp is not None:
             out.drafts = self.mtp.run(seqs, hidden, batch, out.sampled, out.emitted)

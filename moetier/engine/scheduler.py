@@ -27,7 +27,9 @@ Speculative decoding (speculation.py, docs/speculative.md): a decoding request m
 tokens after its last one; the step computes all k + 1 positions (pages reserved for them), and the
 runner says which drafts it kept. The request then advances by the kept drafts plus one token: KV rows
 written past them are garbage that the next step overwrites before anything reads them, and only pages
-full of accepted tokens are hashed into the prefix cache.
+full of accepted tokens are hashed into the prefix cache. A model with recurrent state cannot overwrite
+its state: where a draft was rejected the runner restores the state from before the step, and the
+request goes back to where the step started, its kept tokens recomputed by the next step as a chunk.
 
 A plain CPU object (no torch): tests drive it with fake runner outputs. Each step it hands the
 runner one plain record (step.StepInput) and takes one back (the sampled tokens).
@@ -108,9 +110,6 @@ class Scheduler:
             raise ValueError(f"the state pool has {states.num_pages} slots for max_num_seqs {max_num_seqs}")
         if cache is not None and cache.pool is not pages:
             raise ValueError("the prefix cache must be built over the scheduler's page pool")
-        if speculation is not None and states is not None:
-            raise MoetierError("speculative decoding with recurrent state (KDA layers) needs a state rollback on "
-                               "rejected drafts, which moetier does not have yet: run without speculative_config")
         self.spec = speculation
         self.states = states  # None: the model keeps no per-sequence state
         self.pages, self.page_size = pages, page_size
@@ -280,8 +279,11 @@ class Scheduler:
             new = (emitted[req.id] if s.draft else [sampled[req.id]]) if s.sample else []
             if s.draft:
                 self.spec.record(len(s.draft), len(new) - 1)
-            # tokens whose KV is valid: the chunk's own, plus the kept drafts
+            # tokens whose KV is valid: the chunk's own, plus the kept drafts; with recurrent state a
+            # rejected draft rolled the state back to before the step: the kept tokens are recomputed
             computed = s.start + s.num_tokens - len(s.draft) + (len(new) - 1 if s.draft else 0)
+            if s.draft and self.states is not None and len(new) - 1 < len(s.draft):
+                computed = s.start
             new = self._until_stop(req, new, eos_ids)
             req.output_ids += new
             req.token_times += [now] * len(new)

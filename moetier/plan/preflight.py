@@ -52,7 +52,7 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        host_source=host_src, memlock=machine.memlock_limit(),
                        prefill_stream=config.prefill_stream,
                        prefix_caching=config.enable_prefix_caching,
-                       kv_host_bytes=config.kv_host_bytes)
+                       kv_host_bytes=config.kv_host_bytes, speculative=config.speculative_config is not None)
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
