@@ -18,10 +18,12 @@ from moetier.experts.cache import slot_kernels as kernels  # noqa: E402
 from moetier.experts.cache.slots import SlotCache, policy_for  # noqa: E402
 
 
-def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy: str = "lru") -> dict:
+def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy: str = "lru",
+                pinned: tuple[int, ...] = ()) -> dict:
     g = torch.Generator().manual_seed(seed)
     pol = policy_for(policy, num_slots, 4)
-    ref, ker = SlotCache(num_experts, num_slots, policy=pol), SlotCache(num_experts, num_slots, policy=pol)
+    ref = SlotCache(num_experts, num_slots, policy=pol, pinned=pinned)
+    ker = SlotCache(num_experts, num_slots, policy=pol, pinned=pinned)
     scratch = kernels.BookkeepingScratch(num_experts, num_slots, 128, torch.device("cpu"))
     for step in range(steps):
         t, k = [1, 2, 3, 20][step % 4], 4  # 20 x 4 = 80 pairs take the barrier kernel
@@ -45,4 +47,8 @@ def bookkeeping(num_experts: int, num_slots: int, steps: int, seed: int, policy:
 if __name__ == "__main__":
     for e, s, policy in ((32, 6, "lru"), (64, 20, "lru"), (128, 64, "lru"), (32, 6, "lfru"), (64, 20, "lfru")):
         print("bookkeeping", policy, e, s, bookkeeping(e, s, steps=120, seed=e + s, policy=policy))
+    # pinned experts (experts/cache/split.py): permanent hits at rows after the slots, in both kernels
+    for e, s, policy in ((32, 6, "lru"), (64, 20, "lfru")):
+        got = bookkeeping(e, s, steps=120, seed=e + s + 1, policy=policy, pinned=tuple(range(0, e, 3)))
+        print("pinned", policy, e, s, got)
     sys.exit(0)

@@ -35,7 +35,7 @@ def test_lru_by_hand():
     assert step(c, [[2, 9]]) == ([[2, 0]], [(2, 2), (9, 0)])  # 4 (slot 0) is least recent
     # 7 hits slot 1; slots 0 (expert 9) and 2 (expert 2) tie at stamp 2, so the lower slot goes
     assert step(c, [[7, 5]]) == ([[1, 0]], [(5, 0)])
-    assert c.read_stats() == {"hits": 2, "misses": 5, "overflow": 0, "steps": 4}
+    assert c.read_stats() == {"hits": 2, "misses": 5, "overflow": 0, "steps": 4, "pinned": 0}
 
 
 def test_never_evicts_what_the_step_needs_and_overflows():
@@ -45,7 +45,7 @@ def test_never_evicts_what_the_step_needs_and_overflows():
     # 0 and 1 hit and keep their slots; 2 victims (slots 2, 3) go to 10 and 11; 12, 13, 14 overflow
     assert slots == [[0, 1, 2, 3], [-1, -1, 0, -1]]
     assert miss == [(10, 2), (11, 3)]
-    assert c.read_stats() == {"hits": 2, "misses": 6, "overflow": 3, "steps": 2}
+    assert c.read_stats() == {"hits": 2, "misses": 6, "overflow": 3, "steps": 2, "pinned": 0}
 
 
 def test_all_hit_and_all_miss():

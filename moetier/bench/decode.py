@@ -145,11 +145,12 @@ def bed_dtype(bed: Bed) -> str:
     return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
 
 
-def make_bed(cfg: ModelConfig, dtype: str, seed: int) -> Bed:
+def make_bed(cfg: ModelConfig, dtype: str, seed: int, pinned: dict | None = None) -> Bed:
     """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
-    dense projections, layers/fp8_linear.py)."""
-    quant = None if dtype == "bf16" else "fp8" if dtype == "fp8-dense" else dtype  # nvfp4, int4: 4-bit experts
-    return random_bed(cfg, seed, quant=quant, fp8_dense=dtype == "fp8-dense")
+    dense projections, layers/fp8_linear.py; nvfp4, int4: 4-bit experts); pinned: experts made on the GPU
+    with no host copy."""
+    quant = None if dtype == "bf16" else "fp8" if dtype == "fp8-dense" else dtype
+    return random_bed(cfg, seed, quant=quant, fp8_dense=dtype == "fp8-dense", pinned=pinned)
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],
@@ -175,7 +176,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         elif bed is not None:
             b = bed
         else:
-            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"])
+            b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"], args.get("pinned"))
         build_s += time.perf_counter() - t0
         if bw is None:  # measured once, with the first bed's rows
             link = links(row_bytes=b.row_bytes)

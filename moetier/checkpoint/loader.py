@@ -160,13 +160,20 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
         if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
             full = tensor(w.name)
             src = full if par.ep == 1 else full[par.ep_rank::par.ep]
-            dest = lay.part(rows[x.layer], x.part, None)
-            dest.copy_(mine(quant4.to_row(w.name, src, dest)))
+            if x.layer not in placement.pinned:
+                dest = lay.part(rows[x.layer], x.part, None)
+                dest.copy_(mine(quant4.to_row(w.name, src, dest)))
+                return True
+            for local in range(src.shape[0]):  # pinned experts to the device, only cached ones to the host
+                block, i = placement.home(x.layer, local, rows[x.layer])
+                dest = lay.part(block, x.part, i)
+                dest.copy_(mine(quant4.to_row(w.name, src[local], dest)))
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
-        dest = lay.part(rows[x.layer], x.part, local)
+        block, i = placement.home(x.layer, local, rows[x.layer])  # the device block for a pinned expert (split.py)
+        dest = lay.part(block, x.part, i)
         dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest)))
         return True
 

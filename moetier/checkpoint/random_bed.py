@@ -33,6 +33,7 @@ from moetier.config import ModelConfig
 from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.cache.split import local_pinned
 from moetier.experts.registry import Resident, Slots, backend_kind
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
@@ -59,6 +60,10 @@ class Bed:
     dense_params: int = 0  # their parameter count (FP8 ones: the weights' elements, not the scales)
     par: Parallel = Parallel()  # the layout this share was made for (one process: everything)
     split: str = "replicate"  # the routed experts' split under tensor parallelism (experts/parallel/columns.py)
+    # experts pinned on the GPU (experts/cache/split.py): per MoE layer the global ids, and their rows
+    # [P, R] on the device (local ids ascending); their host rows are never backed
+    pinned: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    pinned_rows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -78,13 +83,29 @@ class RandomModel:
     seed: int = 0
     quant: str | None = None  # "fp8": FP8 expert rows
     split: str = "auto"  # routed experts under tensor parallelism: replicate, auto or columns
+    # per MoE layer the experts (global ids) pinned on the GPU, made there directly (random_bed)
+    pinned: dict[int, tuple[int, ...]] | None = None
 
     def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
         split = resolve(self.split, dataclasses.replace(cfg.moe_shape, quant=self.quant), tp, ep, self.backend)
         columns = tp if split == "columns" else 1
-        return ExpertOptions(self.backend, slots=slots_for(cfg, self.backend, self.budget, ep, columns) or None,
-                             policy=self.policy, split=self.split)
+        slots = slots_for(cfg, self.backend, self.budget, ep, columns)
+        if self.pinned and slots:  # at most the cached experts
+            slots = min(slots, local_experts(cfg.num_experts, ep) - max(len(v) for v in self.pinned.values()))
+        return ExpertOptions(self.backend, slots=slots or None, policy=self.policy, split=self.split,
+                             pinned=dict(self.pinned or {}))
+
+
+def quantized(cfg: ModelConfig, quant: str | None) -> ModelConfig:
+    """cfg with its routed experts in format `quant` (quant/registry.FORMATS; None: as it is) and its
+    dense weights in the model dtype, as a checkpoint of that format loads (the plan's, the server's
+    and the bench's random weights)."""
+    if quant is None:
+        return cfg
+    if quant not in FORMATS:
+        raise ValueError(f"unknown expert quantization {quant!r}; one of {', '.join(FORMATS)}")
+    return dataclasses.replace(cfg, quant=quant, quant_config=example(quant))
 
 
 def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens: int,
@@ -94,33 +115,35 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
     cfg = preset(r.preset, r.layers, str(dtype).removeprefix("torch."))
     split = resolve(r.split, dataclasses.replace(cfg.moe_shape, quant=r.quant), par.tp, par.ep, r.backend)
-    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split)
+    bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split, pinned=r.pinned)
     use_backend(bed, r.backend, r.budget, r.policy, decode_tokens)
     return bed
 
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
-               split: str = "auto") -> Bed:
+               split: str = "auto", pinned: dict[int, tuple[int, ...]] | None = None) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
     rows when quant is "fp8", 4-bit rows for "nvfp4", "int4", "int4-g32"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
-    rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert."""
+    rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert.
+    pinned: per MoE layer the experts (global ids) kept on the device instead (experts/cache/split.py):
+    the same draws, their rows stay on the device and only the cached rows reach the host, so a model
+    larger than the host fits when the GPU holds the difference."""
     from moetier.checkpoint.fp8_weights import with_dense
 
-    if quant is not None:
-        if quant not in FORMATS:
-            raise ValueError(f"unknown expert quantization {quant!r}; one of {', '.join(FORMATS)}")
-        cfg = dataclasses.replace(cfg, quant=quant, quant_config=example(quant))
-    cfg = with_dense(cfg, "fp8" if fp8_dense else "dequantize")
+    cfg = with_dense(quantized(cfg, quant), "fp8" if fp8_dense else "dequantize")
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
     split = resolve(split, cfg.moe_shape, par.tp, par.ep, Resident.name)  # refuses a bad explicit columns
     ours = local_shape(cfg.moe_shape, split, par.tp).layout  # this rank's rows (the whole without columns)
     ep, mine = par.ep, par.ep_rank
+    pinned = {layer: tuple(sorted(ids)) for layer, ids in (pinned or {}).items() if ids}
+    held = {layer: local_pinned(ids, mine, ep) for layer, ids in pinned.items()}
     store = HostStore(cfg.moe_layers, local_experts(cfg.num_experts, ep), ours, dtype,
-                      pin=torch.device(device).type == "cuda")
+                      pin=torch.device(device).type == "cuda", pinned=held)
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
+    on_gpu = {layer: torch.empty(len(ids), ours.numel, dtype=store.dtype, device=device) for layer, ids in held.items()}
     g = torch.Generator(device=device).manual_seed(seed)
     fp8_weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
     in_fp8 = {id(p) for m in fp8_weights for p in (m.q, m.scale)}
@@ -135,8 +158,10 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
         for m in fp8_weights:
             w = torch.empty(m.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
             m.rows().copy_(*fp8.quantize(w), "random")
-        for rows in host.values():
+        for layer, rows in host.items():
             # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
+            if layer in held:
+                rows = _SplitRows(rows, held[layer], on_gpu[layer])
             for a in range(0, cfg.num_experts, 16):  # 16 Qwen3-30B experts are 151 MB of scratch
                 b = min(a + 16, cfg.num_experts)
                 tmp = torch.empty(b - a, layout.numel, dtype=rows.dtype, device=device)
@@ -158,7 +183,41 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
                 rows[[e // ep for e in own]] = tmp[[e - a for e in own]].to(rows.device)
     bed = _bed(model, host, par=par)
     bed.split = split
+    bed.pinned, bed.pinned_rows = pinned, on_gpu
     return bed
+
+
+class _SplitRows:
+    """Rows [E, R] of one layer as random_bed writes them (rows[a:b] = ..., rows[list] = ...): a pinned
+    expert's row goes to the device rows [P, R], the others to the host block."""
+
+    def __init__(self, host: torch.Tensor, pinned: tuple[int, ...], device_rows: torch.Tensor):
+        self.host, self.device_rows = host, device_rows
+        self.dtype = host.dtype
+        self.at = {e: j for j, e in enumerate(pinned)}
+
+    def __setitem__(self, index, value: torch.Tensor) -> None:
+        ids = list(range(index.start, index.stop)) if isinstance(index, slice) else list(index)
+        for i, e in enumerate(ids):
+            if e in self.at:
+                self.device_rows[self.at[e]].copy_(value[i])
+            else:
+                self.host[e].copy_(value[i])
+
+    def __getitem__(self, index):
+        return _Slice(self, index)
+
+    @property
+    def device(self) -> torch.device:
+        return self.host.device
+
+
+class _Slice:
+    def __init__(self, rows: _SplitRows, index):
+        self.rows, self.index = rows, index
+
+    def copy_(self, value: torch.Tensor) -> None:
+        self.rows[self.index] = value
 
 
 def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -235,11 +294,27 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     slots = slots_for(cfg, backend, budget, bed.par.ep, bed.par.tp if bed.split == "columns" else 1)
+    kind = backend_kind(backend)
+    if bed.pinned and not (kind.cached or not kind.host_store):
+        raise ValueError(f"a bed with pinned experts serves resident, slots or hybrid, not {backend}: "
+                         "their host rows are not there")
+    if bed.pinned and kind.cached:
+        most = max(len(ids) for ids in bed.pinned_rows.values())  # slots: at most the cached experts
+        slots = min(slots, local_experts(cfg.num_experts, bed.par.ep) - most) if slots else slots
+        options.setdefault("pinned", bed.pinned)
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
                                 ExpertOptions(backend, slots=slots or None, policy=policy, split=bed.split,
                                               **options), dev,
                                 decode_tokens, bed.par)
     for block in bed.model.moe_blocks():
-        rows = bed.host[block.layer]
-        block.experts = placement.build(block.layer, rows if placement.kind.host_store else rows.to(dev, copy=True))
+        rows, layer = bed.host[block.layer], block.layer
+        if not placement.kind.host_store:  # resident: a device copy of every row
+            rows = rows.to(dev, copy=True)
+            if layer in bed.pinned_rows:  # the pinned experts' host rows are unbacked zeros
+                rows[list(local_pinned(bed.pinned[layer], bed.par.ep_rank, bed.par.ep))] = bed.pinned_rows[layer]
+        elif layer in bed.pinned_rows:  # into the new device block, after its slots; the old block goes
+            dest = placement.device_rows(layer)
+            dest[placement.num_slots(layer):] = bed.pinned_rows[layer]
+            bed.pinned_rows[layer] = dest[placement.num_slots(layer):]
+        block.experts = placement.build(layer, rows)
     return slots

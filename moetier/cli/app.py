@@ -53,6 +53,7 @@ def generate(
     device: opt.Device = "auto",
     tp: opt.TensorParallel = opt.ENGINE.tensor_parallel_size,
     expert_split: opt.ExpertSplit = opt.EXPERTS.split,
+    pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     ep: opt.ExpertParallel = opt.ENGINE.expert_parallel_size,
     distributed_executor: opt.DistributedExecutor = opt.ENGINE.distributed_executor,
     record_trace: opt.RecordTrace = opt.ENGINE.record_trace,
@@ -75,6 +76,10 @@ def generate(
         speculative = opt.speculative_config(speculative_config)
         model_dir = model_dir_of(model)
         experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+        if pinned_experts_file is not None:
+            from dataclasses import replace
+
+            experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
         if record_trace is not None:
             opt.output_file(record_trace, "--record-trace")
         if replay_trace is not None:
@@ -167,6 +172,7 @@ def serve(
     tp: opt.TensorParallel = opt.ENGINE.tensor_parallel_size,
     ep: opt.ExpertParallel = opt.ENGINE.expert_parallel_size,
     expert_split: opt.ExpertSplit = opt.EXPERTS.split,
+    pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     distributed_executor: opt.DistributedExecutor = opt.ENGINE.distributed_executor,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
@@ -213,8 +219,14 @@ def serve(
                 expert_backend = Slots.name if expert_budget is not None else Resident.name
             backend_kind(expert_backend)  # an unknown name: one line naming the choices
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
+            from moetier.quant.registry import FORMATS
+
+            # --dtype fp8 (a weight format): random experts in that format, dense weights bf16, as plan's
+            quant = dtype if dtype in FORMATS else None
+            dtype = "bfloat16" if quant else dtype
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
-                                 split=opt.expert_split(expert_split))
+                                 quant=quant, split=opt.expert_split(expert_split),
+                                 pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None)
             spec = EngineSpec(random=random, dtype=dtype, device=device, engine=engine, gpu_memory=gpu_memory,
                               host_memory=host_memory)
         else:
@@ -222,9 +234,13 @@ def serve(
                 raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
             from moetier.engine.llm import model_dir_of
 
+            experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+            if pinned_experts_file is not None:
+                from dataclasses import replace
+
+                experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
             spec = EngineSpec(model=model_dir_of(model), dtype=dtype, device=device, engine=engine,
-                              experts=opt.expert_options(expert_backend, expert_slots, expert_slots_file,
-                                                         cache_policy, expert_split),
+                              experts=experts,
                               gpu_memory=gpu_memory, host_memory=host_memory)
         run_server(spec, host, port, api_key, max_queue, drain_seconds, served_model_name, parsers)
     except (MoetierError, TokenizerError) as e:

@@ -13,7 +13,7 @@ from moetier.cli import options as opt
 from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda, need_gpus, need_modules,
                                       parse_budget, parse_dtypes, preflight_rows)
 from moetier.errors import MoetierError
-from moetier.experts.registry import NAMES, backend_kind
+from moetier.experts.registry import NAMES, Slots, backend_kind
 
 
 @app.command("layer")
@@ -109,6 +109,7 @@ def bench_decode(
                                           "world (NCCL on GPUs), gloo (host sockets) or pipe (one OS pipe per "
                                           "worker)."),
     expert_split: opt.ExpertSplit = opt.EXPERTS.split,
+    pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -139,6 +140,12 @@ def bench_decode(
         unknown = sorted(set(names) - {*NAMES, "hf"})  # hf: the transformers + accelerate peer
         if unknown or not names:
             raise MoetierError(f"--backends {backends!r}: choose from {', '.join(NAMES)}, hf")
+        cached = {b for b in NAMES if backend_kind(b).cached}
+        pinned = opt.pinned_experts(pinned_experts_file, Slots.name)
+        if pinned and (set(names) - cached or model is not None or layouts != [(1, 1)]):
+            raise MoetierError("--pinned-experts-file runs slots and hybrid rows of random weights on one GPU "
+                               "(--backends slots,hybrid, no --model or --parallel): the bed has no host copy "
+                               "of the pinned experts")
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
@@ -176,7 +183,8 @@ def bench_decode(
     if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
         rows = [(b, 1.0) for b in NAMES if b in names and not backend_kind(b).cached]
         rows += [(b, budget) for b in NAMES if b in names and backend_kind(b).cached for budget in budgets]
-        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens)
+        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens,
+                      pinned=pinned or None)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")
@@ -189,7 +197,8 @@ def bench_decode(
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
-            "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split}
+            "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
+            "pinned": pinned}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

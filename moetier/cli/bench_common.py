@@ -54,13 +54,14 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
     return names
 
 
-def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, **engine) -> None:
+def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, pinned=None,
+                   **engine) -> None:
     """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
     from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import bench_preflight
 
     try:
-        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring)
+        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring, pinned=pinned)
     except MoetierError as e:
         opt.fail(e)
 

@@ -34,12 +34,13 @@ ENGINE_FIELDS = {
     "--speculative-config": "speculative_config",
 }
 EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
-                 "--cache-policy": "policy", "--expert-split": "split"}
+                 "--cache-policy": "policy", "--expert-split": "split", "--pinned-experts-file": "pinned"}
 # The command line's own defaults, where they differ from the records' on purpose: --expert-backend
 # auto (the memory plan chooses; the Python API without a plan builds resident), --expert-slots-file
-# none (no per-layer counts), and one request at a time for generate (and for plan, which plans what
+# none (no per-layer counts), --pinned-experts-file none (nothing pinned unless the plan pins), and one request at a time for generate (and for plan, which plans what
 # generate runs unless told otherwise); --kv-host-memory is a size string, "0" the record's 0 bytes.
-CLI_DEFAULTS = {"--expert-backend": _backends.AUTO, "--expert-slots-file": None, "--kv-host-memory": "0"}
+CLI_DEFAULTS = {"--expert-backend": _backends.AUTO, "--expert-slots-file": None, "--pinned-experts-file": None,
+                "--kv-host-memory": "0"}
 ONE_REQUEST = 1
 
 
@@ -52,7 +53,8 @@ def fail(e: Exception | str) -> NoReturn:
 Model = Annotated[Optional[Path], typer.Option(
     "--model", metavar="<dir>", help="Hugging Face checkpoint directory (default: the embedded tiny model, tiny-stdlib, "
     "shipped with moetier).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16; with "
+                                     "--preset also a weight format (fp8): the routed experts in it, dense bf16.")]
 Device = Annotated[str, typer.Option("--device", help="auto (cuda when available), cuda or cpu.")]
 
 # -- expert tiers -----------------------------------------------------------------------------------
@@ -62,6 +64,9 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
     "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+PinnedExpertsFile = Annotated[Optional[Path], typer.Option(
+    "--pinned-experts-file", metavar="<file>", help="Experts per MoE layer pinned on the GPU with no host copy "
+    "(from `moetier plan --pinned-out`); the rest are cached. Slots and hybrid backends.")]
 ExpertSplit = Annotated[str, typer.Option(
     "--expert-split", help="Routed experts under --tp: auto (the default: columns whenever valid), replicate "
     "(every rank holds every expert whole) or columns (every rank holds 1/tp of every expert's intermediate columns; "
@@ -168,6 +173,17 @@ def executor(name: str) -> str:
 
         import_ray()
     return name
+
+
+def pinned_experts(path: Path | None, backend: str) -> dict[int, tuple[int, ...]]:
+    """--pinned-experts-file: the pinned experts per MoE layer ({} without the flag)."""
+    if path is None:
+        return {}
+    if backend == _backends.AUTO or not _backends.backend_kind(backend).cached:
+        raise MoetierError("--pinned-experts-file needs --expert-backend slots or hybrid")
+    from moetier.experts.cache.split import read_pinned_file
+
+    return read_pinned_file(input_file(path, "--pinned-experts-file"))
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,

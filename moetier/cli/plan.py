@@ -54,7 +54,8 @@ def cfg_dtype(cfg):
 
 
 def predict(plan, cfg, trace, policy: str) -> dict:
-    """Hit rate and batch-1 tok/s the trace's simulation predicts for the plan's slots (traces/report.py)."""
+    """Hit rate and batch-1 tok/s the trace's simulation predicts for the plan's slots (traces/report.py),
+    and for its pinned experts too when it pins (traces/split_plan.py)."""
     from moetier.traces.report import DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, run_simulation
     from moetier.traces.simulate import Physics
 
@@ -69,23 +70,27 @@ def predict(plan, cfg, trace, policy: str) -> dict:
     head = next(i.bytes for i in plan.device + plan.host if i.name.startswith("dense: embedding"))
     read = dense + (head if cfg.tie_word_embeddings else head // 2)  # the embedding is read by row only
     phys = Physics(DEFAULT_HBM_GBPS, DEFAULT_LINK_GBPS, plan.row_bytes, len(cfg.moe_layers), read)
+    pinned_rate = None
     if not kind.cached and kind.host_store:  # uva: every row read across the link
         per_layer = dict.fromkeys(trace.layers, 0)
         row = {"hit_rate": 0.0, "ms_per_token": phys.ms_per_token(trace.top_k, 0.0, trace.top_k)}
+    elif plan.pinned_per_layer:
+        from moetier.plan.split import predict_split
+
+        row = predict_split(plan, trace, policy, phys)
+        pinned_rate = row["pinned_rate"]
     else:
         row = run_simulation(trace, [policy], [], per_layer, phys)["rows"][0]
     return {"trace": str(trace.meta.get("path", "")) or "given", "policy": policy, "hit_rate": row["hit_rate"],
-            "tok_per_s": 1e3 / row["ms_per_token"], "slots_per_traced_layer": per_layer,
+            "pinned_rate": pinned_rate, "tok_per_s": 1e3 / row["ms_per_token"], "slots_per_traced_layer": per_layer,
             "physics": f"HBM {phys.hbm_GBps:.0f} GB/s, link {phys.link_GBps:.1f} GB/s, H200 figures"}
 
 
 def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
-    """--dtype fp8 | nvfp4 | int4 | int4-g32 with --preset: the preset with its routed experts in that
-    format (rows counted exactly, quant/rows.RowLayout) and dense weights in bf16, as such a checkpoint
-    loads; -> (cfg, the model dtype). Other --dtype values pass through."""
-    import dataclasses
-
-    from moetier.quant.quant_config import example
+    """--dtype fp8 | nvfp4 | int4 | int4-g32 (quant/registry.FORMATS) with --preset: the preset with its routed
+    experts in that format (rows counted exactly, quant/rows.RowLayout) and dense weights in bf16, as
+    such a checkpoint loads; -> (cfg, the model dtype). Other --dtype values pass through."""
+    from moetier.checkpoint.random_bed import quantized
     from moetier.quant.registry import FORMATS
 
     if dtype not in FORMATS:
@@ -93,7 +98,7 @@ def quantized_preset(cfg, dtype: str, from_checkpoint: bool):
     if from_checkpoint:
         raise MoetierError(f"--dtype {dtype}: a checkpoint's weight format is its own (config.json); with --model, "
                            "--dtype is the model dtype (auto, bfloat16, float16, float32)")
-    return dataclasses.replace(cfg, quant=dtype, quant_config=example(dtype)), "bfloat16"
+    return quantized(cfg, dtype), "bfloat16"
 
 
 def plan_cmd(
@@ -121,6 +126,9 @@ def plan_cmd(
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
+    pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
+    pinned_out: Optional[Path] = typer.Option(None, "--pinned-out", metavar="<file>",
+                                              help="Write the plan's pinned experts per layer to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (bytes)."),
 ) -> None:
     """The memory plan: every resident on the device and the host, totals and headroom."""
@@ -168,6 +176,10 @@ def plan_cmd(
                 raise MoetierError("no CUDA device is visible here: give --gpu-memory (e.g. 139GiB) to plan for a "
                                    "card, or --device cpu to plan a CPU run")
         experts = expert_request(cfg, expert_backend, expert_slots, expert_slots_file, expert_budget, loaded, policy)
+        if pinned_experts_file is not None:
+            from dataclasses import replace
+
+            experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
         # the pool: max_num_seqs requests of full length, as generate configures the engine
         config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
                                        max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense,
@@ -181,6 +193,14 @@ def plan_cmd(
     except MoetierError as e:
         opt.fail(e)
     refused = None if plan.fits() else refusal(req, plan)
+    if pinned_out is not None and refused is None:
+        from moetier.experts.cache.split import write_pinned_file
+
+        try:
+            write_pinned_file(pinned_out, plan.pinned_experts, {"model": cfg.model_type, "layers": cfg.num_layers},
+                              plan.slots_per_layer)
+        except OSError as e:
+            opt.fail(MoetierError(f"--pinned-out {pinned_out}: cannot write it ({e.strerror})"))
     if as_json:
         typer.echo(to_json(plan))
         if refused is not None:

@@ -24,7 +24,7 @@ are never filled, so starting on pieces left a realistic trace's cache colder th
 as the whole graph ran after (96cd92a: 88.8% hits against 91.0% at b1). The first window's counters
 then decide.
 
-backends: objects with cache.stats [4] (hits, misses, overflow, steps), host_count() (the experts served
+backends: objects with cache.stats [5] (hits, misses, overflow, steps, pinned hits), host_count() (the experts served
 on the host so far: an int, or a device tensor of one element), host_only_steps and host_saving_s(m)
 (experts/hybrid/backend.HybridExperts, experts/hybrid/nodes.HybridNodesExperts).
 """
@@ -61,7 +61,7 @@ class Switch:
         dev = [h.view(1) for h in host if isinstance(h, torch.Tensor)]
         got = torch.cat([torch.stack([b.cache.stats for b in self.backends]).sum(0), *dev]).tolist()  # one read
         _hits, misses, overflow, steps = got[:4]
-        host_total = sum(got[4:]) + sum(h for h in host if not isinstance(h, torch.Tensor))
+        host_total = sum(got[self.backends[0].cache.stats.numel():])  # after [hits, misses, overflow, steps, pinned] + sum(h for h in host if not isinstance(h, torch.Tensor))
         return misses + overflow + host_total, steps + sum(b.host_only_steps for b in self.backends)
 
     def _time(self) -> None:

@@ -172,7 +172,11 @@ class SlotExperts(ExpertBackend):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
-                 prefill_stream: str = "ring", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH)):
+                 prefill_stream: str = "ring", ring: tuple[int, int] = (RING_GROUP, RING_DEPTH),
+                 pinned: tuple[int, ...] = (), device_rows: torch.Tensor | None = None):
+        """pinned: experts (local ids) that live on the GPU for good (experts/cache/split.py); device_rows:
+        the [S + P, R] device block, pinned[j]'s row filled at S + j (made here, slots only, when None).
+        host_rows [E, R]: only the cached experts' rows are read (a split store backs no others)."""
         super().__init__(layout, top_k, decode_tokens, device, gemm)
         num_experts = host_rows.shape[0]
         self.host = host_rows
@@ -184,15 +188,23 @@ class SlotExperts(ExpertBackend):
             raise ValueError("; ".join(problems))
         self.ring_shape = ring  # (G rows per buffer, D buffers): the ring is made at the first ring step
         self.ring_rows = 0  # rows the ring copied over the link (host count)
-        self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k))
-        self.slots = torch.empty(num_slots, layout.numel, dtype=host_rows.dtype, device=self.device)
+        self.cache = SlotCache(num_experts, num_slots, self.device, policy_for(policy, num_slots, top_k), pinned)
+        rows = self.cache.num_rows
+        if device_rows is None:
+            if pinned:
+                raise ValueError("pinned experts need their device rows (device_rows [S + P, R], filled)")
+            device_rows = torch.empty(rows, layout.numel, dtype=host_rows.dtype, device=self.device)
+        if tuple(device_rows.shape) != (rows, layout.numel) or device_rows.dtype != host_rows.dtype:
+            raise ValueError(f"device_rows must be [{rows}, {layout.numel}] {host_rows.dtype}, "
+                             f"got {list(device_rows.shape)} {device_rows.dtype}")
+        self.slots = device_rows  # [S + P, R]: the slots, then the pinned experts (slot ids index both)
         # rows the prefill refreshes filled (a device counter: the CUDA path adds the miss count unread)
         self._refreshed = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.cuda:
             from moetier.experts.cache.slot_kernels import BookkeepingScratch
 
             self._host_dev = DevicePointer(host_rows)
-            # NOTE: at least S pairs: a refresh step asks for S ids (plan/residents.slot_cache_state)
+            # NOTE: at least S pairs: a refresh step asks for S ids (experts/registry.slot_cache_state)
             self._scratch = BookkeepingScratch(num_experts, num_slots, max(decode_tokens * top_k, num_slots),
                                                self.device)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -206,7 +218,7 @@ class SlotExperts(ExpertBackend):
             slot_ids, miss = self.cache.step_reference(topk_ids)
             n = int(miss.count)
             self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
-            keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + topk_ids)
+            keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_rows + topk_ids)
             keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/parallel/ep.py)
             return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit),
                            topk_weights)
@@ -217,8 +229,8 @@ class SlotExperts(ExpertBackend):
         return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
 
     def _fetcher(self, dtype: torch.dtype):
-        """key -> weights: keys below S read slot `key`, the others host row `key - S`."""
-        s = self.cache.num_slots
+        """key -> weights: keys below S + P read device row `key`, the others host row `key - S - P`."""
+        s = self.cache.num_rows
         slot, host = row_fetch(self.slots, self.layout, dtype), row_fetch(self.host, self.layout, dtype)
         return lambda key: slot(key) if key < s else host(key - s)
 
@@ -241,7 +253,7 @@ class SlotExperts(ExpertBackend):
             # a device gather: -1 where not in a slot (a negative id's slot id is moot: the GEMM skips it)
             slot_ids = self.cache.expert_slot[topk_ids.clamp(min=0)]
             return self._large(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev,
-                               self.cache.num_slots + self.cache.num_experts)
+                               self.cache.num_rows + self.cache.num_experts)
         self.bypassed += 1
         if self.prefill == "refresh":
             miss = refresh_reference(self.cache, topk_ids)
@@ -281,8 +293,10 @@ class SlotExperts(ExpertBackend):
         return combine(pair_out, topk_weights)
 
     def nbytes(self):
+        # the host holds the cached experts' rows only (a split store backs no pinned row)
+        cached = self.cache.num_experts - self.cache.num_pinned
         return {"device": self.slots.numel() * self.slots.element_size(),
-                "host": self.host.numel() * self.host.element_size()}
+                "host": cached * self.host.shape[1] * self.host.element_size()}
 
     def stats(self):
         # refreshed: rows prefill refreshes filled (not in misses: those count decode's fills)

@@ -34,6 +34,7 @@ from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.registry import NAMES, backend_kind, find
 from moetier.experts.shape import MoeShape
+from moetier.experts.cache.split import check_pinned, local_pinned
 from moetier.experts.cache.store import HostStore
 from moetier.parallel import Parallel
 
@@ -71,9 +72,14 @@ class ExpertOptions:
     # expert whole), "columns" (every rank holds I/tp of every expert), "auto" (columns whenever valid).
     # auto is the default: columns measured faster than replicate (docs/measured-defaults.md)
     split: str = "auto"
+    # slots, hybrid: per MoE layer the experts (global ids) pinned on the GPU for good, with no host copy
+    # (experts/cache/split.py); the others are cached. From --pinned-experts-file or the plan.
+    pinned: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
-    def slots_for(self, layer: int, num_experts: int) -> int:
-        return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, num_experts // 2))
+    def slots_for(self, layer: int, num_experts: int, num_pinned: int = 0) -> int:
+        """num_experts: this rank's; num_pinned: of them pinned (the default is half the cached ones)."""
+        cached = num_experts - num_pinned
+        return self.slots_per_layer.get(layer, self.slots if self.slots is not None else max(1, cached // 2))
 
     def problems(self, shape: MoeShape, moe_layers: list[int], ep: int = 1, tp: int = 1) -> list[str]:
         """Everything wrong with these options for this shape (and tp, ep ranks), one line each."""
@@ -96,6 +102,7 @@ class ExpertOptions:
             out.append(f"the slots file names layers {unknown}, which are not MoE layers of this model "
                        f"({moe_layers[0]}..{moe_layers[-1]})" if moe_layers else
                        f"the slots file names layers {unknown}, but this model has no MoE layers")
+        out += self._pinned_problems(shape, moe_layers, ep)
         if self.policy not in POLICIES:
             out.append(f"cache policy {self.policy!r}: choose lru or lfru")
         if self.host_kernel not in HOST_KERNELS:
@@ -108,6 +115,24 @@ class ExpertOptions:
             out.append(f"prefill stream {self.prefill_stream!r}: choose uva or ring")
         out += check_geometry(self.ring_group, self.ring_depth)
         return out
+
+    def _pinned_problems(self, shape: MoeShape, moe_layers: list[int], ep: int) -> list[str]:
+        if not any(self.pinned.values()):
+            return []
+        if self.backend not in ("slots", "hybrid"):
+            return [f"pinned experts need the slots or hybrid backend (got {self.backend}); resident pins them all"]
+        unknown = sorted(set(self.pinned) - set(moe_layers))
+        if unknown:
+            return [f"the pinned file names layers {unknown}, which are not MoE layers of this model"]
+        for layer, ids in sorted(self.pinned.items()):
+            for rank in range(ep):
+                mine = local_pinned(ids, rank, ep)
+                e = shape.num_experts // ep
+                got = check_pinned(tuple(ids), shape.num_experts, 0) if rank == 0 else []
+                got += check_pinned(mine, e, self.slots_for(layer, e, len(mine)))
+                if got:
+                    return [f"layer {layer}: {got[0]}"]
+        return []
 
 
 class ExpertPlacement:
@@ -131,6 +156,10 @@ class ExpertPlacement:
         self.kind = backend_kind(options.backend)
         self.store: HostStore | None = None  # made by the first rows() of a host-backed placement
         self.hostpath = None  # hybrid: one host worker and one calibration for every layer
+        # per MoE layer the pinned experts (local ids, ascending) and their device block [S + P, R]
+        self.pinned = {layer: local_pinned(ids, par.ep_rank, par.ep) for layer, ids in options.pinned.items()}
+        self.pinned = {layer: ids for layer, ids in self.pinned.items() if ids}
+        self._device_rows: dict[int, torch.Tensor] = {}
 
     def local_id(self, expert: int) -> int | None:
         """The row of global expert `expert` in this rank's rows; None: another rank owns it."""
@@ -144,8 +173,30 @@ class ExpertPlacement:
                                device=self.device)
         if self.store is None:
             self.store = HostStore(self.moe_layers, self.num_local, self.layout, self.dtype,
-                                   pin=self.device.type == "cuda")
+                                   pin=self.device.type == "cuda", pinned=self.pinned)
         return self.store.rows(layer)
+
+    def num_slots(self, layer: int) -> int:
+        return self.options.slots_for(layer, self.num_local, len(self.pinned.get(layer, ())))
+
+    def device_rows(self, layer: int) -> torch.Tensor | None:
+        """[S + P, R] device block of a layer with pinned experts (slots, then pinned[j] at S + j), made at
+        the first call; None for a layer without."""
+        if layer not in self.pinned:
+            return None
+        if layer not in self._device_rows:
+            n = self.num_slots(layer) + len(self.pinned[layer])
+            self._device_rows[layer] = torch.empty(n, self.layout.numel, dtype=self.layout.row_dtype(self.dtype),
+                                                   device=self.device)
+        return self._device_rows[layer]
+
+    def home(self, layer: int, local: int, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Where the loader writes expert `local` of `layer` (rows: the layer's rows()): (device block,
+        its row) for a pinned expert, whose host row stays unbacked; else (rows, local)."""
+        held = self.pinned.get(layer, ())
+        if local in held:
+            return self.device_rows(layer), self.num_slots(layer) + held.index(local)
+        return rows, local
 
     def build(self, layer: int, rows: torch.Tensor) -> ExpertBackend:
         backend = self.kind.build(self, layer, rows)

@@ -34,8 +34,10 @@ class BackendKind:
         """Expert rows one MoE layer holds in device memory (slots: that layer's slot count)."""
         return 0
 
-    def layer_state(self, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int) -> list[int]:
-        """Bytes of each device tensor one layer's backend holds besides its rows and decode output."""
+    def layer_state(self, shape: MoeShape, dtype: torch.dtype, decode_tokens: int, slots: int,
+                    pinned: int = 0) -> list[int]:
+        """Bytes of each device tensor one layer's backend holds besides its rows and decode output
+        (pinned: that layer's pinned experts, experts/cache/split.py)."""
         return []
 
     def problems(self, options, shape: MoeShape, ep: int = 1, tp: int = 1) -> list[str]:
@@ -71,20 +73,21 @@ class Slots(BackendKind):
     def device_rows(self, num_experts, slots):
         return slots
 
-    def layer_state(self, shape, dtype, decode_tokens, slots):
-        return slot_cache_state(shape.num_experts, slots, decode_tokens * shape.top_k)
+    def layer_state(self, shape, dtype, decode_tokens, slots, pinned=0):
+        return slot_cache_state(shape.num_experts, slots, decode_tokens * shape.top_k, pinned)
 
     def build(self, placement, layer, rows):
         o, p = placement.options, placement
-        return SlotExperts(rows, p.layout, p.shape.top_k, o.slots_for(layer, p.num_local), p.decode_tokens, p.device,
-                           o.policy, o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth))
+        return SlotExperts(rows, p.layout, p.shape.top_k, p.num_slots(layer), p.decode_tokens, p.device,
+                           o.policy, o.gemm, o.prefill, o.prefill_stream, (o.ring_group, o.ring_depth),
+                           p.pinned.get(layer, ()), p.device_rows(layer))
 
 
 class Uva(BackendKind):
     name = "uva"
     help = "read from host memory on every use"
 
-    def layer_state(self, shape, dtype, decode_tokens, slots):
+    def layer_state(self, shape, dtype, decode_tokens, slots, pinned=0):
         # the [P] sentinel slot ids and one dummy device row (experts/backends.UvaExperts)
         return [4 * decode_tokens * shape.top_k, shape.layout.row_bytes(dtype)]
 
@@ -111,8 +114,8 @@ class Hybrid(Slots):
         if p.hostpath is None:  # one host worker and one calibration for every layer
             p.hostpath = HostPath(p.layout, o.host_kernel, o.host_threads, o.rates)
         kind = HybridNodesExperts if nodes else HybridExperts
-        hybrid = kind(rows, p.layout, p.shape.top_k, o.slots_for(layer, p.num_local), p.decode_tokens, p.device,
-                      o.policy, o.gemm, p.hostpath)
+        hybrid = kind(rows, p.layout, p.shape.top_k, p.num_slots(layer), p.decode_tokens, p.device,
+                      o.policy, o.gemm, p.hostpath, p.pinned.get(layer, ()), p.device_rows(layer))
         hybrid.prefill = o.prefill  # its large steps are SlotExperts._bypass
         hybrid.prefill_stream, hybrid.ring_shape = o.prefill_stream, (o.ring_group, o.ring_depth)
         return hybrid
@@ -147,14 +150,16 @@ def choices_help() -> str:
             f"slots as fit), {kinds}.")
 
 
-def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int) -> list[int]:
+def slot_cache_state(num_experts: int, num_slots: int, max_pairs: int, pinned: int = 0) -> list[int]:
     """Device tensors of one slots layer besides its rows: SlotCache (cache/slots.py: expert_slot, freq,
-    fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock, stats int64), the prefill refresh
+    fepoch [E] int32; slot_expert [S] int32; stamp [S] int64; clock [1], stats [5] int64; the pinned
+    experts' ids [P] int64 and rows [P] int32), the prefill refresh
     counter (backends.SlotExperts, int64 [1]) and BookkeepingScratch (cache/slot_kernels.py: first [E],
     used [S], victim [next_pow2(S)], slots_out / miss_expert / miss_slot [max(P, S)]: a refresh step
     asks for S ids, miss_count [1], all int32)."""
     e, s, p = num_experts, num_slots, max(max_pairs, num_slots)
-    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 32, 8,
+    held = [8 * pinned, 4 * pinned] if pinned else []  # empty tensors take no block
+    return [4 * e, 4 * e, 4 * e, 4 * s, 8 * s, 8, 40, 8, *held,
             4 * e, 4 * s, 4 * (1 if s <= 1 else 1 << (s - 1).bit_length()), 4 * p, 4 * p, 4 * p, 4]
 
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from moetier.experts.registry import backend_kind
 from moetier.plan.memory import Plan, PlanRequest, count
+from moetier.plan.split import SplitRefused
 from moetier.plan.units import gib
 
 RESIDENT_CHUNK = 2048
@@ -105,13 +106,21 @@ def plan_with_chunk(req: PlanRequest, place: Callable[[PlanRequest], Plan]) -> P
     def bytes_at(tokens: int) -> int:
         return activations(count(replace(fixed, max_num_tokens=tokens)))
 
+    def attempt(tokens: int) -> tuple[Plan | None, str | None]:
+        """(the plan at this chunk, why it is refused); a split that cannot fit both budgets at this
+        chunk is refused here, so a smaller chunk leaves its rows to pinned experts (plan/split.py)."""
+        try:
+            plan = plan_at(tokens)
+        except SplitRefused:
+            return None, "the experts would not fit the two budgets"
+        return plan, why_not(plan)
+
     room = None if probe.gpu_budget is None else int(ACTIVATION_SHARE * probe.gpu_budget)
     tokens, reason = choose_chunk(hbm, bytes_at, room, req.device)
-    plan = plan_at(tokens)
-    refused = why_not(plan)
+    plan, refused = attempt(tokens)
     if refused:
         wanted = tokens
-        found = largest(MIN_CHUNK, wanted - ALIGN, lambda t: not why_not(plan_at(t)))
+        found = largest(MIN_CHUNK, wanted - ALIGN, lambda t: not attempt(t)[1])
         tokens = found or MIN_CHUNK
         plan = plan_at(tokens) if found else probe
         if found:

@@ -40,6 +40,8 @@ class PlanRequest:
     device: str = "cuda"  # "cuda" or "cpu" (everything then lives in host memory)
     backend: str = "resident"  # resident, slots, uva or hybrid (sizing.auto_plan chooses for "auto")
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # slots backend: every MoE layer
+    # slots, hybrid: experts per MoE layer pinned on the GPU, with no host copy (experts/cache/split.py)
+    pinned_per_layer: dict[int, int] = field(default_factory=dict)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 1
     kv_tokens: int | None = None  # default: max_num_seqs full-length requests
@@ -117,6 +119,8 @@ class Plan:
     row_bytes: int
     expert_bytes: int  # all routed experts of all MoE layers
     notes: list[str] = field(default_factory=list)
+    pinned_per_layer: dict[int, int] = field(default_factory=dict)  # experts pinned on the GPU, by layer
+    pinned_experts: dict[int, list[int]] = field(default_factory=dict)  # which (global ids), when chosen
     prediction: dict | None = None  # with a trace: hit rate and tok/s (sizing.py)
     chunk: dict | None = None  # an automatic prefill chunk: tokens, reason (chunk.py); None: as given
 
@@ -157,6 +161,8 @@ class Plan:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["slots_per_layer"] = {str(k): v for k, v in self.slots_per_layer.items()}
+        d["pinned_per_layer"] = {str(k): v for k, v in self.pinned_per_layer.items()}
+        d["pinned_experts"] = {str(k): v for k, v in self.pinned_experts.items()}
         d.update(device_total=self.device_total, host_total=self.host_total, host_margin=self.host_margin,
                  device_headroom=None if self.gpu_budget is None else self.gpu_budget - self.device_total,
                  host_headroom=None if self.host_available is None else self.host_available - self.host_total,
@@ -180,6 +186,8 @@ def count(req: PlanRequest) -> Plan:
     e, p = shape.num_experts, req.decode_tokens * shape.top_k
     backend, kind = req.backend, backend_kind(req.backend)
     slots = {layer: req.slots_per_layer.get(layer, 0) for layer in layers} if kind.cached else {}
+    pins = {layer: req.pinned_per_layer.get(layer, 0) for layer in layers} if kind.cached else {}
+    pins = {layer: n for layer, n in pins.items() if n}
     dense = r.dense_weights(cfg, dt)
     dev: list[Item] = []
     tensors: list[int] = list(dense.tensors)  # every device tensor, for the allocator's rounding
@@ -192,17 +200,26 @@ def count(req: PlanRequest) -> Plan:
     if not kind.host_store:
         rows = [kind.device_rows(e, 0) * row] * len(layers)
         note = f"{len(layers)} layers x {e} experts x {row:,} B rows (scales in the row)"
-    elif kind.cached:
-        rows = [kind.device_rows(e, slots[layer]) * row for layer in layers]
+    elif kind.cached:  # one block [S + P, R] a layer: its slots, then its pinned experts
+        rows = [(kind.device_rows(e, slots[layer]) + pins.get(layer, 0)) * row for layer in layers]
         note = (f"{sum(slots.values())} slots over {len(layers)} layers "
                 f"({min(slots.values(), default=0)}..{max(slots.values(), default=0)} per layer) x {row:,} B rows")
     else:
         rows, note = [], "none on the device: every expert read from pinned host memory"
-    dev.append(_item("routed experts (weights + scales)", "load", rows, note))
+    if pins:
+        held = sum(pins.values()) * row
+        dev.append(Item("routed experts pinned on the GPU", held, "load",
+                        f"{sum(pins.values())} experts ({min(pins.values())}..{max(pins.values())} in the "
+                        f"{len(pins)} layers that pin) x {row:,} B rows: always hits, no host copy", held))
+        whole = _item("", "load", rows)
+        dev.append(Item("expert slots (weights + scales)", whole.bytes - held, "load", note, whole.allocated - held))
+    else:
+        dev.append(_item("routed experts (weights + scales)", "load", rows, note))
     tensors += rows
     if cuda:
         scratch = r.gemm_scratch(p, shape.hidden, shape.inter)
-        state = [n for layer in layers for n in kind.layer_state(shape, dt, req.decode_tokens, slots.get(layer, 0))]
+        state = [n for layer in layers
+                 for n in kind.layer_state(shape, dt, req.decode_tokens, slots.get(layer, 0), pins.get(layer, 0))]
         if kind.host_compute:  # the pieces' pair outputs and the nodes mode's buffers, one set per model
             # NOTE: both counted: the plan does not know which mode the backend builds (registry.nodes_by_default)
             state += r.hybrid_piece_buffers(req.decode_tokens, shape.top_k, shape.hidden)
@@ -271,7 +288,8 @@ def count(req: PlanRequest) -> Plan:
     if dense.fp8_transient:  # FP8 dense: a prefill projection dequantizes its weight first
         act.append(dense.fp8_transient)
     if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
-        act += r.large_step_scratch(req.max_num_tokens, shape, dt, e + max(slots.values(), default=0))
+        act += r.large_step_scratch(req.max_num_tokens, shape, dt,
+                                    e + max((slots[la] + pins.get(la, 0) for la in slots), default=0))
         if kind.cached and req.prefill_stream == "ring":
             act += r.ring_step_scratch(req.max_num_tokens, shape)
             ring = r.staging_ring(shape, dt, *req.ring)
@@ -301,11 +319,12 @@ def count(req: PlanRequest) -> Plan:
         host += [Item(f"{i.name} (in host memory)", i.bytes, "host", i.note) for i in dev]
         dev = []
     if kind.host_store:
-        requested, allocated = r.store_allocation(len(layers), e, row, req.page)
-        pinned = requested if cuda else 0
-        would = r.torch_pinned_would_charge(len(layers), e, row)
+        requested, allocated = r.store_allocation(len(layers), e, row, req.page, [pins.get(la, 0) for la in layers])
+        pinned = allocated if pins and cuda else requested if cuda else 0
+        would = sum(r.torch_pinned_would_charge(1, e - pins.get(la, 0), row) for la in layers)
+        cached = f"the {len(layers) * e - sum(pins.values())} cached experts' rows, " if pins else ""
         host.append(Item("expert store (exact size)", allocated, "host",
-                         f"{requested:,} B + {len(layers)} pages; "
+                         f"{cached}{requested:,} B + page rounding; "
                          + (f"pinned exactly (torch would pin {gib(would)})" if cuda else "not pinned (cpu)")))
     host_pages = req.kv_host_bytes // (kv_spec_bytes * req.page_size) if req.prefix_caching else 0
     if host_pages:  # engine/kv_moves.py: one page-aligned block, registered at exact size on CUDA
@@ -332,7 +351,7 @@ def count(req: PlanRequest) -> Plan:
                "max_num_tokens": req.max_num_tokens, "decode_tokens": req.decode_tokens, "graph_sizes": sizes,
                "gpu_budget_source": req.gpu_source, "host_source": req.host_source}
     return Plan(request, backend, slots, dev, host, req.gpu_budget if cuda else None, req.host_available, pinned,
-                req.memlock, row, len(layers) * e * row)
+                req.memlock, row, len(layers) * e * row, pinned_per_layer=pins)
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:

@@ -76,21 +76,30 @@ def _placed(req: PlanRequest, experts, trace=None) -> Plan:
         raise MoetierError("; ".join(problems))
     if backend_kind(experts.backend).cached:  # hybrid: the slots' plan, then counted as hybrid
         b = experts.backend
-        if experts.slots is None and not experts.slots_per_layer:
+        if experts.slots is None and not experts.slots_per_layer and not experts.pinned:
             plan = auto_plan(req, trace, experts.policy)
             if backend_kind(plan.backend).cached:
-                return plan if b == plan.backend else count(replace(req, backend=b,
-                                                                    slots_per_layer=plan.slots_per_layer))
+                if b == plan.backend:
+                    return plan
+                other = count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer,
+                                      pinned_per_layer=plan.pinned_per_layer))
+                other.pinned_experts, other.notes = plan.pinned_experts, plan.notes
+                return other
             return count(replace(req, backend=b, slots_per_layer=dict.fromkeys(layers, e)))
-        slots = {layer: experts.slots_for(layer, e) for layer in layers}
-        return count(replace(req, backend=b, slots_per_layer=slots))
+        pins = {layer: len(experts.pinned.get(layer, ())) for layer in layers}  # an explicit split (a file)
+        slots = {layer: experts.slots_for(layer, e, pins[layer]) for layer in layers}
+        plan = count(replace(req, backend=b, slots_per_layer=slots, pinned_per_layer=pins))
+        plan.pinned_experts = {layer: list(ids) for layer, ids in experts.pinned.items() if ids}
+        return plan
     return count(replace(req, backend=experts.backend))
 
 
 def options_for(plan: Plan, experts):
     """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
+    cached = backend_kind(plan.backend).cached
     return replace(experts, backend=plan.backend, slots=None,
-                   slots_per_layer=dict(plan.slots_per_layer) if backend_kind(plan.backend).cached else {})
+                   slots_per_layer=dict(plan.slots_per_layer) if cached else {},
+                   pinned={layer: tuple(ids) for layer, ids in plan.pinned_experts.items()} if cached else {})
 
 
 def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
@@ -137,25 +146,30 @@ def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_mem
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
                     host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                    ring: tuple[int, int] | None = None) -> None:
+                    ring: tuple[int, int] | None = None, pinned: dict[int, tuple[int, ...]] | None = None) -> None:
     """The memory plan of each (backend, expert budget) row of a random-weight benchmark, checked before
     its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
     table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
     the host is checked with the whole store (the uva plan: store on the host, none on the device).
-    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions')."""
+    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions').
+    pinned: the bed's pinned experts (experts/cache/split.py): its store holds only the cached rows, so
+    every row is planned with them, and none with the whole store."""
     from moetier.experts.placement import ExpertOptions
 
     req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
-    checks = [("the random weights' host store", Uva.name, None)]
+    checks = [] if pinned else [("the random weights' host store", Uva.name, None)]
+    most = max((len(v) for v in (pinned or {}).values()), default=0)
     for backend, budget in rows:
         kind = backend_kind(backend)
         slots = max(cfg.top_k, round(cfg.num_experts * budget)) if kind.cached else None
+        slots = min(slots, cfg.num_experts - most) if slots else slots
         # a hybrid row is checked as slots of its size (the bed builds it from the slots' rows)
         checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
                        Slots.name if kind.cached else backend, slots))
     for what, backend, slots in checks:
         geometry = {} if ring is None else {"ring_group": ring[0], "ring_depth": ring[1]}
-        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry))
+        held = {"pinned": pinned} if pinned and backend_kind(backend).cached else {}
+        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry, **held))
         if not plan.fits():
             r = refusal(req, plan)
             raise PlanRefused(f"{what} does not fit: {r}")

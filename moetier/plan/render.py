@@ -36,6 +36,9 @@ def table(plan: Plan) -> str:
     slots = plan.slots_per_layer
     placement = plan.backend if not backend_kind(plan.backend).cached else (
         f"{plan.backend} {min(slots.values())}..{max(slots.values())} per layer" if slots else plan.backend)
+    pins = plan.pinned_per_layer
+    if pins:
+        placement += f" + pinned {min(pins.get(la, 0) for la in slots)}..{max(pins.values())} per layer"
     con.print(f"memory plan: {q['model_type']}, {q['layers']} layers ({q['moe_layers']} MoE), {q['dtype']}, "
               f"experts {'FP8 ' if q.get('experts_quant') == 'fp8' else ''}{placement}; KV of {q['kv_tokens']:,} tokens "
               f"({q['max_num_seqs']} requests, each up to {q['max_model_len']:,}), "
@@ -57,7 +60,9 @@ def table(plan: Plan) -> str:
     con.print(f"pinned host memory: {gib(plan.pinned)} ({gb(plan.pinned)}), locked-memory limit {lock}")
     if plan.prediction:
         p = plan.prediction
-        con.print(f"trace {p['trace']}: predicted hit rate {p['hit_rate']:.1%}, {p['tok_per_s']:.1f} tok/s at "
+        kinds = (f" (pinned {p['pinned_rate']:.1%}, slots {p['hit_rate'] - p['pinned_rate']:.1%})"
+                 if p.get("pinned_rate") is not None else "")
+        con.print(f"trace {p['trace']}: predicted hit rate {p['hit_rate']:.1%}{kinds}, {p['tok_per_s']:.1f} tok/s at "
                   f"batch 1 ({p['physics']})")
     for n in plan.notes:
         con.print(n, markup=False)

@@ -256,11 +256,16 @@ def prefill_stream(shape: MoeShape, dtype: torch.dtype) -> int:
     return 2 * row_bytes(shape, dtype)
 
 
-def store_allocation(num_layers: int, num_experts: int, row: int, page: int) -> tuple[int, int]:
+def store_allocation(num_layers: int, num_experts: int, row: int, page: int, pinned: list[int] | None = None
+                     ) -> tuple[int, int]:
     """HostStore (experts/cache/store.py): per layer one [E, row] block, over-allocated by one page for
-    alignment. -> (requested bytes, allocated bytes)."""
-    requested = num_layers * num_experts * row
-    return requested, requested + num_layers * page
+    alignment. A layer with P pinned experts backs only its E - P cached rows, each run of them rounded
+    out to whole pages (at most min(P + 1, E - P) runs, two partial pages each: the bound counted).
+    -> (requested bytes, allocated bytes)."""
+    pinned = pinned or [0] * num_layers
+    requested = sum((num_experts - p) * row for p in pinned)
+    rounding = sum(2 * page * min(p + 1, num_experts - p) if p else page for p in pinned)
+    return requested, requested + rounding
 
 
 def torch_pinned_would_charge(num_layers: int, num_experts: int, row: int) -> int:

@@ -62,6 +62,11 @@ def auto_plan(req: PlanRequest, trace=None, policy: str = "lfru") -> Plan:
         resident.notes.append(f"every expert fits: resident ({gib(limit - resident.device_total)} to spare "
                               f"after the {gib(keep)} margin)")
         return resident
+    from moetier.plan.split import covers, host_short, split_plan
+
+    traced = covers(trace, layers, e)
+    if traced or host_short(req):  # pinned experts where the host is short or the trace says they pay
+        return split_plan(req, keep, trace if traced else None, policy)
     base = with_slots(req, dict.fromkeys(layers, 0))
     room = limit - base.device_total
     # one slot: its row plus its share of the cache state (a few int32/int64 entries) and rounding

@@ -67,7 +67,8 @@ class EngineCollector:
                                   labels=labels)
             g.add_metric([self.model_name], m["kv_pages_cached"])
             yield g
-        docs = {"hits": "Expert lookups served from an HBM slot.",
+        docs = {"hits": "Expert lookups served from HBM (a slot or a pinned expert).",
+                "pinned_hits": "Expert lookups served by an expert pinned on the GPU (of the hits).",
                 "misses": "Expert lookups that copied the expert into a slot first.",
                 "overflow": "Expert lookups read over the link (more distinct experts than slots).",
                 "link_bytes": "Expert bytes moved over the host link (misses and overflow)."}
@@ -153,6 +154,7 @@ def engine_snapshot(llm) -> dict:
     for block in llm.model.moe_blocks():
         s = block.experts.stats()
         row_bytes = block.experts.layout.row_bytes(dtype)  # exact: FP8 rows count their scales
-        layers[block.layer] = {"hits": s["hits"], "misses": s["misses"], "overflow": s["overflow"],
+        layers[block.layer] = {"hits": s["hits"], "pinned_hits": s.get("pinned", 0), "misses": s["misses"],
+                               "overflow": s["overflow"],
                                "link_bytes": (s["misses"] + s["overflow"]) * row_bytes}
     return {**m, "expert_layers": layers}

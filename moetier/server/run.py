@@ -57,12 +57,13 @@ def build_llm(spec: EngineSpec):
         return llm, llm.model_dir.name
     import torch
 
+    from moetier.checkpoint.random_bed import quantized
     from moetier.plan.nodes import rank_plans as plans_of
     from moetier.presets import preset as make_preset
 
     r = spec.random
     dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(spec.dtype, spec.dtype)
-    cfg = make_preset(r.preset, r.layers, dtype)
+    cfg = quantized(make_preset(r.preset, r.layers, dtype), r.quant)  # the plan counts the rows it will make
     req = request_for(cfg, getattr(torch, dtype), device, config, spec.gpu_memory, spec.host_memory)
     name = f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
     if config.world_size > 1:

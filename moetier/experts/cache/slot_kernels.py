@@ -9,6 +9,9 @@ misses costs a masked early exit, so a CUDA graph can replay the whole MoE layer
 A negative id (experts/parallel/ep.NOT_MINE: another rank's expert) is no expert of the cache, as in
 SlotCache.step_reference: every load and store indexed by it is masked off (no hit, no miss, no fill,
 no stamp, no use counted, no scratch touched), and its slot id out is -1.
+
+A pinned expert (slots.py) maps to a row >= num_slots for good: a hit that marks no slot used, takes
+no stamp, and counts in stats[4] as well as in the hits.
 """
 
 from __future__ import annotations
@@ -64,10 +67,12 @@ def _write_fills(expert_slot_ptr, slot_expert_ptr, miss_expert_ptr, miss_slot_pt
 
 
 @triton.jit
-def _stats_step(four, hit, n_miss, n_fill):
-    # What one step adds to [hits, misses, overflow, steps].
-    return tl.where(four == 0, tl.sum(hit.to(tl.int64), axis=0),
-                    tl.where(four == 1, n_fill.to(tl.int64), tl.where(four == 2, (n_miss - n_fill).to(tl.int64), 1)))
+def _stats_step(i, hit, pin, n_miss, n_fill):
+    # What one step adds to [hits, misses, overflow, steps, pinned hits] (i: 0..7, the store masks i < 5).
+    return tl.where(i == 0, tl.sum(hit.to(tl.int64), axis=0),
+                    tl.where(i == 1, n_fill.to(tl.int64),
+                             tl.where(i == 2, (n_miss - n_fill).to(tl.int64),
+                                      tl.where(i == 3, 1, tl.sum(pin.to(tl.int64), axis=0)))))
 
 
 @triton.jit
@@ -93,8 +98,9 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     # 2. hits mark their slots as used
     slot0 = tl.load(expert_slot_ptr + ids, mask=valid, other=-1, cache_modifier=".cg")
     hit = is_first & (slot0 >= 0)
+    pin = hit & (slot0 >= num_slots)  # a pinned expert: its row is after the slots
     miss = is_first & (slot0 < 0)
-    tl.store(used_ptr + slot0, 1, mask=hit)
+    tl.store(used_ptr + slot0, 1, mask=hit & (slot0 < num_slots))
     tl.debug_barrier()
 
     # 3. victims: unused slots by (stamp, slot); stamps start at -1 so key >= 0
@@ -127,14 +133,16 @@ def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_
     # 5. slot ids out, stamps, clock, stats; restore scratch
     slot = tl.load(expert_slot_ptr + ids, mask=valid, other=-1, cache_modifier=".cg")
     tl.store(slots_out_ptr + pos, slot, mask=pmask)
-    tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
+    tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0) & (slot < num_slots))
     tl.store(first_ptr + ids, 2147483647, mask=valid)
     tl.store(used_ptr + s, 0, mask=smask)
     if USE_FREQ:
         _count_uses(freq_ptr, fepoch_ptr, ids, is_first, _epoch(clock, half_life))
     tl.store(clock_ptr, clock + 1)
-    four = tl.arange(0, 4)
-    tl.store(stats_ptr + four, tl.load(stats_ptr + four) + _stats_step(four, hit, n_miss, n_fill))
+    five = tl.arange(0, 8)
+    m5 = five < 5
+    tl.store(stats_ptr + five, tl.load(stats_ptr + five, mask=m5, other=0) + _stats_step(five, hit, pin, n_miss, n_fill),
+             mask=m5)
 
 
 @triton.jit
@@ -147,11 +155,12 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
     # waits on two rounds of loads and no barrier. Everything independent is loaded up front.
     pos = tl.arange(0, BLOCK_N)
     pmask = pos < n
-    four = tl.arange(0, 4)
+    five = tl.arange(0, 8)
+    m5 = five < 5
     ids = tl.load(ids_ptr + pos, mask=pmask, other=-1).to(tl.int32)
     valid = pmask & (ids >= 0)  # negative ids: no expert of this cache (module docstring)
     clock = tl.load(clock_ptr)
-    stats = tl.load(stats_ptr + four)
+    stats = tl.load(stats_ptr + five, mask=m5, other=0)
     slot0 = tl.load(expert_slot_ptr + ids, mask=valid, other=-1)
 
     # 1. first appearance: the lowest position holding the same id (a negative id's is never first,
@@ -160,6 +169,7 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
     first = tl.min(tl.where(same, pos[None, :], BLOCK_N), axis=1)
     is_first = valid & (first == pos)
     hit = is_first & (slot0 >= 0)
+    pin = hit & (slot0 >= num_slots)  # a pinned expert: its row is after the slots
     miss = is_first & (slot0 < 0)
     miss_i = miss.to(tl.int32)
     n_miss = tl.sum(miss_i, axis=0)
@@ -168,7 +178,7 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         # The hit path: every id is resident; only stamps, the counters and the slot ids change.
         tl.store(miss_count_ptr, 0)
         tl.store(slots_out_ptr + pos, slot0, mask=pmask)
-        tl.store(stamp_ptr + slot0, clock, mask=valid)
+        tl.store(stamp_ptr + slot0, clock, mask=valid & (slot0 < num_slots))
     else:
         s = tl.arange(0, BLOCK_S)
         smask = s < num_slots
@@ -194,11 +204,11 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
         at_first = tl.where(fill, victim, tl.where(hit, slot0, -1))
         slot = tl.sum(tl.where(first[:, None] == pos[None, :], at_first[None, :], 0), axis=1)
         tl.store(slots_out_ptr + pos, slot, mask=pmask)
-        tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0))
+        tl.store(stamp_ptr + slot, clock, mask=pmask & (slot >= 0) & (slot < num_slots))
     if USE_FREQ:
         _count_uses(freq_ptr, fepoch_ptr, ids, is_first, _epoch(clock, half_life))
     tl.store(clock_ptr, clock + 1)
-    tl.store(stats_ptr + four, stats + _stats_step(four, hit, n_miss, n_fill))
+    tl.store(stats_ptr + five, stats + _stats_step(five, hit, pin, n_miss, n_fill), mask=m5)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ State (device tensors, updated in place so a CUDA graph can replay the step):
     slot_expert [S] int32   expert in each slot, -1 when empty
     stamp       [S] int64   step of each slot's last use (-1: never), for least-recently-used
     clock       [1] int64   steps taken
-    stats       [4] int64   hits, misses (filled), overflow (read over the link), steps
+    stats       [5] int64   hits, misses (filled), overflow (read over the link), steps, pinned hits
     freq        [E] int32   uses of each expert, halved every half_life steps (LFRU only)
     fepoch      [E] int32   the half-life epoch freq was last brought up to date in
 
@@ -22,6 +22,13 @@ kernel in slot_kernels.py, which tests hold to each other):
   5. Every slot the step uses gets stamp = clock; every needed expert's freq += 1 (decayed first:
      freq >> (clock // half_life - fepoch)); clock += 1.
 Output: slot ids [T, k] (-1 for overflow pairs) and the miss list (expert, slot) for the fill.
+
+Pinned experts (experts/cache/split.py): the P experts of the layer that live on the GPU for good sit
+at rows S..S+P-1 of the device block, after the S slots, and expert_slot maps them there permanently
+(reset() puts them back). So the lookup finds them as hits, the GEMMs read them like slots, and
+nothing else sees them: a row >= S is never marked used, never stamped and never a victim (victims
+are slots 0..S-1 only), and slot_expert covers the slots alone. Their hits count in `hits` and again
+in `pinned` (stats[4]): slot hits are hits - pinned.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-HITS, MISSES, OVERFLOW, STEPS = range(4)
+HITS, MISSES, OVERFLOW, STEPS, PINNED = range(5)
 STATE = ("expert_slot", "slot_expert", "stamp", "clock", "stats", "freq", "fepoch")
 
 
@@ -78,22 +85,40 @@ class MissList:
 
 class SlotCache:
     def __init__(self, num_experts: int, num_slots: int, device: torch.device | str = "cpu",
-                 policy: CachePolicy = CachePolicy()):
-        if not 1 <= num_slots <= num_experts:
-            raise ValueError(f"slots must be in 1..{num_experts}, got {num_slots}")
+                 policy: CachePolicy = CachePolicy(), pinned: tuple[int, ...] = ()):
+        pinned = tuple(sorted(pinned))
+        if len(set(pinned)) != len(pinned) or any(not 0 <= e < num_experts for e in pinned):
+            raise ValueError(f"pinned experts must be distinct ids in 0..{num_experts - 1}, got {pinned}")
+        if not 1 <= num_slots <= num_experts - len(pinned):
+            raise ValueError(f"slots must be in 1..{num_experts - len(pinned)} ({len(pinned)} of {num_experts} "
+                             f"experts pinned), got {num_slots}")
         self.num_experts, self.num_slots, self.policy = num_experts, num_slots, policy
+        self.pinned = pinned  # local ids, ascending: pinned[j] lives at device row num_slots + j
+        self._pinned_ids = torch.tensor(pinned, dtype=torch.long, device=device)
+        self._pinned_rows = torch.arange(num_slots, num_slots + len(pinned), dtype=torch.int32, device=device)
         self.expert_slot = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+        self.expert_slot[self._pinned_ids] = self._pinned_rows
         self.slot_expert = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.stamp = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
-        self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+        self.stats = torch.zeros(5, dtype=torch.int64, device=device)
         self.freq = torch.zeros(num_experts, dtype=torch.int32, device=device)
         self.fepoch = torch.zeros(num_experts, dtype=torch.int32, device=device)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self.pinned)
+
+    @property
+    def num_rows(self) -> int:
+        """Device rows the slot ids index: the S slots, then the P pinned experts."""
+        return self.num_slots + len(self.pinned)
 
     def reset(self) -> None:
         self.freq.zero_()
         self.fepoch.zero_()
         self.expert_slot.fill_(-1)
+        self.expert_slot[self._pinned_ids] = self._pinned_rows
         self.slot_expert.fill_(-1)
         self.stamp.fill_(-1)
         self.clock.zero_()
@@ -108,12 +133,19 @@ class SlotCache:
 
     def read_stats(self) -> dict[str, int]:
         """One host read of the counters (a sync; call between steps, never inside one)."""
-        h, m, o, s = self.stats.tolist()
-        return {"hits": h, "misses": m, "overflow": o, "steps": s}
+        h, m, o, s, p = self.stats.tolist()
+        return {"hits": h, "misses": m, "overflow": o, "steps": s, "pinned": p}
 
     def check(self) -> None:
-        """Integrity: the two maps are inverses, no expert sits in two slots, stamps within the clock."""
+        """Integrity: the two maps are inverses, no expert sits in two slots, stamps within the clock,
+        every pinned expert at its row after the slots."""
         es, se = self.expert_slot.cpu(), self.slot_expert.cpu()
+        s = self.num_slots
+        for j, expert in enumerate(self.pinned):
+            assert es[expert] == s + j, f"pinned expert {expert} maps to {int(es[expert])}, not its row {s + j}"
+            assert expert not in se.tolist(), f"pinned expert {expert} also sits in a slot"
+        es = es.clone()
+        es[self._pinned_ids.cpu()] = -1  # the slots' part of the map
         resident = se[se >= 0]
         assert resident.unique().numel() == resident.numel(), "an expert is resident in two slots"
         for slot, expert in enumerate(se.tolist()):
@@ -142,10 +174,11 @@ class SlotCache:
         # 2. hits and misses
         slot_of = self.expert_slot[needed].long()
         hit = slot_of >= 0
+        pinned = slot_of >= self.num_slots  # rows after the slots: never used, stamped or evicted
         misses = needed[~hit]
         # 3. victims: slots not used this step, by (key, slot)
         used = torch.zeros(self.num_slots, dtype=torch.bool, device=flat.device)
-        used[slot_of[hit]] = True
+        used[slot_of[hit & ~pinned]] = True
         free = (~used).nonzero().flatten()
         key = self.stamp[free]
         clock, pol = int(self.clock), self.policy
@@ -172,9 +205,10 @@ class SlotCache:
         # 5. stamps, clock, stats
         slots = torch.full_like(ids, -1)
         slots[valid] = self.expert_slot[flat].long()
-        self.stamp[slots[slots >= 0]] = self.clock
+        self.stamp[slots[(slots >= 0) & (slots < self.num_slots)]] = self.clock
         self.clock += 1
-        self.stats += torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1], device=flat.device)
+        self.stats += torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1, int(pinned.sum())],
+                                   device=flat.device)
         cap = ids.numel()
         miss = MissList(
             expert=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),

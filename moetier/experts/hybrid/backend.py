@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 
 from moetier.experts.backends import SlotExperts
+from moetier.experts.cache.split import cached_run
 from moetier.experts.hybrid.cost_model import CostModel, rate_key
 from moetier.experts.hybrid.host_kernels import compute_dtype
 from moetier.experts.kernels.gemm_config import GemmConfig
@@ -59,10 +60,13 @@ class HybridExperts(SlotExperts):
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
-                 gemm: GemmConfig = GemmConfig(), host: HostPath | None = None):
-        super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, policy, gemm)
+                 gemm: GemmConfig = GemmConfig(), host: HostPath | None = None, pinned: tuple[int, ...] = (),
+                 device_rows: torch.Tensor | None = None):
+        super().__init__(host_rows, layout, top_k, num_slots, decode_tokens, device, policy, gemm,
+                         pinned=pinned, device_rows=device_rows)
         self.hostpath = host or HostPath(layout)
-        rates = self.hostpath.calibrate(host_rows, self.slots)
+        # calibrated on cached rows only: a split store backs no pinned row (experts/cache/split.py)
+        rates = self.hostpath.calibrate(cached_run(host_rows, pinned), self.slots)
         self.model = CostModel(rates, host_rows.shape[1] * host_rows.element_size(),
                                rate_key(layout.quant, host_rows.dtype))
         self.host_experts = self.host_pairs = 0  # counted on the host: the choice is made there
@@ -206,7 +210,7 @@ class HybridExperts(SlotExperts):
         slot_ids, miss = self.cache.step_reference(g_ids)
         n = int(miss.count)
         self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
-        keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_slots + g_ids)
+        keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_rows + g_ids)
         y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit)[:, 0]
 
     def _device_cuda(self, hidden, topk_ids, topk_weights, gpu_pos, host_pos):

@@ -65,10 +65,19 @@ def pair_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(ids[ids >= 0], minlength=num_experts)
 
 
+def cached_only(cache: SlotCache, topk_ids: torch.Tensor) -> torch.Tensor:
+    """topk_ids with the pinned experts (rows after the slots, experts/cache/split.py) as -1: a refresh
+    ranks the cached experts only, so its S asks are all ones a slot can take. Device ops, no sync."""
+    if not cache.num_pinned:
+        return topk_ids
+    at = cache.expert_slot[topk_ids.clamp(min=0).long()]
+    return torch.where(at >= cache.num_slots, -1, topk_ids)
+
+
 def refresh_reference(cache: SlotCache, topk_ids: torch.Tensor) -> MissList:
     """The refresh step on the torch reference (CPU, or any device with syncs): the cache's step over
     the ranking, counters restored. -> the miss list (expert -> slot) the caller fills."""
-    ids = ranking(topk_ids, cache.num_experts, cache.num_slots)
+    ids = ranking(cached_only(cache, topk_ids), cache.num_experts, cache.num_slots)
     saved = cache.stats.clone()
     _, miss = cache.step_reference(ids[None])
     cache.stats.copy_(saved)
@@ -81,7 +90,7 @@ def refresh_device(cache: SlotCache, scratch, topk_ids: torch.Tensor) -> None:
     hold at least S pairs (SlotExperts sizes it so). Runs in Triton's interpreter on CPU tensors too."""
     from moetier.experts.cache.slot_kernels import bookkeeping
 
-    ids = ranking(topk_ids, cache.num_experts, cache.num_slots)
+    ids = ranking(cached_only(cache, topk_ids), cache.num_experts, cache.num_slots)
     saved = cache.stats.clone()
     bookkeeping(cache, scratch, ids.view(1, -1))
     cache.stats.copy_(saved)
