@@ -194,6 +194,24 @@ def test_prefix_caching_hashes_only_accepted_pages():
     llm.scheduler.check()
 
 
+def test_logprobs_of_kept_drafts_equal_plain_decodings():
+    plain = LLM(None, device="cpu", dtype="float32")
+    ps = [plain.encode(p) for p in CODE[:2]]
+    params = [greedy(24, logprobs=2), greedy(20, logprobs=0)]
+    want = plain.generate(ps, params)
+    llm = LLM(None, device="cpu", dtype="float32", speculative_config=NGRAM)
+    got = llm.generate(ps, params)
+    assert llm.metrics()["spec_decode_num_accepted_tokens"] > 0
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+        for (gl, galt), (wl, walt) in zip(g.logprobs, w.logprobs):
+            # a verify step's rows are another matrix shape than a one-token step's: BLAS may sum in
+            # another order, so within 1e-4 (tests/test_prefix_engine.py's bound), alternatives the same
+            assert abs(gl - wl) <= 1e-4 and [i for i, _ in galt] == [i for i, _ in walt]
+            assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(galt, walt))
+
+
 def test_sampled_speculation_is_reproducible_and_batch_independent():
     llm = LLM(None, device="cpu", dtype="float32", speculative_config=NGRAM)
     ps = [llm.encode(p) for p in CODE]

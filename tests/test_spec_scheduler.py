@@ -62,7 +62,7 @@ def test_k_is_capped_by_max_tokens_budget_and_verifiability():
     s, spec = make(max_num_tokens=3)
     spec.drafts = lambda req, budget: [9] * spec.k_for(req, budget)
     a = add(s, "a", [1], max_tokens=3)
-    b = add(s, "b", [2], logprobs=1)  # its logprobs per verified position are not computed: no drafts
+    b = add(s, "b", [2], logit_bias={3: 1.0})  # the bias is not added per verified position: no drafts
     step(s, sampled={"a": 5, "b": 6})
     recs = {r.request_id: r for r in step(s, emitted={"a": [9]}, sampled={"b": 7})}
     assert recs["a"].num_draft == 1  # max_tokens 3 with one token out: one draft, then the bonus

@@ -315,7 +315,7 @@ class LLM:
         if self.recorder is not None:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
-                                    result.emitted, result.drafts)
+                                    result.emitted, result.drafts, result.emitted_logprobs)
         self.steps += 1
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 

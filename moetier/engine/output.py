@@ -75,7 +75,7 @@ class OutputProcessor:
             piece, stopped = st.stops.push(delta)
             text += piece
             if stopped:
-                del req.output_ids[i + 1:], req.token_times[i + 1:]
+                del req.output_ids[i + 1:], req.token_times[i + 1:], req.output_logprobs[i + 1:]
                 break
         st.seen = len(req.output_ids)
         if stopped:

@@ -266,12 +266,13 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
                logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None,
-               emitted: dict[str, list[int]] | None = None, drafts: dict[str, list[int]] | None = None
-               ) -> list[Request]:
+               emitted: dict[str, list[int]] | None = None, drafts: dict[str, list[int]] | None = None,
+               emitted_logprobs: dict[str, list[tuple]] | None = None) -> list[Request]:
         """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
         asked) appended, prompt logprobs recorded. Finishes requests on a stop token or on max_tokens;
         returns the requests that got a token this step. emitted: per request that verified drafts, its
-        kept drafts and one more token; drafts: per request, its MTP drafts for the next step."""
+        kept drafts and one more token (emitted_logprobs: their logprobs, for requests that asked);
+        drafts: per request, its MTP drafts for the next step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
@@ -303,7 +304,9 @@ class Scheduler:
                 req.draft_ids = (drafts or {}).get(req.id, [])
             if not s.sample:
                 continue
-            if logprobs and req.id in logprobs:
+            if s.draft and emitted_logprobs and req.id in emitted_logprobs:
+                req.output_logprobs += emitted_logprobs[req.id][:len(new)]
+            elif logprobs and req.id in logprobs:
                 req.output_logprobs.append(logprobs[req.id])
             got.append(req)
             p, tok = req.params, req.output_ids[-1]

@@ -6,7 +6,7 @@ second, from what it measured:
     routing [L, E]   each target MoE layer's expert shares, a moving average of the experts its router
                      chose (counted on the device by a route hook, read between steps)
     resident [L, E]  where each expert sits now: every one under resident, none under uva, the slot
-                     cache's mapped experts under slots and hybrid (expert_slot >= 0)
+                     cache's mapped experts under slots and hybrid (expert_slot >= 0: pinned ones too)
     StepCosts        the dense bytes over the HBM rate (fixed), one expert row from HBM and over the
                      link, the rates timed at start (copies of an expert-row-sized buffer, HBM to HBM
                      and pinned host to device; on the CPU both are one memcpy)

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from moetier.engine.step import SeqStep
+from moetier.engine.step import SeqStep, TokenLogprob
 from moetier.errors import MoetierError
 from moetier.layers.attention import AttnBatch, make_batch
-from moetier.layers.sampler import filter_top_k_top_p, uniform_noise
+from moetier.layers.sampler import filter_top_k_top_p, token_logprobs, uniform_noise
 from moetier.spec.verify import PAD, greedy_accept, rejection_accept
 
 ACCEPT_SALT = 0x5DEECE66D  # the accept tests' noise differs from the last token's (same seed and index)
@@ -65,9 +65,10 @@ def target_probs(logits: torch.Tensor, seqs: list[tuple[int, SeqStep]]) -> torch
 
 
 def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple[int, SeqStep]]
-           ) -> dict[str, list[int]]:
-    """seqs: (index in the step, record) of the sequences with drafts -> request id -> the kept drafts
-    and one more token. One host read."""
+           ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
+    """seqs: (index in the step, record) of the sequences with drafts -> (request id -> the kept drafts
+    and one more token; request id -> each of those tokens' logprob and alternatives, for the requests
+    that asked: from the raw logits at its position, as the sampler's step reports them). One host read."""
     dev = hidden.device
     k = max(s.num_draft for _, s in seqs)
     idx = verify_index(seqs, query_start, k, dev)
@@ -84,8 +85,23 @@ def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple
         u = uniform_noise(seeds ^ ACCEPT_SALT, steps, k)
         e = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
         accepted, tokens = rejection_accept(draft, lens, target_probs(logits, seqs), uniforms=u, exponentials=e)
-    host = torch.cat([accepted[:, None], tokens], dim=1).tolist()
-    return {s.request_id: row[1:row[0] + 2] for (_, s), row in zip(seqs, host)}
+    n = max(s.params.logprobs or 0 for _, s in seqs)
+    asked = any(s.params.logprobs is not None for _, s in seqs)
+    parts = [accepted[:, None].double(), tokens.double()]
+    if asked:  # every verified position's logprobs ride along with the tokens (one read)
+        chosen, top, top_ids = token_logprobs(logits.reshape(b * (k + 1), -1), tokens.clamp_min(0).reshape(-1), n)
+        parts += [chosen.reshape(b, -1).double(), top.reshape(b, -1).double(), top_ids.reshape(b, -1).double()]
+    host = torch.cat(parts, dim=1).tolist()
+    emitted, logprobs = {}, {}
+    for (_, s), row in zip(seqs, host):
+        a = int(row[0])
+        emitted[s.request_id] = [int(t) for t in row[1:a + 2]]
+        if s.params.logprobs is not None:
+            at, m = 2 + k, s.params.logprobs  # after accepted and the K + 1 tokens
+            lp, top, ids = row[at:at + k + 1], row[at + k + 1:at + (k + 1) * (1 + n)], row[at + (k + 1) * (1 + n):]
+            logprobs[s.request_id] = [(lp[j], [(int(ids[j * n + i]), top[j * n + i]) for i in range(m)])
+                                      for j in range(a + 1)]
+    return emitted, logprobs
 
 
 class MtpDrafter:

@@ -3,8 +3,8 @@ how many tokens, where the drafts come from, and the counters of what the verify
 CPU state, no torch (the scheduler's rule); the runner's side is spec_step.py.
 
 Per decoding request and step: k = min(the step's k, max_tokens - output - 1, budget - 1), or 0 for
-a request this engine cannot verify exactly (it asked for logprobs or a logit_bias: their values per
-verified position are not computed). Method "ngram" looks the drafts up in the request's tokens
+a request this engine cannot verify exactly (it asked for a logit_bias: it is not added per verified
+position). Method "ngram" looks the drafts up in the request's tokens
 (spec/ngram.py) at schedule time; method "mtp" takes the up to k drafts the runner's MTP layer made
 at the end of the request's previous step (Request.draft_ids). The step then computes the request's
 last token and its drafts, k + 1 positions; the runner keeps accepted drafts plus one token.
@@ -29,8 +29,8 @@ from moetier.spec.ngram import propose
 
 def speculable(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified exactly: greedy or sampled (temperature, top-k,
-    top-p), without per-token logprobs or a logit bias (not computed per verified position)."""
-    return params.logprobs is None and not params.logit_bias
+    top-p), with or without logprobs, without a logit bias (not added per verified position)."""
+    return not params.logit_bias
 
 
 @dataclass

@@ -84,6 +84,7 @@ class StepOutput:
     # speculative decoding: per request that verified drafts, the kept drafts and one more token (its
     # `sampled` entry is the last of them); per request, the MTP layer's drafts for its next step
     emitted: dict[str, list[int]] = field(default_factory=dict)
+    emitted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per emitted token
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
