@@ -6,6 +6,12 @@
 #
 #   bash scripts/eval_gate_h200.sh [DATA_DIR] [LIMIT]      (needs pip install 'moetier[eval]')
 #
+# The GPU image has pandas, pyarrow, scikit-learn, sacrebleu and aiohttp but not lm-eval: carry its wheels
+# in .whl (14 MB; checked to download for Python 3.12 x86-64, not yet imported on the GPU machine):
+#   PKGS="lm-eval datasets dill evaluate more-itertools pytablewriter dataproperty mbstrdecoder pathvalidate
+#         tabledata tcolorpy typepy chardet rouge-score nltk multiprocess tenacity" bash ../shared/tools/device-wheels.sh
+#   python3 -m pip wheel -q --no-deps sqlitedict word2number -w .whl     (source-only on PyPI)
+#
 # Writes bench/results/eval-gate-h200.json (runs, items, verdicts) and prints the gate's tables.
 set -euo pipefail
 data=${1:-/tmp/eval-q30b}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetier.bench import decode
+from moetier.bench import decode, decode_steps
 from moetier.cli.bench_common import parse_budget
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine.config import EngineConfig
@@ -203,8 +203,8 @@ def test_gpu_time_replays_leave_the_trace_cursor_and_later_runs_exact(tiny_trace
     llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace=tiny_trace, max_num_seqs=4,
                                                                 decode_tokens=16, kv_tokens=256))
     try:
-        decode.decode_once(llm, 1, 5, 2, 2, 0)
+        decode_steps.decode_once(llm, 1, 5, 2, 2, 0)
         before = int(llm.replayer.cursor)
-        assert decode.replay_ms(llm, 1) is not None and int(llm.replayer.cursor) == before
+        assert decode_steps.replay_ms(llm, 1) is not None and int(llm.replayer.cursor) == before
     finally:
         llm.close()

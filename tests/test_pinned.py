@@ -66,6 +66,8 @@ def test_backed_ranges_cover_every_cached_byte_and_merge_shared_pages():
             assert any(a <= x * row and (x + 1) * row <= b for a, b in got), (e, pinned, x)
         assert all(a % 4096 == 0 and b % 4096 == 0 for a, b in got)
         assert all(b1 < a2 for (_, b1), (a2, _) in zip(got, got[1:]))  # disjoint, not touching
+    # expert 0 pinned: the block's first page is still backed (the address kernels are handed)
+    assert backed_ranges(4, (0, 1), 3 * PAGE, PAGE) == [(0, PAGE), (6 * PAGE, 12 * PAGE)]
 
 
 def test_store_holds_only_cached_rows():

@@ -67,8 +67,10 @@ def runs(ids: list[int]) -> list[tuple[int, int]]:
 def backed_ranges(num_experts: int, pinned: tuple[int, ...], row_bytes: int, page: int) -> list[tuple[int, int]]:
     """Byte ranges [start, end) of a host block to back and pin: every cached row, rounded out to whole
     pages, ranges that touch merged (a page is registered once). Covers every cached byte; a pinned row
-    is backed only where it shares a page with a cached one."""
-    out: list[tuple[int, int]] = []
+    is backed only where it shares a page with a cached one. The block's first page is always backed:
+    kernels take the block's base address, and CUDA (Triton's launcher checks every pointer argument)
+    accepts only an address inside registered memory, even one no thread reads."""
+    out: list[tuple[int, int]] = [(0, page)]
     for a, b in runs(cached_ids(num_experts, pinned)):
         lo, hi = a * row_bytes // page * page, -(-b * row_bytes // page) * page
         if out and lo <= out[-1][1]:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Prefix caching on one H200 (issue 32, docs/prefix-cache.md): one `moetier serve` per row (cache off, on,
+# on with a host tier; Qwen3-30B-A3B 8 layers and GLM-5.3-Flash 4 layers, slots at 50%), `bench serve`
+# shared-prefix and multi-turn against each, JSON under $OUT and a table last. Run from the repository root
+# with the device wheels (fastapi, uvicorn, fla-core ...) installed under /tmp/site.
+set -uo pipefail
+export PYTHONPATH=$PWD:/tmp/site
+M="python3 -m moetier.cli"
+port=8100
+row() {  # name, server args..., then -- bench lines separated by ';;'
+  local name=$1; shift
+  local sargs=() ; while [ "$1" != "--" ]; do sargs+=("$1"); shift; done; shift
+  local t0=$(date +%s)
+  setsid $M serve "${sargs[@]}" --port $port > /tmp/serve-$name.txt 2>&1 &
+  local pid=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+  curl -sf http://127.0.0.1:$port/health >/dev/null || { echo "$name: server did not start"; tail -5 /tmp/serve-$name.txt; kill -- -$pid 2>/dev/null; return; }
+  echo "== $name (server up in $(( $(date +%s) - t0 )) s)"
+  local IFS=$'\n'
+  for b in $(echo "$*" | sed 's/;;/\n/g'); do
+    local tag=$(echo "$b" | awk '{print $1}')
+    local bargs=$(echo "$b" | cut -d' ' -f2-)
+    eval timeout 200 $M bench serve --url http://127.0.0.1:$port $bargs --out $OUT/prefix-$name-$tag.json 2>&1 | grep -v "^bench serve:" | tail -4
+  done
+  kill -- -$pid 2>/dev/null; sleep 3; kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  echo "$name: $(( $(date +%s) - t0 )) s"
+}
+Q="--preset qwen3-30b-a3b --layers 8 --expert-backend slots --expert-budget 50%"
+SP="shared --dataset shared-prefix --concurrency 1,16 --input-len 4160 --prefix-len 4096 --num-prefixes 4 --output-len 32 --num-prompts 16 --warmup 4"
+MT="multi --dataset multi-turn --concurrency 16,64 --input-len 4608 --prefix-len 4096 --output-len 64 --turns 2 --num-prompts 128 --warmup 2"
+HSP="shared --dataset shared-prefix --concurrency 1 --input-len 4160 --prefix-len 4096 --num-prefixes 4 --output-len 32 --num-prompts 16 --warmup 4"
+row q-off $Q --kv-tokens 262144 --no-enable-prefix-caching -- "$SP;;$MT"
+row q-on $Q --kv-tokens 262144 -- "$SP;;$MT"
+# a GPU pool of three prefixes' pages: four prefixes in turn evict each other, so every hit is the host tier's
+row q-host $Q --kv-tokens 12800 --kv-host-memory 8GiB -- "$HSP"
+G="--preset glm-5.3-flash --layers 4 --expert-backend slots --expert-budget 50% --kv-tokens 131072"
+GMT="multi --dataset multi-turn --concurrency 16 --input-len 4608 --prefix-len 4096 --output-len 64 --turns 2 --num-prompts 64 --warmup 2"
+row g-off $G --no-enable-prefix-caching -- "$HSP;;$GMT"
+row g-on $G -- "$HSP;;$GMT"
+python3 - <<'PY'
+import json, glob, os
+out = os.environ["OUT"]
+print(f"{'row':16s} {'conc':>4s} {'TTFT med ms':>11s} {'ITL med ms':>10s} {'out tok/s':>9s} {'hit %':>6s} {'host hit tok':>12s} fail")
+for p in sorted(glob.glob(f"{out}/prefix-*.json")):
+    d = json.load(open(p)); name = os.path.basename(p)[7:-5]
+    for r in d["results"]:
+        print(f"{name:16s} {r['max_concurrency']:>4} {r['median_ttft_ms']:11.1f} {r['median_itl_ms']:10.2f} {r['output_throughput']:9.1f} "
+              f"{100 * r.get('prefix_cache_hit_rate', 0):6.1f} {r.get('kv_host_hit_tokens', 0):12.0f} {r['failed'] + r['cancelled']}")
+PY
