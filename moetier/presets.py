@@ -227,12 +227,19 @@ def names() -> list[str]:
     return sorted([*_PUBLISHED, *_TINY])
 
 
-def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """config.json fields of a preset, optionally cut to `layers` layers and with another dtype."""
+def preset_dict(name: str, layers: int | None = None, dtype: str | None = None, mtp_layers: int | None = None
+                ) -> dict[str, Any]:
+    """config.json fields of a preset, optionally cut to `layers` layers, with another dtype, and with
+    `mtp_layers` MTP layers (num_nextn_predict_layers: the DeepSeek-V3 family's, models/mtp.py)."""
     table = {**_PUBLISHED, **_TINY}
     if name not in table:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(names())}")
     d = {**_COMMON[table[name].get("model_type", "qwen3_moe")], **table[name]}
+    if mtp_layers is not None:
+        if d["model_type"] not in ("deepseek_v3", "glm_moe_dsa") or mtp_layers < 0:
+            raise ConfigError(f"preset {name}: MTP layers ({mtp_layers}) are for deepseek_v3 and glm_moe_dsa "
+                              "presets, 0 or more")
+        d["num_nextn_predict_layers"] = mtp_layers
     if "text_config" in d:  # a multimodal config: the language model's fields sit in text_config
         d["text_config"] = text = dict(d["text_config"])
         if layers is not None:
@@ -261,5 +268,6 @@ def preset_dict(name: str, layers: int | None = None, dtype: str | None = None) 
     return d
 
 
-def preset(name: str, layers: int | None = None, dtype: str | None = None) -> ModelConfig:
-    return config_from_dict(preset_dict(name, layers, dtype), source=f"preset {name}")
+def preset(name: str, layers: int | None = None, dtype: str | None = None, mtp_layers: int | None = None
+           ) -> ModelConfig:
+    return config_from_dict(preset_dict(name, layers, dtype, mtp_layers), source=f"preset {name}")

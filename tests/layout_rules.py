@@ -23,6 +23,7 @@ LEVELS = (
     ("layers",),                   # attention, norms, the MoE block
     ("config",),                   # ModelConfig
     ("experts",),                  # expert backends, caches, kernels
+    ("spec",),                     # speculative decoding's pure pieces (verify, n-gram, choice of k)
     ("activation", "parallel", "sampling_params", "default_model", "progress"),
     ("quant",),                    # weight formats
     ("errors",),

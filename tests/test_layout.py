@@ -30,6 +30,10 @@ FORBIDDEN = {
     # dist/ sits beside engine/: it builds ranks from checkpoint/, experts/, layers/ and the engine's
     # runner and records, and the engine reaches it only lazily for a parallel run
     "dist": ("moetier.cli", "moetier.server", "moetier.bench"),
+    # spec/: speculative decoding's pure pieces (verify arithmetic, n-gram drafts, the choice of k),
+    # called by the engine's step loop; it knows no model, layer, expert backend or engine
+    "spec": ("moetier.models", "moetier.engine", "moetier.cli", "moetier.server", "moetier.checkpoint",
+             "moetier.layers", "moetier.experts", "moetier.dist", "moetier.plan", "moetier.bench"),
     # eval/ talks to a server over HTTP (a spawned `moetier serve` or any URL), never to an engine
     "eval": ("moetier.engine", "moetier.server", "moetier.models", "moetier.experts", "moetier.layers",
              "moetier.dist"),

@@ -124,8 +124,29 @@ def test_bench_serve_against_a_live_server(tmp_path: Path):
         code, stdout, err = cli("bench", "serve", "--url", server.url, "--request-rate", "50", "--num-prompts", "6",
                                 "--input-len", "8", "--output-len", "4", "--dataset", "sharegpt-like")
         assert code == 0 and "inf" not in stdout.splitlines()[1], err
+        assert "spec_decode_num_drafts" not in data["results"][0]  # this server does not speculate
     finally:
         server.close()
+
+
+def test_bench_serve_rows_carry_the_speculative_counters(tmp_path: Path):
+    server = serve(llm_options={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                       "expert_aware_k": False}})
+    try:
+        out = tmp_path / "serve.json"
+        code, _, err = cli("bench", "serve", "--url", server.url, "--concurrency", "2", "--num-prompts", "4",
+                           "--input-len", "16", "--output-len", "24", "--warmup", "1", "--out", str(out))
+        assert code == 0, err
+        [row] = json.loads(out.read_text())["results"]
+        m = server.llm.metrics()
+    finally:
+        server.close()
+    # the measured level's share of the engine's totals (the warm-up's counted before it)
+    assert 0 < row["spec_decode_num_drafts"] <= m["spec_decode_num_drafts"]
+    assert 0 <= row["spec_decode_num_accepted_tokens"] <= row["spec_decode_num_draft_tokens"]
+    if row["spec_decode_num_draft_tokens"]:
+        assert row["spec_decode_acceptance_rate"] == row["spec_decode_num_accepted_tokens"] / \
+            row["spec_decode_num_draft_tokens"]
 
 
 @pytest.mark.parametrize("args,message", [

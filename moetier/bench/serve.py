@@ -19,7 +19,9 @@ new user message of --input-len minus --prefix-len tokens, the turns of a conver
 other (a concurrency slot holds a conversation). NOTE: the replies in the history are client-made
 tokens, not the server's completions, so that every level sends the same prompts. Against a moetier
 server each level also reads the prefix cache's counters from /metrics: tokens queried, tokens hit
-(prefill skipped) and those brought back from the host KV tier.
+(prefill skipped) and those brought back from the host KV tier; and, where the server speculates
+(--speculative-config), vLLM's speculative decoding counters: drafts, draft tokens, accepted tokens
+(with the acceptance rate and the mean acceptance length they give).
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
             return [await one(client, url, model, p, n, timeout) for p, n in chain]
 
     warm = [r for rs in await asyncio.gather(*(limited(c) for c in work[:warmup])) for r in rs]
-    before = await prefix_counters(client, url)
+    before, spec0 = await prefix_counters(client, url), await spec_counters(client, url)
     rng = np.random.default_rng(seed)
     tasks, start = [], time.perf_counter()
     for chain in work[warmup:]:
@@ -189,7 +191,14 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
             await asyncio.sleep(rng.exponential(1.0 / rate))
     results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     out = summarize(results, time.perf_counter() - start, concurrency, rate)
-    after = await prefix_counters(client, url)
+    after, spec1 = await prefix_counters(client, url), await spec_counters(client, url)
+    if spec0 is not None and spec1 is not None:
+        d = {k: spec1[k] - spec0[k] for k in spec1}
+        drafts, tokens, kept = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
+        out |= {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+                "spec_decode_num_accepted_tokens": kept,
+                "spec_decode_acceptance_rate": kept / tokens if tokens else None,
+                "spec_decode_mean_acceptance_length": 1 + kept / drafts if drafts else None}
     if before is not None and after is not None:
         d = {k: after[k] - before[k] for k in after}
         out |= {"prefix_cache_queries": d["queries"], "prefix_cache_hits": d["hits"],
@@ -199,20 +208,33 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
     return out
 
 
-async def prefix_counters(client, url: str) -> dict[str, float] | None:
-    """moetier's prefix cache counters from /metrics (tokens); None from a server without them."""
+async def counters(client, url: str, names: dict[str, str], optional: dict[str, float]) -> dict[str, float] | None:
+    """Counters from /metrics: {metric name: key}; keys in `optional` default to their value, the
+    others must be there (None from a server without them)."""
     try:
         r = await client.get(url + "/metrics")
     except httpx.HTTPError:
         return None
-    names = {"moetier:prefix_cache_queries_total": "queries", "moetier:prefix_cache_hits_total": "hits",
-             "moetier:kv_host_hits_total": "host"}
-    got = {"queries": None, "hits": None, "host": 0.0}
+    got = {key: optional.get(key) for key in names.values()}
     for line in r.text.splitlines() if r.status_code == 200 else ():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in names:
             got[names[name]] = float(line.rsplit(" ", 1)[-1])
-    return None if got["queries"] is None or got["hits"] is None else got
+    return None if any(v is None for v in got.values()) else got
+
+
+async def prefix_counters(client, url: str) -> dict[str, float] | None:
+    """moetier's prefix cache counters (tokens); None from a server without them."""
+    return await counters(client, url, {"moetier:prefix_cache_queries_total": "queries",
+                                        "moetier:prefix_cache_hits_total": "hits",
+                                        "moetier:kv_host_hits_total": "host"}, {"host": 0.0})
+
+
+async def spec_counters(client, url: str) -> dict[str, float] | None:
+    """moetier's speculative decoding counters (server/metrics.py); None from a server that does not
+    speculate."""
+    return await counters(client, url, {f"moetier:spec_decode_{k}_total": k for k in
+                                        ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}, {})
 
 
 def check_levels(rows: list[dict]) -> None:

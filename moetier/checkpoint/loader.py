@@ -44,6 +44,7 @@ from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
 from moetier.models.base import CausalLM, Weight
+from moetier.models.mtp import with_mtp
 from moetier.models.registry import model_class
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
@@ -211,12 +212,13 @@ def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int,
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
                decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None,
-               parallel: Parallel = Parallel(), fp8_dense: str = "dequantize"
+               parallel: Parallel = Parallel(), fp8_dense: str = "dequantize", mtp: bool = False
                ) -> tuple[ModelConfig, CausalLM, LoadReport]:
     """parallel: this rank's layout (the default: one process holds everything). fp8_dense: what an
-    FP8 checkpoint's dense float8 weights become, "dequantize" or "fp8" (EngineConfig.fp8_dense)."""
+    FP8 checkpoint's dense float8 weights become, "dequantize" or "fp8" (EngineConfig.fp8_dense).
+    mtp: also load the checkpoint's MTP layers (speculative method "mtp"; models/mtp.py)."""
     t0 = time.perf_counter()
-    cfg = with_dense(config_from_dir(path), fp8_dense)
+    cfg = with_mtp(with_dense(config_from_dir(path), fp8_dense), mtp)
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
     weights = validate(cfg, ckpt, model_weights(cfg, ckpt))  # before allocating

@@ -29,6 +29,7 @@ from moetier.checkpoint.safetensors_io import StreamingWriter
 from moetier.config import ModelConfig
 from moetier.models.registry import config_from_dict
 from moetier.errors import MoetierError
+from moetier.models.mtp import with_mtp
 from moetier.models.registry import model_class
 from moetier.quant import fp8_block as fp8
 from moetier.quant.fp8_block import checkpoint_config as fp8_config
@@ -126,7 +127,8 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, seed: int = 0,
                     dtype: str = "bf16", fused_experts: bool = False, shard_bytes: int = 4 * 2**30,
                     progress: Callable[[int, int], None] | None = None, overwrite: bool = False,
-                    format: str | None = None) -> Path:
+                    format: str | None = None, mtp_layers: int | None = None) -> Path:
+    """mtp_layers: the DeepSeek-V3 family's MTP layers to write (num_nextn_predict_layers; presets.py)."""
     quant = dtype == "fp8"
     four = dtype in PACKED4
     if dtype not in DTYPES and not quant and not four:
@@ -138,7 +140,7 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     if not shard_bytes > 0:
         raise MoetierError(f"the shard size must be positive, got {shard_bytes} bytes")
     torch_dtype = torch.bfloat16 if quant or four else DTYPES[dtype]  # fp8, 4-bit: quantized from random bf16
-    d = presets.preset_dict(preset, layers, dtype=str(torch_dtype).removeprefix("torch."))
+    d = presets.preset_dict(preset, layers, dtype=str(torch_dtype).removeprefix("torch."), mtp_layers=mtp_layers)
     text = d.get("text_config", d)  # a multimodal config keeps the language model's fields there
     if quant and fused_experts and text["moe_intermediate_size"] % fp8.BLOCK:
         raise MoetierError(f"--dtype fp8 --fused-experts needs moe_intermediate_size a multiple of {fp8.BLOCK} "
@@ -154,7 +156,7 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     text["eos_token_id"] = tok.eos_token_ids[0] if len(tok.eos_token_ids) == 1 else tok.eos_token_ids
     text["bos_token_id"] = None
     cfg = config_from_dict(d, source=f"preset {preset}")
-    plan = tensor_plan(cfg, fused_experts)
+    plan = tensor_plan(with_mtp(cfg, bool(mtp_layers)), fused_experts)  # the MTP layers' weights written too
     if quant:
         cfg = config_from_dict(fp8_config(d, [n for n, _ in plan]), source=f"preset {preset}")
     if four:

@@ -39,6 +39,7 @@ def generate(
     expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
     prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
     prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
@@ -72,6 +73,7 @@ def generate(
             raise MoetierError("--system needs --chat")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
+        speculative = opt.speculative_config(speculative_config)
         model_dir = model_dir_of(model)
         experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
         if pinned_experts_file is not None:
@@ -92,7 +94,8 @@ def generate(
                                    kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
-                                   distributed_executor=opt.executor(distributed_executor))
+                                   distributed_executor=opt.executor(distributed_executor),
+                                   speculative_config=speculative)
         llm, plan = plan_then_load(model_dir, dtype, dev, experts, config, gpu_memory, host_memory,
                                    on_audit=None if as_json else lambda text: typer.echo(text, err=True))
         if verbose and not as_json and llm.chunk_reason:
@@ -153,6 +156,7 @@ def serve(
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -198,7 +202,8 @@ def serve(
                   "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
                   "prefill_stream": opt.prefill_stream(prefill_stream),
                   "fp8_dense": fp8_dense, "enable_prefix_caching": enable_prefix_caching,
-                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory)}
+                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory),
+                  "speculative_config": opt.speculative_config(speculative_config)}
         if preset is not None:
             from moetier.cli.bench_common import parse_budget
 

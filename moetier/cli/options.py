@@ -31,6 +31,7 @@ ENGINE_FIELDS = {
     "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
     "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
     "--enable-prefix-caching": "enable_prefix_caching", "--kv-host-memory": "kv_host_bytes",
+    "--speculative-config": "speculative_config",
 }
 EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
                  "--cache-policy": "policy", "--expert-split": "split", "--pinned-experts-file": "pinned"}
@@ -116,6 +117,18 @@ PrefillStream = Annotated[str, typer.Option(
 MaxNumTokens = Annotated[Optional[int], typer.Option(
     "--max-num-tokens", help="Tokens computed in one step, the prefill chunk (default: chosen from the memory plan: "
     "2048 with every expert in GPU memory, up to 8192 with experts off the GPU; the plan says why).")]
+SpeculativeConfigOption = Annotated[Optional[str], typer.Option(
+    "--speculative-config", metavar="<json>", help="Speculative decoding, as vLLM spells it: "
+    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's MTP layers) or "
+    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}' (prompt lookup); "
+    "docs/speculative.md. Greedy outputs equal decoding without it; speculative steps run eagerly.")]
+
+
+def speculative_config(text: str | None):
+    """The checked --speculative-config record (None: off); every problem one line."""
+    from moetier.spec.config import speculative_config_of
+
+    return speculative_config_of(text, "--speculative-config")
 
 
 def kv_host_memory(text: str) -> int:

@@ -125,6 +125,7 @@ def plan_cmd(
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     pinned_out: Optional[Path] = typer.Option(None, "--pinned-out", metavar="<file>",
                                               help="Write the plan's pinned experts per layer to this file."),
@@ -183,7 +184,8 @@ def plan_cmd(
         config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
                                        max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense,
                                        enable_prefix_caching=enable_prefix_caching,
-                                       kv_host_bytes=opt.kv_host_memory(kv_host_memory))
+                                       kv_host_bytes=opt.kv_host_memory(kv_host_memory),
+                                       speculative_config=opt.speculative_config(speculative_config))
         req = request_for(cfg, tdtype, device, config, gpu_memory, host_memory)
         plan = plan_for(req, experts, loaded)
         if loaded is not None:

@@ -16,6 +16,7 @@ from moetier.errors import MoetierError
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS
 from moetier.parallel import layout_problems
+from moetier.spec.config import SpeculativeConfig, speculative_config_of
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
 
@@ -66,6 +67,10 @@ class EngineConfig:
     # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
     # fall back). "dequantize" stays the default until a GPU run says which is faster.
     fp8_dense: str = "dequantize"
+    # Speculative decoding (--speculative-config, spec/config.py; docs/speculative.md): None is off; the
+    # JSON text or dict vLLM takes is parsed into the record. Method "mtp" loads the checkpoint's MTP
+    # layers (the plan counts their experts and KV); speculative steps run eagerly (no CUDA graphs).
+    speculative_config: SpeculativeConfig | None = None
     # Automatic prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages keyed by a
     # hash chain of their tokens, shared between requests, the free ones kept until evicted LRU; a prompt
     # whose leading pages are cached skips their prefill. vLLM's name and default (on).
@@ -118,6 +123,15 @@ class EngineConfig:
             out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
         if self.fp8_dense not in ("dequantize", "fp8"):
             out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            out.append("speculative_config must be a spec.config.SpeculativeConfig (parse_speculative_config "
+                       f"makes one from JSON), got {type(spec).__name__}")
+        elif spec is not None and self.world_size > 1:
+            out.append("speculative_config with several ranks is not supported yet: run one process")
+        elif spec is not None and self.record_trace is not None:
+            out.append("speculative_config with record_trace is not supported yet: a verify step routes rejected "
+                       "drafts too, which the trace would record as decoded tokens; record without speculation")
         if not isinstance(self.enable_prefix_caching, bool):
             out.append(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 0:
@@ -130,6 +144,15 @@ class EngineConfig:
         if not isinstance(self.dist_timeout_s, (int, float)) or self.dist_timeout_s <= 0:
             out.append(f"dist_timeout_s must be a positive number of seconds, got {self.dist_timeout_s!r}")
         return out
+
+    def __post_init__(self):
+        # vLLM's Python API takes the JSON text or a dict: parsed here, one line per problem
+        self.speculative_config = speculative_config_of(self.speculative_config)
+
+    @property
+    def drafts_with_mtp(self) -> bool:
+        """Speculative method mtp: the checkpoint's MTP layers are loaded and draft."""
+        return self.speculative_config is not None and self.speculative_config.method == "mtp"
 
     @property
     def world_size(self) -> int:

@@ -19,8 +19,13 @@ kv_host_tier.py) only plans. Two kinds of moves, both inside one step and none w
   copied into the sequence's slot; after it, the slot's state is saved into the checkpoint the
   scheduler chose (a chunk that ended on a page boundary).
 
+- State backups (speculative decoding on linear-attention models): before a step verifies drafts,
+  each verifying sequence's state is copied to its backup slot; where a draft is rejected the state
+  (which took in every draft) is copied back, and the scheduler recomputes the kept tokens.
+
 The pool's layout: state slots 0..max_num_seqs-1 belong to running sequences, slot max_num_seqs is
-spare, slots max_num_seqs+1 .. max_num_seqs+checkpoints are checkpoints 0..checkpoints-1.
+spare, slots max_num_seqs+1 .. max_num_seqs+checkpoints are checkpoints 0..checkpoints-1, and the
+max_num_seqs slots after them are the backups of running slots 0..max_num_seqs-1.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 class KVMoves:
     """The page copies and state checkpoints of each step (see the module's docstring)."""
 
-    def __init__(self, kv: KVCache, host_slots: int = 0, checkpoint_base: int = -1):
+    def __init__(self, kv: KVCache, host_slots: int = 0, checkpoint_base: int = -1, backup_base: int = -1):
         self.kv, self.host_slots, self.checkpoint_base = kv, host_slots, checkpoint_base
+        self.backup_base = backup_base  # -1: no state backups (no speculation, or no recurrent state)
         self.device_tensors = kv.page_tensors()
         self.rows = kv.layer_rows()  # model layer -> [(tensor, row)], in layer order
         self.host: list[torch.Tensor] = []
@@ -119,6 +125,21 @@ class KVMoves:
         for s in seqs:
             if s.save_checkpoint >= 0:
                 self._state_copy(s.state_slot, self._slot(s.save_checkpoint))
+
+    def back_up(self, seqs: list[SeqStep]) -> None:
+        """Before a verify step: the state of each sequence that carries drafts, to its backup slot."""
+        if self.backup_base >= 0:
+            for s in seqs:
+                if s.num_draft:
+                    self._state_copy(s.state_slot, self.backup_base + s.state_slot)
+
+    def roll_back(self, seqs: list[SeqStep], emitted: dict[str, list[int]]) -> None:
+        """After verifying: the state before the step back where a draft was rejected (the scheduler
+        then recomputes the kept tokens, speculation.py)."""
+        if self.backup_base >= 0:
+            for s in seqs:
+                if s.num_draft and len(emitted[s.request_id]) - 1 < s.num_draft:
+                    self._state_copy(self.backup_base + s.state_slot, s.state_slot)
 
     def _copy(self, step: StepInput, record: bool) -> None:
         blocking = self.stream is None

@@ -13,6 +13,7 @@ from moetier.engine.kv_moves import KVMoves
 from moetier.engine.pages import PagePool
 from moetier.engine.prefix_cache import PrefixCache
 from moetier.engine.scheduler import Scheduler
+from moetier.engine.speculation import Speculation
 from moetier.errors import MoetierError
 from moetier.layers.kv_cache import KVCache, KVSpec
 
@@ -21,6 +22,12 @@ def num_checkpoints(config: EngineConfig, spec: KVSpec, dtype: torch.dtype) -> i
     """State checkpoints the engine keeps: one per sequence it runs at once (a stated choice: every
     running prompt can leave its latest boundary), none without recurrent state or prefix caching."""
     return config.max_num_seqs if config.enable_prefix_caching and spec.state_bytes_per_seq(dtype) else 0
+
+
+def num_backups(config: EngineConfig, spec: KVSpec, dtype: torch.dtype) -> int:
+    """State backups of speculative decoding: one per sequence it runs at once (a verify step saves the
+    state before it and restores it when a draft is rejected), none without recurrent state."""
+    return config.max_num_seqs if config.speculative_config is not None and spec.state_bytes_per_seq(dtype) else 0
 
 
 def page_bytes(kv: KVCache) -> int:
@@ -42,15 +49,17 @@ def host_capacity(config: EngineConfig, kv: KVCache) -> int:
 def engine_kv(spec: KVSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device | str) -> KVCache:
     """The device KV pool of an engine (every rank allocates the same): the scheduler's pages plus one
     scratch page (padding rows of graph-replayed steps write there), the state slots of max_num_seqs
-    sequences plus a spare one plus the state checkpoints."""
-    slots = config.max_num_seqs + 1 + num_checkpoints(config, spec, dtype)
+    sequences plus a spare one plus the state checkpoints plus speculative decoding's state backups."""
+    slots = config.max_num_seqs + 1 + num_checkpoints(config, spec, dtype) + num_backups(config, spec, dtype)
     return spec.allocate(config.num_pages + 1, config.page_size, dtype, device, state_slots=slots)
 
 
 def engine_moves(kv: KVCache, config: EngineConfig, spec: KVSpec, dtype: torch.dtype) -> KVMoves:
     """The runner's host-tier copies and state checkpoints for this pool (none when both are off)."""
-    base = config.max_num_seqs + 1 if num_checkpoints(config, spec, dtype) else -1
-    return KVMoves(kv, host_capacity(config, kv), base)
+    ckpts = num_checkpoints(config, spec, dtype)
+    base = config.max_num_seqs + 1 if ckpts else -1
+    backups = config.max_num_seqs + 1 + ckpts if num_backups(config, spec, dtype) else -1
+    return KVMoves(kv, host_capacity(config, kv), base, backups)
 
 
 def engine_scheduler(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, moves: KVMoves, max_len: int,
@@ -63,5 +72,6 @@ def engine_scheduler(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, mov
     cache = PrefixCache(pages, config.page_size, extra_key=extra_key, enabled=config.enable_prefix_caching,
                         host=KVHostTier(moves.host_slots) if moves.host_slots else None)
     ckpts = num_checkpoints(config, spec, dtype)
+    spec = None if config.speculative_config is None else Speculation(config.speculative_config)
     return Scheduler(pages, config.page_size, config.max_num_tokens, config.max_num_seqs, max_len, states, cache,
-                     PagePool(ckpts) if ckpts else None)
+                     PagePool(ckpts) if ckpts else None, spec)

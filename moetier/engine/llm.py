@@ -29,6 +29,7 @@ from moetier.engine.output import OutputProcessor, RequestOutput
 from moetier.engine.kv_setup import engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
+from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
@@ -124,7 +125,8 @@ class LLM:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
                                                     decode_tokens=config.decode_tokens, progress=progress,
-                                                    fp8_dense=config.fp8_dense, **kw)
+                                                    fp8_dense=config.fp8_dense, mtp=config.drafts_with_mtp,
+                                                    **kw)
             if self._workers is not None:
                 self._workers.ready()
         except BaseException:
@@ -241,8 +243,7 @@ class LLM:
         self.kv = engine_kv(spec, config, model.dtype, model.device)
         moves = engine_moves(self.kv, config, spec, model.dtype)
         self.scheduler = engine_scheduler(config, spec, model.dtype, moves, max_len, self.cfg.model_type)
-        self.kv_page_bytes = page_bytes(self.kv)
-        self.outputs = OutputProcessor(tokenizer)
+        self.kv_page_bytes, self.outputs = page_bytes(self.kv), OutputProcessor(tokenizer)
         self.recorder = self.replayer = None
         if config.record_trace is not None:  # no graphs then (graphs.captures)
             from moetier.traces.hooks import Recorder
@@ -254,19 +255,19 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
+        attach_chooser(self.scheduler.spec, model)  # expert-aware k: its route hook is in the graphs too
         graphs = None
-        if captures(config, model, parallel=self._workers is not None):
+        if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
-        self.runner = ModelRunner(model, self.kv, graphs, moves)
+        self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
-        self._ids = itertools.count()
-        self.steps = 0
+        self._ids, self.steps = itertools.count(), 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
@@ -313,7 +314,8 @@ class LLM:
         result = self.runner.execute(step)
         if self.recorder is not None:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
-        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs)
+        got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
+                                    result.emitted, result.drafts, result.emitted_logprobs)
         self.steps += 1
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
@@ -393,4 +395,6 @@ class LLM:
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,
+            # speculative decoding, vLLM's names (engine/speculation.py); absent without it
+            **({} if s.spec is None else s.spec.counters.as_dict()),
         }

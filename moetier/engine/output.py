@@ -4,7 +4,9 @@ incremental detokenizer and stop strings of every request.
     RequestOutput.outputs[0].token_ids / .text / .finish_reason / .stop_reason, .finished, .metrics
 
 A stop string ends its request: the text up to it is kept, the string itself and what follows are
-dropped, even if max_tokens ended the request in the same step.
+dropped, even if max_tokens ended the request in the same step. A step may add several tokens
+(speculative decoding): each is decoded in turn, and tokens after the one that completes a stop
+string are dropped from the output too, as decoding them one step at a time would have.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class _Text:
     decoder: StreamDecoder
     stops: StopStrings
     text: str = ""
+    seen: int = 0  # output tokens decoded so far
 
 
 class OutputProcessor:
@@ -62,11 +65,19 @@ class OutputProcessor:
         self._text.pop(request_id, None)
 
     def process(self, req: Request, finish: Callable[[Request, str], None]) -> RequestOutput:
-        """Text for the request's newest token; a stop string ends the request through `finish`."""
+        """Text for the request's new tokens; a stop string ends the request through `finish`."""
         st = self._text[req.id]
         stopped_by_token = req.status is Status.FINISHED and req.finish_reason == "stop"
-        delta = "" if stopped_by_token else st.decoder.push(req.output_ids[-1])
-        text, stopped = st.stops.push(delta)
+        text, stopped = "", False
+        for i in range(st.seen, len(req.output_ids)):
+            last = i == len(req.output_ids) - 1
+            delta = "" if stopped_by_token and last else st.decoder.push(req.output_ids[i])
+            piece, stopped = st.stops.push(delta)
+            text += piece
+            if stopped:
+                del req.output_ids[i + 1:], req.token_times[i + 1:], req.output_logprobs[i + 1:]
+                break
+        st.seen = len(req.output_ids)
         if stopped:
             req.stop_reason = st.stops.matched
             finish(req, "stop")

@@ -40,6 +40,8 @@ class Request:
     # when params.prompt_logprobs is set: per prompt token its (logprob, rank, [(alternative id, logprob)]),
     # None for the first (nothing predicts it); filled chunk by chunk as the prefill computes them
     prompt_logprobs: list[tuple | None] = field(default_factory=lambda: [None])
+    # speculative method mtp: the drafts its MTP layer made for its next step (engine/speculation.py)
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The model runner: turns the scheduler's record of what to run (step.StepInput) into device tensors,
 runs the model, samples, and hands back one record of what came out (step.StepOutput). It holds no
-scheduling state; decode steps that fit a captured size replay CUDA graphs (graphs.py)."""
+scheduling state; decode steps that fit a captured size replay CUDA graphs (graphs.py). Steps that
+verify drafts, and every step of an engine that drafts with MTP layers, run eagerly (spec_step.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_moves import KVMoves
 from moetier.engine.prompt_logprobs import prompt_logprobs
+from moetier.engine.spec_step import MtpDrafter, verify
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
@@ -18,9 +20,11 @@ from moetier.models.base import CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None,
-                 moves: KVMoves | None = None):
-        """moves: the prefix cache's host-tier copies and state checkpoints (None: neither)."""
+                 moves: KVMoves | None = None, mtp: bool = False):
+        """moves: the prefix cache's host-tier copies and state checkpoints (None: neither). mtp: every
+        step also runs the model's MTP layer (speculative method mtp: spec_step.MtpDrafter)."""
         self.model, self.kv, self.graphs = model, kv, graphs
+        self.mtp = MtpDrafter(model, kv, kv.page_size) if mtp else None
         self.moves = moves if moves is not None else KVMoves(kv)
         self.moves.attach(model)  # per-layer waits for the host tier's copies (CUDA)
         self.graph_steps = 0
@@ -33,6 +37,8 @@ class ModelRunner:
 
     def replays(self, seqs: list[SeqStep]) -> bool:
         """Whether execute() replays the decode graph for these sequences."""
+        if self.mtp is not None or any(s.num_draft for s in seqs):
+            return False  # speculative steps run eagerly
         return self.graphs_on and self.graphs is not None and self.graphs.fits(seqs)
 
     @torch.inference_mode()
@@ -49,19 +55,27 @@ class ModelRunner:
             self._keep(seqs, logits)
             return self._output(seqs, tokens, logits if _wants_logprobs(seqs) else None, len(seqs))
         dev = self.model.device
+        self.moves.back_up(seqs)  # recurrent state before a verify step (kv_moves.py)
         hidden, batch, ids = self._forward(seqs)
         scored = prompt_logprobs(self.model, hidden, batch.query_start_host, seqs)
-        rows = [i for i, s in enumerate(seqs) if s.sample]
-        if not rows:
-            return StepOutput({}, len(ids), prompt_logprobs=scored)
-        last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
-        logits = self.model.logits(hidden[last])
-        picked = [seqs[i] for i in rows]
-        tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
-                        [s.sample_index for s in picked])
-        self._keep(picked, logits)
-        out = self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
-        out.prompt_logprobs = scored
+        rows = [i for i, s in enumerate(seqs) if s.sample and not s.num_draft]
+        drafting = [(i, s) for i, s in enumerate(seqs) if s.num_draft]
+        out = StepOutput({}, len(ids), prompt_logprobs=scored)
+        if rows:
+            last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
+            logits = self.model.logits(hidden[last])
+            picked = [seqs[i] for i in rows]
+            tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
+                            [s.sample_index for s in picked])
+            self._keep(picked, logits)
+            out = self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
+            out.prompt_logprobs = scored
+        if drafting:
+            out.emitted, out.emitted_logprobs = verify(self.model, hidden, batch.query_start_host, drafting)
+            self.moves.roll_back(seqs, out.emitted)
+            out.sampled.update({r: toks[-1] for r, toks in out.emitted.items()})
+        if self.mtp is not None:
+            out.drafts = self.mtp.run(seqs, hidden, batch, out.sampled, out.emitted)
         return out
 
     def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:

@@ -23,6 +23,14 @@ scheduler ends prefill chunks on page boundaries (a prompt's last partial page i
 asks the runner to save the state there into a checkpoint (SeqStep.save_checkpoint); a hit resumes
 from the last boundary that has one (SeqStep.restore_checkpoint).
 
+Speculative decoding (speculation.py, docs/speculative.md): a decoding request may carry k draft
+tokens after its last one; the step computes all k + 1 positions (pages reserved for them), and the
+runner says which drafts it kept. The request then advances by the kept drafts plus one token: KV rows
+written past them are garbage that the next step overwrites before anything reads them, and only pages
+full of accepted tokens are hashed into the prefix cache. A model with recurrent state cannot overwrite
+its state: where a draft was rejected the runner restores the state from before the step, and the
+request goes back to where the step started, its kept tokens recomputed by the next step as a chunk.
+
 A plain CPU object (no torch): tests drive it with fake runner outputs. Each step it hands the
 runner one plain record (step.StepInput) and takes one back (the sampled tokens).
 """
@@ -37,6 +45,7 @@ from moetier.engine.kv_host_tier import CopyPlan
 from moetier.engine.pages import PagePool
 from moetier.engine.prefix_cache import PrefixCache, PrefixHit
 from moetier.engine.request import Request, Status
+from moetier.engine.speculation import Speculation
 from moetier.engine.step import SeqStep, StepInput
 from moetier.errors import MoetierError
 
@@ -53,16 +62,22 @@ class ScheduledSeq:
     num_cached: int = 0  # tokens of `start` that a prefix hit supplied (admission only)
     restore_checkpoint: int = -1  # state checkpoint to load into the slot before the chunk; -1: none
     save_checkpoint: int = -1  # checkpoint to save the slot's state into after the chunk; -1: none
+    draft: list[int] = field(default_factory=list)  # draft tokens verified after the last one (in num_tokens)
+    draft_next: int = 0  # MTP: drafts the runner makes for the next step
 
     def record(self) -> SeqStep:
         r = self.request
-        tokens = [r.token(i) for i in range(self.start, self.start + self.num_tokens)]
+        own = self.num_tokens - len(self.draft)
+        tokens = [r.token(i) for i in range(self.start, self.start + own)] + self.draft
         slot = -1 if r.state_slot is None else r.state_slot
         targets = []
         if r.params.prompt_logprobs is not None:  # position j predicts prompt token j + 1
             targets = r.prompt_ids[self.start + 1:min(self.start + self.num_tokens, len(r.prompt_ids) - 1) + 1]
+        after = self.start + own
         return SeqStep(r.id, self.start, tokens, r.pages, self.sample, r.params, r.seed, len(r.output_ids), slot,
-                       self.num_cached, self.restore_checkpoint, self.save_checkpoint, targets)
+                       self.num_cached, self.restore_checkpoint, self.save_checkpoint, targets,
+                       num_draft=len(self.draft), draft_next=self.draft_next,
+                       next_token=r.token(after) if after < r.total_tokens else -1)
 
 
 @dataclass
@@ -85,15 +100,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pages: PagePool, page_size: int, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int = 4096, states: PagePool | None = None, cache: PrefixCache | None = None,
-                 checkpoints: PagePool | None = None):
+                 checkpoints: PagePool | None = None, speculation: Speculation | None = None):
         """cache: the prefix cache over `pages` (None: one that is off). checkpoints: the ids of the
-        state checkpoints the runner holds (models with recurrent state and prefix caching on)."""
+        state checkpoints the runner holds (models with recurrent state and prefix caching on).
+        speculation: drafts for decoding requests (None: no speculative decoding)."""
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_tokens and max_num_seqs must be positive")
         if states is not None and states.num_pages < max_num_seqs:
             raise ValueError(f"the state pool has {states.num_pages} slots for max_num_seqs {max_num_seqs}")
         if cache is not None and cache.pool is not pages:
             raise ValueError("the prefix cache must be built over the scheduler's page pool")
+        self.spec = speculation
         self.states = states  # None: the model keeps no per-sequence state
         self.pages, self.page_size = pages, page_size
         self.cache = cache if cache is not None else PrefixCache(pages, page_size, enabled=False)
@@ -129,15 +146,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.spec is not None:
+            self.spec.begin_step(len(self.running))  # expert-aware k: this step's k
         budget = self.max_num_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, req.num_computed, budget)
-            if not self._grow(req, req.num_computed + n, out):
+            decoding = n == 1 and req.num_computed + 1 == req.total_tokens
+            draft = self.spec.drafts(req, budget) if self.spec is not None and decoding else []
+            if not self._grow(req, req.num_computed + n + len(draft), out):
                 break  # req itself was preempted: it was the newest, nothing runs after it
-            out.seqs.append(self._seq(req, req.num_computed, n, out))
-            budget -= n
+            seq = self._seq(req, req.num_computed, n, out)
+            seq.draft, seq.num_tokens = draft, n + len(draft)
+            out.seqs.append(seq)
+            budget -= seq.num_tokens
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
@@ -213,6 +236,8 @@ class Scheduler:
 
     def _seq(self, req: Request, start: int, n: int, out: SchedulerOutput) -> ScheduledSeq:
         seq = ScheduledSeq(req, start, n, start + n == req.total_tokens)
+        if self.spec is not None and seq.sample:
+            seq.draft_next = self.spec.draft_next(req)
         if self.checkpoints is not None and n > 1 and (start + n) % self.page_size == 0:
             seq.save_checkpoint = self._checkpoint_for_save(out)
         return seq
@@ -234,22 +259,36 @@ class Scheduler:
         self.running.remove(req)
         self.cache.release(req.id)  # its hashed pages stay cached: it may find them again
         self._free_state(req)
-        req.pages, req.num_computed = [], 0
+        req.pages, req.num_computed, req.draft_ids = [], 0, []
         req.status = Status.WAITING
         req.preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_ids: set[int],
-               logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None
-               ) -> list[Request]:
+               logprobs: dict[str, tuple] | None = None, prompt_logprobs: dict[str, tuple] | None = None,
+               emitted: dict[str, list[int]] | None = None, drafts: dict[str, list[int]] | None = None,
+               emitted_logprobs: dict[str, list[tuple]] | None = None) -> list[Request]:
         """Apply a step's results: tokens computed, sampled tokens (and their logprobs, for requests that
         asked) appended, prompt logprobs recorded. Finishes requests on a stop token or on max_tokens;
-        returns the requests that got a token this step."""
+        returns the requests that got a token this step. emitted: per request that verified drafts, its
+        kept drafts and one more token (emitted_logprobs: their logprobs, for requests that asked);
+        drafts: per request, its MTP drafts for the next step."""
         now = time.perf_counter()
         got = []
         for s in out.seqs:
             req = s.request
-            req.num_computed = s.start + s.num_tokens
+            new = (emitted[req.id] if s.draft else [sampled[req.id]]) if s.sample else []
+            if s.draft:
+                self.spec.record(len(s.draft), len(new) - 1)
+            # tokens whose KV is valid: the chunk's own, plus the kept drafts; with recurrent state a
+            # rejected draft rolled the state back to before the step: the kept tokens are recomputed
+            computed = s.start + s.num_tokens - len(s.draft) + (len(new) - 1 if s.draft else 0)
+            if s.draft and self.states is not None and len(new) - 1 < len(s.draft):
+                computed = s.start
+            new = self._until_stop(req, new, eos_ids)
+            req.output_ids += new
+            req.token_times += [now] * len(new)
+            req.num_computed = min(computed, req.total_tokens - 1) if new else computed  # a stop drops the rest
             if self.cache.enabled and req.num_computed // self.page_size > self.cache.num_hashed_pages(req.id):
                 self.cache.insert(req.id, req.prompt_ids + req.output_ids, req.num_computed)
             if s.save_checkpoint >= 0:
@@ -261,15 +300,16 @@ class Scheduler:
                     self.checkpoints.free([s.save_checkpoint], CHECKPOINT_OWNER)
             if prompt_logprobs and req.id in prompt_logprobs:
                 req.score_prompt(*prompt_logprobs[req.id])
+            if self.spec is not None and self.spec.mtp and s.sample:  # this step's drafts, or none: never stale
+                req.draft_ids = (drafts or {}).get(req.id, [])
             if not s.sample:
                 continue
-            tok = sampled[req.id]
-            req.output_ids.append(tok)
-            req.token_times.append(now)
-            if logprobs and req.id in logprobs:
+            if s.draft and emitted_logprobs and req.id in emitted_logprobs:
+                req.output_logprobs += emitted_logprobs[req.id][:len(new)]
+            elif logprobs and req.id in logprobs:
                 req.output_logprobs.append(logprobs[req.id])
             got.append(req)
-            p = req.params
+            p, tok = req.params, req.output_ids[-1]
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
                 self.finish(req, "stop")
@@ -277,7 +317,19 @@ class Scheduler:
                 self.finish(req, "stop")
             elif len(req.output_ids) >= p.max_tokens:
                 self.finish(req, "length")
+        if self.spec is not None:
+            self.spec.end_step()
         return got
+
+    @staticmethod
+    def _until_stop(req: Request, new: list[int], eos_ids: set[int]) -> list[int]:
+        """The step's tokens up to the first that ends the request (a stop token, EOS, max_tokens)."""
+        p = req.params
+        for i, tok in enumerate(new):
+            if (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids)
+                    or len(req.output_ids) + i + 1 >= p.max_tokens):
+                return new[:i + 1]
+        return new
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.FINISHED:

@@ -6,7 +6,8 @@ worker in another process can receive the same record (multi-GPU) and tests can 
     StepInput  [SeqStep]: per sequence its new tokens, where they start, its page table (and state
                slot, and state checkpoints to restore or save), and how to sample its next token when
                the chunk reaches its end; the host KV tier's page copies of the step
-    StepOutput the token sampled for each request that sampled (and the logprobs asked for)
+    StepOutput the token sampled for each request that sampled (and the logprobs asked for); with
+               speculative decoding the tokens each verifying request kept, and the next drafts
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
 """
@@ -39,6 +40,12 @@ class SeqStep:
     # (position start + i predicts prompt_targets[i]); shorter than token_ids by one where the chunk
     # holds the prompt's last token, whose logits sample the first output token instead
     prompt_targets: list[int] = field(default_factory=list)
+    # speculative decoding (engine/spec_step.py): the last num_draft of token_ids are drafts to verify;
+    # MTP drafting: the drafts to make for the next step, and the token after the chunk where it is
+    # known (a prefill chunk that does not sample; -1 otherwise), which its MTP rows read
+    num_draft: int = 0
+    draft_next: int = 0
+    next_token: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,11 @@ class StepOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
     # request id -> (the position of the first token scored, one entry per scored prompt token)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    # speculative decoding: per request that verified drafts, the kept drafts and one more token (its
+    # `sampled` entry is the last of them); per request, the MTP layer's drafts for its next step
+    emitted: dict[str, list[int]] = field(default_factory=dict)
+    emitted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per emitted token
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 # what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)

@@ -44,7 +44,9 @@ class GlmMoeDsaConfig(MlaMoeConfig):
 
     @property
     def index_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+        # loaded MTP layers run an indexer of their own (their keys live in the KV cache too)
+        mtp = tuple(range(self.num_layers, self.num_layers + self.mtp_layers))
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full") + mtp
 
     @classmethod
     def parse(cls, f: Fields) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class GlmMoeDsaConfig(MlaMoeConfig):
 
     def attention_parameters(self, layer: int) -> int:
         n = super().attention_parameters(layer)
-        if layer < len(self.indexer_types) and self.indexer_types[layer] == "full":
+        if layer >= self.num_layers or self.indexer_types[layer] == "full":  # MTP layers: their own indexer
             h, hi, d = self.hidden_size, self.index_n_heads, self.index_head_dim
             n += self.q_lora_rank * hi * d + h * d + 2 * d + h * hi
         return n
@@ -92,7 +94,7 @@ class GlmMoeDsaForCausalLM(MlaMoeForCausalLM):
     @classmethod
     def make_indexer(cls, cfg: GlmMoeDsaConfig, layer: int, dtype: torch.dtype, device: torch.device | str
                      ) -> nn.Module | None:
-        if cfg.indexer_types[layer] != "full":
+        if layer < cfg.num_layers and cfg.indexer_types[layer] != "full":  # MTP layers index for themselves
             return None
         return DsaIndexer(layer, cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                           cfg.qk_rope_head_dim, cfg.index_topk, dtype, device)

@@ -46,10 +46,20 @@ class MlaMoeConfig(ModelConfig):
     attention_factor: float | None = None
     rope_truncate: bool = True
     attention_bias: bool = False
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers (skipped)
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
+    # Of those, how many the model holds (models/mtp.with_mtp, for speculative decoding; not in
+    # config.json). 0: skipped at load. Loaded MTP layers are MoE layers like the others: their
+    # experts sit in the model's tiers and the plan, the placement and the traces count them.
+    mtp_layers: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
+        if layer >= self.num_layers:  # an MTP layer: always MoE (transformers' get_mtp_config says so too)
+            return layer < self.num_layers + self.mtp_layers and self.num_experts > 0
         return self.mlp_layer_types[layer] == "sparse" and self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers + self.mtp_layers) if self.is_moe_layer(i)]
 
     @property
     def qk_head_dim(self) -> int:
@@ -244,8 +254,9 @@ class MlaMoeConfig(ModelConfig):
     def num_parameters(self) -> int:
         h, mi = self.hidden_size, self.moe_intermediate_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        for i in range(self.num_layers):
-            total += 2 * h + self.attention_parameters(i)
+        for i in range(self.num_layers + self.mtp_layers):
+            # an MTP layer adds enorm, hnorm, eh_proj [H, 2H] and its head's norm (embedding, head: shared)
+            total += 2 * h + self.attention_parameters(i) + (3 * h + 2 * h * h if i >= self.num_layers else 0)
             if self.is_moe_layer(i):
                 e = self.num_experts
                 total += e * h + e + e * 3 * h * mi + 3 * h * mi * self.n_shared_experts

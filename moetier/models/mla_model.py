@@ -7,8 +7,9 @@ dense layers (mlp_layer_types "dense") and otherwise a MoEBlock: grouped sigmoid
 experts through the expert backend, plus the dense shared experts on the device.
 
 Checkpoint layers num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1 are the
-multi-token-prediction (MTP) layers of the published checkpoints: listed as optional weights so the
-validation knows them, and never read (param() returns None) until speculative decoding uses them.
+multi-token-prediction (MTP) layers of the published checkpoints (models/mtp.py): optional weights,
+never read, unless cfg.mtp_layers says to load them (models/mtp.with_mtp); then each is an MtpHead
+around a decoder layer of its own index (KV rows, experts in the model's tiers) and draft() runs it.
 
 Tensor parallelism (par.tp > 1, docs/parallel.md): the attention is split by query heads
 (layers/mla_attention.py: q_b / q_proj, kv_b and o_proj; the latent path, its cache and the DSA
@@ -37,6 +38,7 @@ from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
+from moetier.models.mtp import MtpHead, mtp_own_weights
 from moetier.parallel import Parallel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -111,6 +113,11 @@ class MlaMoeForCausalLM(CausalLM):
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        n = cfg.num_layers
+        self.mtp = nn.ModuleList(
+            MtpHead(cfg.hidden_size, cfg.rms_norm_eps, MlaDecoderLayer(
+                cfg, n + d, self.make_indexer(cfg, n + d, dtype, device), dtype, device, par), dtype, device)
+            for d in range(cfg.mtp_layers))
         self.register_buffer("inv_freq", cfg.inv_freq().to(device), persistent=False)
 
     # -- family hooks (GLM-5's DSA indexer) --
@@ -174,16 +181,14 @@ class MlaMoeForCausalLM(CausalLM):
     @classmethod
     def mtp_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
         """The MTP layers (DeepSeek-V3 / GLM-5 layout): a MoE decoder layer plus enorm, hnorm, eh_proj
-        and a shared head; all optional, none kept (expert=None: their experts go to no tier)."""
-        h, v = cfg.hidden_size, cfg.vocab_size
+        and a shared head. The first cfg.mtp_layers are loaded (required; their routed experts go to
+        the tiers like any layer's); the rest optional and not kept (expert=None: no tier)."""
         out = []
-        for layer in range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers):
-            pre = f"model.layers.{layer}."
-            out += [Weight(w.name, w.shape, optional=True) for w in cls.layer_weights(cfg, layer, present, True)]
-            out += [Weight(pre + n, s, optional=True) for n, s in (
-                ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
-                ("embed_tokens.weight", (v, h)), ("shared_head.norm.weight", (h,)),
-                ("shared_head.head.weight", (v, h)))]
+        for d, layer in enumerate(range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)):
+            loaded = d < cfg.mtp_layers
+            decoder = cls.layer_weights(cfg, layer, present, True)
+            out += decoder if loaded else [Weight(w.name, w.shape, optional=True) for w in decoder]
+            out += mtp_own_weights(f"model.layers.{layer}.", cfg.hidden_size, cfg.vocab_size, loaded)
         return out
 
     @classmethod
@@ -199,9 +204,16 @@ class MlaMoeForCausalLM(CausalLM):
         if (outer := self.outer_param(name)) is not False:
             return outer
         m = _LAYER.fullmatch(name)
-        if not m or int(m.group(1)) >= self.cfg.num_layers:  # MTP layers are not kept
+        if not m or int(m.group(1)) >= self.cfg.num_layers + self.cfg.mtp_layers:  # MTP layers not loaded
             return None
-        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        i, rest = int(m.group(1)), m.group(2)
+        if i >= self.cfg.num_layers:
+            head = self.mtp[i - self.cfg.num_layers]
+            if (own := head.own_param(rest)) is not False:
+                return own
+            layer = head.block
+        else:
+            layer = self.layers[i]
         if rest == "input_layernorm.weight":
             return layer.input_norm
         if rest == "post_attention_layernorm.weight":
@@ -217,11 +229,13 @@ class MlaMoeForCausalLM(CausalLM):
     @classmethod
     def kv_spec_of(cls, cfg: MlaMoeConfig, par: Parallel) -> MlaKVSpec:
         # whole under tensor parallelism: the latent is shared by all heads, so every rank holds (and
-        # writes) all of it
-        return MlaKVSpec(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, *cls.index_keys(cfg))
+        # writes) all of it; loaded MTP layers (cfg.mtp_layers) have KV rows of their own
+        return MlaKVSpec(cfg.num_layers + cfg.mtp_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                         *cls.index_keys(cfg))
 
     def moe_blocks(self) -> list[MoEBlock]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        layers = [*self.layers, *(head.block for head in self.mtp)]
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: MlaKVCache) -> torch.Tensor:
@@ -231,6 +245,23 @@ class MlaMoeForCausalLM(CausalLM):
         for layer in self.layers:
             x, delta, topk = layer(x, delta, cos, sin, batch, kv, topk)
         return add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv: MlaKVCache, depth: int = 0,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft step (models/mtp.py): input_ids [N], each row's next token, hidden [N, H] the
+        hidden state that predicted it (forward()'s output, or the previous draft step's), batch at
+        the positions of those hidden states -> (logits [N, V] float32, the hidden state to chain).
+        rows [R]: only these rows' logits and hidden states ([R, V], [R, H]); every row still writes
+        its KV (a prefill chunk's catch-up needs the logits of its last row alone)."""
+        head = self.mtp[depth % len(self.mtp)]
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype, self.cfg.rope_attention_factor)
+        x = head.project(F.embedding(input_ids, self.embed), hidden)
+        x, delta, _ = head.block(x, None, cos, sin, batch, kv, None)
+        out = head.finish(x, delta)
+        if rows is not None:
+            out = out[rows]
+        return self.logits(out), out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

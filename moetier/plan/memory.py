@@ -66,6 +66,9 @@ class PlanRequest:
     # and the host KV tier's pinned bytes (--kv-host-memory; whole pages of the pool are kept)
     prefix_caching: bool = True
     kv_host_bytes: int = 0
+    # speculative decoding: linear-attention models keep a state backup per running sequence
+    # (engine/kv_setup.num_backups)
+    speculative: bool = False
 
     @property
     def model_len(self) -> int:
@@ -248,6 +251,11 @@ def count(req: PlanRequest) -> Plan:
             dev.append(_item("KDA state checkpoints", "capture", ck,
                              f"{req.max_num_seqs} prefix-cache checkpoints at page boundaries"))
             tensors += ck
+        if req.speculative:  # engine/kv_setup.num_backups: one per running sequence
+            bk = spec.state.tensor_bytes(dt, req.max_num_seqs)
+            dev.append(_item("KDA state backups", "capture", bk,
+                             f"{req.max_num_seqs} states saved before a verify step, restored on a rejection"))
+            tensors += bk
     sizes = req.graph_sizes
     width = -(-req.model_len // req.page_size)
     if sizes:

@@ -35,19 +35,24 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                 host_memory: str | None = None) -> PlanRequest:
     """A PlanRequest for an EngineConfig (engine/config.py) on this machine (or the given sizes)."""
     from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.models.mtp import with_mtp
 
     gpu, gpu_src, with_context = machine.gpu_budget(gpu_memory, device)
     host, host_src = machine.host_budget(host_memory)
     cfg = with_dense(cfg, config.fp8_dense)  # the dense weights as they will be held
+    # speculative method mtp loads the MTP layers: their experts, dense weights and KV rows are counted
+    cfg = with_mtp(cfg, config.drafts_with_mtp)
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
                        max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
-                       cuda_graphs=config.cuda_graphs and config.record_trace is None, gpu_budget=gpu,
+                       # an engine drafting with MTP runs every step eagerly: no decode graphs
+                       cuda_graphs=config.cuda_graphs and config.record_trace is None and not config.drafts_with_mtp,
+                       gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
                        host_source=host_src, memlock=machine.memlock_limit(),
                        prefill_stream=config.prefill_stream,
                        prefix_caching=config.enable_prefix_caching,
-                       kv_host_bytes=config.kv_host_bytes)
+                       kv_host_bytes=config.kv_host_bytes, speculative=config.speculative_config is not None)
 
 
 def plan_for(req: PlanRequest, experts, trace=None) -> Plan:

@@ -30,6 +30,12 @@ PREFIX_COUNTERS = (
     ("kv_host_bytes_to_gpu", "kv_host_bytes_to_gpu", "Bytes of KV pages copied back from the host KV tier."),
     ("kv_host_evictions", "kv_host_evictions", "KV pages dropped from the host KV tier to make room."),
 )
+# speculative decoding (engine/speculation.py), vLLM's names; only when the engine speculates
+SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Verify rows that carried draft tokens."),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+)
 
 
 class EngineCollector:
@@ -54,6 +60,8 @@ class EngineCollector:
                 c = CounterMetricFamily(P + name, doc, labels=labels)
                 c.add_metric([self.model_name], m[key])
                 yield c
+        if "spec_decode_num_drafts" in m:
+            yield from self._speculation(m)
         if m.get("kv_pages_cached") is not None:
             g = GaugeMetricFamily(P + "kv_cache_cached_pages", "Free KV pages that still hold a cached prefix.",
                                   labels=labels)
@@ -79,6 +87,23 @@ class EngineCollector:
             for rank, stats in enumerate(m["expert_stats_per_rank"]):
                 c.add_metric([self.model_name, str(rank)], stats[key])
             yield c
+
+
+    def _speculation(self, m: dict):
+        for name, doc in SPEC_COUNTERS:
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], m[name])
+            yield c
+        c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                                "position in the draft (0: the first).", labels=["model_name", "position"])
+        for j, n in enumerate(m["spec_decode_num_accepted_tokens_per_pos"]):
+            c.add_metric([self.model_name, str(j)], n)
+        yield c
+        c = CounterMetricFamily(P + "spec_decode_k_chosen", "Steps that chose this many draft tokens (expert-aware "
+                                "k).", labels=["model_name", "k"])
+        for k, n in m["spec_decode_k_chosen"].items():
+            c.add_metric([self.model_name, str(k)], n)
+        yield c
 
 
 class ServerMetrics:

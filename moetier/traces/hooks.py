@@ -5,6 +5,10 @@ Both attach to the model's MoE blocks as `route_hook(layer, topk_ids, topk_weigh
 reads ids back to the host once per step (recording is a measurement mode; the engine runs it
 without CUDA graphs). The replayer is device-side only (a cursor tensor advanced in place), so it
 replays inside the decode graph too.
+
+Loaded MTP layers (models/mtp.py, layers num_layers and on) run in draft steps of their own, not in
+the target's: the recorder leaves them out of the trace (NOTE: their routing is not recorded yet),
+and the replayer routes them from the cursor without moving it (the target's layers move it).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from moetier.traces.format import Trace, TraceWriter
 
 class Recorder:
     def __init__(self, net, path, **meta):  # meta: model name, source, ... for the header
-        self.blocks = net.moe_blocks()
         cfg = net.cfg
-        self.layers = [b.layer for b in self.blocks]
+        self.blocks = net.moe_blocks()
+        self.layers = [b.layer for b in self.blocks if b.layer < cfg.num_layers]  # the target's, not MTP
         self.writer = TraceWriter(path, cfg.num_experts, cfg.top_k, self.layers, weights=True, **meta)
+        self.num_layers = cfg.num_layers
         self._ids: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
         self._streams: dict[str, int] = {}
@@ -32,7 +37,8 @@ class Recorder:
             b.route_hook = self._hook
 
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
-        self._ids[layer], self._weights[layer] = ids, weights
+        if layer < self.num_layers:
+            self._ids[layer], self._weights[layer] = ids, weights
         return ids, weights
 
     def end_step(self, request_ids: list[str], counts: list[int]) -> None:
@@ -70,7 +76,8 @@ class Replayer:
         self.length = trace.num_tokens
         self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
         self.slot = {b.layer: i % trace.ids.shape[1] for i, b in enumerate(self.blocks)}
-        self.first, self.last = self.blocks[0].layer, self.blocks[-1].layer
+        target = [b.layer for b in self.blocks if b.layer < cfg.num_layers]  # MTP layers: not the step's
+        self.first, self.last, self.num_layers = target[0], target[-1], cfg.num_layers
         self._arange = torch.arange(4096, device=dev)
         self._step: torch.Tensor | None = None  # [L, T, k] ids of the step in flight
         for b in self.blocks:
@@ -81,13 +88,17 @@ class Replayer:
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
         # NOTE: device ops only (graph-safe); three small kernels per step, none per layer.
         t = ids.shape[0]
+        if layer >= self.num_layers:  # an MTP layer's draft step: the trace's next tokens, cursor kept
+            return self.ids[self.slot[layer], (self.cursor + self._steps(t)) % self.length], weights
         if layer == self.first:
-            steps = self._arange[:t] if t <= self._arange.numel() else torch.arange(t, device=ids.device)
-            self._step = self.ids[:, (self.cursor + steps) % self.length]
+            self._step = self.ids[:, (self.cursor + self._steps(t)) % self.length]
         out = self._step[self.slot[layer]]
         if layer == self.last:
             self.cursor.add_(t)  # in place: a graph replay advances it too
         return out, weights
+
+    def _steps(self, t: int) -> torch.Tensor:
+        return self._arange[:t] if t <= self._arange.numel() else torch.arange(t, device=self._arange.device)
 
     def close(self) -> None:
         for b in self.blocks:

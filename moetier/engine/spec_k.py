@@ -1,0 +1,123 @@
+"""Expert-aware k, per step (spec/expert_k.py's cost model, docs/speculative.md): before each step
+the engine picks the number of drafts (0 .. num_speculative_tokens) with the most expected tokens per
+second, from what it measured:
+
+    acceptance [K]   spec/expert_k.AcceptanceMeter, fed by every verify row's (kept, drafted)
+    routing [L, E]   each target MoE layer's expert shares, a moving average of the experts its router
+                     chose (counted on the device by a route hook, read between steps)
+    resident [L, E]  where each expert sits now: every one under resident, none under uva, the slot
+                     cache's mapped experts under slots and hybrid (expert_slot >= 0: pinned ones too)
+    StepCosts        the dense bytes over the HBM rate (fixed), one expert row from HBM and over the
+                     link, the rates timed at start (copies of an expert-row-sized buffer, HBM to HBM
+                     and pinned host to device; on the CPU both are one memcpy)
+
+NOTE: not modelled yet: the per-token cost (attention over the context, activations), the MTP layer's
+own cost per draft, and the hybrid host's cheaper misses (a hybrid layer is priced as slots). The
+reads (routing, resident mask) are two small host reads between steps, never inside one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moetier.experts.backends import UvaExperts
+from moetier.spec.expert_k import AcceptanceMeter, StepCosts, choose_k
+
+DECAY = 0.9  # the routing shares' moving average per step: recent steps weigh most
+PRIOR = 0.7  # acceptance assumed before any verify step (optimistic: k > 0 is tried, then measured)
+RETRY = 0.02  # per step without a verify, the measured acceptance moves this share back to PRIOR
+
+
+def _seconds(fn, device: torch.device, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[reps // 2]  # the first call warms up
+
+
+def measured_costs(model, row_bytes: int, dense_bytes: int) -> StepCosts:
+    """StepCosts from copies timed on this machine (never assumed rates)."""
+    dev = model.device
+    src = torch.empty(row_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    host = torch.empty(row_bytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    hbm = row_bytes / max(_seconds(lambda: dst.copy_(src), dev), 1e-9)
+    link = row_bytes / max(_seconds(lambda: dst.copy_(host, non_blocking=True), dev), 1e-9)
+    return StepCosts.from_rates(dense_bytes, row_bytes, hbm, link, per_token_s=0.0)
+
+
+def resident_mask(block, e: int) -> torch.Tensor:
+    """[E] bool: the experts of this MoE block in device memory now (one host read for a cache)."""
+    ex = getattr(block.experts, "inner", block.experts)  # experts/parallel/ep.ShardedExperts
+    cache = getattr(ex, "cache", None)
+    if cache is not None:
+        return (cache.expert_slot >= 0).cpu()
+    return torch.zeros(e, dtype=torch.bool) if isinstance(ex, UvaExperts) else torch.ones(e, dtype=torch.bool)
+
+
+def attach_chooser(spec, model) -> None:
+    """Give the scheduler's Speculation (engine/speculation.py) its KChooser when the config asks for
+    expert-aware k (and the model has MoE layers); None or off: nothing."""
+    if spec is not None and spec.config.expert_aware_k and model.moe_blocks():
+        spec.chooser = KChooser(model, spec.config.num_speculative_tokens)
+
+
+class KChooser:
+    def __init__(self, model, max_k: int, costs: StepCosts | None = None):
+        cfg = model.cfg
+        self.blocks = [b for b in model.moe_blocks() if b.layer < cfg.num_layers]  # the target's layers
+        self.max_k, self.top_k = max_k, cfg.top_k
+        self.meter, self.prior = AcceptanceMeter(max_k, PRIOR), PRIOR
+        e = cfg.num_experts
+        self.counts = torch.zeros(len(self.blocks), e, dtype=torch.float32, device=model.device)
+        self.routing = torch.full((len(self.blocks), e), 1.0 / e, dtype=torch.float64)  # uniform until measured
+        self.rates: list[float] = []
+        self.primed = False  # the first counts are the graph capture's warm-up steps: dropped
+        for i, b in enumerate(self.blocks):
+            b.route_hook = self._hook(i, b.route_hook)
+        if costs is None:  # the routed experts are the backends' tensors, not the model's parameters
+            row = self.blocks[0].experts.layout.row_bytes(model.dtype)
+            costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
+        self.costs, self.num_experts = costs, e
+
+    def _hook(self, i: int, inner):
+        def hook(layer: int, ids: torch.Tensor, weights: torch.Tensor):
+            if inner is not None:  # a replayed trace chooses first; its choice is what the step routes
+                ids, weights = inner(layer, ids, weights)
+            self.counts[i].index_add_(0, ids.reshape(-1).clamp_min(0),
+                                      torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
+            return ids, weights
+        return hook
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        """The step just run: (drafted, kept) per verify row; its routing counts folded in. A step that
+        verified nothing moves the acceptance back toward the meter's prior by RETRY, so that a k of 0
+        chosen on poor acceptance is tried again once the text may have changed."""
+        if outcomes:
+            kept, drafted = torch.tensor([[k, d] for d, k in outcomes], dtype=torch.int64).T
+            self.meter.update(kept, drafted)
+        else:
+            self.meter.rate += RETRY * (self.prior - self.meter.rate)
+        counts = self.counts.double().cpu()
+        self.counts.zero_()
+        if not self.primed:
+            self.primed, counts = True, torch.zeros_like(counts)
+        seen = counts.sum(-1, keepdim=True)
+        shares = counts / seen.clamp_min(1) / self.top_k  # each token picks top_k experts
+        self.routing = torch.where(seen > 0, DECAY * self.routing + (1 - DECAY) * shares, self.routing)
+
+    def choose(self, batch: int) -> int:
+        """The k for the next step of `batch` decoding sequences (0 when none decodes)."""
+        if batch == 0:
+            return self.max_k
+        resident = torch.stack([resident_mask(b, self.num_experts) for b in self.blocks])
+        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, self.routing, resident, self.top_k, self.costs)
+        return k

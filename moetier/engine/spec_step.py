@@ -1,0 +1,161 @@
+"""The runner's side of speculative decoding (docs/speculative.md): after the target's forward over
+a step in which some sequences carry drafts, verify them; with method "mtp", run the MTP layer over
+the step's rows and chain it to make the next step's drafts. Eager: these steps are never replayed
+from a CUDA graph (the scheduler's side is speculation.py).
+
+Verify, for the B sequences with drafts (K the most drafts, each sequence's rows padded by repeating
+its last row):
+
+    logits [B, K + 1, V]   the target at the sequence's last token and its drafts
+    greedy rows            spec/verify.greedy_accept (every row greedy), else rejection_accept with
+                           greedy rows as one-hot distributions (exact: a one-hot keeps its argmax only)
+    sampled rows           p = softmax(top-k / top-p filtered logits / temperature), the sampler's own
+                           distribution; the drafts are deterministic (n-gram, or the MTP layer's argmax),
+                           so a draft x is kept with probability p(x); the random numbers are hashes of
+                           the request's seed and output index (layers/sampler.uniform_noise), never of
+                           the batch
+
+MTP drafting, per sequence of the step (models/mtp.py: the row of position i pairs token i + 1 with
+the target's hidden state h_i): the catch-up pass runs the MTP layer over the positions whose KV the
+step made valid (a prefill chunk's tokens, a decode token, or a verified token and its kept drafts),
+each with the token after it (the next prompt token, the sampled token, the kept tokens); its last
+row's argmax is draft 1, and draft j > 1 runs the layer again one position on, on (draft j - 1, the
+previous h'). Rows written past the kept tokens are rewritten by the next catch-up before any read.
+The chain uses the first MTP layer at every depth (the catch-up keeps only its KV rows) and stops at
+the sequence's last reserved page. Both host reads (the verified tokens, then the drafts) are
+between the model's passes: these eager steps synchronise twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.engine.step import SeqStep, TokenLogprob
+from moetier.errors import MoetierError
+from moetier.layers.attention import AttnBatch, make_batch
+from moetier.layers.sampler import filter_top_k_top_p, token_logprobs, uniform_noise
+from moetier.spec.verify import PAD, greedy_accept, rejection_accept
+
+ACCEPT_SALT = 0x5DEECE66D  # the accept tests' noise differs from the last token's (same seed and index)
+
+
+def verify_index(seqs: list[tuple[int, SeqStep]], query_start: list[int], k: int, device) -> torch.Tensor:
+    """[B, K + 1] rows of the step's hidden states: sequence b's last own token and its drafts (its
+    draft's rows, the last repeated past its own length)."""
+    rows = [[query_start[i] + min(j, s.num_draft) for j in range(k + 1)] for i, s in seqs]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def target_probs(logits: torch.Tensor, seqs: list[tuple[int, SeqStep]]) -> torch.Tensor:
+    """logits [B, K + 1, V] float32 -> the distributions the sampler draws from at each position:
+    one-hot argmax for greedy rows, softmax of the filtered, tempered logits for the others."""
+    b, k1, v = logits.shape
+    dev = logits.device
+    params = [s.params for _, s in seqs]
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    hot = temp > 0
+    flat = logits.reshape(b * k1, v) / torch.where(hot, temp, torch.ones_like(temp)).repeat_interleave(k1)[:, None]
+    if any(p.filters for p in params):
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev).repeat_interleave(k1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).repeat_interleave(k1)
+        flat = filter_top_k_top_p(flat, top_k, top_p)
+    probs = torch.softmax(flat, dim=-1).reshape(b, k1, v)
+    onehot = torch.zeros_like(probs).scatter_(2, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(hot[:, None, None], probs, onehot)
+
+
+def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple[int, SeqStep]]
+           ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
+    """seqs: (index in the step, record) of the sequences with drafts -> (request id -> the kept drafts
+    and one more token; request id -> each of those tokens' logprob and alternatives, for the requests
+    that asked: from the raw logits at its position, as the sampler's step reports them). One host read."""
+    dev = hidden.device
+    k = max(s.num_draft for _, s in seqs)
+    idx = verify_index(seqs, query_start, k, dev)
+    b = len(seqs)
+    logits = model.logits(hidden[idx.reshape(-1)]).reshape(b, k + 1, -1)
+    draft = torch.tensor([s.token_ids[1:] + [PAD] * (k - s.num_draft) for _, s in seqs], dtype=torch.int64,
+                         device=dev)
+    lens = torch.tensor([s.num_draft for _, s in seqs], dtype=torch.int64, device=dev)
+    if all(s.params.temperature == 0 for _, s in seqs):
+        accepted, tokens = greedy_accept(draft, lens, logits)
+    else:
+        seeds = torch.tensor([s.seed for _, s in seqs], dtype=torch.int64, device=dev)
+        steps = torch.tensor([s.sample_index for _, s in seqs], dtype=torch.int64, device=dev)
+        u = uniform_noise(seeds ^ ACCEPT_SALT, steps, k)
+        e = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+        accepted, tokens = rejection_accept(draft, lens, target_probs(logits, seqs), uniforms=u, exponentials=e)
+    n = max(s.params.logprobs or 0 for _, s in seqs)
+    asked = any(s.params.logprobs is not None for _, s in seqs)
+    parts = [accepted[:, None].double(), tokens.double()]
+    if asked:  # every verified position's logprobs ride along with the tokens (one read)
+        chosen, top, top_ids = token_logprobs(logits.reshape(b * (k + 1), -1), tokens.clamp_min(0).reshape(-1), n)
+        parts += [chosen.reshape(b, -1).double(), top.reshape(b, -1).double(), top_ids.reshape(b, -1).double()]
+    host = torch.cat(parts, dim=1).tolist()
+    emitted, logprobs = {}, {}
+    for (_, s), row in zip(seqs, host):
+        a = int(row[0])
+        emitted[s.request_id] = [int(t) for t in row[1:a + 2]]
+        if s.params.logprobs is not None:
+            at, m = 2 + k, s.params.logprobs  # after accepted and the K + 1 tokens
+            lp, top, ids = row[at:at + k + 1], row[at + k + 1:at + (k + 1) * (1 + n)], row[at + (k + 1) * (1 + n):]
+            logprobs[s.request_id] = [(lp[j], [(int(ids[j * n + i]), top[j * n + i]) for i in range(m)])
+                                      for j in range(a + 1)]
+    return emitted, logprobs
+
+
+class MtpDrafter:
+    """The MTP layer's passes of one step: the catch-up over the rows the step made valid, then the
+    chained drafts for the sequences that speculate next step."""
+
+    def __init__(self, model, kv, page_size: int):
+        if not getattr(model.cfg, "mtp_layers", 0):
+            raise MoetierError("speculative method mtp: this model was built without its MTP layers (load it with "
+                               "mtp=True, or give the engine the checkpoint directory)")
+        self.model, self.kv, self.page_size = model, kv, page_size
+
+    @torch.inference_mode()
+    def run(self, seqs: list[SeqStep], hidden: torch.Tensor, batch: AttnBatch, sampled: dict[str, int],
+            emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        """-> request id -> up to draft_next drafts (sequences that sample and speculate next)."""
+        dev = hidden.device
+        qs = batch.query_start_host
+        ids, rows, parts, ends = [], [], [], []
+        for i, s in enumerate(seqs):
+            own = s.num_tokens - s.num_draft
+            if not s.sample:
+                after = s.token_ids[1:own] + [s.next_token]
+            elif s.num_draft:
+                after = emitted[s.request_id]  # the kept drafts and the token after them
+            else:
+                after = s.token_ids[1:own] + [sampled[s.request_id]]
+            ids += after
+            rows += range(qs[i], qs[i] + len(after))
+            parts.append((s.start, len(after), s.pages))
+            ends.append(len(ids) - 1)
+        dev_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+        # chains: (record, position of its last caught-up row, its row in the catch-up, drafts to make)
+        chains = []
+        for (i, s), end in zip(enumerate(seqs), ends):
+            if s.sample and s.draft_next:
+                last = parts[i][0] + parts[i][1] - 1
+                room = len(s.pages) * self.page_size - 1 - last  # positions the chain may write
+                chains.append((s, last, end, min(s.draft_next, 1 + room)))
+        at = torch.tensor([end for _, _, end, _ in chains], dtype=torch.int64, device=dev)
+        logits, h = self.model.draft(torch.tensor(ids, dtype=torch.int64, device=dev), hidden[dev_rows],
+                                     make_batch(parts, self.page_size, dev), self.kv, rows=at)
+        if not chains:
+            return {}
+        out = [logits.argmax(dim=-1)]
+        live = list(range(len(chains)))
+        for j in range(1, max(n for *_, n in chains)):
+            live = [c for c in live if chains[c][3] > j]
+            pick = torch.tensor(live, dtype=torch.int64, device=dev)
+            step = make_batch([(chains[c][1] + j, 1, chains[c][0].pages) for c in live], self.page_size, dev)
+            lg, hh = self.model.draft(out[-1][pick], h[pick], step, self.kv)
+            nxt = torch.full((len(chains),), PAD, dtype=torch.int64, device=dev)
+            h = h.clone()
+            nxt[pick], h[pick] = lg.argmax(dim=-1), hh
+            out.append(nxt)
+        host = torch.stack(out, dim=1).tolist()
+        return {s.request_id: row[:n] for (s, _, _, n), row in zip(chains, host)}

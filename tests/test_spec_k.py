@@ -1,0 +1,95 @@
+"""Expert-aware k in the engine (engine/spec_k.py): the route hook counts what the router chose (a
+replayed trace's choice when one is replayed), the resident mask follows the backend, the choice is
+spec/expert_k.choose_k's on what was measured, a k of 0 is retried, and an engine choosing k per step
+still gives plain greedy tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.engine.llm import LLM
+from moetier.engine.spec_k import KChooser, resident_mask
+from moetier.experts.placement import ExpertOptions
+from moetier.sampling_params import SamplingParams
+from moetier.spec.expert_k import StepCosts, choose_k
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+PROMPT = "def foo(self):\n    return self.foo\n\ndef bar(self):\n    return self."
+
+
+def test_routing_counts_and_the_choice_are_the_cost_models(tiny_ckpt):
+    llm = LLM(tiny_ckpt, device="cpu", dtype="float32", speculative_config=NGRAM)
+    chooser = llm.scheduler.spec.chooser
+    assert isinstance(chooser, KChooser) and chooser.costs.link_expert_s > 0 and chooser.costs.fixed_s > 0
+    seen = []
+    for b in chooser.blocks:  # what each router chose, beside the chooser's own hook
+        inner = b.route_hook
+        b.route_hook = lambda layer, ids, w, inner=inner: (seen.append((layer, ids.clone())), inner(layer, ids, w))[1]
+    chooser.observe([])  # priming: the counts so far dropped
+    before = chooser.routing.clone()
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1))
+    e, top_k = llm.cfg.num_experts, llm.cfg.top_k
+    counts = torch.zeros(len(chooser.blocks), e, dtype=torch.float64)
+    layer_row = {b.layer: i for i, b in enumerate(chooser.blocks)}
+    for layer, ids in seen:
+        counts[layer_row[layer]] += torch.bincount(ids.reshape(-1), minlength=e).double()
+    # generate() ran one step and its update() observed it (Speculation.end_step)
+    shares = counts / counts.sum(-1, keepdim=True) / top_k
+    torch.testing.assert_close(chooser.routing, 0.9 * before + 0.1 * shares)
+    assert torch.equal(chooser.counts, torch.zeros_like(chooser.counts))
+    resident = torch.stack([resident_mask(b, e) for b in chooser.blocks])
+    assert bool(resident.all())
+    k = chooser.choose(4)
+    want, rates = choose_k(3, 4, chooser.meter.rate, chooser.routing, resident, top_k, chooser.costs)
+    assert (k, chooser.rates) == (want, rates)
+
+
+def test_slots_mask_and_prices_decide_k(tiny_ckpt):
+    llm = LLM(tiny_ckpt, device="cpu", dtype="float32", experts=ExpertOptions("slots", slots=4),
+              speculative_config=NGRAM)
+    chooser = llm.scheduler.spec.chooser
+    e = llm.cfg.num_experts
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3))
+    masks = [resident_mask(b, e) for b in chooser.blocks]
+    assert all(int(m.sum()) <= 4 for m in masks) and any(m.any() for m in masks)
+    # the same measurements priced two ways: misses nearly free keep k high; costly misses (most
+    # experts are not in the 4 slots) make k = 0 the fastest
+    chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.001, link_expert_s=0.001)
+    assert chooser.choose(1) == 3
+    chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.001, link_expert_s=1.0)
+    assert chooser.choose(1) == 0
+
+
+def test_a_k_of_zero_is_tried_again():
+    from moetier.engine.spec_k import PRIOR, RETRY
+
+    class Fake(KChooser):
+        def __init__(self):  # the meter alone
+            from moetier.spec.expert_k import AcceptanceMeter
+
+            self.meter, self.prior, self.primed = AcceptanceMeter(2, PRIOR), PRIOR, True
+            self.counts, self.routing, self.top_k = torch.zeros(1, 4), torch.full((1, 4), 0.25, dtype=torch.float64), 1
+
+    f = Fake()
+    f.observe([(2, 0)] * 50)  # nothing kept: acceptance near 0
+    low = f.meter.rate.clone()
+    assert float(low[0]) < 0.1
+    f.observe([])
+    torch.testing.assert_close(f.meter.rate, low + RETRY * (PRIOR - low))
+
+
+def test_engine_with_expert_aware_k_equals_plain_and_reports_its_choices():
+    plain = LLM(None, device="cpu", dtype="float32")
+    p = plain.encode(PROMPT)
+    want = plain.generate([p, p[:20]], SamplingParams(max_tokens=30, ignore_eos=True))
+    llm = LLM(None, device="cpu", dtype="float32", speculative_config=NGRAM)
+    # prices as a GPU's (a hit cheap beside the dense read): the CPU's timed copies are noise here
+    llm.scheduler.spec.chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.01, link_expert_s=0.1)
+    got = llm.generate([p, p[:20]], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    m = llm.metrics()
+    assert sum(m["spec_decode_k_chosen"].values()) == llm.steps and m["spec_decode_num_accepted_tokens"] > 0
+    off = LLM(None, device="cpu", dtype="float32", speculative_config={**NGRAM, "expert_aware_k": False})
+    assert off.scheduler.spec.chooser is None
+    off.generate([p], SamplingParams(max_tokens=5))
+    assert off.metrics()["spec_decode_k_chosen"] == {}
