@@ -1,6 +1,8 @@
 # Sourced by the scripts/*_h200.sh runs (after `cd` to the repository root and setting $out): installs
 # the carried wheels in .whl/ (those the GPU image lacks) into /tmp/site, puts the tree on PYTHONPATH,
 # defines `mt` (the CLI) and `stage`, and writes the machine's header to $out/stages.txt.
+# The device tool returns at most 8 files a call: point the script elsewhere and pack, e.g.
+#   d=$OUT; OUT=/tmp/rec bash scripts/quant4_h200.sh; tar czf $d/records.tgz -C /tmp/rec .
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
