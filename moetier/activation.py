@@ -7,6 +7,8 @@ before silu(gate) * up. limit None: the plain SwiGLU of every other family, the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -18,3 +20,13 @@ def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def checked_limit(limit: float) -> float:
+    """A swiglu_limit as every kernel takes it (the Triton expert kernels, the compiled host kernel):
+    a finite float above 0; anything else is refused, as the config refuses it (it would clamp nothing
+    or everything, and the host kernel reads a limit <= 0 as none)."""
+    limit = float(limit)
+    if not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"swiglu_limit must be a finite number above 0, got {limit}")
+    return limit

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from moetier.experts.kernels.swiglu_clamp import limit_args
+from moetier.activation import checked_limit
 from moetier.quant.rows import RowLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "host_experts.cpp"
@@ -187,7 +187,7 @@ def call_kind(rows: torch.Tensor, layout: RowLayout, bf16: bool) -> tuple[int, i
 def limit_arg(layout: RowLayout) -> float:
     """The kernel's `limit` argument: the layout's SwiGLU clamp (checked as the Triton kernels' is), or
     -1.0 for none (the plain SwiGLU; the kernel reads any limit <= 0 or NaN as none)."""
-    return -1.0 if layout.swiglu_limit is None else limit_args(layout.swiglu_limit)["LIMIT"]
+    return -1.0 if layout.swiglu_limit is None else checked_limit(layout.swiglu_limit)
 
 
 def pair_outputs(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,

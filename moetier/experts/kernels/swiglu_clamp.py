@@ -13,10 +13,10 @@ clamp (PropagateNan.ALL): a NaN accumulator stays NaN.
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
+
+from moetier.activation import checked_limit
 
 
 @triton.jit
@@ -31,11 +31,7 @@ def swiglu_clamp(acc_g, acc_u, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr):
 
 def limit_args(limit: float | None) -> dict:
     """The constexprs of swiglu_clamp for a RowLayout.swiglu_limit: none for None, else HAS_LIMIT and
-    LIMIT (a float; a value not finite and positive is refused, as the config refuses it: it would clamp
-    nothing or everything, and the host kernel reads a limit <= 0 as none)."""
+    LIMIT (activation.checked_limit)."""
     if limit is None:
         return dict(HAS_LIMIT=False, LIMIT=0.0)
-    limit = float(limit)
-    if not math.isfinite(limit) or limit <= 0:
-        raise ValueError(f"swiglu_limit must be a finite number above 0, got {limit}")
-    return dict(HAS_LIMIT=True, LIMIT=limit)
+    return dict(HAS_LIMIT=True, LIMIT=checked_limit(limit))
