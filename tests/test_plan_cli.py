@@ -99,10 +99,10 @@ def test_plan_expert_budget_and_trace(tmp_path):
 
 # -- preflight -------------------------------------------------------------------------------------------
 def test_preflight_cpu_and_host_refusal(tiny_ckpt):
-    plan, experts = preflight(tiny_ckpt, "auto", "cpu", ExpertOptions("auto"), EngineConfig(), None, "64GiB")
-    assert plan.fits() and experts.backend == "resident"
+    plan, config = preflight(tiny_ckpt, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "64GiB")
+    assert plan.fits() and config.experts.backend == "resident"
     with pytest.raises(PlanRefused, match="what would fit instead"):
-        preflight(tiny_ckpt, "auto", "cpu", ExpertOptions("auto"), EngineConfig(), None, "2GiB")
+        preflight(tiny_ckpt, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "2GiB")
 
 
 def test_preflight_missing_shard(tiny_ckpt, tmp_path):
@@ -111,7 +111,7 @@ def test_preflight_missing_shard(tiny_ckpt, tmp_path):
     shard = sorted(broken.glob("*.safetensors"))[0]
     shard.unlink()
     with pytest.raises((CheckpointError, MoetierError)):
-        preflight(broken, "auto", "cpu", ExpertOptions("auto"), EngineConfig(), None, "64GiB")
+        preflight(broken, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "64GiB")
 
 
 def test_generate_refuses_before_loading_and_reports_the_plan(tiny_ckpt):

@@ -95,8 +95,8 @@ def generate(
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
                                    distributed_executor=opt.executor(distributed_executor),
-                                   speculative_config=speculative)
-        llm, plan = plan_then_load(model_dir, dtype, dev, experts, config, gpu_memory, host_memory,
+                                   speculative_config=speculative, experts=experts)
+        llm, plan = plan_then_load(model_dir, dtype, dev, config, gpu_memory, host_memory,
                                    on_audit=None if as_json else lambda text: typer.echo(text, err=True))
         if verbose and not as_json and llm.chunk_reason:
             typer.echo(f"prefill chunk: {llm.config.max_num_tokens} tokens per step ({llm.chunk_reason})", err=True)

@@ -243,8 +243,8 @@ def bench_batch(
         experts = opt.expert_options(expert_backend, expert_slots)
         dev = pick_device(device)
         # the batch repeats the one-after-another prompts: both sides compute them (no prefix cache)
-        llm, plan = plan_then_load(model_dir_of(model), "auto", dev, experts, EngineConfig(enable_prefix_caching=False),
-                                   gpu_memory, host_memory)
+        llm, plan = plan_then_load(model_dir_of(model), "auto", dev,
+                                   EngineConfig(enable_prefix_caching=False, experts=experts), gpu_memory, host_memory)
         data = run(llm, requests, prompt_len, max_tokens, plan=plan,
                    progress=lambda text: typer.echo(f"bench batch: {text} ...", err=True))
     except MoetierError as e:

@@ -97,14 +97,14 @@ def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
     return par, workers
 
 
-def spec_for(model, dtype: str, device: str, experts, config) -> WorkerSpec:
+def spec_for(model, dtype: str, device: str, config) -> WorkerSpec:
     """The workers' spec; model: a checkpoint directory or a RandomModel. The rendezvous is local for
     the multiprocessing executor; the Ray executor moves it to the driver's node address."""
     if (device == "cuda" and config.distributed_executor == "mp"
             and torch.cuda.device_count() < config.world_size):
         raise MoetierError(f"{config.world_size} ranks need {config.world_size} GPUs (one each) but "
                            f"{torch.cuda.device_count()} are visible; lower --tp/--ep or check CUDA_VISIBLE_DEVICES")
-    return WorkerSpec(model, dtype, device, experts, config,
+    return WorkerSpec(model, dtype, device, config,
                       local_rendezvous(config.world_size, device, config.dist_timeout_s))
 
 

@@ -46,8 +46,7 @@ class WorkerSpec:
     model: Path | RandomModel  # a checkpoint directory, or random weights each rank makes itself
     dtype: str
     device: str  # "cpu" or "cuda"
-    experts: ExpertOptions
-    config: EngineConfig
+    config: EngineConfig  # config.experts: where this rank's routed experts live
     rendezvous: Rendezvous
     rank_plans: Any = None  # plan/nodes.RankPlans: each rank's memory share, checked before loading
 
@@ -129,7 +128,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
     from moetier.engine.runner import ModelRunner
 
     config = spec.config
-    _, model, _ = load_share(spec.model, spec.dtype, device, spec.experts, config.decode_tokens, par,
+    _, model, _ = load_share(spec.model, spec.dtype, device, config.experts, config.decode_tokens, par,
                              fp8_dense=config.fp8_dense)
     if config.replay_trace is not None:
         from moetier.traces.format import read_trace

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import MoetierError
+from moetier.experts.placement import ExpertOptions
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS
 from moetier.parallel import layout_problems
@@ -79,6 +80,10 @@ class EngineConfig:
     # instead of dropped, and a later hit brings them back by the copy engine. 0 (the default): no host
     # tier, because the host memory belongs to the expert store first; the memory plan counts it.
     kv_host_bytes: int = 0
+    # Where the routed experts live and how they are cached (experts/placement.py; --expert-backend,
+    # --expert-slots, ...: cli/options.EXPERT_FIELDS): the memory plan chooses for backend "auto"
+    # (plan/preflight.py returns the config with its choice), the loader builds what this says.
+    experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
@@ -132,6 +137,8 @@ class EngineConfig:
         elif spec is not None and self.record_trace is not None:
             out.append("speculative_config with record_trace is not supported yet: a verify step routes rejected "
                        "drafts too, which the trace would record as decoded tokens; record without speculation")
+        if not isinstance(self.experts, ExpertOptions):
+            out.append(f"experts must be an ExpertOptions (experts/placement.py), got {type(self.experts).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):
             out.append(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 0:

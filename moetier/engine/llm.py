@@ -33,7 +33,6 @@ from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
-from moetier.experts.placement import ExpertOptions
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
@@ -93,12 +92,12 @@ def auto_chunk(model: CausalLM) -> tuple[int, str]:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str = "auto",
-                 experts: ExpertOptions | None = None, config: EngineConfig | None = None, plan: Any = None,
+                 config: EngineConfig | None = None, plan: Any = None,
                  progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
                  rank_plans: Any = None, **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of EngineConfig
-        (max_num_seqs, max_num_tokens, kv_tokens, page_size, max_model_len, decode_tokens, cuda_graphs,
-        record_trace, replay_trace, trace_meta, fp8_dense) over `config`. plan: the memory plan preflight
+        (max_num_seqs, ..., fp8_dense, experts: where the routed experts live, experts/placement.ExpertOptions)
+        over `config`. plan: the memory plan preflight
         made (moetier/plan); on CUDA audited after loading and after graph capture (self.audits; each, and
         each load note, through on_audit). progress(bytes, total): loading. rank_plans: with several ranks,
         each rank's memory share (plan/nodes.RankPlans), checked against every node's free memory first."""
@@ -108,8 +107,9 @@ class LLM:
             config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
             self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
         # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
-        experts = replace(experts or ExpertOptions(), prefill=config.prefill_cache_policy,
-                          prefill_stream=config.prefill_stream)
+        config = EngineConfig.of(config, experts=replace(config.experts, prefill=config.prefill_cache_policy,
+                                                         prefill_stream=config.prefill_stream))
+        experts = config.experts
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -119,8 +119,7 @@ class LLM:
         self._workers, self.parallel = None, None
         if config.world_size > 1:
             # ranks 1..N-1 in other processes, this process is rank 0 (moetier/dist, docs/parallel.md)
-            device = self._start_workers(model_dir, dtype, device, experts or ExpertOptions(), config,
-                                         config_from_dir(model_dir), rank_plans)
+            device = self._start_workers(model_dir, dtype, device, config, config_from_dir(model_dir), rank_plans)
         try:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
@@ -139,8 +138,8 @@ class LLM:
         self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
         self._audit("after graph capture", baseline)
 
-    def _start_workers(self, source: Any, dtype: str, device: str, experts: ExpertOptions, config: EngineConfig,
-                       cfg: Any, rank_plans: Any) -> str:
+    def _start_workers(self, source: Any, dtype: str, device: str, config: EngineConfig, cfg: Any,
+                       rank_plans: Any) -> str:
         """Refuse a layout the model cannot split (before anything starts), start ranks 1..N-1 with
         the configured executor, join as rank 0: sets self.parallel and self._workers. -> rank 0's
         device, with its index on CUDA (the executor chose it: Ray may reserve another GPU than 0),
@@ -149,9 +148,9 @@ class LLM:
         from moetier.dist.executor import spec_for, start
         from moetier.parallel import Parallel
 
-        check_parallel(cfg, experts, config.decode_tokens,
+        check_parallel(cfg, config.experts, config.decode_tokens,
                        Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
-        self.parallel, self._workers = start(spec_for(source, dtype, device, experts, config), rank_plans)
+        self.parallel, self._workers = start(spec_for(source, dtype, device, config), rank_plans)
         return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
 
     @classmethod
@@ -176,8 +175,9 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        options = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
-        device = self._start_workers(random, dtype, device, options, config, cfg, rank_plans)
+        config = EngineConfig.of(config, experts=random.options(cfg, config.expert_parallel_size,
+                                                                config.tensor_parallel_size))
+        device = self._start_workers(random, dtype, device, config, cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
             self._workers.ready()

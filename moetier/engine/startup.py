@@ -1,8 +1,8 @@
 """Plan, then load: the one start of an engine from a checkpoint, shared by `generate`, `serve` and
 `bench batch`. The memory plan is made (and refused, PlanRefused, before anything is allocated) first;
-the engine is then loaded with the expert options the plan chose and audited against it.
+the engine is then loaded with the expert options the plan chose (config.experts) and audited against it.
 
-    llm, plan = plan_then_load(model_dir, dtype, device, experts, config, gpu_memory, host_memory,
+    llm, plan = plan_then_load(model_dir, dtype, device, config, gpu_memory, host_memory,
                                on_plan=print_table, on_audit=print)
 """
 
@@ -13,12 +13,11 @@ from pathlib import Path
 
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
-from moetier.experts.placement import ExpertOptions
 from moetier.plan.memory import Plan
 from moetier.progress import ByteBar
 
 
-def plan_then_load(model_dir: Path, dtype: str, device: str, experts: ExpertOptions, config: EngineConfig,
+def plan_then_load(model_dir: Path, dtype: str, device: str, config: EngineConfig,
                    gpu_memory: str | None = None, host_memory: str | None = None,
                    on_plan: Callable[[Plan, object], None] | None = None,
                    on_audit: Callable[[str], None] | None = None) -> tuple[LLM, Plan]:
@@ -30,13 +29,12 @@ def plan_then_load(model_dir: Path, dtype: str, device: str, experts: ExpertOpti
     if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
         from moetier.plan.nodes import parallel_preflight
 
-        plan, experts, rank_plans = parallel_preflight(model_dir, dtype, device, experts, config, gpu_memory,
-                                                       host_memory)
+        plan, config, rank_plans = parallel_preflight(model_dir, dtype, device, config, gpu_memory, host_memory)
     else:
-        plan, experts = preflight(model_dir, dtype, device, experts, config, gpu_memory, host_memory)
+        plan, config = preflight(model_dir, dtype, device, config, gpu_memory, host_memory)
     if on_plan is not None:
         on_plan(plan, rank_plans)
     with ByteBar("loading") as bar:
-        llm = LLM(model_dir, dtype=dtype, device=device, experts=experts, config=config, plan=plan, progress=bar,
+        llm = LLM(model_dir, dtype=dtype, device=device, config=config, plan=plan, progress=bar,
                   on_audit=on_audit, rank_plans=rank_plans)
     return llm, plan

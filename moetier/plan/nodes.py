@@ -2,9 +2,10 @@
 memory of the machine it runs on, checked before any rank loads a byte (reference 004: on two
 machines the tighter one failed, and its OOM surfaced as an unrelated error elsewhere).
 
-    plan, options, plans = parallel_preflight(model_dir, dtype, device, experts, config, gpu, host)
+    plan, config, plans = parallel_preflight(model_dir, dtype, device, config, gpu, host)
         plan: one rank's share (dense weights under the TP split, its 1/ep of the experts and their
-        store, its kv heads' KV pages, the usual workspaces), options: the placement that carries it out
+        store, its kv heads' KV pages, the usual workspaces), config: with config.experts the placement
+        that carries it out
     after joining the group, before loading, every rank (mp or Ray alike) calls
         node_check(rank, plans, device)   # measures its GPU and its node, gathers every rank's, and
                                           # returns node_problems(...) (pure: the tests drive it)
@@ -183,7 +184,7 @@ def rank_plans(req: PlanRequest, experts, tp: int, ep: int, gpu_memory: str | No
     return plan, options_for(plan, experts), RankPlans(tuple(share), gpu_memory, host_memory)
 
 
-def parallel_preflight(model_dir, dtype: str, device: str, experts, config, gpu_memory: str | None = None,
+def parallel_preflight(model_dir, dtype: str, device: str, config, gpu_memory: str | None = None,
                        host_memory: str | None = None) -> tuple[Plan, object, RankPlans]:
     """preflight() for several ranks: shards checked, one rank's plan made (auto placement sized for
     a rank's share); the budgets are checked per node by node_check() once the ranks have started."""
@@ -194,5 +195,6 @@ def parallel_preflight(model_dir, dtype: str, device: str, experts, config, gpu_
     cfg = config_from_dir(model_dir)
     check_shards(model_dir, cfg)
     req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
-    return rank_plans(req, experts, config.tensor_parallel_size, config.expert_parallel_size, gpu_memory,
-                      host_memory)
+    plan, experts, shares = rank_plans(req, config.experts, config.tensor_parallel_size,
+                                       config.expert_parallel_size, gpu_memory, host_memory)
+    return plan, config.of(config, experts=experts), shares

@@ -129,19 +129,20 @@ def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
                                "fix its permissions or copy it again") from None
 
 
-def preflight(model_dir: Path, dtype: str, device: str, experts, config, gpu_memory: str | None = None,
+def preflight(model_dir: Path, dtype: str, device: str, config, gpu_memory: str | None = None,
               host_memory: str | None = None):
-    """-> (plan, ExpertOptions to load with). Raises PlanRefused or another MoetierError."""
+    """-> (plan, the EngineConfig to load with: config.experts as the plan chose them). Raises PlanRefused
+    or another MoetierError."""
     from moetier.checkpoint.loader import resolve_dtype
     from moetier.models.registry import config_from_dir
 
     cfg = config_from_dir(model_dir)
     check_shards(model_dir, cfg)
     req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
-    plan = plan_for(req, experts)
+    plan = plan_for(req, config.experts)
     if not plan.fits():
         raise refusal(req, plan)
-    return plan, options_for(plan, experts)
+    return plan, config.of(config, experts=options_for(plan, config.experts))
 
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,

@@ -52,8 +52,8 @@ def build_llm(spec: EngineSpec):
         def on_plan(plan, rank_plans) -> None:
             _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
 
-        llm, _ = plan_then_load(spec.model, spec.dtype, device, spec.experts, config, spec.gpu_memory,
-                                spec.host_memory, on_plan=on_plan, on_audit=_log)
+        llm, _ = plan_then_load(spec.model, spec.dtype, device, EngineConfig.of(config, experts=spec.experts),
+                                spec.gpu_memory, spec.host_memory, on_plan=on_plan, on_audit=_log)
         return llm, llm.model_dir.name
     import torch
 
