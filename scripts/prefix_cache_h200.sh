@@ -2,10 +2,11 @@
 # Prefix caching on one H200 (issue 32, docs/prefix-cache.md): one `moetier serve` per row (cache off, on,
 # on with a host tier; Qwen3-30B-A3B 8 layers and GLM-5.3-Flash 4 layers, slots at 50%), `bench serve`
 # shared-prefix and multi-turn against each, JSON under $OUT and a table last. Run from the repository root
-# with the device wheels (fastapi, uvicorn, fla-core ...) installed under /tmp/site.
+# with the device wheels (fastapi, uvicorn, fla-core ...) carried in .whl/.
 set -uo pipefail
-export PYTHONPATH=$PWD:/tmp/site
-M="python3 -m moetier.cli"
+out=/tmp/prefix-stages  # h200_stages.sh's header file; $OUT keeps the records only
+source scripts/h200_stages.sh  # the carried wheels, PYTHONPATH, `mt`
+M="${mt[*]}"
 port=8100
 row() {  # name, server args..., then -- bench lines separated by ';;'
   local name=$1; shift

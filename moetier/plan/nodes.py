@@ -197,4 +197,4 @@ def parallel_preflight(model_dir, dtype: str, device: str, config, gpu_memory: s
     req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
     plan, experts, shares = rank_plans(req, config.experts, config.tensor_parallel_size,
                                        config.expert_parallel_size, gpu_memory, host_memory)
-    return plan, config.of(config, experts=experts), shares
+    return plan, replace(config, experts=experts), shares

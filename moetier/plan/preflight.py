@@ -142,7 +142,7 @@ def preflight(model_dir: Path, dtype: str, device: str, config, gpu_memory: str 
     plan = plan_for(req, config.experts)
     if not plan.fits():
         raise refusal(req, plan)
-    return plan, config.of(config, experts=options_for(plan, config.experts))
+    return plan, replace(config, experts=options_for(plan, config.experts))
 
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
