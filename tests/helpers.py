@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
+import tempfile
 
 import torch
 
@@ -58,3 +62,52 @@ def batch_and_alone(llm, prompts, params) -> tuple[list[list[int]], list[list[in
     """Greedy token ids of the prompts generated together, and of each generated alone."""
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return batch, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+
+@contextlib.contextmanager
+def ieee_fp32_dots(*packages: str):
+    """Inside: Triton compiles float32 `tl.dot`s that name no precision in IEEE float32, not TF32 (the
+    TRITON_F32_DEFAULT setting, which Triton's on-disk kernel cache keys by). Its in-memory cache does
+    not key by it, so the kernels of `packages` (module prefixes, e.g. "fla") already compiled are
+    dropped on entry and again on exit; they compile again as they are next called. For tests that hold
+    a library's float32 kernels (fla's chunked KDA) to the CPU reference's float32 bounds."""
+    from triton.runtime.jit import JITFunction
+
+    def drop() -> int:
+        n = 0
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith(packages):
+                continue
+            for obj in list(vars(module).values()):
+                for _ in range(4):  # through autotuners and heuristics to the JIT function
+                    if obj is None or isinstance(obj, JITFunction):
+                        break
+                    try:
+                        obj = getattr(obj, "fn", None)
+                    except Exception:  # a lazy namespace's attribute
+                        obj = None
+                if obj is not None and getattr(obj, "device_caches", None) is not None:
+                    obj.device_caches.clear()
+                    n += 1
+        return n
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    saved = {k: os.environ.get(k) for k in ("TRITON_F32_DEFAULT", "TRITON_CACHE_DIR")}
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    scratch = None
+    if "TRITON_F32_DEFAULT" not in get_cache_invalidating_env_vars():  # a Triton whose disk cache ignores it
+        scratch = tempfile.TemporaryDirectory()
+        os.environ["TRITON_CACHE_DIR"] = scratch.name
+    drop()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if scratch is not None:
+            scratch.cleanup()
+        assert drop() > 0, f"no Triton kernels of {packages} were loaded: the setting held nothing"

@@ -267,6 +267,30 @@ def test_replayed_trace_greedy_tokens_equal_resident_vs_slots():
     assert stats["slots"]["misses"] > 1000
 
 
+def test_replayed_trace_in_padded_graphs_routes_as_eager():
+    """Three sequences replay the graph of size 4 (one padding row): the trace cursor advances by the
+    real rows only, so the graphs route every token by the trace row an eager run gives it (before,
+    the padding moved the cursor and routing drifted from the eager run's)."""
+    from pathlib import Path
+
+    from moetier.engine import LLM
+    from moetier.sampling_params import SamplingParams
+
+    trace = Path(__file__).parents[1] / "data" / "traces" / "tiny-stdlib-heldout.mtrace"
+    prompts = ["def parse(line):", "class Node:\n    def", "import os\n"]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 33)]
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(device="cuda", replay_trace=trace, max_num_seqs=8, cuda_graphs=graphs)
+        outs = llm.generate(prompts, params)
+        runs[graphs] = [o.outputs[0].token_ids for o in outs], int(llm.replayer.cursor)
+        assert (llm.runner.graph_steps > 10) == graphs
+        llm.close()
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert runs[False][1] == runs[True][1] == tokens
+    assert runs[True][0] == runs[False][0]
+
+
 # The grouped expert GEMM (experts/kernels/grouped_gemm.py) at Qwen3-30B sizes: bf16 rows of 2048 x 768, 128 experts, top-8.
 QE, QH, QI, QK = 128, 2048, 768, 8
 

@@ -60,13 +60,17 @@ class DecodeGraphs:
         self.width = width = max_pages_per_seq
         # The static inputs are views of two device blocks with pinned host twins, so a step fills
         # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps, state
-        # slots; 32-bit: context lengths, page table (int32), then temperature and top_p (float32 bits).
-        self._dev64 = torch.zeros(7 * b, dtype=torch.int64, device=dev)
+        # slots, and last the step's count of real rows; 32-bit: context lengths, page table (int32), then
+        # temperature and top_p (float32 bits).
+        self._dev64 = torch.zeros(7 * b + 1, dtype=torch.int64, device=dev)
         self._dev32 = torch.zeros(b * (3 + width), dtype=torch.int32, device=dev)
-        self._host64 = torch.zeros(7 * b, dtype=torch.int64, pin_memory=True)
+        self._host64 = torch.zeros(7 * b + 1, dtype=torch.int64, pin_memory=True)
         self._host32 = torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)
         self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps, self.state_slots = \
-            self._dev64.view(7, b)
+            self._dev64[:7 * b].view(7, b)
+        # [1]: the rows before the padding; a route hook that counts tokens (traces/hooks.Replayer) reads it
+        # inside a replay, where its own row count is the captured size
+        model.real_rows = self._dev64[7 * b:]
         state = getattr(kv, "state", None)  # the recurrent-state pool (layers/state_cache.py) or None
         self.has_state = state is not None
         # the pool's spare slot (engine/kv_setup.py: index max_num_seqs; the slots above it hold prefix-cache
@@ -91,9 +95,12 @@ class DecodeGraphs:
         # numpy views of the pinned blocks: a host step writes a few dozen scalars, and a numpy store
         # costs ~0.1 us against a torch op's few us (the host part of a decode step is serial).
         b, w = self.max_batch, self.width
-        h64, h32 = self._host64.numpy().reshape(7, b), self._host32.numpy()
+        h64, h32 = self._host64.numpy()[:7 * b].reshape(7, b), self._host32.numpy()
         return (*h64[:6], h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b),
                 h64[6])
+
+    def _set_real_rows(self, n: int) -> None:
+        self._host64.numpy()[7 * self.max_batch] = n
 
     def _pad_host(self) -> None:
         ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state = self._host_views()
@@ -195,6 +202,7 @@ class DecodeGraphs:
             top_k[i], seeds[i], steps[i] = s.params.top_k, s.seed, s.sample_index
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
             state[i] = s.state_slot
+        self._set_real_rows(n)
         self._upload()
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait

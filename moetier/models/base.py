@@ -81,6 +81,9 @@ class CausalLM(nn.Module, ABC):
     # the expert placement and needs nothing from the model).
     tensor_parallel: bool = False
     par: Parallel = Parallel()  # this rank; one rank for the families without tensor parallelism
+    # [1] int64 on the device, set by the decode graphs (engine/graphs.py): a replay's count of real rows,
+    # the padding after them. None: no graphs; an eager step's rows are all real.
+    real_rows: torch.Tensor | None = None
 
     @classmethod
     @abstractmethod

@@ -69,7 +69,7 @@ class Replayer:
                                f"routes top-{cfg.top_k} of {cfg.num_experts}: make or record a trace for this model")
         if trace.num_tokens == 0:
             raise MoetierError("the trace holds no tokens")
-        self.blocks = model.moe_blocks()
+        self.model, self.blocks = model, model.moe_blocks()
         dev = model.device
         # [L, N, k]: one gather per step takes every layer's ids; each layer then slices its own.
         self.ids = torch.as_tensor(trace.ids, device=dev).permute(1, 0, 2).contiguous()
@@ -94,7 +94,10 @@ class Replayer:
             self._step = self.ids[:, (self.cursor + self._steps(t)) % self.length]
         out = self._step[self.slot[layer]]
         if layer == self.last:
-            self.cursor.add_(t)  # in place: a graph replay advances it too
+            # in place: a graph replay advances it too, by its real rows only (the padding rows took trace
+            # rows after them, which the next step routes again), so a run routes as it would eagerly
+            capturing = self.model.real_rows is not None and torch.cuda.is_current_stream_capturing()
+            self.cursor.add_(self.model.real_rows if capturing else t)
         return out, weights
 
     def _steps(self, t: int) -> torch.Tensor:
