@@ -6,7 +6,8 @@
 #
 # --part: every other GPU test file (sorted), so the suite splits over two calls of the device's
 #   10-minute limit; without it, every file. --workers N: pytest-xdist processes sharing the one
-#   GPU, whole files per process (default 3: the whole suite ran in 117 s so on one H200; 1: in order). --log: default
+#   GPU, whole files per process (default 3; 1: in order); -v names each test as it ends, so a run cut
+#   short by the time limit still says which failed. --log: default
 #   $OUT/h200-gpu-tests.log when $OUT is set, else gpu-tests.log. The wheels the GPU image lacks
 #   (fastapi, uvicorn, pydantic, openai: ../shared/tools/device-wheels.sh puts them in .whl/, carried
 #   with the call) are installed into /tmp/site first, so that every test file collects.
@@ -48,7 +49,7 @@ xdist=()
 python3 -m pytest --collect-only -q -p no:cacheprovider tests/ > /tmp/gpu-collect.log 2>&1 \
   || { cat /tmp/gpu-collect.log | tail -30 | tee -a "$log"; echo "# collection failed" >> "$log"; exit 1; }
 tail -1 /tmp/gpu-collect.log | tee -a "$log"
-python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=20 "${xdist[@]}" "${files[@]}" 2>&1 | tee -a "$log"
+python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 "${xdist[@]}" "${files[@]}" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 echo "# exit code $rc" >> "$log"
 exit "$rc"
