@@ -4,7 +4,8 @@
 # 4-bit experts, then the benchmark rows the issue asks for, 4-bit against FP8 and bf16 side by side,
 # every row checked against its reference row of the same run, and the targets' table last.
 #
-#   bash scripts/quant4_h200.sh            (from the repository root; records under $OUT, else ./q4-out)
+#   bash scripts/quant4_h200.sh [--no-tests]   (from the repository root; records under $OUT, else ./q4-out;
+#                                               --no-tests: stage 1 left out, when the GPU suite ran them)
 #
 # Stages (records in $OUT):
 #   1. pytest -m gpu tests/test_quant4_kernels.py tests/test_quant4_gpu.py   -> q4-gpu-tests.log
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/q4-out}
 source scripts/h200_stages.sh  # wheels, PYTHONPATH, mt, stage, the header
 
-stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
+[ "${1:-}" = --no-tests ] || stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
 stage layer-q4 55 "${mt[@]}" bench layer --preset qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4 --no-tune --out "$out/layer-q4.json"
 stage tune-q4 30 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nvfp4,int4 --tokens 1,8
 stage decode-qwen3-q4 135 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \
