@@ -160,9 +160,10 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         xa = tl.load(x_ptr + tok[:, None] * hidden + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         if Q4:  # codes [2I, H/2] at 0, group scales [2I, NH] at byte S13 (NH: groups per row here)
             sb = 1 if NVFP4 else 2
-            wg = _dequant4(base, hidden // 2, base + S13, NH, n, nm, kk, km, g_gate, NVFP4, GROUP, DOT, EMULATE)
-            wu = _dequant4(base + inter * (hidden // 2), hidden // 2, base + S13 + sb * inter * NH, NH, n, nm, kk, km,
-                           g_up, NVFP4, GROUP, DOT, EMULATE)
+            wg = _dequant4(base, hidden // 2, base + S13, NH, n, nm, k0, hidden, g_gate, NVFP4, GROUP, DOT, EMULATE,
+                           BLOCK_K)
+            wu = _dequant4(base + inter * (hidden // 2), hidden // 2, base + S13 + sb * inter * NH, NH, n, nm, k0,
+                           hidden, g_up, NVFP4, GROUP, DOT, EMULATE, BLOCK_K)
         else:
             wm = nm[:, None] & km[None, :]
             wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
@@ -206,7 +207,7 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         km = kk < inter
         ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         if Q4:
-            w = _dequant4(base, inter // 2, scales, NI, n, nm, kk, km, g_down, NVFP4, GROUP, DOT, EMULATE)
+            w = _dequant4(base, inter // 2, scales, NI, n, nm, k0, inter, g_down, NVFP4, GROUP, DOT, EMULATE, BLOCK_K)
         else:
             w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if FP8:
