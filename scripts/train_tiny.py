@@ -6,6 +6,7 @@ exactly what transformers writes, and moetier's built-in tokenizer so no tokeniz
 
     python scripts/train_tiny.py --out moetier/assets/tiny-stdlib --minutes 13
     python scripts/train_tiny.py --bench          # tokens/s of each experts implementation, then exit
+    python scripts/train_tiny.py --mtp --minutes 5 --lr 1e-3   # the MTP layer on the frozen base (train_mtp.py)
 """
 
 from __future__ import annotations
@@ -135,10 +136,20 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--experts-impl", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm"])
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--mtp", action="store_true",
+                    help="train only an MTP layer on the frozen model in --out and add it there (train_mtp.py)")
+    ap.add_argument("--mtp-depths", type=int, choices=[1, 2], default=2,
+                    help="--mtp: train the layer alone (1) or also chained on its own output (2, as it drafts for k > 1)")
+    ap.add_argument("--eval-windows", type=int, default=64, help="--mtp: held-out windows probed before training")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="CPU threads; 1 where other jobs share the cores (two threads on two busy cores ran about 20x slower)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.bench:
         return bench(args.batch)
+    if args.mtp:
+        import train_mtp
+        return train_mtp.main(args)
 
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
