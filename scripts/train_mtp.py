@@ -155,7 +155,7 @@ def main(args) -> None:
     from transformers import Qwen3MoeForCausalLM
 
     from moetier.tokenizer import Tokenizer
-    from train_tiny import SEQ, corpus, encode, lr_at, windows
+    from train_tiny import SEQ, Schedule, corpus, encode, windows
 
     t_start = time.time()
     tok = Tokenizer.from_dir(args.out)
@@ -179,33 +179,24 @@ def main(args) -> None:
     print(f"MTP params {sum(p.numel() for p in params)}; held-out probe ({len(probe)} windows) before training: "
           f"kl {before[0]:.4f} agreement {before[1]:.4f} {before[2]:.4f} ({time.time() - t_start:.0f}s)", flush=True)
     coef = base.config.router_aux_loss_coef
-    gen = torch.Generator().manual_seed(args.seed)
-    order, pos, epoch = torch.randperm(len(train_w), generator=gen), 0, 0
-    budget, step, recent, recent2, log = args.minutes * 60, 0, [], [0.0], []
-    t_train = time.time()
-    progress = lambda: step / args.steps if args.steps else (time.time() - t_train) / budget  # noqa: E731
-    while progress() < 1.0:
-        if pos + args.batch > len(order):
-            order, pos, epoch = torch.randperm(len(train_w), generator=gen), 0, epoch + 1
-        w = train_w[order[pos:pos + args.batch]]
-        pos += args.batch
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, progress(), args.lr, args.warmup)
-        kl, aux, agree, agree2 = step_losses(base, mtp, w, router, chain=args.mtp_depths == 2 and progress() >= 0.5)
+    recent, recent2, log = [], [0.0], []
+    sched = Schedule(args, train_w, opt)
+    for w in sched:
+        chain = args.mtp_depths == 2 and sched.progress() >= 0.5
+        kl, aux, agree, agree2 = step_losses(base, mtp, w, router, chain=chain)
         (kl + coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         recent = (recent + [agree.float().mean().item()])[-50:]
         recent2 = (recent2 + [agree2.float().mean().item()])[-50:] if agree2 is not None else recent2
-        step += 1
+        step, el = sched.step, sched.elapsed()
         if step % args.log_every == 0:
-            el = time.time() - t_train
-            log.append(f"step {step} ({progress():.1%}) ep {epoch} kl {kl.item():.4f} agree avg50 "
+            log.append(f"step {step} ({sched.progress():.1%}) ep {sched.epoch} kl {kl.item():.4f} agree avg50 "
                        f"{sum(recent) / len(recent):.4f} {sum(recent2) / len(recent2):.4f} aux {aux.item():.3f} "
                        f"lr {opt.param_groups[0]['lr']:.2e} {step * args.batch * SEQ / el:.0f} tok/s {el:.0f}s")
             print(log[-1], flush=True)
-    train_seconds = time.time() - t_train
+    train_seconds, step = sched.elapsed(), sched.step
     mtp.to(torch.bfloat16)  # evaluate what is saved
     base.to(torch.bfloat16)
     after = evaluate(base, mtp, held_w, 16, router)
@@ -230,7 +221,7 @@ The base's tensors were copied unchanged: every figure above still holds.
   from transformers' initialisation; row i (token i + 1, the base's final hidden state i) is
   fitted to the base's own distribution at position i + 1 (KL){chained};
   plus the router's balance loss x {coef}.
-- Training: {step} steps x {args.batch} x {SEQ} tokens = {tokens:,} tokens ({epoch + pos / len(order):.2f} epochs)
+- Training: {step} steps x {args.batch} x {SEQ} tokens = {tokens:,} tokens ({sched.epochs():.2f} epochs)
   in {train_seconds / 60:.1f} min on {torch.get_num_threads()} CPU threads; AdamW lr {args.lr}, warmup {args.warmup},
   cosine to 10%, weight decay 0.1, clip 1.0, fp32, seed {args.seed}. {saved:,} parameters, saved in bfloat16
   (`model.safetensors` is now {(args.out / "model.safetensors").stat().st_size:,} bytes, the base's tensors included).

@@ -21,8 +21,6 @@ each rank slices.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,11 +36,8 @@ from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
-from moetier.models.mtp import MtpHead, mtp_weights
+from moetier.models.mtp import MtpHead, layer_of, mtp_weights
 from moetier.parallel import Parallel
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
 
 class MlaDecoderLayer(nn.Module):
     def __init__(self, cfg: MlaMoeConfig, layer: int, indexer: nn.Module | None, dtype: torch.dtype,
@@ -190,17 +185,10 @@ class MlaMoeForCausalLM(CausalLM):
     def param(self, name: str) -> torch.Tensor | None:
         if (outer := self.outer_param(name)) is not False:
             return outer
-        m = _LAYER.fullmatch(name)
-        if not m or int(m.group(1)) >= self.cfg.num_layers + self.cfg.mtp_layers:  # MTP layers not loaded
-            return None
-        i, rest = int(m.group(1)), m.group(2)
-        if i >= self.cfg.num_layers:
-            head = self.mtp[i - self.cfg.num_layers]
-            if (own := head.own_param(rest)) is not False:
-                return own
-            layer = head.block
-        else:
-            layer = self.layers[i]
+        found = layer_of(self, name)
+        if not isinstance(found, tuple):  # not a layer's tensor, or an MTP layer's own
+            return found
+        layer, rest = found
         if rest == "input_layernorm.weight":
             return layer.input_norm
         if rest == "post_attention_layernorm.weight":

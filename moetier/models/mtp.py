@@ -25,6 +25,7 @@ other costs acceptance, never correctness (verification is exact either way).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from moetier.layers.param import param
 from moetier.models.base import Weight
 
 MTP_FAMILIES = ("deepseek_v3", "glm_moe_dsa", "qwen3_moe")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # the MTP layer's own tensors besides its decoder layer; (name, shape as a function of H, V), kept
 _OWN = (("enorm.weight", lambda h, v: (h,)), ("hnorm.weight", lambda h, v: (h,)),
         ("eh_proj.weight", lambda h, v: (h, 2 * h)), ("shared_head.norm.weight", lambda h, v: (h,)))
@@ -75,6 +77,22 @@ def mtp_weights(layer_weights, cfg, present: set[str]) -> list[Weight]:
         out += decoder if loaded else [Weight(w.name, w.shape, optional=True) for w in decoder]
         out += mtp_own_weights(f"model.layers.{layer}.", cfg.hidden_size, cfg.vocab_size, loaded)
     return out
+
+
+def layer_of(model, name: str) -> tuple[nn.Module, str] | torch.Tensor | None:
+    """Checkpoint tensor `name` of a model with decoder `layers` and MtpHead list `mtp` -> (its decoder
+    layer, the rest of the name: the family maps that), or an MTP layer's own tensor, or None (not a
+    layer's tensor, a copy, or an MTP layer not loaded)."""
+    cfg = model.cfg
+    m = _LAYER.fullmatch(name)
+    if not m or int(m.group(1)) >= cfg.num_layers + cfg.mtp_layers:
+        return None
+    i, rest = int(m.group(1)), m.group(2)
+    if i < cfg.num_layers:
+        return model.layers[i], rest
+    head = model.mtp[i - cfg.num_layers]
+    own = head.own_param(rest)
+    return (head.block, rest) if own is False else own
 
 
 class MtpHead(nn.Module):

@@ -24,7 +24,6 @@ kv heads only.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -43,11 +42,8 @@ from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
 from moetier.layers.router import SoftmaxTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
-from moetier.models.mtp import MtpHead, mtp_weights
+from moetier.models.mtp import MtpHead, layer_of, mtp_weights
 from moetier.parallel import Parallel
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3MoeConfig(ModelConfig):
@@ -247,17 +243,10 @@ class Qwen3MoeForCausalLM(CausalLM):
     def param(self, name: str) -> torch.Tensor | None:
         if (outer := self.outer_param(name)) is not False:
             return outer
-        m = _LAYER.fullmatch(name)
-        if not m or int(m.group(1)) >= self.cfg.num_layers + self.cfg.mtp_layers:  # MTP layers not loaded
-            return None
-        i, rest = int(m.group(1)), m.group(2)
-        if i >= self.cfg.num_layers:
-            head = self.mtp[i - self.cfg.num_layers]
-            if (own := head.own_param(rest)) is not False:
-                return own
-            layer = head.block
-        else:
-            layer = self.layers[i]
+        found = layer_of(self, name)
+        if not isinstance(found, tuple):  # not a layer's tensor, or an MTP layer's own
+            return found
+        layer, rest = found
         if rest == "input_layernorm.weight":
             return layer.input_norm
         if rest == "post_attention_layernorm.weight":
