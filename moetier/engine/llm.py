@@ -106,9 +106,6 @@ class LLM:
         if config.max_num_tokens is None and plan is not None:  # the chunk the memory plan counted
             config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
             self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
-        # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
-        config = EngineConfig.of(config, experts=replace(config.experts, prefill=config.prefill_cache_policy,
-                                                         prefill_stream=config.prefill_stream))
         experts = config.experts
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
@@ -175,8 +172,9 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        config = EngineConfig.of(config, experts=random.options(cfg, config.expert_parallel_size,
-                                                                config.tensor_parallel_size))
+        experts = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
+        config = EngineConfig.of(config, experts=replace(experts, prefill=config.experts.prefill,
+                                                         prefill_stream=config.experts.prefill_stream))
         device = self._start_workers(random, dtype, device, config, cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
@@ -229,9 +227,9 @@ class LLM:
         if config.max_num_tokens is None:  # no memory plan made it: the same rule (plan/chunk.py)
             tokens, self.chunk_reason = auto_chunk(model)
             config = EngineConfig.of(config, max_num_tokens=tokens)
-        for block in model.moe_blocks():
-            set_prefill_policy(block.experts, config.prefill_cache_policy)
-            set_prefill_stream(block.experts, config.prefill_stream)
+        for block in model.moe_blocks():  # a model built elsewhere (a bench's or a random bed): the config's say
+            set_prefill_policy(block.experts, config.experts.prefill)
+            set_prefill_stream(block.experts, config.experts.prefill_stream)
         self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
         if tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
