@@ -266,6 +266,9 @@ class LLM:
 
             self.runner = DistributedRunner(self.runner, self._workers)
         self._ids, self.steps = itertools.count(), 0
+        # steps above decode_tokens take the large-step expert path: with slots each streams every missing
+        # expert of a layer once, whatever its token count (docs/prefix-cache.md reads them per bench level)
+        self.large_steps = self.large_step_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
@@ -315,6 +318,9 @@ class LLM:
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
         self.steps += 1
+        if step.num_tokens > self.config.decode_tokens:
+            self.large_steps += 1
+            self.large_step_tokens += step.num_tokens
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
@@ -390,6 +396,8 @@ class LLM:
             "kv_usage": s.cache.num_in_use / s.pages.num_pages,
             **s.cache.metrics_dict(self.kv_page_bytes),
             "steps": self.steps,
+            "large_steps": self.large_steps,
+            "large_step_tokens": self.large_step_tokens,
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,
