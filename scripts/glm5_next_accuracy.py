@@ -2,7 +2,9 @@
 preset's model on CUDA against the same checkpoint on the CPU, a prompt in two steps then decode
 steps, routed from one trace, with each CUDA-only path swapped for its torch reference in turn
 (fla's KDA, the fused mHC); then fla's chunk_kda alone against the token-by-token recurrence over
-gate scales and lengths. Prints a table of relative errors per step; JSON to argv[1] if given.
+gate scales and lengths (as shipped, and fla's bounded-gate variant: safe_gate with the lower bound).
+The tiny preset's random gates sit near -2.5 a token (lower_bound -5 times a sigmoid near 0.5), the
+CPU tests' transformers-initialised ones near -0.35. Prints a table of relative errors per step; JSON to argv[1] if given.
 
     python scripts/glm5_next_accuracy.py [OUT.json]      (CUDA and fla-core; TRITON_F32_DEFAULT=ieee
                                                            before start to take fla's dots in IEEE)
@@ -69,7 +71,7 @@ def model_rows(tmp: Path) -> dict:
 
 
 def chunk_rows() -> dict:
-    from moetier.layers.kda_cuda import kda_prefill_varlen
+    from moetier.layers.kda_cuda import fla_kda, kda_prefill_varlen
 
     out = {}
     for scale in (0.01, 0.1, 1.0, 5.0):
@@ -82,21 +84,27 @@ def chunk_rows() -> dict:
             s0 = torch.randn(h, dk, dv, generator=g) * 0.1
             want_o, want_s = kda_recurrent(q, k, v, gate, beta, s0)
             o, s = kda_prefill_varlen(*(x.cuda() for x in (q, k, v, gate, beta)), s0[None].cuda(), [0, t])
-            out[f"g~{scale} T={t}"] = [rel(o, want_o), rel(s[0], want_s)]
+            # fla's bounded-gate variant (gates in [lower_bound, 0), as glm5_next's are): its own intra-chunk path
+            chunk, _ = fla_kda()
+            cu = torch.tensor([0, t])
+            o2, s2 = chunk(*(x.cuda().contiguous()[None] for x in (q, k, v, gate, beta)), scale=dk ** -0.5,
+                           initial_state=s0[None].cuda(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           safe_gate=True, lower_bound=-5.0, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+            out[f"g~{scale} T={t}"] = [rel(o, want_o), rel(s[0], want_s), rel(o2[0], want_o), rel(s2[0], want_s)]
     return out
 
 
 def main() -> None:
+    chunks = chunk_rows()  # first: cheap, and what the model rows then explain
     with tempfile.TemporaryDirectory() as d:
         rows = model_rows(Path(d))
-    chunks = chunk_rows()
     print(f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}")
     print("| CUDA model against the CPU's | " + " | ".join(f"step {i}" for i in range(7)) + " |")
     for name, errs in rows.items():
         print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-    print("| fla chunk_kda against the recurrence | o | final state |")
-    for name, (eo, es) in chunks.items():
-        print(f"| {name} | {eo:.2e} | {es:.2e} |")
+    print("| fla chunk_kda against the recurrence | o | final state | o, safe_gate | final, safe_gate |")
+    for name, errs in chunks.items():
+        print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps({"model": rows, "chunk": chunks}, indent=1))
 
