@@ -95,15 +95,15 @@ def chunk_rows() -> dict:
 
 
 def main() -> None:
-    chunks = chunk_rows()  # first: cheap, and what the model rows then explain
-    with tempfile.TemporaryDirectory() as d:
-        rows = model_rows(Path(d))
     print(f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}")
-    print("| CUDA model against the CPU's | " + " | ".join(f"step {i}" for i in range(7)) + " |")
-    for name, errs in rows.items():
-        print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+    chunks = chunk_rows()  # first, printed at once: cheap, and what the model rows then explain
     print("| fla chunk_kda against the recurrence | o | final state | o, safe_gate | final, safe_gate |")
     for name, errs in chunks.items():
+        print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        rows = model_rows(Path(d))
+    print("| CUDA model against the CPU's | " + " | ".join(f"step {i}" for i in range(7)) + " |")
+    for name, errs in rows.items():
         print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps({"model": rows, "chunk": chunks}, indent=1))
