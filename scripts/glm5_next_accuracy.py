@@ -23,14 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.checkpoint.writer import make_checkpoint  # noqa: E402
-from moetier.engine.llm import LLM  # noqa: E402
 from moetier.layers import kda as kda_layer  # noqa: E402
 from moetier.layers import mhc_triton  # noqa: E402
 from moetier.layers.kda_reference import kda_recurrent  # noqa: E402
-from moetier.traces.format import read_trace, write_trace  # noqa: E402
-from moetier.traces.hooks import Replayer  # noqa: E402
-from moetier.traces.synth import SynthParams, meta_of, synthesize  # noqa: E402
-from tests.helpers import Sequence  # noqa: E402
+from tests.helpers import cuda_tracks_cpu  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -39,23 +35,7 @@ def rel(a, b) -> float:
 
 def model_rows(tmp: Path) -> dict:
     ckpt = make_checkpoint(tmp / "ckpt", "tiny-glm5-next", seed=4, dtype="float32")
-    cpu = LLM(ckpt, dtype="float32", device="cpu").model
-    gpu = LLM(ckpt, dtype="float32", device="cuda", cuda_graphs=False).model
-    cfg = cpu.cfg
-    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cpu.moe_blocks()), tokens=64, seed=3)
-    write_trace(tmp / "t.mtrace", synthesize(p), meta_of(p))
-    Replayer(cpu, read_trace(tmp / "t.mtrace"))
-    rep = Replayer(gpu, read_trace(tmp / "t.mtrace"))
-    ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(5))
-    steps = ((0, 9), (9, 14), *((n, n + 1) for n in range(14, 19)))
-    a = Sequence(cpu, 64, page_size=16)
-    want = [cpu.logits(a.forward(ids[lo:hi])) for lo, hi in steps]
-
-    def run() -> list[float]:
-        rep.cursor.zero_()
-        b = Sequence(gpu, 64, page_size=16)
-        return [rel(gpu.logits(b.forward(ids[lo:hi])), w) for (lo, hi), w in zip(steps, want)]
-
+    run = cuda_tracks_cpu(ckpt, tmp)
     rows = {"shipped": run()}
     on_fla, fused = kda_layer.on_fla, mhc_triton.fused_supported
     kda_layer.on_fla = lambda x: False
