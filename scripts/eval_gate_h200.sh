@@ -12,6 +12,9 @@
 #         tabledata tcolorpy typepy chardet rouge-score nltk multiprocess tenacity" bash ../shared/tools/device-wheels.sh
 #   python3 -m pip wheel -q --no-deps sqlitedict word2number -w .whl     (source-only on PyPI)
 #
+# Time: the four checkpoints are about 25 GB; on the H200 machine bf16's 11.2 GB took 92 s (its /tmp
+# wrote at about 120 MB/s), the quantized ones were CPU-bound until make-checkpoint made tensors on
+# every core. Run it alone in a call (not beside the GPU suite).
 # Writes $OUT/eval-gate-h200.json (runs, items, verdicts), the gate's tables in $OUT/gate.log. The same
 # random weights in every format (make-checkpoint's tensors come from (seed, name)); nvfp4 and int4 rows
 # too. Tolerances: 0 (exact) for slots against resident; hybrid computes its host misses on the CPU in
@@ -22,9 +25,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/eval-out}
 source scripts/h200_stages.sh
 data=${1:-/tmp/eval-q30b}
-limit=${2:-40}
+limit=${2:-30}
 for d in bf16 fp8 nvfp4 int4; do
-  [ -d "$data/$d" ] || stage "ckpt-$d" 120 "${mt[@]}" make-checkpoint --preset qwen3-30b-a3b --layers 8 --dtype "$d" --out "$data/$d"
+  [ -d "$data/$d" ] || stage "ckpt-$d" 150 "${mt[@]}" make-checkpoint --preset qwen3-30b-a3b --layers 8 --dtype "$d" --out "$data/$d"
 done
 python3 -c "import lm_eval, lm_eval.evaluator, lm_eval.models.openai_completions, datasets; print('lm-eval', lm_eval.__version__)" 2>&1 | tail -3 | tee -a "$out/stages.txt"
 stage gate 480 "${mt[@]}" eval --model "$data/bf16" --device cuda --limit "$limit" --out "$out/eval-gate-h200.json" \

@@ -2,7 +2,9 @@
 preset's model on CUDA against the same checkpoint on the CPU, a prompt in two steps then decode
 steps, routed from one trace, with each CUDA-only path swapped for its torch reference in turn
 (fla's KDA, the fused mHC); then fla's chunk_kda alone against the token-by-token recurrence over
-gate scales and lengths. Prints a table of relative errors per step; JSON to argv[1] if given.
+gate scales and lengths (as shipped, and fla's bounded-gate variant: safe_gate with the lower bound).
+The tiny preset's random gates sit near -2.5 a token (lower_bound -5 times a sigmoid near 0.5), the
+CPU tests' transformers-initialised ones near -0.35. Prints a table of relative errors per step; JSON to argv[1] if given.
 
     python scripts/glm5_next_accuracy.py [OUT.json]      (CUDA and fla-core; TRITON_F32_DEFAULT=ieee
                                                            before start to take fla's dots in IEEE)
@@ -21,14 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.checkpoint.writer import make_checkpoint  # noqa: E402
-from moetier.engine.llm import LLM  # noqa: E402
 from moetier.layers import kda as kda_layer  # noqa: E402
 from moetier.layers import mhc_triton  # noqa: E402
 from moetier.layers.kda_reference import kda_recurrent  # noqa: E402
-from moetier.traces.format import read_trace, write_trace  # noqa: E402
-from moetier.traces.hooks import Replayer  # noqa: E402
-from moetier.traces.synth import SynthParams, meta_of, synthesize  # noqa: E402
-from tests.helpers import Sequence  # noqa: E402
+from tests.helpers import cuda_tracks_cpu  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -37,23 +35,7 @@ def rel(a, b) -> float:
 
 def model_rows(tmp: Path) -> dict:
     ckpt = make_checkpoint(tmp / "ckpt", "tiny-glm5-next", seed=4, dtype="float32")
-    cpu = LLM(ckpt, dtype="float32", device="cpu").model
-    gpu = LLM(ckpt, dtype="float32", device="cuda", cuda_graphs=False).model
-    cfg = cpu.cfg
-    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cpu.moe_blocks()), tokens=64, seed=3)
-    write_trace(tmp / "t.mtrace", synthesize(p), meta_of(p))
-    Replayer(cpu, read_trace(tmp / "t.mtrace"))
-    rep = Replayer(gpu, read_trace(tmp / "t.mtrace"))
-    ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(5))
-    steps = ((0, 9), (9, 14), *((n, n + 1) for n in range(14, 19)))
-    a = Sequence(cpu, 64, page_size=16)
-    want = [cpu.logits(a.forward(ids[lo:hi])) for lo, hi in steps]
-
-    def run() -> list[float]:
-        rep.cursor.zero_()
-        b = Sequence(gpu, 64, page_size=16)
-        return [rel(gpu.logits(b.forward(ids[lo:hi])), w) for (lo, hi), w in zip(steps, want)]
-
+    run = cuda_tracks_cpu(ckpt, tmp)
     rows = {"shipped": run()}
     on_fla, fused = kda_layer.on_fla, mhc_triton.fused_supported
     kda_layer.on_fla = lambda x: False
@@ -69,7 +51,7 @@ def model_rows(tmp: Path) -> dict:
 
 
 def chunk_rows() -> dict:
-    from moetier.layers.kda_cuda import kda_prefill_varlen
+    from moetier.layers.kda_cuda import fla_kda, kda_prefill_varlen
 
     out = {}
     for scale in (0.01, 0.1, 1.0, 5.0):
@@ -82,21 +64,27 @@ def chunk_rows() -> dict:
             s0 = torch.randn(h, dk, dv, generator=g) * 0.1
             want_o, want_s = kda_recurrent(q, k, v, gate, beta, s0)
             o, s = kda_prefill_varlen(*(x.cuda() for x in (q, k, v, gate, beta)), s0[None].cuda(), [0, t])
-            out[f"g~{scale} T={t}"] = [rel(o, want_o), rel(s[0], want_s)]
+            # fla's bounded-gate variant (gates in [lower_bound, 0), as glm5_next's are): its own intra-chunk path
+            chunk, _ = fla_kda()
+            cu = torch.tensor([0, t])
+            o2, s2 = chunk(*(x.cuda().contiguous()[None] for x in (q, k, v, gate, beta)), scale=dk ** -0.5,
+                           initial_state=s0[None].cuda(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           safe_gate=True, lower_bound=-5.0, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+            out[f"g~{scale} T={t}"] = [rel(o, want_o), rel(s[0], want_s), rel(o2[0], want_o), rel(s2[0], want_s)]
     return out
 
 
 def main() -> None:
+    print(f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}")
+    chunks = chunk_rows()  # first, printed at once: cheap, and what the model rows then explain
+    print("| fla chunk_kda against the recurrence | o | final state | o, safe_gate | final, safe_gate |")
+    for name, errs in chunks.items():
+        print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |", flush=True)
     with tempfile.TemporaryDirectory() as d:
         rows = model_rows(Path(d))
-    chunks = chunk_rows()
-    print(f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}")
     print("| CUDA model against the CPU's | " + " | ".join(f"step {i}" for i in range(7)) + " |")
     for name, errs in rows.items():
         print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
-    print("| fla chunk_kda against the recurrence | o | final state |")
-    for name, (eo, es) in chunks.items():
-        print(f"| {name} | {eo:.2e} | {es:.2e} |")
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps({"model": rows, "chunk": chunks}, indent=1))
 

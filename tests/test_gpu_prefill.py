@@ -111,7 +111,7 @@ def test_ring_stream_in_the_engine_gives_the_uva_tokens(tiny_ckpt):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     got = {}
     for mode in ("uva", "ring"):
-        llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptions("slots", slots=4), prefill_stream=mode,
+        llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptions("slots", slots=4, prefill_stream=mode),
                   max_num_seqs=2)
         got[mode] = llm.generate([prompt], params)[0].outputs[0].token_ids
         streamed = sum(b.experts.ring_rows for b in llm.model.moe_blocks())

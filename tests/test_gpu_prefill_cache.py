@@ -110,7 +110,7 @@ def test_engine_greedy_tokens_equal_bypass_and_refresh_on_cuda(tiny_ckpt):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got, stats = {}, {}
     for policy in ("bypass", "refresh"):
-        llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptions("slots", slots=4), prefill_cache_policy=policy,
+        llm = LLM(tiny_ckpt, device="cuda", experts=ExpertOptions("slots", slots=4, prefill=policy),
                   max_num_seqs=2)
         got[policy] = llm.generate([prompt], params)[0].outputs[0].token_ids
         stats[policy] = llm.metrics()["expert_stats"]

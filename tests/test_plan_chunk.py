@@ -102,11 +102,14 @@ def test_a_chunk_that_does_not_fit_is_reduced_or_refused_with_the_numbers():
     assert "does not hold the plan even at 512" in none.chunk["reason"]
 
 
-def test_engine_config_accepts_an_automatic_chunk_and_checks_the_policy():
-    assert EngineConfig().max_num_tokens is None and EngineConfig().prefill_cache_policy == "bypass"
+def test_engine_config_accepts_an_automatic_chunk_and_the_policy_is_checked():
+    from moetier.engine.llm import LLM
+    from moetier.experts.placement import ExpertOptions
+
+    assert EngineConfig().max_num_tokens is None and EngineConfig().experts.prefill == "bypass"
     EngineConfig.of(max_num_tokens=None)
-    with pytest.raises(MoetierError, match="prefill_cache_policy must be bypass or refresh"):
-        EngineConfig.of(prefill_cache_policy="always")
+    with pytest.raises(MoetierError, match="prefill cache policy 'always': choose bypass or refresh"):
+        LLM(device="cpu", experts=ExpertOptions("slots", slots=4, prefill="always"))
     with pytest.raises(MoetierError, match="max_num_tokens must be a positive integer"):
         EngineConfig.of(max_num_tokens=0)
 

@@ -159,7 +159,7 @@ def test_engine_greedy_tokens_identical_bypass_and_refresh():
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got, stats = {}, {}
     for policy in ("bypass", "refresh"):
-        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4), prefill_cache_policy=policy,
+        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4, prefill=policy),
                   decode_tokens=16)
         assert len(llm.encode(text)) > 16 and llm.config.max_num_tokens == 2048  # automatic, on the CPU
         got[policy] = llm.generate([text], params)[0].outputs[0].token_ids

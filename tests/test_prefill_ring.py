@@ -144,7 +144,7 @@ def test_memory_plan_counts_the_ring_in_the_ring_mode_only():
 
 def test_engine_greedy_tokens_identical_uva_and_ring():
     """The embedded tiny model with 4 slots a layer: the prompt's large steps stream their misses
-    through the ring (EngineConfig.prefill_stream reaches every layer); not a token changes."""
+    through the ring (ExpertOptions.prefill_stream reaches every layer); not a token changes."""
     from moetier.engine.llm import LLM
     from moetier.experts.placement import ExpertOptions
     from moetier.sampling_params import SamplingParams
@@ -153,7 +153,7 @@ def test_engine_greedy_tokens_identical_uva_and_ring():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = {}
     for mode in ("uva", "ring"):
-        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4), prefill_stream=mode, decode_tokens=16)
+        llm = LLM(device="cpu", experts=ExpertOptions("slots", slots=4, prefill_stream=mode), decode_tokens=16)
         got[mode] = llm.generate([text], params)[0].outputs[0].token_ids
         streamed = sum(b.experts.ring_rows for b in llm.model.moe_blocks())
         assert all(b.experts.prefill_stream == mode for b in llm.model.moe_blocks())

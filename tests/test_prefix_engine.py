@@ -127,3 +127,14 @@ def test_linear_attention_hits_in_a_batch_under_pressure(glm5_next):
     want, got, llm = pair(path, [ps[:1], ps[1:]], page_size=8, kv_tokens=160, max_num_tokens=24)
     compare(got, want, exact=False)
     assert llm.metrics()["prefix_cache_hits"] > 0
+
+
+def test_large_steps_are_counted():
+    """LLM.metrics' large_steps: steps above decode_tokens (the large-step expert path), their tokens;
+    a 100-token prompt in chunks of 48 with decode_tokens 16: two large steps of 48, then a chunk of 4
+    and four one-token decode steps, none large."""
+    llm = LLM(None, dtype="float32", device="cpu", decode_tokens=16, max_num_tokens=48, max_num_seqs=1)
+    llm.generate([list(range(5, 105))], SamplingParams(max_tokens=5, ignore_eos=True))
+    m = llm.metrics()
+    assert (m["large_steps"], m["large_step_tokens"]) == (2, 96), m
+    assert m["steps"] == 3 + 4

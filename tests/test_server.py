@@ -353,7 +353,8 @@ def test_metrics_have_vllm_names_and_expert_tiers(live, client):
                  "e2e_request_latency_seconds_sum", "request_queue_time_seconds_count", "num_preemptions_total",
                  "request_success_total", "expert_hits_total", "expert_misses_total", "expert_overflow_total",
                  "expert_link_bytes_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
-                 "kv_cache_cached_pages"):
+                 "kv_cache_cached_pages", "engine_steps_total", "engine_large_steps_total",
+                 "engine_large_step_tokens_total"):
         assert f"moetier:{name}" in text, name
     assert 'moetier:expert_hits_total{layer="total",model_name="tiny-stdlib"}' in text
     assert 'moetier:expert_hits_total{layer="0",model_name="tiny-stdlib"}' in text

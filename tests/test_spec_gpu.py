@@ -27,7 +27,8 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("experts", [None, ExpertOptions("slots", slots=8)], ids=["resident", "slots"])
+@pytest.mark.parametrize("experts", [ExpertOptions("resident"), ExpertOptions("slots", slots=8)],
+                         ids=["resident", "slots"])
 def test_ngram_on_cuda_equals_graph_decode(experts):
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = LLM(None, device="cuda", dtype="float32", experts=experts)

@@ -45,6 +45,19 @@ def test_same_seed_same_files_any_sharding(tmp_path):
     assert index["metadata"]["total_size"] == preset("tiny").num_parameters() * 2
 
 
+def test_files_do_not_depend_on_the_thread_count(tmp_path):
+    """The pool makes tensors ahead of the writer, which writes them in order: one thread's bytes, for
+    plain, FP8 (weight then scale) and 4-bit (packed codes, scales) layouts, sharded too."""
+    for dtype, shard in (("bf16", 2**20), ("fp8", 4 * 2**30), ("nvfp4", 2**20)):
+        one = make_checkpoint(tmp_path / f"{dtype}-1", "tiny", seed=2, dtype=dtype, shard_bytes=shard, threads=1)
+        many = make_checkpoint(tmp_path / f"{dtype}-3", "tiny", seed=2, dtype=dtype, shard_bytes=shard, threads=3)
+        files = sorted(p.name for p in one.glob("*.safetensors"))
+        assert files and files == sorted(p.name for p in many.glob("*.safetensors"))
+        assert (len(files) > 1) == (shard == 2**20)
+        for f in files:
+            assert (one / f).read_bytes() == (many / f).read_bytes(), (dtype, f)
+
+
 def test_fused_layout_holds_the_same_weights(tmp_path):
     a = make_checkpoint(tmp_path / "a", "tiny-odd", seed=1, dtype="float32")
     b = make_checkpoint(tmp_path / "b", "tiny-odd", seed=1, dtype="float32", fused_experts=True)

@@ -28,6 +28,7 @@ from moetier.bench.prefill import warm_slots
 from moetier.checkpoint.random_bed import Bed, use_backend
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
+from moetier.experts.placement import ExpertOptions
 from moetier.experts.registry import backend_kind
 from moetier.sampling_params import SamplingParams
 
@@ -81,7 +82,7 @@ def run(bed: Bed, trace_path: str, backends: list[tuple[str, float]], chunks: li
         for chunk in chunks:
             config = EngineConfig(replay_trace=trace_path, max_num_seqs=streams + 1, max_num_tokens=chunk,
                                   decode_tokens=args["decode_tokens"],
-                                  prefill_cache_policy=args.get("prefill_cache", "bypass"),
+                                  experts=ExpertOptions(prefill=args.get("prefill_cache", "bypass")),
                                   kv_tokens=(streams + 1) * (prompt_len + 2048),
                                   enable_prefix_caching=False)  # the timed prompt ran untimed first
             llm = LLM.from_model(bed.model, bed.tokenizer, config)

@@ -45,6 +45,7 @@ from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.backends import SlotExperts
 from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.placement import ExpertOptions
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 from moetier.experts.registry import backend_kind
 from moetier.sampling_params import SamplingParams
@@ -169,8 +170,8 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
     steps = args.get("decode_steps", 0)
     # graphs only for the decode after the prefill (prefill steps run eagerly either way)
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), max_num_tokens=args["chunk"],
-                          decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0, prefill_cache_policy=prefill,
-                          prefill_stream=stream if kind.cached else "uva",
+                          decode_tokens=args["decode_tokens"], cuda_graphs=steps > 0,
+                          experts=ExpertOptions(prefill=prefill, prefill_stream=stream if kind.cached else "uva"),
                           kv_tokens=max(batches) * (max(lengths) + steps + 16),
                           enable_prefix_caching=False)  # repeats time the same prompts: prefill, not a hit
     llm = LLM.from_model(bed.model, bed.tokenizer, config)

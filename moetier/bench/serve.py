@@ -182,7 +182,8 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
             return [await one(client, url, model, p, n, timeout) for p, n in chain]
 
     warm = [r for rs in await asyncio.gather(*(limited(c) for c in work[:warmup])) for r in rs]
-    before, spec0 = await prefix_counters(client, url), await spec_counters(client, url)
+    before, spec0, steps0 = (await prefix_counters(client, url), await spec_counters(client, url),
+                             await step_counters(client, url))
     rng = np.random.default_rng(seed)
     tasks, start = [], time.perf_counter()
     for chain in work[warmup:]:
@@ -191,7 +192,10 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
             await asyncio.sleep(rng.exponential(1.0 / rate))
     results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     out = summarize(results, time.perf_counter() - start, concurrency, rate)
-    after, spec1 = await prefix_counters(client, url), await spec_counters(client, url)
+    after, spec1, steps1 = (await prefix_counters(client, url), await spec_counters(client, url),
+                            await step_counters(client, url))
+    if steps0 is not None and steps1 is not None:  # the level's steps, and how many took the large path
+        out |= {f"engine_{k}" if k == "steps" else k: steps1[k] - steps0[k] for k in steps1}
     if spec0 is not None and spec1 is not None:
         d = {k: spec1[k] - spec0[k] for k in spec1}
         drafts, tokens, kept = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
@@ -228,6 +232,13 @@ async def prefix_counters(client, url: str) -> dict[str, float] | None:
     return await counters(client, url, {"moetier:prefix_cache_queries_total": "queries",
                                         "moetier:prefix_cache_hits_total": "hits",
                                         "moetier:kv_host_hits_total": "host"}, {"host": 0.0})
+
+
+async def step_counters(client, url: str) -> dict[str, float] | None:
+    """moetier's engine step counters (server/metrics.py STEP_COUNTERS); None from another server."""
+    return await counters(client, url, {"moetier:engine_steps_total": "steps",
+                                        "moetier:engine_large_steps_total": "large_steps",
+                                        "moetier:engine_large_step_tokens_total": "large_step_tokens"}, {})
 
 
 async def spec_counters(client, url: str) -> dict[str, float] | None:

@@ -1,8 +1,10 @@
 """`moetier make-checkpoint`: random-weight checkpoints in the Hugging Face format for a named shape.
 
-Tensors are generated one at a time from a seed derived from (seed, tensor name), and streamed into
-shards, so a 60 GB preset needs one tensor's worth of RAM. The same seed gives the same weights
-whatever the shard size or expert layout.
+Tensors are generated from a seed derived from (seed, tensor name) and streamed into shards, so a
+60 GB preset needs a few tensors' worth of RAM. The same seed gives the same weights whatever the
+shard size, expert layout or thread count. Making and quantizing a tensor is serial CPU work (torch's
+seeded randn runs on one core), so a pool of threads makes the next tensors while the writer writes
+them in order: bytes identical to one thread's.
 
 --dtype fp8 writes a block-scaled FP8 checkpoint (checkpoint/fp8_weights.py): the same random bf16
 tensors, every projection quantized by the block rule of quant/fp8_block.py into float8_e4m3fn plus its
@@ -15,8 +17,11 @@ NVFP4's layout).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -127,8 +132,9 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, seed: int = 0,
                     dtype: str = "bf16", fused_experts: bool = False, shard_bytes: int = 4 * 2**30,
                     progress: Callable[[int, int], None] | None = None, overwrite: bool = False,
-                    format: str | None = None, mtp_layers: int | None = None) -> Path:
-    """mtp_layers: the DeepSeek-V3 family's MTP layers to write (num_nextn_predict_layers; presets.py)."""
+                    format: str | None = None, mtp_layers: int | None = None, threads: int | None = None) -> Path:
+    """mtp_layers: the DeepSeek-V3 family's MTP layers to write (num_nextn_predict_layers; presets.py).
+    threads: tensors made at once (default: one per core); the files do not depend on it."""
     quant = dtype == "fp8"
     four = dtype in PACKED4
     if dtype not in DTYPES and not quant and not four:
@@ -174,29 +180,36 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, done = {}, 0
     meta = {"format": "pt", "moetier_preset": preset, "moetier_seed": str(seed)}
-    for file, shard in zip(files, shards):
-        with StreamingWriter(out / file, shard, meta) as w:
-            planned = dict(plan)
-            for name, dtype_, shape in shard:
-                if name.endswith(fp8.SCALE_SUFFIX) or (four and name not in planned and
-                                                       not (name.endswith("_packed") and name[:-7] in planned)):
-                    continue  # written with its weight, which comes right before it
-                base = name.removesuffix("_packed") if four and name not in planned else name
-                shape = planned.get(base, shape)
-                fused = base.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                t = (_fused if fused else random_tensor)(base, shape, seed, torch_dtype)
-                parts = [(name, t)]
-                if four and dtype_ != torch_dtype:
-                    parts = quant4.tensors(base, t, dtype, layout)
-                elif dtype_ == fp8.FP8:
-                    q, scale = fp8.quantize(t)
-                    parts = [(name, q), (scale_name(name), scale)]
-                for n, x in parts:
-                    w.write(n, x)
-                    weight_map[n] = file
-                    done += x.numel() * x.element_size()
-                if progress:
-                    progress(done, total)
+    planned = dict(plan)
+
+    def make(name: str, dtype_: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        base = name.removesuffix("_packed") if four and name not in planned else name
+        fused = base.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        t = (_fused if fused else random_tensor)(base, planned[base], seed, torch_dtype)
+        if four and dtype_ != torch_dtype:
+            return quant4.tensors(base, t, dtype, layout)
+        if dtype_ == fp8.FP8:
+            q, scale = fp8.quantize(t)
+            return [(name, q), (scale_name(name), scale)]
+        return [(name, t)]
+
+    workers = max(1, threads or os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        for file, shard in zip(files, shards):
+            jobs = [(name, dtype_) for name, dtype_, _ in shard
+                    if not (name.endswith(fp8.SCALE_SUFFIX) or (four and name not in planned and not (
+                        name.endswith("_packed") and name[:-7] in planned)))]  # scales: with their weight
+            ahead: deque = deque()
+            with StreamingWriter(out / file, shard, meta) as w:
+                for i in range(len(jobs)):
+                    while len(ahead) < min(2 * workers, len(jobs) - i):  # a window: bounded memory
+                        ahead.append(pool.submit(make, *jobs[i + len(ahead)]))
+                    for n, x in ahead.popleft().result():
+                        w.write(n, x)
+                        weight_map[n] = file
+                        done += x.numel() * x.element_size()
+                    if progress:
+                        progress(done, total)
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

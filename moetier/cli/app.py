@@ -41,8 +41,8 @@ def generate(
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
-    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
-    prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
+    prefill_cache: opt.PrefillCache = opt.EXPERTS.prefill,
+    prefill_stream: opt.PrefillStream = opt.EXPERTS.prefill_stream,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     max_model_len: opt.MaxModelLen = opt.ENGINE.max_model_len,
@@ -75,7 +75,8 @@ def generate(
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos).validate()
         speculative = opt.speculative_config(speculative_config)
         model_dir = model_dir_of(model)
-        experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+        experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split,
+                                     prefill_cache, prefill_stream)
         if pinned_experts_file is not None:
             from dataclasses import replace
 
@@ -88,8 +89,7 @@ def generate(
         if max_num_tokens is not None:
             opt.at_least(max_num_tokens, 1, "--max-num-tokens")
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=opt.ONE_REQUEST, decode_tokens=decode_tokens,
-                                   max_num_tokens=max_num_tokens, prefill_cache_policy=opt.prefill_cache(prefill_cache),
-                                   prefill_stream=opt.prefill_stream(prefill_stream),
+                                   max_num_tokens=max_num_tokens,
                                    enable_prefix_caching=enable_prefix_caching,
                                    kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                    record_trace=record_trace, replay_trace=replay_trace,
@@ -151,8 +151,8 @@ def serve(
     cache_policy: opt.CachePolicy = opt.EXPERTS.policy,
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
-    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
-    prefill_stream: opt.PrefillStream = opt.ENGINE.prefill_stream,
+    prefill_cache: opt.PrefillCache = opt.EXPERTS.prefill,
+    prefill_stream: opt.PrefillStream = opt.EXPERTS.prefill_stream,
     fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
@@ -199,8 +199,7 @@ def serve(
         engine = {"max_num_seqs": max_num_seqs, "kv_tokens": kv_tokens, "max_model_len": max_model_len,
                   "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
-                  "max_num_tokens": max_num_tokens, "prefill_cache_policy": opt.prefill_cache(prefill_cache),
-                  "prefill_stream": opt.prefill_stream(prefill_stream),
+                  "max_num_tokens": max_num_tokens,
                   "fp8_dense": fp8_dense, "enable_prefix_caching": enable_prefix_caching,
                   "kv_host_bytes": opt.kv_host_memory(kv_host_memory),
                   "speculative_config": opt.speculative_config(speculative_config)}
@@ -227,14 +226,17 @@ def serve(
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
                                  quant=quant, split=opt.expert_split(expert_split),
                                  pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None)
-            spec = EngineSpec(random=random, dtype=dtype, device=device, engine=engine, gpu_memory=gpu_memory,
-                              host_memory=host_memory)
+            # the random bed builds its own backends; the engine gives them the prefill options (llm.py)
+            prefill = opt.expert_options(Resident.name, prefill=prefill_cache, stream=prefill_stream)
+            spec = EngineSpec(random=random, dtype=dtype, device=device, engine={**engine, "experts": prefill},
+                              gpu_memory=gpu_memory, host_memory=host_memory)
         else:
             if layers is not None or expert_budget is not None:
                 raise MoetierError("--layers and --expert-budget go with --preset (random weights)")
             from moetier.engine.llm import model_dir_of
 
-            experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split)
+            experts = opt.expert_options(expert_backend, expert_slots, expert_slots_file, cache_policy, expert_split,
+                                         prefill_cache, prefill_stream)
             if pinned_experts_file is not None:
                 from dataclasses import replace
 

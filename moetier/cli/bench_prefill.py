@@ -12,6 +12,7 @@ from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda,
                                       parse_dtypes, preflight_rows)
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.experts.placement import ExpertOptions
 from moetier.experts.registry import NAMES, backend_kind
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 
@@ -86,7 +87,7 @@ def bench_prefill(
                    + [(b, budget) for b in names if backend_kind(b).cached for budget in budgets],
                    max_num_seqs=max(batch), max_num_tokens=chunk,
                    kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
-                   prefill_stream="ring" if "ring" in streams else "uva")
+                   experts=ExpertOptions(prefill_stream="ring" if "ring" in streams else "uva"))
     from moetier.bench import prefill
     from moetier.bench.common import links, record, write_json
     from moetier.bench.decode import make_bed
@@ -127,7 +128,7 @@ def bench_chunk(
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="<file>",
                                          help="Routing to replay (default: data/traces/qwen3-30b-like.mtrace)."),
     policy: opt.CachePolicy = opt.EXPERTS.policy,
-    prefill_cache: opt.PrefillCache = opt.ENGINE.prefill_cache_policy,
+    prefill_cache: opt.PrefillCache = opt.EXPERTS.prefill,
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),

@@ -26,7 +26,6 @@ ENGINE, EXPERTS = EngineConfig(), ExpertOptions()
 ENGINE_FIELDS = {
     "--max-num-seqs": "max_num_seqs", "--max-num-tokens": "max_num_tokens", "--kv-tokens": "kv_tokens",
     "--max-model-len": "max_model_len", "--decode-tokens": "decode_tokens",
-    "--prefill-cache": "prefill_cache_policy", "--prefill-stream": "prefill_stream",
     "--record-trace": "record_trace", "--replay-trace": "replay_trace", "--tp": "tensor_parallel_size",
     "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
     "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
@@ -34,7 +33,8 @@ ENGINE_FIELDS = {
     "--speculative-config": "speculative_config",
 }
 EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
-                 "--cache-policy": "policy", "--expert-split": "split", "--pinned-experts-file": "pinned"}
+                 "--cache-policy": "policy", "--expert-split": "split", "--pinned-experts-file": "pinned",
+                 "--prefill-cache": "prefill", "--prefill-stream": "prefill_stream"}
 # The command line's own defaults, where they differ from the records' on purpose: --expert-backend
 # auto (the memory plan chooses; the Python API without a plan builds resident), --expert-slots-file
 # none (no per-layer counts), --pinned-experts-file none (nothing pinned unless the plan pins), and one request at a time for generate (and for plan, which plans what
@@ -187,7 +187,8 @@ def pinned_experts(path: Path | None, backend: str) -> dict[int, tuple[int, ...]
 
 
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
-                   policy: str = "lfru", split: str = "auto"):
+                   policy: str = EXPERTS.policy, split: str = "auto", prefill: str = EXPERTS.prefill,
+                   stream: str = EXPERTS.prefill_stream):
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
     from moetier.experts.placement import ExpertOptions, read_slots_file
 
@@ -205,7 +206,7 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
         raise MoetierError(f"--expert-slots {slots}: it must be at least 1")
     per_layer = read_slots_file(input_file(slots_file, "--expert-slots-file")) if slots_file else {}
     return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy,
-                         split=expert_split(split))
+                         split=expert_split(split), prefill=prefill_cache(prefill), prefill_stream=prefill_stream(stream))
 
 
 def expert_split(split: str) -> str:

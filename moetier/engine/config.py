@@ -14,8 +14,6 @@ from typing import Any
 
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
-from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
-from moetier.experts.prefill.ring import PREFILL_STREAMS
 from moetier.parallel import layout_problems
 from moetier.spec.config import SpeculativeConfig, speculative_config_of
 
@@ -33,13 +31,6 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page (a power of two)
     max_model_len: int | None = None  # prompt + output per request; default the model's, capped by the pool
     decode_tokens: int = 64  # steps of up to this many tokens: CUDA graphs and the expert cache
-    # What a larger step (prefill) does to the slot cache (slots, hybrid): "bypass" leaves it alone,
-    # "refresh" first moves the chunk's most used experts into slots (experts/prefill/cache_policy.py).
-    prefill_cache_policy: str = "bypass"
-    # How a bypass step's misses reach the expert GEMM (slots, hybrid): "uva" reads them across the link
-    # inside the kernel, "ring" stages them by the copy engine while the GEMM runs (experts/prefill/ring.py).
-    # "ring" is the default: it prefilled faster (docs/measured-defaults.md).
-    prefill_stream: str = "ring"
     # CUDA graphs of the decode step (False: every step eager). With hybrid backends the engine captures
     # their host path's graph (the nodes graph, or the pieces of engine/piecewise.py where a backend
     # cannot be captured) and the whole step on the slots path, and replays, step by step, whichever the
@@ -104,10 +95,6 @@ class EngineConfig:
                 continue  # automatic
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} must be a positive integer, got {v!r}")
-        if self.prefill_cache_policy not in PREFILL_POLICIES:
-            out.append(f"prefill_cache_policy must be bypass or refresh, got {self.prefill_cache_policy!r}")
-        if self.prefill_stream not in PREFILL_STREAMS:
-            out.append(f"prefill_stream must be uva or ring, got {self.prefill_stream!r}")
         p = self.page_size
         if not isinstance(p, int) or p < 1 or p & (p - 1):
             out.append(f"page_size must be a power of two, got {p!r}")

@@ -106,9 +106,6 @@ class LLM:
         if config.max_num_tokens is None and plan is not None:  # the chunk the memory plan counted
             config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
             self.chunk_reason = (plan.chunk or {}).get("reason", "the memory plan's")
-        # the engine's prefill cache policy reaches every backend, the workers' too (placement.py)
-        config = EngineConfig.of(config, experts=replace(config.experts, prefill=config.prefill_cache_policy,
-                                                         prefill_stream=config.prefill_stream))
         experts = config.experts
         model_dir = model_dir_of(model)
         config_from_dir(model_dir)  # the plainest error first when the directory is not a checkpoint
@@ -175,8 +172,9 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        config = EngineConfig.of(config, experts=random.options(cfg, config.expert_parallel_size,
-                                                                config.tensor_parallel_size))
+        experts = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
+        config = EngineConfig.of(config, experts=replace(experts, prefill=config.experts.prefill,
+                                                         prefill_stream=config.experts.prefill_stream))
         device = self._start_workers(random, dtype, device, config, cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
@@ -229,9 +227,9 @@ class LLM:
         if config.max_num_tokens is None:  # no memory plan made it: the same rule (plan/chunk.py)
             tokens, self.chunk_reason = auto_chunk(model)
             config = EngineConfig.of(config, max_num_tokens=tokens)
-        for block in model.moe_blocks():
-            set_prefill_policy(block.experts, config.prefill_cache_policy)
-            set_prefill_stream(block.experts, config.prefill_stream)
+        for block in model.moe_blocks():  # a model built elsewhere (a bench's or a random bed): the config's say
+            set_prefill_policy(block.experts, config.experts.prefill)
+            set_prefill_stream(block.experts, config.experts.prefill_stream)
         self.model_dir, self.tokenizer, self.model, self.cfg, self.config = model_dir, tokenizer, model, model.cfg, config
         if tokenizer.vocab_size > self.cfg.vocab_size:
             raise MoetierError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -268,6 +266,9 @@ class LLM:
 
             self.runner = DistributedRunner(self.runner, self._workers)
         self._ids, self.steps = itertools.count(), 0
+        # steps above decode_tokens take the large-step expert path: with slots each streams every missing
+        # expert of a layer once, whatever its token count (docs/prefix-cache.md reads them per bench level)
+        self.large_steps = self.large_step_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
@@ -317,6 +318,9 @@ class LLM:
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
         self.steps += 1
+        if step.num_tokens > self.config.decode_tokens:
+            self.large_steps += 1
+            self.large_step_tokens += step.num_tokens
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
@@ -392,6 +396,8 @@ class LLM:
             "kv_usage": s.cache.num_in_use / s.pages.num_pages,
             **s.cache.metrics_dict(self.kv_page_bytes),
             "steps": self.steps,
+            "large_steps": self.large_steps,
+            "large_step_tokens": self.large_step_tokens,
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,

@@ -27,6 +27,7 @@ from moetier.spec.expert_k import AcceptanceMeter, StepCosts, choose_k
 
 DECAY = 0.9  # the routing shares' moving average per step: recent steps weigh most
 PRIOR = 0.7  # acceptance assumed before any verify step (optimistic: k > 0 is tried, then measured)
+TIMED_BYTES = 32 * 2**20  # the smallest copy the link and HBM rates are timed over
 RETRY = 0.02  # per step without a verify, the measured acceptance moves this share back to PRIOR
 
 
@@ -44,13 +45,17 @@ def _seconds(fn, device: torch.device, reps: int = 5) -> float:
 
 
 def measured_costs(model, row_bytes: int, dense_bytes: int) -> StepCosts:
-    """StepCosts from copies timed on this machine (never assumed rates)."""
+    """StepCosts from copies timed on this machine (never assumed rates). The rates are timed over at
+    least TIMED_BYTES: a step's misses move together, so an expert costs its bytes at the link's rate,
+    and one small row's copy would time the launch instead (a tiny model's rows are tens of kB: the
+    link then timed faster than HBM on an H200)."""
     dev = model.device
-    src = torch.empty(row_bytes, dtype=torch.uint8, device=dev)
+    n = max(row_bytes, TIMED_BYTES)
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    host = torch.empty(row_bytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    hbm = row_bytes / max(_seconds(lambda: dst.copy_(src), dev), 1e-9)
-    link = row_bytes / max(_seconds(lambda: dst.copy_(host, non_blocking=True), dev), 1e-9)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    hbm = n / max(_seconds(lambda: dst.copy_(src), dev), 1e-9)
+    link = n / max(_seconds(lambda: dst.copy_(host, non_blocking=True), dev), 1e-9)
     return StepCosts.from_rates(dense_bytes, row_bytes, hbm, link, per_token_s=0.0)
 
 

@@ -48,11 +48,14 @@ class ExpertOptions:
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # overrides `slots` by layer
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).
     policy: str = "lfru"
-    # What a prefill step does to the slot cache (slots, hybrid): bypass or refresh (prefill_cache.py).
-    # The engine sets it from EngineConfig.prefill_cache_policy.
+    # What a larger step (prefill) does to the slot cache (slots, hybrid; --prefill-cache): "bypass"
+    # leaves it alone, "refresh" first moves the chunk's most used experts into slots
+    # (experts/prefill/cache_policy.py).
     prefill: str = "bypass"
-    # How a bypass step's misses reach the GEMM (slots, hybrid): uva or ring (prefill_ring.py; the engine
-    # sets it from EngineConfig.prefill_stream), and the ring's G rows per buffer and D buffers.
+    # How a bypass step's misses reach the expert GEMM (slots, hybrid; --prefill-stream): "uva" reads them
+    # across the link inside the kernel, "ring" stages them by the copy engine while the GEMM runs
+    # (experts/prefill/ring.py; the default: it prefilled faster, docs/measured-defaults.md); and the
+    # ring's G rows per buffer and D buffers.
     prefill_stream: str = "ring"
     ring_group: int = RING_GROUP
     ring_depth: int = RING_DEPTH

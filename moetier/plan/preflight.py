@@ -50,7 +50,7 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        gpu_budget=gpu,
                        gpu_source=gpu_src, context_in_budget=with_context, host_available=host,
                        host_source=host_src, memlock=machine.memlock_limit(),
-                       prefill_stream=config.prefill_stream,
+                       prefill_stream=config.experts.prefill_stream,
                        prefix_caching=config.enable_prefix_caching,
                        kv_host_bytes=config.kv_host_bytes, speculative=config.speculative_config is not None)
 
@@ -152,7 +152,7 @@ def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu
     its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
     table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
     the host is checked with the whole store (the uva plan: store on the host, none on the device).
-    ring: the staging ring's (G, D) when config.prefill_stream is ring (default: ExpertOptions').
+    ring: the staging ring's (G, D) when config.experts.prefill_stream is ring (default: ExpertOptions').
     pinned: the bed's pinned experts (experts/cache/split.py): its store holds only the cached rows, so
     every row is planned with them, and none with the whole store."""
     from moetier.experts.placement import ExpertOptions

@@ -21,6 +21,13 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 P = "moetier:"
 # (metric name, LLM.metrics() key, help): counters since start; the host tier's only when it exists
+# engine steps (LLM.metrics): all, and those above decode_tokens (the large-step expert path)
+STEP_COUNTERS = (
+    ("engine_steps", "steps", "Engine steps run."),
+    ("engine_large_steps", "large_steps", "Engine steps of more than decode_tokens tokens (the large-step expert "
+     "path: with slots, each streams every missing expert of a layer once)."),
+    ("engine_large_step_tokens", "large_step_tokens", "Tokens of the engine's large steps."),
+)
 PREFIX_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens of the admitted prompts."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens whose prefill was skipped."),
@@ -55,7 +62,7 @@ class EngineCollector:
             g.add_metric([self.model_name], value)
             yield g
         # prefix caching (engine/prefix_cache.py): vLLM's two counters in tokens, ours for the host KV tier
-        for name, key, doc in PREFIX_COUNTERS:
+        for name, key, doc in STEP_COUNTERS + PREFIX_COUNTERS:
             if key in m:
                 c = CounterMetricFamily(P + name, doc, labels=labels)
                 c.add_metric([self.model_name], m[key])

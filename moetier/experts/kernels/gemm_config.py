@@ -34,11 +34,11 @@ class GemmConfig:
     fp8_gemv_gate_up: tuple[int, int, int] = (8, 1024, 4)
     fp8_gemv_down: tuple[int, int, int] = (16, 256, 4)
 
-    # 4-bit rows at decode (NVFP4, INT4; grouped_gemm.py with Q4): bf16's blocks until `bench layer
-    # --dtype nvfp4,int4 --tune` has run on the H200 (a quarter of bf16's bytes per tile: other blocks
-    # may win, as they did for FP8). Any BLOCK_K: each element gathers its own group scale.
-    q4_gate_up: tuple[int, int, int] = (64, 128, 4)
-    q4_down: tuple[int, int, int] = (64, 128, 4)
+    # 4-bit rows at decode (NVFP4, INT4; grouped_gemm.py with Q4): scripts/tune_experts.py's winners on
+    # the H200 for both formats at 1 and 8 tokens (docs/quant4.md). BLOCK_K a power of two: a tile holds
+    # whole groups or lies in one (quant/packed4_triton.py).
+    q4_gate_up: tuple[int, int, int] = (32, 256, 4)
+    q4_down: tuple[int, int, int] = (64, 64, 4)
 
     def _names(self, quant: str | None) -> tuple[str, str]:
         return {"fp8": ("fp8_gate_up", "fp8_down"), None: ("gate_up", "down")}.get(quant, ("q4_gate_up", "q4_down"))
