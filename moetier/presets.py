@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetier.config import ModelConfig
+from moetier.models.mtp import MTP_FAMILIES
 from moetier.models.registry import config_from_dict
 from moetier.errors import ConfigError
 from moetier.experts.shape import MoeShape
@@ -230,14 +231,15 @@ def names() -> list[str]:
 def preset_dict(name: str, layers: int | None = None, dtype: str | None = None, mtp_layers: int | None = None
                 ) -> dict[str, Any]:
     """config.json fields of a preset, optionally cut to `layers` layers, with another dtype, and with
-    `mtp_layers` MTP layers (num_nextn_predict_layers: the DeepSeek-V3 family's, models/mtp.py)."""
+    `mtp_layers` MTP layers (num_nextn_predict_layers: the DeepSeek-V3 family's, and qwen3_moe's in the
+    same shape, models/mtp.py)."""
     table = {**_PUBLISHED, **_TINY}
     if name not in table:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(names())}")
     d = {**_COMMON[table[name].get("model_type", "qwen3_moe")], **table[name]}
     if mtp_layers is not None:
-        if d["model_type"] not in ("deepseek_v3", "glm_moe_dsa") or mtp_layers < 0:
-            raise ConfigError(f"preset {name}: MTP layers ({mtp_layers}) are for deepseek_v3 and glm_moe_dsa "
+        if d["model_type"] not in MTP_FAMILIES or mtp_layers < 0:
+            raise ConfigError(f"preset {name}: MTP layers ({mtp_layers}) are for {', '.join(MTP_FAMILIES)} "
                               "presets, 0 or more")
         d["num_nextn_predict_layers"] = mtp_layers
     if "text_config" in d:  # a multimodal config: the language model's fields sit in text_config

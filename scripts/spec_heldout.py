@@ -1,11 +1,11 @@
-"""Acceptance of n-gram drafting on the embedded model's held-out text, on the CPU (issue 35's CPU
-measure; MTP needs an MTP layer the embedded qwen3_moe model does not have): the held-out files
-(held_out.txt names them, docs/tiny-stdlib.md) are read from this Python's standard library; each
-prompt is the start of one file, decoded greedily alone with --speculative-config ngram (k fixed) and
-without; the outputs must be equal, and the record gives the tokens per target step after the
-prefill.
+"""Acceptance of speculative decoding on the embedded model's held-out text, on the CPU (issue 35's
+CPU measure): n-gram drafting, or the MTP layer tiny-stdlib ships (scripts/train_mtp.py). The
+held-out files (held_out.txt names them, docs/tiny-stdlib.md) are read from this Python's standard
+library; each prompt is the start of one file, decoded greedily alone with --speculative-config
+(the method, k fixed) and without; the outputs must be equal, and the record gives the tokens per
+target step after the prefill.
 
-    python scripts/spec_heldout.py --k 2 --prompts 8 --prompt-len 256 --tokens 64
+    python scripts/spec_heldout.py --method mtp --k 2 --prompts 8 --prompt-len 256 --tokens 64
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from moetier.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", choices=["ngram", "mtp"], default="ngram")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=11, help="held-out files to use (11 in all)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "expert_aware_k": False}
+    spec = {"method": args.method, "num_speculative_tokens": args.k, "expert_aware_k": False}
     plain, llm = LLM(None, device="cpu"), LLM(None, device="cpu", speculative_config=spec)
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = [lib / name for name in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
@@ -44,7 +45,7 @@ def main() -> None:
         rows.append({"file": f.name, "tokens_per_target_step": (len(got) - 1) / decode_steps})
     m = llm.metrics()
     mean = sum(r["tokens_per_target_step"] for r in rows) / len(rows)
-    print(json.dumps({"k": args.k, "stdlib": str(lib), "files": len(files), "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
+    print(json.dumps({"method": args.method, "k": args.k, "stdlib": str(lib), "files": len(files), "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
                       "acceptance_rate": m["spec_decode_acceptance_rate"],
                       "mean_acceptance_length": m["spec_decode_mean_acceptance_length"],
                       "accepted_per_pos": m["spec_decode_num_accepted_tokens_per_pos"], "rows": rows}, indent=1))

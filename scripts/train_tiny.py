@@ -6,6 +6,7 @@ exactly what transformers writes, and moetier's built-in tokenizer so no tokeniz
 
     python scripts/train_tiny.py --out moetier/assets/tiny-stdlib --minutes 13
     python scripts/train_tiny.py --bench          # tokens/s of each experts implementation, then exit
+    python scripts/train_tiny.py --mtp --minutes 5 --lr 1e-3   # the MTP layer on the frozen base (train_mtp.py)
 """
 
 from __future__ import annotations
@@ -122,6 +123,46 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))  # floor at 10% of peak
 
 
+class Schedule:
+    """The training loop's clock and data: iterating yields batches of windows [B, SEQ + 1] in a fresh
+    random order each epoch, with every optimizer group's lr set for the step (lr_at) and `step`
+    already counting it, until the budget is spent (--steps, or --minutes of wall-clock time).
+
+    With a time budget the cosine runs on elapsed time rather than steps: this 2-core machine is shared,
+    and in a trial steps ran 10x slower for a minute while another job held the cores, which would make
+    a step count fixed from early timings overrun the budget by as much."""
+
+    def __init__(self, args, wins: torch.Tensor, opt: torch.optim.Optimizer):
+        self.args, self.wins, self.opt = args, wins, opt
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.order, self.pos, self.epoch, self.step = torch.randperm(len(wins), generator=self.gen), 0, 0, 0
+        self.t0 = time.time()
+
+    def progress(self) -> float:
+        a = self.args
+        return self.step / a.steps if a.steps else (time.time() - self.t0) / (a.minutes * 60)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def epochs(self) -> float:
+        return self.epoch + self.pos / len(self.order)
+
+    def __iter__(self):
+        a = self.args
+        self.t0 = time.time()
+        while self.progress() < 1.0:
+            if self.pos + a.batch > len(self.order):
+                self.order, self.pos = torch.randperm(len(self.wins), generator=self.gen), 0
+                self.epoch += 1
+            w = self.wins[self.order[self.pos:self.pos + a.batch]]
+            self.pos += a.batch
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.step, self.progress(), a.lr, a.warmup)
+            self.step += 1
+            yield w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("moetier/assets/tiny-stdlib"))
@@ -135,10 +176,20 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--experts-impl", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm"])
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--mtp", action="store_true",
+                    help="train only an MTP layer on the frozen model in --out and add it there (train_mtp.py)")
+    ap.add_argument("--mtp-depths", type=int, choices=[1, 2], default=2,
+                    help="--mtp: train the layer alone (1) or also chained on its own output (2, as it drafts for k > 1)")
+    ap.add_argument("--eval-windows", type=int, default=64, help="--mtp: held-out windows probed before training")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="CPU threads; 1 where other jobs share the cores (two threads on two busy cores ran about 20x slower)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.bench:
         return bench(args.batch)
+    if args.mtp:
+        import train_mtp
+        return train_mtp.main(args)
 
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,23 +216,9 @@ def main() -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed)
-    order, pos, epoch = torch.randperm(len(train_w), generator=gen), 0, 0
-    # With a time budget the cosine runs on elapsed time rather than steps: this 2-core machine is shared,
-    # and in a trial steps ran 10x slower for a minute while another job held the cores, which would make
-    # a step count fixed from early timings overrun the budget by as much.
-    budget = args.minutes * 60
-    progress = lambda: step / args.steps if args.steps else (time.time() - t_train) / budget  # noqa: E731
     recent: list[float] = []
-    t_train = time.time()
-    step = 0
-    while progress() < 1.0:
-        if pos + args.batch > len(order):
-            order, pos, epoch = torch.randperm(len(train_w), generator=gen), 0, epoch + 1
-        w = train_w[order[pos:pos + args.batch]]
-        pos += args.batch
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, progress(), args.lr, args.warmup)
+    sched = Schedule(args, train_w, opt)
+    for w in sched:
         out = model(input_ids=w[:, :-1], output_router_logits=True)
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), w[:, 1:].flatten())
         aux = balance_loss(out.router_logits, k)
@@ -190,13 +227,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         recent = (recent + [ce.item()])[-50:]
-        step += 1
+        step, el = sched.step, sched.elapsed()
         if step % args.log_every == 0:
-            el = time.time() - t_train
-            print(f"step {step} ({progress():.1%}) ep {epoch} ce {ce.item():.4f} avg50 {sum(recent) / len(recent):.4f} "
+            print(f"step {step} ({sched.progress():.1%}) ep {sched.epoch} ce {ce.item():.4f} avg50 {sum(recent) / len(recent):.4f} "
                   f"aux {aux.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
                   f"{step * args.batch * SEQ / el:.0f} tok/s {el:.0f}s", flush=True)
-    train_seconds = time.time() - t_train
+    train_seconds, step = sched.elapsed(), sched.step
     tokens = step * args.batch * SEQ
 
     held_fp32, _ = evaluate(model, held_w, 32, k)

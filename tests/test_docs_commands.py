@@ -112,7 +112,8 @@ def test_documented_command_runs(where, line, shown, workdirs, tiny_ckpt, monkey
     places = {"tiny": str(tiny_ckpt), "default": str(default_model_dir())}
     for doc_text, run_text in SUBSTITUTE.items():
         line = re.sub(rf"(?<![\w/.-]){re.escape(doc_text)}(?![\w/.-])", run_text, line)
-    args = [a.format(**places) for a in shlex.split(line)[1:]]
+    # only the placeholders: a documented JSON option ('{"method": ...}') keeps its braces
+    args = [re.sub(r"\{(tiny|default)\}", lambda m: places[m.group(1)], a) for a in shlex.split(line)[1:]]
     # repository paths (data/traces/..., moetier/assets/...) read from the checkout
     args = [str(ROOT / a) if not a.startswith("/") and "/" in a and (ROOT / a).exists() else a for a in args]
     monkeypatch.chdir(cwd)

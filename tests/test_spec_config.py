@@ -61,16 +61,17 @@ def test_the_python_api_takes_text_dicts_and_records():
         EngineConfig.of(speculative_config=want, record_trace="t.trace")
 
 
-def test_cli_refuses_with_one_line():
+def test_cli_refuses_with_one_line(tiny_ckpt):
     from typer.testing import CliRunner
 
     from moetier.cli.app import app
 
-    # the default model (qwen3_moe) has no MTP layers: refused before loading, naming the way out
+    # the tiny preset's checkpoint (qwen3_moe, num_nextn_predict_layers 0) has no MTP layers: refused
+    # before loading, naming the way out (the default model ships one: tests/test_mtp_tiny_stdlib.py)
     for args, says in ((['{"method": "mtp", "num_speculative_tokens": 2}'], "use method ngram"),
                        (['{"method": "mtp", "num_speculative_tokens": -1}'], "num_speculative_tokens -1")):
         for command in (["generate", "hi"], ["serve"]):
-            r = CliRunner().invoke(app, command + ["--speculative-config"] + args)
+            r = CliRunner().invoke(app, command + ["--model", str(tiny_ckpt), "--speculative-config"] + args)
             err = r.stderr.strip().splitlines()[-1]  # serve says what it plans first
             assert r.exit_code == 2 and err.startswith("error: "), r.output
             assert says in err

@@ -237,9 +237,10 @@ def test_target_probs_are_the_samplers_distribution():
     torch.testing.assert_close(p[2], want)
 
 
-def test_refusals():
+def test_refusals(tiny_ckpt):
+    # a qwen3_moe checkpoint without MTP layers (the default model ships one: test_mtp_tiny_stdlib.py)
     with pytest.raises(MoetierError, match="use method ngram"):
-        LLM(None, device="cpu", speculative_config=MTP)
+        LLM(str(tiny_ckpt), device="cpu", speculative_config=MTP)
 
 
 def test_the_plan_counts_the_mtp_layer_when_it_drafts(mtp_ckpt):

@@ -21,8 +21,6 @@ each rank slices.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,11 +36,8 @@ from moetier.layers.rotary import rope_cos_sin
 from moetier.layers.router import GroupedSigmoidTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
 from moetier.models.mla_config import MlaMoeConfig
-from moetier.models.mtp import MtpHead, mtp_own_weights
+from moetier.models.mtp import MtpHead, layer_of, mtp_weights
 from moetier.parallel import Parallel
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
 
 class MlaDecoderLayer(nn.Module):
     def __init__(self, cfg: MlaMoeConfig, layer: int, indexer: nn.Module | None, dtype: torch.dtype,
@@ -179,41 +174,21 @@ class MlaMoeForCausalLM(CausalLM):
         return out + routed_expert_weights(m, layer, e, h, mi, present)
 
     @classmethod
-    def mtp_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
-        """The MTP layers (DeepSeek-V3 / GLM-5 layout): a MoE decoder layer plus enorm, hnorm, eh_proj
-        and a shared head. The first cfg.mtp_layers are loaded (required; their routed experts go to
-        the tiers like any layer's); the rest optional and not kept (expert=None: no tier)."""
-        out = []
-        for d, layer in enumerate(range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)):
-            loaded = d < cfg.mtp_layers
-            decoder = cls.layer_weights(cfg, layer, present, True)
-            out += decoder if loaded else [Weight(w.name, w.shape, optional=True) for w in decoder]
-            out += mtp_own_weights(f"model.layers.{layer}.", cfg.hidden_size, cfg.vocab_size, loaded)
-        return out
-
-    @classmethod
     def checkpoint_weights(cls, cfg: MlaMoeConfig, present: set[str]) -> list[Weight]:
         out = [Weight("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))]
         for layer in range(cfg.num_layers):
             out += cls.layer_weights(cfg, layer, present, cfg.is_moe_layer(layer))
         out.append(Weight("model.norm.weight", (cfg.hidden_size,)))
         out.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), optional=cfg.tie_word_embeddings))
-        return out + cls.mtp_weights(cfg, present)
+        return out + mtp_weights(cls.layer_weights, cfg, present)  # DeepSeek-V3 / GLM-5 layout
 
     def param(self, name: str) -> torch.Tensor | None:
         if (outer := self.outer_param(name)) is not False:
             return outer
-        m = _LAYER.fullmatch(name)
-        if not m or int(m.group(1)) >= self.cfg.num_layers + self.cfg.mtp_layers:  # MTP layers not loaded
-            return None
-        i, rest = int(m.group(1)), m.group(2)
-        if i >= self.cfg.num_layers:
-            head = self.mtp[i - self.cfg.num_layers]
-            if (own := head.own_param(rest)) is not False:
-                return own
-            layer = head.block
-        else:
-            layer = self.layers[i]
+        found = layer_of(self, name)
+        if not isinstance(found, tuple):  # not a layer's tensor, or an MTP layer's own
+            return found
+        layer, rest = found
         if rest == "input_layernorm.weight":
             return layer.input_norm
         if rest == "post_attention_layernorm.weight":

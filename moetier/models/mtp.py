@@ -1,5 +1,6 @@
-"""Multi-token-prediction (MTP) layers of the DeepSeek-V3 family (deepseek_v3, glm_moe_dsa), the
-draft model of speculative decoding (docs/speculative.md). Checkpoint layer num_hidden_layers + d
+"""Multi-token-prediction (MTP) layers of the DeepSeek-V3 family (deepseek_v3, glm_moe_dsa), and of
+qwen3_moe checkpoints that store one in the same shape (the embedded tiny-stdlib: scripts/train_mtp.py),
+the draft model of speculative decoding (docs/speculative.md). Checkpoint layer num_hidden_layers + d
 (d < num_nextn_predict_layers) holds, besides a whole MoE decoder layer of its own (attention with
 its KV, GLM-5's indexer, router, shared and routed experts):
 
@@ -24,6 +25,7 @@ other costs acceptance, never correctness (verification is exact either way).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,8 @@ from moetier.layers.norm import add_rms_norm, rms_norm
 from moetier.layers.param import param
 from moetier.models.base import Weight
 
-MTP_FAMILIES = ("deepseek_v3", "glm_moe_dsa")
+MTP_FAMILIES = ("deepseek_v3", "glm_moe_dsa", "qwen3_moe")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # the MTP layer's own tensors besides its decoder layer; (name, shape as a function of H, V), kept
 _OWN = (("enorm.weight", lambda h, v: (h,)), ("hnorm.weight", lambda h, v: (h,)),
         ("eh_proj.weight", lambda h, v: (h, 2 * h)), ("shared_head.norm.weight", lambda h, v: (h,)))
@@ -60,6 +63,36 @@ def mtp_own_weights(prefix: str, hidden: int, vocab: int, loaded: bool) -> list[
     copies always optional (the loader reads nothing the model does not keep)."""
     own = [Weight(prefix + n, s(hidden, vocab), optional=not loaded) for n, s in _OWN]
     return own + [Weight(prefix + n, s(hidden, vocab), optional=True) for n, s in _COPIES]
+
+
+def mtp_weights(layer_weights, cfg, present: set[str]) -> list[Weight]:
+    """The MTP layers of cfg's checkpoint (layers num_layers ..): each a MoE decoder layer, its tensors
+    from the family's layer_weights(cfg, layer, present, moe=True), plus its own. The first
+    cfg.mtp_layers are loaded (required; their routed experts go to the tiers like any layer's); the
+    rest optional and not kept (expert=None: no tier)."""
+    out = []
+    for d, layer in enumerate(range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)):
+        loaded = d < cfg.mtp_layers
+        decoder = layer_weights(cfg, layer, present, True)
+        out += decoder if loaded else [Weight(w.name, w.shape, optional=True) for w in decoder]
+        out += mtp_own_weights(f"model.layers.{layer}.", cfg.hidden_size, cfg.vocab_size, loaded)
+    return out
+
+
+def layer_of(model, name: str) -> tuple[nn.Module, str] | torch.Tensor | None:
+    """Checkpoint tensor `name` of a model with decoder `layers` and MtpHead list `mtp` -> (its decoder
+    layer, the rest of the name: the family maps that), or an MTP layer's own tensor, or None (not a
+    layer's tensor, a copy, or an MTP layer not loaded)."""
+    cfg = model.cfg
+    m = _LAYER.fullmatch(name)
+    if not m or int(m.group(1)) >= cfg.num_layers + cfg.mtp_layers:
+        return None
+    i, rest = int(m.group(1)), m.group(2)
+    if i < cfg.num_layers:
+        return model.layers[i], rest
+    head = model.mtp[i - cfg.num_layers]
+    own = head.own_param(rest)
+    return (head.block, rest) if own is False else own
 
 
 class MtpHead(nn.Module):

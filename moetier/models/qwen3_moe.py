@@ -11,6 +11,11 @@ rule allows (layers/gqa_attention.py, layers/mlp.py say when).
 Routed experts are stored per expert (published checkpoints) or fused (transformers 5); either way
 they go to the expert tiers, not to this module.
 
+MTP: qwen3_moe has no MTP layer of its own; a checkpoint may store one in DeepSeek-V3's shape
+(models/mtp.py: layer num_hidden_layers + d, `num_nextn_predict_layers` in config.json; the embedded
+tiny-stdlib ships one, scripts/train_mtp.py). Its decoder layer is a qwen3_moe MoE layer; the layers
+are optional weights, skipped unless cfg.mtp_layers says to load them (speculative method mtp).
+
 Tensor parallelism (par.tp > 1, docs/parallel.md): attention split by heads and the dense MLP by
 columns (layers/gqa_attention.py, layers/mlp.py; Weight.split says which checkpoint dim each rank
 slices); the embedding, norms, router and LM head are replicated; the KV cache holds this rank's
@@ -19,7 +24,6 @@ kv heads only.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,10 +42,8 @@ from moetier.layers.param import param
 from moetier.layers.rotary import rope_cos_sin, rope_inv_freq
 from moetier.layers.router import SoftmaxTopK
 from moetier.models.base import CausalLM, Weight, routed_expert_weights
+from moetier.models.mtp import MtpHead, layer_of, mtp_weights
 from moetier.parallel import Parallel
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3MoeConfig(ModelConfig):
@@ -54,13 +56,21 @@ class Qwen3MoeConfig(ModelConfig):
     mlp_only_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
     attention_bias: bool = False
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers (models/mtp.py)
+    mtp_layers: int = 0  # of those, how many the model holds (models/mtp.with_mtp; not in config.json)
 
     architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
 
     def is_moe_layer(self, layer: int) -> bool:
+        if layer >= self.num_layers:  # a loaded MTP layer: always MoE (as the DeepSeek-V3 family's)
+            return layer < self.num_layers + self.mtp_layers and self.num_experts > 0
         # Same rule as transformers' Qwen3MoeDecoderLayer.
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers + self.mtp_layers) if self.is_moe_layer(i)]
 
     @classmethod
     def parse(cls, f: Fields) -> dict[str, Any]:
@@ -87,6 +97,10 @@ class Qwen3MoeConfig(ModelConfig):
             f.problems.append(f"hidden_act {f.get('hidden_act')!r} is not supported (only silu)")
         if f.get("use_sliding_window", default=False):
             f.problems.append("use_sliding_window=true is not supported; set it to false")
+        mtp = f.get("num_nextn_predict_layers", default=0)
+        if not isinstance(mtp, int) or mtp < 0:
+            f.problems.append(f"num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
+            mtp = 0
         rope = f.get("rope_parameters", "rope_scaling", default=None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -102,6 +116,7 @@ class Qwen3MoeConfig(ModelConfig):
             mlp_only_layers=mlp_only,
             rope_theta=float(rope.get("rope_theta", f.get("rope_theta", default=10000.0))),
             attention_bias=bool(f.get("attention_bias", default=False)),
+            num_nextn_predict_layers=mtp,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -123,6 +138,7 @@ class Qwen3MoeConfig(ModelConfig):
             "hidden_act": "silu",
             "use_sliding_window": False,
             "sliding_window": None,
+            **({"num_nextn_predict_layers": self.num_nextn_predict_layers} if self.num_nextn_predict_layers else {}),
         }
 
     def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
@@ -139,8 +155,9 @@ class Qwen3MoeConfig(ModelConfig):
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads) + h
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        for i in range(self.num_layers):
-            total += attn
+        for i in range(self.num_layers + self.mtp_layers):
+            # an MTP layer adds enorm, hnorm, eh_proj [H, 2H] and its head's norm (embedding, head: shared)
+            total += attn + (3 * h + 2 * h * h if i >= self.num_layers else 0)
             if self.is_moe_layer(i):
                 total += self.num_experts * h + self.num_experts * 3 * h * self.moe_intermediate_size
             else:
@@ -185,45 +202,51 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.norm = param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        n = cfg.num_layers
+        self.mtp = nn.ModuleList(MtpHead(cfg.hidden_size, cfg.rms_norm_eps, DecoderLayer(cfg, n + d, dtype, device, par),
+                                         dtype, device) for d in range(cfg.mtp_layers))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device), persistent=False)
 
     @classmethod
+    def layer_weights(cls, cfg: Qwen3MoeConfig, layer: int, present: set[str], moe: bool) -> list[Weight]:
+        h, d, e = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+        p = f"model.layers.{layer}."
+        out = [Weight(p + "input_layernorm.weight", (h,)), Weight(p + "post_attention_layernorm.weight", (h,))]
+        a = p + "self_attn."
+        for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)):
+            out.append(Weight(a + proj + ".weight", (heads * d, h), split=0))  # by heads
+            if cfg.attention_bias:
+                out.append(Weight(a + proj + ".bias", (heads * d,), split=0))
+        out.append(Weight(a + "o_proj.weight", (h, cfg.num_heads * d), split=1))  # its input: the heads
+        if cfg.attention_bias:
+            out.append(Weight(a + "o_proj.bias", (h,)))
+        out += [Weight(a + "q_norm.weight", (d,)), Weight(a + "k_norm.weight", (d,))]
+        m = p + "mlp."
+        if not moe:
+            return out + [Weight(m + "gate_proj.weight", (cfg.intermediate_size, h), split=0),
+                          Weight(m + "up_proj.weight", (cfg.intermediate_size, h), split=0),
+                          Weight(m + "down_proj.weight", (h, cfg.intermediate_size), split=1)]
+        return out + [Weight(m + "gate.weight", (e, h))] + routed_expert_weights(
+            m, layer, e, h, cfg.moe_intermediate_size, present)
+
+    @classmethod
     def checkpoint_weights(cls, cfg: Qwen3MoeConfig, present: set[str]) -> list[Weight]:
-        h, d, i_moe, e = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size, cfg.num_experts
+        h = cfg.hidden_size
         out = [Weight("model.embed_tokens.weight", (cfg.vocab_size, h))]
         for layer in range(cfg.num_layers):
-            p = f"model.layers.{layer}."
-            out += [Weight(p + "input_layernorm.weight", (h,)), Weight(p + "post_attention_layernorm.weight", (h,))]
-            a = p + "self_attn."
-            for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)):
-                out.append(Weight(a + proj + ".weight", (heads * d, h), split=0))  # by heads
-                if cfg.attention_bias:
-                    out.append(Weight(a + proj + ".bias", (heads * d,), split=0))
-            out.append(Weight(a + "o_proj.weight", (h, cfg.num_heads * d), split=1))  # its input: the heads
-            if cfg.attention_bias:
-                out.append(Weight(a + "o_proj.bias", (h,)))
-            out += [Weight(a + "q_norm.weight", (d,)), Weight(a + "k_norm.weight", (d,))]
-            m = p + "mlp."
-            if not cfg.is_moe_layer(layer):
-                out += [Weight(m + "gate_proj.weight", (cfg.intermediate_size, h), split=0),
-                        Weight(m + "up_proj.weight", (cfg.intermediate_size, h), split=0),
-                        Weight(m + "down_proj.weight", (h, cfg.intermediate_size), split=1)]
-                continue
-            out.append(Weight(m + "gate.weight", (e, h)))
-            out += routed_expert_weights(m, layer, e, h, i_moe, present)
+            out += cls.layer_weights(cfg, layer, present, cfg.is_moe_layer(layer))
         out.append(Weight("model.norm.weight", (h,)))
         # some exporters write the tied copy, most do not
         out.append(Weight("lm_head.weight", (cfg.vocab_size, h), optional=cfg.tie_word_embeddings))
-        return out
+        return out + mtp_weights(cls.layer_weights, cfg, present)
 
     def param(self, name: str) -> torch.Tensor | None:
         if (outer := self.outer_param(name)) is not False:
             return outer
-        m = _LAYER.fullmatch(name)
-        if not m:
-            return None
-        layer = self.layers[int(m.group(1))]
-        rest = m.group(2)
+        found = layer_of(self, name)
+        if not isinstance(found, tuple):  # not a layer's tensor, or an MTP layer's own
+            return found
+        layer, rest = found
         if rest == "input_layernorm.weight":
             return layer.input_norm
         if rest == "post_attention_layernorm.weight":
@@ -244,10 +267,12 @@ class Qwen3MoeForCausalLM(CausalLM):
     @classmethod
     def kv_spec_of(cls, cfg: Qwen3MoeConfig, par: Parallel) -> GqaKVSpec:
         # this rank's kv heads only (all of them without tensor parallelism)
-        return GqaKVSpec(cfg.num_layers, par.tp_split(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim)
+        # loaded MTP layers (cfg.mtp_layers) have KV rows of their own
+        return GqaKVSpec(cfg.num_layers + cfg.mtp_layers, par.tp_split(cfg.num_kv_heads, "num_key_value_heads"), cfg.head_dim)
 
     def moe_blocks(self) -> list[MoEBlock]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        layers = [*self.layers, *(head.block for head in self.mtp)]
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: GqaKVCache) -> torch.Tensor:
@@ -260,6 +285,19 @@ class Qwen3MoeForCausalLM(CausalLM):
         for layer in self.layers:
             x, delta = layer(x, delta, cos, sin, batch, kv)
         return add_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv: GqaKVCache, depth: int = 0,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft step, as MlaMoeForCausalLM.draft (models/mtp.py): input_ids [N], hidden [N, H]
+        -> (logits [N or R, V] float32, the hidden state to chain [N or R, H])."""
+        head = self.mtp[depth % len(self.mtp)]
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        x = head.project(F.embedding(input_ids, self.embed), hidden)
+        out = head.finish(*head.block(x, None, cos, sin, batch, kv))
+        if rows is not None:
+            out = out[rows]
+        return self.logits(out), out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

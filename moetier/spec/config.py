@@ -4,8 +4,9 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 parsed into one record and checked, every problem one line naming the fix (MoetierError, exit 2 at
-the CLI). "mtp" drafts with the checkpoint's own multi-token-prediction layers (models/mla_model.py,
-deepseek_v3 and glm_moe_dsa; see docs/speculative.md for glm5_next); "ngram" drafts by prompt lookup
+the CLI). "mtp" drafts with the checkpoint's own multi-token-prediction layers (models/mtp.py:
+deepseek_v3, glm_moe_dsa, and qwen3_moe checkpoints that store one such as the embedded
+tiny-stdlib; see docs/speculative.md for glm5_next); "ngram" drafts by prompt lookup
 (spec/ngram.py) for any model. "expert_aware_k" (default true) lets the engine choose k per step
 between 0 and num_speculative_tokens from spec/expert_k.py's cost model.
 """
