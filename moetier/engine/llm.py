@@ -265,10 +265,9 @@ class LLM:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
-        self._ids, self.steps = itertools.count(), 0
-        # steps above decode_tokens take the large-step expert path: with slots each streams every missing
-        # expert of a layer once, whatever its token count (docs/prefix-cache.md reads them per bench level)
-        self.large_steps = self.large_step_tokens = 0
+        # large steps: above decode_tokens, the large-step expert path (with slots each streams every
+        # missing expert of a layer once, however few its tokens; docs/prefix-cache.md)
+        self._ids, self.steps, self.large_steps, self.large_step_tokens = itertools.count(), 0, 0, 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
@@ -319,8 +318,7 @@ class LLM:
                                     result.emitted, result.drafts, result.emitted_logprobs)
         self.steps += 1
         if step.num_tokens > self.config.decode_tokens:
-            self.large_steps += 1
-            self.large_step_tokens += step.num_tokens
+            self.large_steps, self.large_step_tokens = self.large_steps + 1, self.large_step_tokens + step.num_tokens
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
@@ -340,23 +338,20 @@ class LLM:
         return [final[i] for i in ids]
 
     def close(self) -> None:
-        """Finish a recorded trace (the file is complete only after this); unhook a replayed one; stop
-        the worker ranks of a parallel engine."""
+        """Finish a recorded trace (complete only after this), unhook a replayed one, stop the workers."""
         if self._workers is not None:
             if not self._workers.stopped and hasattr(self, "runner"):
                 self._closed_stats = self._last_stats()
                 self.runner.release()  # graphs before the group (graphs.release)
             self._workers.stop()
-        if self.recorder is not None:
-            self.recorder.close()
-            self.recorder = None
-        if self.replayer is not None:
-            self.replayer.close()
-            self.replayer = None
+        for hook in (self.recorder, self.replayer):
+            if hook is not None:
+                hook.close()
+        self.recorder = self.replayer = None
 
     def _last_stats(self) -> list[dict] | None:
-        """Every rank's expert statistics as the engine closes (metrics() after close() reports them:
-        no rank runs a step after it). None when a worker is already dead: close() never raises."""
+        """Every rank's expert statistics as the engine closes, for metrics() after close(); None when a
+        worker is already dead: close() never raises."""
         if self._workers.dead():
             return None
         try:
@@ -395,9 +390,7 @@ class LLM:
             "kv_pages_total": s.pages.num_pages,
             "kv_usage": s.cache.num_in_use / s.pages.num_pages,
             **s.cache.metrics_dict(self.kv_page_bytes),
-            "steps": self.steps,
-            "large_steps": self.large_steps,
-            "large_step_tokens": self.large_step_tokens,
+            **{k: getattr(self, k) for k in ("steps", "large_steps", "large_step_tokens")},
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,
