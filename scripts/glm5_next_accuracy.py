@@ -1,7 +1,7 @@
 """Where glm5_next's float32 CUDA logits part from the CPU's (a diagnosis, not a benchmark): the tiny
 preset's model on CUDA against the same checkpoint on the CPU, a prompt in two steps then decode
 steps, routed from one trace, with each CUDA-only path swapped for its torch reference in turn
-(fla's KDA, the fused mHC); then fla's chunk_kda alone against the token-by-token recurrence over
+(fla's KDA, the fused mHC, the router kernel); then fla's chunk_kda alone against the token-by-token recurrence over
 gate scales and lengths (as shipped, and fla's bounded-gate variant: safe_gate with the lower bound).
 The tiny preset's random gates sit near -2.5 a token (lower_bound -5 times a sigmoid near 0.5), the
 CPU tests' transformers-initialised ones near -0.35. Prints a table of relative errors per step; JSON to argv[1] if given.
@@ -19,12 +19,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetier.checkpoint.writer import make_checkpoint  # noqa: E402
 from moetier.layers import kda as kda_layer  # noqa: E402
-from moetier.layers import mhc_triton  # noqa: E402
+from moetier.layers import mhc_triton, router  # noqa: E402
 from moetier.layers.kda_reference import kda_recurrent  # noqa: E402
 from tests.helpers import cuda_tracks_cpu  # noqa: E402
 
@@ -47,6 +48,16 @@ def model_rows(tmp: Path) -> dict:
     mhc_triton.fused_supported = fused
     with torch.backends.cudnn.flags(enabled=False):
         rows["cudnn off"] = run()
+    fwd = router.GroupedSigmoidTopK.forward
+
+    def reference(self, x):  # the CPU's router on CUDA: its own top-k order
+        logits = F.linear(x.float(), self.weight)
+        ids, w = router.grouped_route_reference(logits, self.bias, self.top_k, self.n_group, self.topk_group,
+                                                self.renormalize, self.scaling)
+        return ids, w.to(x.dtype)
+    router.GroupedSigmoidTopK.forward = reference
+    rows["router torch reference"] = run()
+    router.GroupedSigmoidTopK.forward = fwd
     return rows
 
 

@@ -29,9 +29,11 @@ def test_model_on_cuda_tracks_the_cpu_references(checkpoint, tmp_path):
     the decode conv and fused mHC kernels, the fixed-shape kpool selection, the latent attention
     kernel) against the CPU's reference paths. Both models route from the same trace, and the context
     stays within index_topk + index_kpool - 1 tokens (every token attended), so that no expert or pool
-    choice can flip on rounding. With fla's dots in IEEE float32 the model is within float32 rounding
-    of the references; as shipped, fla's chunked kernel takes TF32 dots (10-bit mantissas) and lands
-    further off, a lost state or a wrong slot still far beyond. Long prompts: tests/test_kda_gpu.py."""
+    choice can flip on rounding (the replayer gives the trace's experts the router's weights largest
+    first: the CPU's and the CUDA router's picks come in other orders). With fla's dots in IEEE float32
+    the model is within float32 rounding of the references; as shipped, fla's chunked kernel takes TF32
+    dots (10-bit mantissas) and lands further off, a lost state or a wrong slot still far beyond. Long
+    prompts: tests/test_kda_gpu.py."""
     from tests.helpers import cuda_tracks_cpu, ieee_fp32_dots
 
     errors = cuda_tracks_cpu(checkpoint, tmp_path)

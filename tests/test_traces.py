@@ -125,6 +125,31 @@ def test_record_then_replay_reproduces_the_run(tiny_ckpt, tmp_path):
     assert run("--replay-trace", str(rec))["token_ids"] == first["token_ids"]
 
 
+def test_replay_pairs_weights_by_rank_whatever_the_routers_order():
+    """A router may list its picks in any order (the CPU's unsorted top-k, the CUDA kernel's
+    descending): the replayer gives the trace's experts the router's weights largest first, so the
+    same weights in another order route alike (before, a CUDA and a CPU replay of one trace paired
+    them differently: 5e-3 apart on glm5_next's tiny preset)."""
+    from types import SimpleNamespace
+
+    from moetier.traces.format import Trace
+    from moetier.traces.hooks import Replayer
+
+    block = SimpleNamespace(layer=0, route_hook=None)
+    model = SimpleNamespace(cfg=SimpleNamespace(num_experts=8, top_k=3, num_layers=1), device=torch.device("cpu"),
+                            moe_blocks=lambda: [block], real_rows=None)
+    ids = np.array([[[5, 1, 7]], [[2, 0, 6]]])  # [N, L, k]
+    trace = Trace({"experts": 8, "top_k": 3, "layers": [0]}, ids, None, np.zeros(2, np.int64), np.zeros(2, bool))
+    rep = Replayer(model, trace)
+    w = torch.tensor([[0.2, 0.5, 0.3], [0.1, 0.6, 0.3]])
+    perm = torch.tensor([2, 0, 1])
+    a_ids, a_w = block.route_hook(0, torch.zeros(2, 3, dtype=torch.long), w)
+    rep.cursor.zero_()
+    b_ids, b_w = block.route_hook(0, torch.zeros(2, 3, dtype=torch.long), w[:, perm])
+    assert torch.equal(a_ids, b_ids) and torch.equal(a_w, b_w)
+    assert a_ids.tolist() == [[5, 1, 7], [2, 0, 6]] and torch.equal(a_w, torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]))
+
+
 def test_replay_refuses_a_trace_for_another_model(tiny_ckpt, tmp_path):
     from moetier.engine import LLM
 
