@@ -209,3 +209,12 @@ def test_damaged_header_and_nan_skew_are_clear_errors(tmp_path):
         read_trace(bad)
     with pytest.raises(MoetierError, match="skew must be a finite number"):
         SynthParams(experts=8, top_k=2, layers=1, skew=float("nan")).check()
+
+
+def test_replay_with_the_cuda_router_kernels_equals_the_torch_routers():
+    """The CUDA router kernels in Triton's interpreter against the torch routers under one replayed
+    trace, on the embedded model and tiny glm5_next (tests/router_replay_interpreter.py)."""
+    from tests.interpreter import run_script
+
+    out = run_script("router_replay_interpreter.py")
+    assert "tiny-glm5-next" in out and "tiny-stdlib" in out
