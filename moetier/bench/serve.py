@@ -195,7 +195,7 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
     after, spec1, steps1 = (await prefix_counters(client, url), await spec_counters(client, url),
                             await step_counters(client, url))
     if steps0 is not None and steps1 is not None:  # the level's steps, and how many took the large path
-        out |= {f"engine_{k}" if k == "steps" else k: steps1[k] - steps0[k] for k in steps1}
+        out |= {k: steps1[k] - steps0[k] for k in steps1}
     if spec0 is not None and spec1 is not None:
         d = {k: spec1[k] - spec0[k] for k in spec1}
         drafts, tokens, kept = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
@@ -236,7 +236,7 @@ async def prefix_counters(client, url: str) -> dict[str, float] | None:
 
 async def step_counters(client, url: str) -> dict[str, float] | None:
     """moetier's engine step counters (server/metrics.py STEP_COUNTERS); None from another server."""
-    return await counters(client, url, {"moetier:engine_steps_total": "steps",
+    return await counters(client, url, {"moetier:engine_steps_total": "engine_steps",
                                         "moetier:engine_large_steps_total": "large_steps",
                                         "moetier:engine_large_step_tokens_total": "large_step_tokens"}, {})
 

@@ -164,6 +164,10 @@ class LLM:
         device = pick_device(device)
         cfg = preset(random.preset, random.layers)
         torch_dtype = resolve_dtype("bfloat16" if dtype == "auto" else dtype, cfg)
+        # the bed's placement, with the caller's prefill options (the one record says what runs)
+        experts = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
+        config = EngineConfig.of(config, experts=replace(experts, prefill=config.experts.prefill,
+                                                         prefill_stream=config.experts.prefill_stream))
         if config.world_size == 1:
             bed = build_random(random, torch_dtype, device, config.decode_tokens)
             self = cls.from_model(bed.model, bed.tokenizer, config)
@@ -172,9 +176,6 @@ class LLM:
         self = cls.__new__(cls)
         self._workers, self.load_report = None, None
         self.plan, self.audits, self._on_audit = None, [], None
-        experts = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
-        config = EngineConfig.of(config, experts=replace(experts, prefill=config.experts.prefill,
-                                                         prefill_stream=config.experts.prefill_stream))
         device = self._start_workers(random, dtype, device, config, cfg, rank_plans)
         try:
             self.bed = build_random(random, torch_dtype, device, config.decode_tokens, self.parallel)
