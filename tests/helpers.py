@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import tempfile
-from typing import Callable
 
 import torch
 
@@ -113,33 +112,3 @@ def ieee_fp32_dots(*packages: str):
             scratch.cleanup()
         assert drop() > 0, f"no Triton kernels of {packages} were loaded: the setting held nothing"
 
-
-def cuda_tracks_cpu(checkpoint, tmp_path) -> Callable[[], list[float]]:
-    """float32 models of `checkpoint` on the CPU and on CUDA (eager), routed from one trace: a 19-token
-    prompt in two steps (9 + 5: a carried state), then five decode steps. -> a function that runs the
-    CUDA model over them from the trace's start and returns each step's relative error of the logits
-    against the CPU's (computed once). tests/test_glm5_next_gpu.py, scripts/glm5_next_accuracy.py."""
-    from moetier.engine.llm import LLM
-    from moetier.traces.format import read_trace, write_trace
-    from moetier.traces.hooks import Replayer
-    from moetier.traces.synth import SynthParams, meta_of, synthesize
-
-    cpu = LLM(checkpoint, dtype="float32", device="cpu").model
-    gpu = LLM(checkpoint, dtype="float32", device="cuda", cuda_graphs=False).model
-    cfg = cpu.cfg
-    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cpu.moe_blocks()), tokens=64, seed=3)
-    write_trace(tmp_path / "t.mtrace", synthesize(p), meta_of(p))
-    Replayer(cpu, read_trace(tmp_path / "t.mtrace"))
-    replayer = Replayer(gpu, read_trace(tmp_path / "t.mtrace"))
-    ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(5))
-    steps = ((0, 9), (9, 14), *((n, n + 1) for n in range(14, 19)))
-    a = Sequence(cpu, 64, page_size=16)
-    want = [cpu.logits(a.forward(ids[lo:hi])) for lo, hi in steps]
-
-    def errors() -> list[float]:
-        replayer.cursor.zero_()  # the trace from its start again
-        b = Sequence(gpu, 64, page_size=16)
-        return [((gpu.logits(b.forward(ids[lo:hi])).cpu() - w).norm() / w.norm()).item()
-                for (lo, hi), w in zip(steps, want)]
-
-    return errors

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_parity import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 if torch.cuda.is_available():
@@ -34,9 +35,29 @@ def test_model_on_cuda_tracks_the_cpu_references(checkpoint, tmp_path):
     the model is within float32 rounding of the references; as shipped, fla's chunked kernel takes TF32
     dots (10-bit mantissas) and lands further off, a lost state or a wrong slot still far beyond. Long
     prompts: tests/test_kda_gpu.py."""
-    from tests.helpers import cuda_tracks_cpu, ieee_fp32_dots
+    from moetier.engine.llm import LLM
+    from moetier.traces.format import read_trace, write_trace
+    from moetier.traces.hooks import Replayer
+    from moetier.traces.synth import SynthParams, meta_of, synthesize
+    from tests.helpers import Sequence, ieee_fp32_dots
 
-    errors = cuda_tracks_cpu(checkpoint, tmp_path)
+    cpu = LLM(checkpoint, dtype="float32", device="cpu").model
+    gpu = LLM(checkpoint, dtype="float32", device="cuda", cuda_graphs=False).model
+    cfg = cpu.cfg
+    p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=len(cpu.moe_blocks()), tokens=64, seed=3)
+    write_trace(tmp_path / "t.mtrace", synthesize(p), meta_of(p))
+    Replayer(cpu, read_trace(tmp_path / "t.mtrace"))
+    replayer = Replayer(gpu, read_trace(tmp_path / "t.mtrace"))
+    ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(5))
+    steps = ((0, 9), (9, 14), *((n, n + 1) for n in range(14, 19)))
+    a = Sequence(cpu, 64, page_size=16)
+    want = [cpu.logits(a.forward(ids[lo:hi])) for lo, hi in steps]
+
+    def errors() -> list[float]:
+        replayer.cursor.zero_()  # the trace from its start again
+        b = Sequence(gpu, 64, page_size=16)
+        return [rel_err(gpu.logits(b.forward(ids[lo:hi])).cpu(), w) for (lo, hi), w in zip(steps, want)]
+
     tf32 = errors()
     with ieee_fp32_dots("fla"):
         ieee = errors()
