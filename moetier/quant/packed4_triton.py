@@ -37,8 +37,8 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
     # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K. Loads are whole
     # tiles: the tile's bytes [BLOCK_N, BLOCK_K / 2] (one load, contiguous per row), its scales
     # [BLOCK_N, BLOCK_K / GROUP] (or one per row when a group spans the tile), then the nibbles are
-    # interleaved and each group multiplied by its scale in registers. (A gather per element, byte and
-    # scale each, ran the decode GEMMs at about 100 GB/s on the H200: docs/quant4.md.)
+    # interleaved and each group multiplied by its scale in registers (a gather per element, byte and
+    # scale each, made the GEMMs instruction-bound: docs/quant4.md has the before and after).
     HALF: tl.constexpr = BLOCK_K // 2
     kb = k0 // 2 + tl.arange(0, HALF)
     b = tl.load(codes + n[:, None].to(tl.int64) * row_bytes + kb[None, :],
