@@ -136,7 +136,8 @@ def test_bench_preflight_plans_a_split_bed_with_its_cached_store():
     """A random bed too large for the host: refused as a whole store, planned with the plan's pins."""
     from moetier.checkpoint.random_bed import RandomModel
     from moetier.engine.config import EngineConfig
-    from moetier.plan.preflight import PlanRefused, bench_preflight
+    from moetier.plan.expert_plan import PlanRefused
+    from moetier.plan.preflight import bench_preflight
 
     cfg = presets.preset("glm-5.3-flash", 14)
     config = EngineConfig(max_model_len=65536, decode_tokens=64)

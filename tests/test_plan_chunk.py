@@ -16,7 +16,7 @@ from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
 from moetier.plan import chunk as ch
 from moetier.plan.memory import PlanRequest, count
-from moetier.plan.preflight import plan_for
+from moetier.plan.expert_plan import plan_for
 from moetier.plan.units import GiB
 
 BF16 = torch.bfloat16

@@ -14,7 +14,8 @@ from moetier.engine.config import EngineConfig
 from moetier.errors import CheckpointError, MoetierError
 from moetier.experts.placement import ExpertOptions
 from moetier.plan import audit, machine
-from moetier.plan.preflight import PlanRefused, preflight
+from moetier.plan.expert_plan import PlanRefused
+from moetier.plan.preflight import preflight
 from moetier.plan.units import GiB
 from tests.test_cli_errors import refuse
 
@@ -99,7 +100,8 @@ def test_plan_expert_budget_and_trace(tmp_path):
 
 # -- preflight -------------------------------------------------------------------------------------------
 def test_preflight_cpu_and_host_refusal(tiny_ckpt):
-    plan, config = preflight(tiny_ckpt, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "64GiB")
+    plan, config, shares = preflight(tiny_ckpt, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "64GiB")
+    assert shares is None  # one process: no rank shares
     assert plan.fits() and config.experts.backend == "resident"
     with pytest.raises(PlanRefused, match="what would fit instead"):
         preflight(tiny_ckpt, "auto", "cpu", EngineConfig(experts=ExpertOptions("auto")), None, "2GiB")
@@ -211,7 +213,7 @@ def test_loader_progress_reports_bytes(tiny_ckpt):
 def test_bench_preflight_names_the_row_that_does_not_fit():
     from moetier import presets
     from moetier.engine.config import EngineConfig
-    from moetier.plan.preflight import PlanRefused, bench_preflight
+    from moetier.plan.preflight import bench_preflight
 
     cfg = presets.preset("qwen3-30b-a3b", layers=8)
     config = EngineConfig(max_num_seqs=8)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
 from moetier.bench.outputs import column
+from moetier.experts.registry import NAMES, Hybrid, Resident, Slots
 
 
 def row_name(r: dict) -> str:
     """A row's name in the record's checks: resident/b1, slots@0.5/b1, uva/b8, hybrid/nodes-auto@0.5/b8;
     FP8 rows end in /fp8 (or /fp8-dense), parallel rows in /tp2, /ep2."""
     par = r.get("parallel", "1")
-    name = r["backend"] + ("/" + r["graphs"] if r["backend"] == "hybrid" else "")
+    name = r["backend"] + ("/" + r["graphs"] if r["backend"] == Hybrid.name else "")
     key = f"{name}@{r['budget']}/b{r['batch']}" if r.get("budget") is not None else f"{name}/b{r['batch']}"
     return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "") + ("" if par == "1" else "/" + par)
 
@@ -20,14 +21,14 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
     """Greedy tokens of every engine row against resident's at the same batch and expert format (same
     trace, same prompts); empty without a resident row (the record's output_checks then name the
     reference that ran: bench/outputs.py)."""
-    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == "resident"
+    ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == Resident.name
            and r.get("parallel", "1") == "1"}
     out = {}
     for r in rows:
         if "tp" in r.get("parallel", "1"):  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
             continue
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
-        if r["backend"] in ("slots", "uva", "hybrid") and (r.get("dtype"), r["batch"]) in ref:
+        if r["backend"] in NAMES and r["backend"] != Resident.name and (r.get("dtype"), r["batch"]) in ref:
             out[row_name(r)] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
@@ -44,7 +45,7 @@ def table(rows: list[dict]) -> str:
         if r.get("switch"):
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
-        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == "hybrid" else "")
+        name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == Hybrid.name else "")
         if r.get("parallel", "1") != "1":  # rank 0's roofline; every rank's hit rate; the all-reduce time
             name = f"{r['parallel']}:{name}"
             host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"
@@ -100,14 +101,14 @@ def ratios(rows: list[dict]) -> list[str]:
 def plot(result: dict, path: str) -> None:
     rows = [r for r in result["rows"] if r.get("parallel", "1") == "1"]  # the budget curve of one GPU
     batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
-    budgets = sorted({r["budget"] for r in rows if r["backend"] == "slots"})
+    budgets = sorted({r["budget"] for r in rows if r["backend"] == Slots.name})
     fig, axes = batch_axes(batches)
     dtypes = list(dict.fromkeys(r.get("dtype") for r in rows))
     for ax, b in zip(axes, batches):
         for dt in dtypes:  # one series per backend and expert format (bf16, fp8)
             tag = f" {dt}" if len(dtypes) > 1 else ""
             mine = [r for r in rows if r.get("dtype") == dt and r["batch"] == b]
-            for name, style in (("slots", "o-"), ("hybrid", "^-"), ("hf-accelerate", "s-")):
+            for name, style in ((Slots.name, "o-"), (Hybrid.name, "^-"), ("hf-accelerate", "s-")):
                 pts = sorted((r["budget"], r["tok_s"]) for r in mine if r["backend"] == name)
                 if pts:
                     ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name + tag)

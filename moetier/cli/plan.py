@@ -134,7 +134,8 @@ def plan_cmd(
     """The memory plan: every resident on the device and the host, totals and headroom."""
     from moetier import presets
     from moetier.checkpoint.loader import resolve_dtype
-    from moetier.plan.preflight import plan_for, refusal, request_for
+    from moetier.plan.expert_plan import plan_for, refusal
+    from moetier.plan.preflight import request_for
     from moetier.plan.render import table, to_json
 
     try:

@@ -25,13 +25,8 @@ def plan_then_load(model_dir: Path, dtype: str, device: str, config: EngineConfi
     every rank's share under --tp/--ep, None for one process); on_audit gets the audit's text."""
     from moetier.plan.preflight import preflight
 
-    rank_plans = None
-    if config.world_size > 1:  # one rank's plan; every node is checked once the ranks have started
-        from moetier.plan.nodes import parallel_preflight
-
-        plan, config, rank_plans = parallel_preflight(model_dir, dtype, device, config, gpu_memory, host_memory)
-    else:
-        plan, config = preflight(model_dir, dtype, device, config, gpu_memory, host_memory)
+    # several ranks: one rank's plan, every node checked once the ranks have started (plan/nodes.py)
+    plan, config, rank_plans = preflight(model_dir, dtype, device, config, gpu_memory, host_memory)
     if on_plan is not None:
         on_plan(plan, rank_plans)
     with ByteBar("loading") as bar:

@@ -330,5 +330,3 @@ def _slot_backend(backend: ExpertBackend) -> SlotExperts | None:
     inner = getattr(backend, "inner", backend)
     return inner if isinstance(inner, SlotExperts) else None
 
-
-BACKENDS = ("resident", "slots", "uva", "hybrid")  # hybrid: hybrid.py (the slots cache + host cores)

@@ -32,7 +32,7 @@ from moetier.experts.parallel.ep import ShardedExperts, local_experts, owned_exp
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
-from moetier.experts.registry import NAMES, backend_kind, find
+from moetier.experts.registry import KINDS, NAMES, backend_kind, either, find
 from moetier.experts.shape import MoeShape
 from moetier.experts.cache.split import check_pinned, local_pinned
 from moetier.experts.cache.store import HostStore
@@ -122,8 +122,10 @@ class ExpertOptions:
     def _pinned_problems(self, shape: MoeShape, moe_layers: list[int], ep: int) -> list[str]:
         if not any(self.pinned.values()):
             return []
-        if self.backend not in ("slots", "hybrid"):
-            return [f"pinned experts need the slots or hybrid backend (got {self.backend}); resident pins them all"]
+        kind = find(self.backend)
+        if kind is None or not kind.cached:
+            cached = either(k.name for k in KINDS.values() if k.cached)
+            return [f"pinned experts need the {cached} backend (got {self.backend}); resident pins them all"]
         unknown = sorted(set(self.pinned) - set(moe_layers))
         if unknown:
             return [f"the pinned file names layers {unknown}, which are not MoE layers of this model"]

@@ -2,10 +2,9 @@
 memory of the machine it runs on, checked before any rank loads a byte (reference 004: on two
 machines the tighter one failed, and its OOM surfaced as an unrelated error elsewhere).
 
-    plan, config, plans = parallel_preflight(model_dir, dtype, device, config, gpu, host)
+    plan, experts, plans = rank_plans(req, experts, tp, ep, gpu, host)   # (plan/preflight.place)
         plan: one rank's share (dense weights under the TP split, its 1/ep of the experts and their
-        store, its kv heads' KV pages, the usual workspaces), config: with config.experts the placement
-        that carries it out
+        store, its kv heads' KV pages, the usual workspaces), experts: the placement that carries it out
     after joining the group, before loading, every rank (mp or Ray alike) calls
         node_check(rank, plans, device)   # measures its GPU and its node, gathers every rank's, and
                                           # returns node_problems(...) (pure: the tests drive it)
@@ -24,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from moetier.plan.memory import HOST_MARGIN_MIN, HOST_MARGIN_SHARE, Item, Plan, PlanRequest, _kv_bytes_per_token
-from moetier.plan.preflight import PlanRefused, options_for, plan_for
+from moetier.plan.expert_plan import PlanRefused, options_for, plan_for
 from moetier.plan.units import gib
 
 
@@ -182,19 +181,3 @@ def rank_plans(req: PlanRequest, experts, tp: int, ep: int, gpu_memory: str | No
     cuda = req.device == "cuda"
     share = [RankShare(r, plan.device_total if cuda else 0, plan.host_total) for r in range(max(tp, ep))]
     return plan, options_for(plan, experts), RankPlans(tuple(share), gpu_memory, host_memory)
-
-
-def parallel_preflight(model_dir, dtype: str, device: str, config, gpu_memory: str | None = None,
-                       host_memory: str | None = None) -> tuple[Plan, object, RankPlans]:
-    """preflight() for several ranks: shards checked, one rank's plan made (auto placement sized for
-    a rank's share); the budgets are checked per node by node_check() once the ranks have started."""
-    from moetier.checkpoint.loader import resolve_dtype
-    from moetier.models.registry import config_from_dir
-    from moetier.plan.preflight import check_shards, request_for
-
-    cfg = config_from_dir(model_dir)
-    check_shards(model_dir, cfg)
-    req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
-    plan, experts, shares = rank_plans(req, config.experts, config.tensor_parallel_size,
-                                       config.expert_parallel_size, gpu_memory, host_memory)
-    return plan, replace(config, experts=experts), shares

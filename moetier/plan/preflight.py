@@ -20,15 +20,10 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.errors import MoetierError
-from moetier.experts.registry import AUTO, Slots, Uva, backend_kind
+from moetier.experts.registry import Slots, Uva, backend_kind
 from moetier.plan import machine
-from moetier.plan.memory import Plan, PlanRequest, count
-from moetier.plan.render import table
-from moetier.plan.sizing import auto_plan, suggestions
-
-
-class PlanRefused(MoetierError):
-    """The run does not fit; the message is the table and the alternatives."""
+from moetier.plan.expert_plan import PlanRefused, options_for, plan_for, refusal
+from moetier.plan.memory import PlanRequest
 
 
 def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_memory: str | None = None,
@@ -55,64 +50,6 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        kv_host_bytes=config.kv_host_bytes, speculative=config.speculative_config is not None)
 
 
-def plan_for(req: PlanRequest, experts, trace=None) -> Plan:
-    """The plan of these ExpertOptions: as given, or chosen (backend auto; slots without a count); the
-    prefill chunk too when req.max_num_tokens is None (plan/chunk.py: plan.chunk says why)."""
-    if req.max_num_tokens is None:
-        from moetier.plan.chunk import plan_with_chunk
-
-        return plan_with_chunk(req, lambda r: _placed(r, experts, trace))
-    return _placed(req, experts, trace)
-
-
-def _placed(req: PlanRequest, experts, trace=None) -> Plan:
-    layers, e = req.cfg.moe_layers, req.cfg.num_experts
-    req = replace(req, ring=(getattr(experts, "ring_group", req.ring[0]),  # the ring mode's staging ring
-                             getattr(experts, "ring_depth", req.ring[1])))
-    if experts.backend == AUTO:
-        return auto_plan(req, trace, experts.policy)
-    problems = experts.problems(req.cfg.moe_shape, layers)
-    if problems:
-        raise MoetierError("; ".join(problems))
-    if backend_kind(experts.backend).cached:  # hybrid: the slots' plan, then counted as hybrid
-        b = experts.backend
-        if experts.slots is None and not experts.slots_per_layer and not experts.pinned:
-            plan = auto_plan(req, trace, experts.policy)
-            if backend_kind(plan.backend).cached:
-                if b == plan.backend:
-                    return plan
-                other = count(replace(req, backend=b, slots_per_layer=plan.slots_per_layer,
-                                      pinned_per_layer=plan.pinned_per_layer))
-                other.pinned_experts, other.notes = plan.pinned_experts, plan.notes
-                return other
-            return count(replace(req, backend=b, slots_per_layer=dict.fromkeys(layers, e)))
-        pins = {layer: len(experts.pinned.get(layer, ())) for layer in layers}  # an explicit split (a file)
-        slots = {layer: experts.slots_for(layer, e, pins[layer]) for layer in layers}
-        plan = count(replace(req, backend=b, slots_per_layer=slots, pinned_per_layer=pins))
-        plan.pinned_experts = {layer: list(ids) for layer, ids in experts.pinned.items() if ids}
-        return plan
-    return count(replace(req, backend=experts.backend))
-
-
-def options_for(plan: Plan, experts):
-    """ExpertOptions that carry the plan out (the chosen backend and per-layer slots)."""
-    cached = backend_kind(plan.backend).cached
-    return replace(experts, backend=plan.backend, slots=None,
-                   slots_per_layer=dict(plan.slots_per_layer) if cached else {},
-                   pinned={layer: tuple(ids) for layer, ids in plan.pinned_experts.items()} if cached else {})
-
-
-def refusal(req: PlanRequest, plan: Plan) -> PlanRefused:
-    if req.max_num_tokens is None:  # what would fit is searched at the chunk the plan chose
-        req = replace(req, max_num_tokens=plan.request["max_num_tokens"])
-    lines = [f"the plan does not fit: {'; '.join(plan.problems())}", table(plan)]
-    alt = suggestions(req, plan)
-    if alt:
-        lines.append("what would fit instead:")
-        lines += [f"  {a}" for a in alt]
-    return PlanRefused("\n".join(lines))
-
-
 def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
     """Missing or unreadable shards, named, before any allocation (the loader's own checks, run early)."""
     from moetier.checkpoint.index import Checkpoint
@@ -131,18 +68,33 @@ def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
 
 def preflight(model_dir: Path, dtype: str, device: str, config, gpu_memory: str | None = None,
               host_memory: str | None = None):
-    """-> (plan, the EngineConfig to load with: config.experts as the plan chose them). Raises PlanRefused
-    or another MoetierError."""
+    """-> (plan, the EngineConfig to load with: config.experts as the plan chose them, every rank's
+    share or None for one process): place() for a checkpoint, its shards checked first. Raises
+    PlanRefused or another MoetierError."""
     from moetier.checkpoint.loader import resolve_dtype
     from moetier.models.registry import config_from_dir
 
     cfg = config_from_dir(model_dir)
     check_shards(model_dir, cfg)
     req = request_for(cfg, resolve_dtype(dtype, cfg), device, config, gpu_memory, host_memory)
+    return place(req, config, gpu_memory, host_memory)
+
+
+def place(req: PlanRequest, config, gpu_memory: str | None = None, host_memory: str | None = None):
+    """The plan of config.experts for any number of ranks -> (plan, config with the experts the plan
+    chose, every rank's share or None). One process: refused here (PlanRefused) when it does not fit.
+    Several ranks (--tp/--ep): one rank's plan (plan/nodes.rank_plans: the placement sized for a
+    rank's share), whose budgets every node checks once the ranks have started (plan/nodes.node_check)."""
+    if config.world_size > 1:
+        from moetier.plan.nodes import rank_plans
+
+        plan, experts, shares = rank_plans(req, config.experts, config.tensor_parallel_size,
+                                           config.expert_parallel_size, gpu_memory, host_memory)
+        return plan, replace(config, experts=experts), shares
     plan = plan_for(req, config.experts)
     if not plan.fits():
         raise refusal(req, plan)
-    return plan, replace(config, experts=options_for(plan, config.experts))
+    return plan, replace(config, experts=options_for(plan, config.experts)), None
 
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,

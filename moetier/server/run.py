@@ -40,17 +40,18 @@ def build_llm(spec: EngineSpec):
     audited against it on CUDA."""
     from moetier.engine.config import EngineConfig
     from moetier.engine.llm import LLM, pick_device
-    from moetier.plan.preflight import plan_for, refusal, request_for
+    from moetier.plan.preflight import place, request_for
     from moetier.plan.render import table
 
     device = pick_device(spec.device)
     config = EngineConfig.of(**spec.engine)
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+
+    def on_plan(plan, rank_plans) -> None:
+        _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
+
     if spec.random is None:
         from moetier.engine.startup import plan_then_load
-
-        def on_plan(plan, rank_plans) -> None:
-            _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
 
         llm, _ = plan_then_load(spec.model, spec.dtype, device, EngineConfig.of(config, experts=spec.experts),
                                 spec.gpu_memory, spec.host_memory, on_plan=on_plan, on_audit=_log)
@@ -58,7 +59,6 @@ def build_llm(spec: EngineSpec):
     import torch
 
     from moetier.checkpoint.random_bed import quantized
-    from moetier.plan.nodes import rank_plans as plans_of
     from moetier.presets import preset as make_preset
 
     r = spec.random
@@ -66,17 +66,14 @@ def build_llm(spec: EngineSpec):
     cfg = quantized(make_preset(r.preset, r.layers, dtype), r.quant)  # the plan counts the rows it will make
     req = request_for(cfg, getattr(torch, dtype), device, config, spec.gpu_memory, spec.host_memory)
     name = f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
-    if config.world_size > 1:
-        plan, _, rank_plans = plans_of(req, r.options(cfg, ep, tp), tp, ep, spec.gpu_memory, spec.host_memory)
-        _log(f"one rank's share of {config.world_size}:\n{table(plan)}")
-        return LLM.from_random(r, dtype, device, config, rank_plans=rank_plans), name
-    plan = plan_for(req, r.options(cfg))
-    if not plan.fits():
-        raise refusal(req, plan)
-    _log(table(plan))
-    if config.max_num_tokens is None:  # the chunk the plan chose and counted
+    # the bed's own placement (from_random makes it again from r): planned, refused if one process
+    # cannot hold it; several ranks: one rank's share, every node checked once the ranks have started
+    plan, _, rank_plans = place(req, EngineConfig.of(config, experts=r.options(cfg, ep, tp)),
+                                spec.gpu_memory, spec.host_memory)
+    on_plan(plan, rank_plans)
+    if config.max_num_tokens is None and rank_plans is None:  # the chunk the plan chose and counted
         config = EngineConfig.of(config, max_num_tokens=plan.request["max_num_tokens"])
-    return LLM.from_random(r, dtype, device, config), name
+    return LLM.from_random(r, dtype, device, config, rank_plans=rank_plans), name
 
 
 def bind(host: str, port: int) -> socket.socket:
