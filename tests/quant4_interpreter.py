@@ -7,6 +7,9 @@ the decode and the large-step path, with and without the SwiGLU clamp:
   - the output against a float64 oracle over the weights the torch reference dequantizes into the
     compute dtype (RowLayout.weights): fp32 1e-5, bf16 1e-2 relative;
   - the output against the CPU backend (the torch path every CPU backend runs) within the same bounds.
+And, before them, the dequantized tiles themselves (quant/packed4_triton.dequant4_tile, float32 out)
+against the torch references to the bit, signed zeros included: every byte value, every e4m3 scale
+class (zero, subnormal, normal, the largest), NVFP4 and INT4 (elementwise: no BLAS order involved).
 Shapes are ragged on purpose: K not a multiple of the group (hidden 200, inter 72 / 40), tiles that
 cross groups, slots poisoned with 0xFF (NaN in e4m3 scales, -6 codes).
 """
@@ -19,11 +22,14 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
 from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.kernels.gemm_config import GemmConfig  # noqa: E402
-from moetier.quant import int4, nvfp4  # noqa: E402
+from moetier.quant import int4, nvfp4, packed4  # noqa: E402
+from moetier.quant.packed4_triton import dequant4_tile  # noqa: E402
 from moetier.quant.rows import RowLayout  # noqa: E402
 from tests.fp8_interpreter import check, inputs  # noqa: E402  (the same placements and checks as FP8 rows)
 
@@ -70,6 +76,41 @@ def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: i
     return f"{name} t={t} k={k} h={h} i={i} {str(dtype)[6:]} limit={limit} err={err:.2e}"
 
 
+@triton.jit
+def _tiles(codes, scales, out, gscale, N, K, SCALE_ROW, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program p: columns [p BLOCK_K, +BLOCK_K) of every row, dequantized to float32 [N, K]
+    n = tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(0) * BLOCK_K
+    v = dequant4_tile(codes, K // 2, scales, SCALE_ROW, n, n < N, k0, K, gscale, NVFP4, GROUP, tl.float32,
+                      True, BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out + n[:, None] * K + kk[None, :], v, mask=(n < N)[:, None] & (kk < K)[None, :])
+
+
+def tiles_exact(quant: str) -> str:
+    """dequant4_tile against the torch reference, bit for bit, over every byte value and scale class."""
+    n, k = 16, 64  # 16 x 32 bytes: every byte value twice
+    packed = (torch.arange(n * k // 2) % 256).to(torch.uint8).reshape(n, k // 2)
+    group = nvfp4.GROUP if quant == "nvfp4" else int4.GROUPS[quant]
+    g = packed4.cdiv(k, group)
+    if quant == "nvfp4":  # e4m3 bytes: zero, subnormals 0x01..0x07, normals, 0x7E (448); signs both ways
+        pick = torch.tensor([0x00, 0x01, 0x03, 0x07, 0x08, 0x38, 0x3F, 0x55, 0x7E, 0x81, 0xB8, 0xFE])
+        scale = pick[torch.arange(n * g) % len(pick)].to(torch.uint8).reshape(n, g)
+        ref = nvfp4.dequantize(packed, scale.view(torch.float8_e4m3fn), 0.3712, torch.float32)
+        gscale, raw = 0.3712, scale
+    else:
+        scale = (torch.randn(n, g, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+        ref = int4.dequantize(packed, scale, torch.float32, group)
+        gscale, raw = 1.0, scale.view(torch.uint8)
+    out = torch.full((n, k), float("nan"))
+    block_k = 32  # nvfp4: two groups of 16 per tile; int4-g32: one; int4: a group of 128 spans the tiles
+    _tiles[(k // block_k,)](packed, raw, out, gscale, n, k, g, quant == "nvfp4", group, 16, block_k)
+    same = torch.equal(out, ref) and torch.equal(torch.signbit(out), torch.signbit(ref))
+    assert same, (quant, (out - ref).abs().max())
+    return f"tiles {quant}: bit-exact over {n * k} weights"
+
+
 CASES = [  # (t, k, h, i)
     (1, 3, 200, 72),
     (5, 2, 64, 40),
@@ -77,6 +118,8 @@ CASES = [  # (t, k, h, i)
 
 if __name__ == "__main__":
     n = 0
+    for quant in ("nvfp4", "int4", "int4-g32"):
+        print(tiles_exact(quant), flush=True)
     for quant in ("nvfp4", "int4", "int4-g32"):
         for t, k, h, i in CASES:
             for dtype in (torch.float32, torch.bfloat16):

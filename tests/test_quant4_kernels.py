@@ -20,6 +20,7 @@ def test_4bit_grouped_kernels_in_the_interpreter():
     lines = [line for line in out.splitlines() if " decode " in line or " large " in line]
     # 3 formats x 2 cases x 2 dtypes x (decode, large), a third of them clamped
     assert len(lines) == 24 and sum("limit=0.5" in line for line in lines) == 8, out
+    assert sum(line.endswith("bit-exact over 1024 weights") for line in out.splitlines()) == 3, out
 
 
 @pytest.mark.gpu
