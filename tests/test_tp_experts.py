@@ -111,6 +111,12 @@ def test_refusals_name_the_numbers_and_the_fix():
     with pytest.raises(MoetierError, match="expert split 'rows'"):
         check_parallel(cfg, ExpertOptions(split="rows"), 8, TP2)
     assert resolve("columns", cfg.moe_shape, 1, 1, "slots") == "replicate"  # one process: the whole
+    # 4-bit rows: each rank's intermediate slice in whole groups (16 nvfp4, 128 int4, 32 int4-g32)
+    with pytest.raises(MoetierError, match=r"int4 expert rows need .* whole groups of 128, but 256 / 4 = 64"):
+        resolve("columns", MoeShape(32, 4, 64, 256, "int4"), 4, 1, "slots")
+    assert resolve("auto", MoeShape(32, 4, 64, 256, "int4"), 2, 1, "slots") == "columns"
+    assert resolve("auto", MoeShape(32, 4, 64, 64, "int4-g32"), 2, 1, "slots") == "columns"
+    assert resolve("auto", MoeShape(32, 4, 64, 48, "nvfp4"), 2, 1, "slots") == "replicate"  # 24 a rank
 
 
 def test_column_part_of_fused_and_fp8_scale_grids():
@@ -119,13 +125,31 @@ def test_column_part_of_fused_and_fp8_scale_grids():
     got = column_part(gate_up, "gate_up", i, 1, 2)
     assert torch.equal(got, torch.cat([gate_up[128:256], gate_up[384:512]]))
     grid = torch.arange(4 * 1).view(1, 4, 1)  # [E, 2 nI, nH]: gate's 2 blocks, then up's
-    assert column_part(grid, "gate_up_scale", i, 1, 2).flatten().tolist() == [1, 3]
+    assert column_part(grid, "gate_up_scale", i, 1, 2, "fp8").flatten().tolist() == [1, 3]
     down = torch.arange(h * i).view(h, i)
     assert torch.equal(column_part(down, "down", i, 0, 2), down[:, :128])
-    assert column_part(torch.arange(2).view(1, 2), "down_scale", i, 1, 2).tolist() == [[1]]
+    assert column_part(torch.arange(2).view(1, 2), "down_scale", i, 1, 2, "fp8").tolist() == [[1]]
 
 
-@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_column_part_of_4bit_codes_and_group_scales():
+    # down [H, I/2] packs two columns a byte: rank 1 of 2 takes bytes [I/4, I/2); its group scales
+    # [H, I/g] the groups of those columns; gate / up codes and their scale rows are cut by rows;
+    # NVFP4's tensor scales are every rank's
+    i, h = 256, 64
+    codes = torch.arange(h * i // 2).view(h, i // 2)
+    assert torch.equal(column_part(codes, "down", i, 1, 2, "int4"), codes[:, 64:])
+    scales = torch.arange(h * 2).view(h, 2)  # int4: groups of 128
+    assert torch.equal(column_part(scales, "down_scale", i, 1, 2, "int4"), scales[:, 1:])
+    nv = torch.arange(h * 16).view(h, 16)  # nvfp4: groups of 16, 8 a rank
+    assert torch.equal(column_part(nv, "down_scale", i, 0, 2, "nvfp4"), nv[:, :8])
+    gate_up = torch.arange(2 * i * 4).view(2 * i, 4)  # [2I, G] scale rows: gate's half, then up's
+    assert torch.equal(column_part(gate_up, "gate_up_scale", i, 1, 2, "nvfp4"),
+                       torch.cat([gate_up[128:256], gate_up[384:]]))
+    s2 = torch.tensor([[0.5, 0.25]])
+    assert column_part(s2, "gate_up_scale_2", i, 1, 2, "nvfp4") is s2
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "int4"])
 def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
     # a TP rank's dense shards use the generator differently from one process (module docstring), so
     # its columns are slices of the replicated TP share's whole experts, and the ranks' slices tile them
@@ -134,6 +158,7 @@ def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
     lay, i = one.cfg.moe_shape.layout, cfg.moe_intermediate_size
     layer = cfg.moe_layers[0]
     parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if quant else ())
+    parts += ("gate_scale_2", "up_scale_2", "down_scale_2") if quant == "nvfp4" else ()
     for rank in (0, 1):
         bed = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, quant=quant, par=Parallel(rank, 2, 2, 1),
                          split="columns")
@@ -141,7 +166,7 @@ def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
         mine = dataclasses.replace(bed.cfg.moe_shape, inter=i // 2).layout
         assert bed.row_bytes == mine.row_bytes(torch.float32) < one.row_bytes
         for part in parts:
-            want = column_part(lay.part(one.host[layer], part), part, i, rank, 2)
+            want = column_part(lay.part(one.host[layer], part), part, i, rank, 2, quant)
             assert torch.equal(mine.part(bed.host[layer], part), want)
 
 
@@ -194,6 +219,37 @@ def test_fp8_columns_split_weights_and_scale_blocks(fp8_ckpts, kind, backend):
     try:
         ex = llm.model.moe_blocks()[0].experts
         assert isinstance(ex, ColumnExperts) and ex.layout.quant == "fp8" and ex.layout.inter == 128
+        for g, want in zip(logits_of(llm), ref):
+            close_enough(g, want)
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def q4_ckpts(tmp_path_factory):
+    from moetier import presets
+
+    root = tmp_path_factory.mktemp("tpx_q4")
+    with pytest.MonkeyPatch.context() as mp:  # I = 256: 128 a rank, whole groups in every format
+        mp.setitem(presets._TINY, FP8, {**presets._TINY["tiny"], "moe_intermediate_size": 256,
+                                        "num_experts": 8, "num_hidden_layers": 2})
+        return {"nvfp4": make_checkpoint(root / "nv", FP8, seed=7, dtype="nvfp4"),
+                "int4-fused": make_checkpoint(root / "i4", FP8, seed=7, dtype="int4", fused_experts=True)}
+
+
+@pytest.mark.parametrize("kind,backend", [("nvfp4", "slots"), ("int4-fused", "resident")])
+def test_4bit_columns_split_codes_and_group_scales(q4_ckpts, kind, backend):
+    """4-bit expert rows: each rank takes its gate / up rows and down's packed columns with their group
+    scales (and NVFP4's tensor scales whole; int32 words of a fused int4 tensor turned to bytes
+    before the cut): one process's logits."""
+    experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None, split="auto")  # columns
+    one = LLM(q4_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
+    ref = logits_of(one)
+    llm = LLM(q4_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)
+    try:
+        ex = llm.model.moe_blocks()[0].experts
+        assert isinstance(ex, ColumnExperts) and ex.layout.inter == 128
+        assert ex.layout.quant == kind.removesuffix("-fused")
         for g, want in zip(logits_of(llm), ref):
             close_enough(g, want)
     finally:

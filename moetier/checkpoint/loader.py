@@ -152,29 +152,31 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
     """Copy a routed-expert tensor into this rank's rows; False when another rank owns the expert."""
     x, lay, par = w.expert, placement.layout, placement.par
     tp = par.tp if placement.split == "columns" else 1  # columns: this rank's I/tp of every expert
+    full = placement.full_shape
+    k = full.inter if x.part == "down" else full.hidden  # the checkpoint's values per row (4-bit words)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
-        return column_part(t, x.part, placement.full_shape.inter, par.tp_rank, tp)
+        return column_part(t, x.part, full.inter, par.tp_rank, tp, full.quant)
 
     with torch.no_grad():
         if x.expert is None:  # fused [E, ...]: the rows of the experts this rank owns, in local order
-            full = tensor(w.name)
-            src = full if par.ep == 1 else full[par.ep_rank::par.ep]
+            whole = tensor(w.name)
+            src = whole if par.ep == 1 else whole[par.ep_rank::par.ep]
             if x.layer not in placement.pinned:
                 dest = lay.part(rows[x.layer], x.part, None)
-                dest.copy_(mine(quant4.to_row(w.name, src, dest)))
+                dest.copy_(mine(quant4.to_row(w.name, src, dest, k)))
                 return True
             for local in range(src.shape[0]):  # pinned experts to the device, only cached ones to the host
                 block, i = placement.home(x.layer, local, rows[x.layer])
                 dest = lay.part(block, x.part, i)
-                dest.copy_(mine(quant4.to_row(w.name, src[local], dest)))
+                dest.copy_(mine(quant4.to_row(w.name, src[local], dest, k)))
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
         block, i = placement.home(x.layer, local, rows[x.layer])  # the device block for a pinned expert (split.py)
         dest = lay.part(block, x.part, i)
-        dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest)))
+        dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest, k)))
         return True
 
 

@@ -152,11 +152,12 @@ def scale_2(t: torch.Tensor, name: str) -> torch.Tensor:
     return (1.0 / t.float()) if name.endswith("_global_scale") else t.float()
 
 
-def to_row(name: str, t: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+def to_row(name: str, t: torch.Tensor, dest: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """A routed-expert checkpoint tensor as its row part `dest` holds it: int32 words as bytes,
-    global scales inverted, scalar scales reshaped."""
+    global scales inverted, scalar scales reshaped. k: the values per row of t (default: dest's; the
+    whole K where dest holds a rank's columns of it)."""
     if t.dtype == torch.int32:
-        return int4.to_bytes(t, 2 * dest.shape[-1], name)
+        return int4.to_bytes(t, 2 * dest.shape[-1] if k is None else k, name)
     if name.endswith(("_scale_2", "_global_scale")):
         return scale_2(t, name).reshape(dest.shape)
     return t

@@ -19,7 +19,7 @@ import torch
 
 from moetier.quant import fp8_block as fp8
 from moetier.quant import int4, nvfp4
-from moetier.quant.registry import PACKED4, QUANTS, get
+from moetier.quant.registry import GROUPS, PACKED4, QUANTS, get
 
 WEIGHT_PARTS = ("gate", "up", "gate_up", "down")
 SCALE_PARTS = tuple(p + "_scale" for p in WEIGHT_PARTS)  # quantized rows: the parts' scales
@@ -75,7 +75,7 @@ class RowLayout:
     @property
     def group(self) -> int:
         """Elements per scale along K of a 4-bit row (16 for NVFP4, 128 or 32 for INT4)."""
-        return nvfp4.GROUP if self.quant == "nvfp4" else int4.GROUPS[self.quant]
+        return GROUPS[self.quant]
 
     @property
     def scale_dtype(self) -> torch.dtype:  # of a quantized row's scales

@@ -9,10 +9,15 @@ output, and one all-reduce over the tp group per MoE layer makes it (ColumnExper
     split_problems(split, shape, tp, ep, backend) -> [str]   what is wrong, one line each
     resolve(split, shape, tp, ep, backend) -> "replicate" | "columns"
         auto: columns whenever valid (tp > 1, ep == 1, I / tp whole, for FP8 rows a multiple of 128,
-        not the hybrid backend): it divides every rank's expert bytes by tp for one all-reduce of
+        for 4-bit rows of the format's group, not the hybrid backend): it divides every rank's expert bytes by tp for one all-reduce of
         [T, H] per MoE layer, the same collective TP already pays per dense layer
-    column_part(t, part, inter, rank, tp)   this rank's slice of a checkpoint expert tensor
+    column_part(t, part, inter, rank, tp, quant)   this rank's slice of a checkpoint expert tensor
     slice_rows(src, full, dst, local, rank, tp)   full rows -> this rank's rows (random weights)
+
+4-bit rows (quant/packed4.py) slice as their weights do: gate and up rows with their group-scale
+rows (groups run along H, whole in every row), down's packed columns (two per byte) with the group
+scales of those columns, which is why I / tp must hold whole groups; NVFP4's per-projection tensor
+scales are every rank's unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from moetier.experts.registry import KINDS, either, find
 from moetier.experts.shape import MoeShape
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
+from moetier.quant.registry import GROUPS, PACKED4
+from moetier.quant.rows import GLOBAL_PARTS, RowLayout
 
 SPLITS = ("auto", "replicate", "columns")
 
@@ -50,9 +57,10 @@ def split_problems(split: str, shape: MoeShape, tp: int, ep: int, backend: str) 
     if i % tp:
         out.append(f"--expert-split columns: tensor parallelism {tp} does not divide the experts' intermediate size "
                    f"({i}); choose a tensor-parallel size that divides {i}, or --expert-split replicate")
-    elif shape.quant not in (None, "fp8"):  # auto then replicates 4-bit experts
-        out.append(f"--expert-split columns does not take {shape.quant} expert rows yet (packed codes and group "
-                   "scales are not sliced per rank); use --expert-split replicate or expert parallelism (--ep)")
+    elif shape.quant in PACKED4 and (i // tp) % (g := GROUPS[shape.quant]):
+        out.append(f"--expert-split columns: {shape.quant} expert rows need each rank's intermediate slice in whole "
+                   f"groups of {g}, but {i} / {tp} = {i // tp} is not a multiple of {g}; choose a tensor-parallel "
+                   "size that leaves a multiple of it, or --expert-split replicate")
     elif shape.quant == "fp8" and (i // tp) % fp8.BLOCK:
         out.append(f"--expert-split columns: FP8 expert rows need each rank's intermediate slice on "
                    f"{fp8.BLOCK}-wide scale blocks, but {i} / {tp} = {i // tp} is not a multiple of {fp8.BLOCK}; "
@@ -80,15 +88,25 @@ def local_shape(shape: MoeShape, split: str, tp: int) -> MoeShape:
     return MoeShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter // tp, shape.quant, shape.swiglu_limit)
 
 
-def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int) -> torch.Tensor:
+def _unit(part: str, quant: str | None) -> int:
+    """Intermediate columns one entry of `part` covers along the dimension columns slices."""
+    scale, base = part.endswith("_scale"), part.removesuffix("_scale")
+    if quant == "fp8":
+        return fp8.BLOCK if scale else 1  # resolve() keeps I / tp on 128-wide scale blocks
+    if quant in PACKED4 and base == "down":  # codes: two columns a byte; scales: a group each
+        return GROUPS[quant] if scale else 2
+    return 1  # gate / up rows (and a 4-bit row's scale rows beside them): one row each
+
+
+def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int, quant: str | None = None) -> torch.Tensor:
     """Rank `rank`'s slice of a checkpoint expert tensor of `part` ([..., I, H] gate / up, [..., 2I, H]
-    gate_up, [..., H, I] down, or their FP8 block-scale grids, one entry per 128 x 128 block; any
-    leading dims, e.g. the E of fused tensors). The whole tensor when tp == 1."""
-    if tp == 1:
+    gate_up, [..., H, I] down, their FP8 block-scale grids (one entry per 128 x 128 block), or, for
+    4-bit rows (quant), their packed codes and group scales; any leading dims, e.g. the E of fused
+    tensors). NVFP4's tensor scales (`*_scale_2`) and the whole tensor when tp == 1 pass unchanged."""
+    if tp == 1 or part in GLOBAL_PARTS:
         return t
-    scale = part.endswith("_scale")
     base = part.removesuffix("_scale")
-    unit = fp8.BLOCK if scale else 1  # resolve() guarantees I / tp is a multiple of 128 for FP8 rows
+    unit = _unit(part, quant)
     whole, k = inter // unit, inter // tp // unit
     a = rank * k
     if base == "down":
@@ -102,9 +120,10 @@ def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int) -> t
 
 def slice_rows(src: torch.Tensor, full: RowLayout, dst: torch.Tensor, local: RowLayout, rank: int, tp: int) -> None:
     """dst [N, local.numel] <- rank's columns of the whole rows src [N, full.numel] (weights and scales)."""
-    parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if full.quant == "fp8" else ())
+    parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if full.quant else ())
+    parts += ("gate_scale_2", "up_scale_2", "down_scale_2") if full.quant == "nvfp4" else ()
     for p in parts:
-        local.part(dst, p).copy_(column_part(full.part(src, p), p, full.inter, rank, tp))
+        local.part(dst, p).copy_(column_part(full.part(src, p), p, full.inter, rank, tp, full.quant))
 
 
 class ColumnExperts(ReducedExperts):
