@@ -193,63 +193,39 @@ def test_rank_plan_counts_half_the_expert_bytes(ckpts):
         assert item(cols, "dense: decoder layers") == item(whole, "dense: decoder layers")
 
 
-FP8 = "tiny-fp8-i256"  # tiny with an expert intermediate of 256: 128 per rank, whole FP8 scale blocks
+I256 = "tiny-i256"  # tiny with an expert intermediate of 256: 128 a rank, whole FP8 blocks and 4-bit groups
+# kind -> (--dtype, fused expert tensors, the rows' format)
+QUANT_CKPTS = {"fp8": ("fp8", False), "fp8-fused": ("fp8", True), "nvfp4": ("nvfp4", False),
+               "int4-fused": ("int4", True)}
 
 
 @pytest.fixture(scope="module")
-def fp8_ckpts(tmp_path_factory):
+def quant_ckpts(tmp_path_factory):
     from moetier import presets
 
-    root = tmp_path_factory.mktemp("tpx_fp8")
+    root = tmp_path_factory.mktemp("tpx_quant")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(presets._TINY, FP8, {**presets._TINY["tiny"], "moe_intermediate_size": 256,
-                                        "num_experts": 8, "num_hidden_layers": 2})
-        return {"per-expert": make_checkpoint(root / "a", FP8, seed=6, dtype="fp8"),
-                "fused": make_checkpoint(root / "b", FP8, seed=6, dtype="fp8", fused_experts=True)}
+        mp.setitem(presets._TINY, I256, {**presets._TINY["tiny"], "moe_intermediate_size": 256,
+                                         "num_experts": 8, "num_hidden_layers": 2})
+        return {kind: make_checkpoint(root / kind, I256, seed=6, dtype=dtype, fused_experts=fused)
+                for kind, (dtype, fused) in QUANT_CKPTS.items()}
 
 
-@pytest.mark.parametrize("kind,backend", [("per-expert", "slots"), ("fused", "resident")])
-def test_fp8_columns_split_weights_and_scale_blocks(fp8_ckpts, kind, backend):
-    """FP8 expert rows: each rank takes its 128 gate / up rows and down columns with their 128 x 128
-    scale blocks (per-expert scale grids, or fused gate_up grids [2 nI, nH]): one process's logits."""
+@pytest.mark.parametrize("kind,backend", [("fp8", "slots"), ("fp8-fused", "resident"), ("nvfp4", "slots"),
+                                          ("int4-fused", "resident")])
+def test_quantized_columns_split_weights_and_their_scales(quant_ckpts, kind, backend):
+    """Quantized expert rows under columns: one process's logits. FP8: each rank its 128 gate / up
+    rows and down columns with their 128 x 128 scale blocks (per-expert grids, or fused gate_up grids
+    [2 nI, nH]). 4-bit: gate / up codes and group-scale rows, down's packed columns with their groups'
+    scales, NVFP4's tensor scales whole, a fused INT4 tensor's int32 words turned to bytes before the cut."""
     experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None, split="auto")  # columns
-    one = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
+    one = LLM(quant_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
     ref = logits_of(one)
-    llm = LLM(fp8_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)
-    try:
-        ex = llm.model.moe_blocks()[0].experts
-        assert isinstance(ex, ColumnExperts) and ex.layout.quant == "fp8" and ex.layout.inter == 128
-        for g, want in zip(logits_of(llm), ref):
-            close_enough(g, want)
-    finally:
-        llm.close()
-
-
-@pytest.fixture(scope="module")
-def q4_ckpts(tmp_path_factory):
-    from moetier import presets
-
-    root = tmp_path_factory.mktemp("tpx_q4")
-    with pytest.MonkeyPatch.context() as mp:  # I = 256: 128 a rank, whole groups in every format
-        mp.setitem(presets._TINY, FP8, {**presets._TINY["tiny"], "moe_intermediate_size": 256,
-                                        "num_experts": 8, "num_hidden_layers": 2})
-        return {"nvfp4": make_checkpoint(root / "nv", FP8, seed=7, dtype="nvfp4"),
-                "int4-fused": make_checkpoint(root / "i4", FP8, seed=7, dtype="int4", fused_experts=True)}
-
-
-@pytest.mark.parametrize("kind,backend", [("nvfp4", "slots"), ("int4-fused", "resident")])
-def test_4bit_columns_split_codes_and_group_scales(q4_ckpts, kind, backend):
-    """4-bit expert rows: each rank takes its gate / up rows and down's packed columns with their group
-    scales (and NVFP4's tensor scales whole; int32 words of a fused int4 tensor turned to bytes
-    before the cut): one process's logits."""
-    experts = ExpertOptions(backend=backend, slots=3 if backend == "slots" else None, split="auto")  # columns
-    one = LLM(q4_ckpts[kind], dtype="float32", experts=experts, **ENGINE)
-    ref = logits_of(one)
-    llm = LLM(q4_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(quant_ckpts[kind], dtype="float32", experts=experts, tensor_parallel_size=2, **ENGINE)
     try:
         ex = llm.model.moe_blocks()[0].experts
         assert isinstance(ex, ColumnExperts) and ex.layout.inter == 128
-        assert ex.layout.quant == kind.removesuffix("-fused")
+        assert ex.layout.quant == QUANT_CKPTS[kind][0]
         for g, want in zip(logits_of(llm), ref):
             close_enough(g, want)
     finally:
