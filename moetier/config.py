@@ -80,8 +80,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # config.json quantization_config (or hf_quant_config.json): None, "fp8" (block-scaled float8
-    # weights, quant/fp8_block.py), "nvfp4", "int4" or "int4-g32" (weight-only 4-bit, quant/nvfp4.py,
-    # quant/int4.py): routed experts stay quantized in their rows, other quantized weights are
+    # weights, quant/fp8_block.py), "nvfp4" or an INT4 name (weight-only 4-bit, quant/nvfp4.py,
+    # quant/int4.py: int4, int4-g32, int4-asym, int4-g32-asym): routed experts stay quantized in their rows, other quantized weights are
     # dequantized at load
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written

@@ -1,6 +1,6 @@
 """Runs the grouped expert GEMMs on 4-bit rows (grouped_gemm.py with Q4 set: NVFP4, INT4 in groups of
-128 and 32) in Triton's interpreter on the CPU. Run as a script (TRITON_INTERPRET must be set before
-triton is imported); tests/test_quant4_kernels.py does that in a subprocess. Every case checks, for
+128 and 32, symmetric and with zero points) in Triton's interpreter on the CPU. Run as a script
+(TRITON_INTERPRET must be set before triton is imported); tests/test_quant4_kernels.py does that in a subprocess. Every case checks, for
 the decode and the large-step path, with and without the SwiGLU clamp:
 
   - slots, uva and resident bit-equal (the same chunks over the same row bytes);
@@ -46,6 +46,9 @@ def rows4(layout: RowLayout, e: int, g: torch.Generator) -> torch.Tensor:
             if layout.quant == "nvfp4":
                 q, s, s2 = nvfp4.quantize(w)
                 layout.part(rows, part + "_scale_2", x).copy_(s2)
+            elif layout.asymmetric:
+                q, s, z = int4.quantize(w, layout.group, asymmetric=True)
+                layout.part(rows, part + "_zero_point", x).copy_(z)
             else:
                 q, s = int4.quantize(w, layout.group)
             layout.part(rows, part, x).copy_(q)
@@ -77,13 +80,13 @@ def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: i
 
 
 @triton.jit
-def _tiles(codes, scales, out, gscale, N, K, SCALE_ROW, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tiles(codes, scales, zeros, out, gscale, N, K, SCALE_ROW, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+           ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program p: columns [p BLOCK_K, +BLOCK_K) of every row, dequantized to float32 [N, K]
     n = tl.arange(0, BLOCK_N)
     k0 = tl.program_id(0) * BLOCK_K
     v = dequant4_tile(codes, K // 2, scales, SCALE_ROW, n, n < N, k0, K, gscale, NVFP4, GROUP, tl.float32,
-                      True, BLOCK_K)
+                      True, BLOCK_K, zeros, ZERO)
     kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out + n[:, None] * K + kk[None, :], v, mask=(n < N)[:, None] & (kk < K)[None, :])
 
@@ -94,23 +97,29 @@ def tiles_exact(quant: str) -> str:
     packed = (torch.arange(n * k // 2) % 256).to(torch.uint8).reshape(n, k // 2)
     group = nvfp4.GROUP if quant == "nvfp4" else int4.GROUPS[quant]
     g = packed4.cdiv(k, group)
+    zero = None
     if quant == "nvfp4":  # e4m3 bytes: zero, subnormals 0x01..0x07, normals, 0x7E (448); signs both ways
         pick = torch.tensor([0x00, 0x01, 0x03, 0x07, 0x08, 0x38, 0x3F, 0x55, 0x7E, 0x81, 0xB8, 0xFE])
         scale = pick[torch.arange(n * g) % len(pick)].to(torch.uint8).reshape(n, g)
         ref = nvfp4.dequantize(packed, scale.view(torch.float8_e4m3fn), 0.3712, torch.float32)
         gscale, raw = 0.3712, scale
     else:
-        scale = (torch.randn(n, g, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
-        ref = int4.dequantize(packed, scale, torch.float32, group)
+        gen = torch.Generator().manual_seed(0)
+        scale = (torch.randn(n, g, generator=gen) * 0.05).to(torch.bfloat16)
+        if quant in int4.ASYMMETRIC:  # every zero code
+            zero = (torch.arange(n * g) % 16).to(torch.uint8).reshape(n, g)
+        ref = int4.dequantize(packed, scale, torch.float32, group, zero=zero)
         gscale, raw = 1.0, scale.view(torch.uint8)
     out = torch.full((n, k), float("nan"))
     block_k = 32  # nvfp4: two groups of 16 per tile; int4-g32: one; int4: a group of 128 spans the tiles
-    _tiles[(k // block_k,)](packed, raw, out, gscale, n, k, g, quant == "nvfp4", group, 16, block_k)
+    _tiles[(k // block_k,)](packed, raw, raw if zero is None else zero, out, gscale, n, k, g, quant == "nvfp4",
+                            group, zero is not None, 16, block_k)
     same = torch.equal(out, ref) and torch.equal(torch.signbit(out), torch.signbit(ref))
     assert same, (quant, (out - ref).abs().max())
     return f"tiles {quant}: bit-exact over {n * k} weights"
 
 
+FORMATS = ("nvfp4", "int4", "int4-g32", "int4-asym", "int4-g32-asym")
 CASES = [  # (t, k, h, i)
     (1, 3, 200, 72),
     (5, 2, 64, 40),
@@ -118,9 +127,9 @@ CASES = [  # (t, k, h, i)
 
 if __name__ == "__main__":
     n = 0
-    for quant in ("nvfp4", "int4", "int4-g32"):
+    for quant in FORMATS:
         print(tiles_exact(quant), flush=True)
-    for quant in ("nvfp4", "int4", "int4-g32"):
+    for quant in FORMATS:
         for t, k, h, i in CASES:
             for dtype in (torch.float32, torch.bfloat16):
                 for large in (False, True):

@@ -66,7 +66,25 @@ def test_int4_sign_offset_groups_and_the_int32_order_of_compressed_tensors():
     assert ragged.shape == (1, 2) and torch.equal(int4.to_bytes(ragged, 10), packed[:, :5])
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4-g32"])
+def test_int4_zero_points_subtract_per_group_and_pack_eight_rows_a_word():
+    # codes 0..15 in one row, groups of 8: zero codes 3 and 12 -> (code - z) * scale
+    packed = packed4.pack(torch.arange(16)[None])
+    zero = torch.tensor([[3, 12]], dtype=torch.uint8)
+    w = int4.dequantize(packed, torch.tensor([[1.0, -0.5]], dtype=torch.bfloat16), group=8, zero=zero)
+    want = [c - 3.0 for c in range(8)] + [(c - 12.0) * -0.5 for c in range(8, 16)]
+    assert w[0].tolist() == want
+    # compressed-tensors packs zero points along N: row 8w + i in bits 4i..4i+3 of word w
+    z = (torch.arange(10 * 2) % 16).to(torch.uint8).reshape(10, 2)
+    words = int4.zero_to_words(z)
+    assert words.shape == (2, 2) and words[0, 0].item() == sum(int(z[i, 0]) << (4 * i) for i in range(8)) - 2**32
+    assert torch.equal(int4.zero_to_bytes(words, 10), z)
+    with pytest.raises(ValueError, match="do not hold 10 rows"):
+        int4.zero_to_bytes(words[:1], 10)
+    with pytest.raises(ValueError, match="zero points must be uint8 codes of the scales' shape"):
+        int4.dequantize(packed, torch.ones(1, 2, dtype=torch.bfloat16), group=8, zero=zero[:, :1])
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4-g32", "int4-asym", "int4-g32-asym"])
 def test_quantize_round_trips_within_the_format_step(name):
     w = torch.randn(3, 40, 200, generator=torch.Generator().manual_seed(1))
     if name == "nvfp4":
@@ -74,27 +92,30 @@ def test_quantize_round_trips_within_the_format_step(name):
         back = nvfp4.dequantize(q, s, s2)
         tol = 0.25  # E2M1's coarsest relative step near the group max
     else:
-        q, s = int4.quantize(w, int4.GROUPS[name])
-        back = int4.dequantize(q, s, group=int4.GROUPS[name])
+        q, s, *z = int4.quantize(w, int4.GROUPS[name], asymmetric=name in int4.ASYMMETRIC)
+        back = int4.dequantize(q, s, group=int4.GROUPS[name], zero=z[0] if z else None)
         tol = 0.2
+        s2 = z[0] if z else None
     assert back.shape == w.shape
     assert ((back - w).norm() / w.norm()).item() < tol
-    assert get(name).dequantize(*((q, s, s2) if name == "nvfp4" else (q, s))).equal(back)
+    assert get(name).dequantize(*((q, s) if s2 is None else (q, s, s2))).equal(back)
 
 
 @pytest.mark.parametrize("name, hidden, inter, row", [
     ("nvfp4", 2048, 768, 2_654_224), ("int4", 2048, 768, 2_433_024), ("int4-g32", 2048, 768, 2_654_208),
-    ("nvfp4", 72, 36, 4_480), ("int4", 72, 36, 4_176)])  # ragged: 3888 code bytes, scales, padding
+    ("int4-asym", 2048, 768, 2_469_888), ("int4-g32-asym", 2048, 768, 2_801_664),
+    ("nvfp4", 72, 36, 4_480), ("int4", 72, 36, 4_176), ("int4-asym", 72, 36, 4_320)])  # ragged
 def test_4bit_row_bytes_are_exact(name, hidden, inter, row):
     lay = RowLayout(hidden, inter, name)
     weights = 3 * hidden * inter
-    exact = {"nvfp4": weights * 0.5625 + 12, "int4": weights * (0.5 + 2 / 128), "int4-g32": weights * (0.5 + 2 / 32)}
+    exact = {"nvfp4": weights * 0.5625 + 12, "int4": weights * (0.5 + 2 / 128), "int4-g32": weights * (0.5 + 2 / 32),
+             "int4-asym": weights * (0.5 + 3 / 128), "int4-g32-asym": weights * (0.5 + 3 / 32)}
     assert lay.numel == get(name).row_bytes(hidden, inter) == row and row % 16 == 0
     if hidden % 128 == 0 and inter % 128 == 0:
         assert row - exact[name] < 16  # only the row's end padding on top of the formats' own bytes
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4-g32"])
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4-g32", "int4-asym"])
 def test_row_parts_round_trip_through_the_reference(name):
     h, i, e = 72, 36, 3
     lay = RowLayout(h, i, name)
@@ -108,6 +129,10 @@ def test_row_parts_round_trip_through_the_reference(name):
                 q, s, s2 = nvfp4.quantize(w)
                 lay.part(rows, part + "_scale_2", x).copy_(s2)
                 ref = nvfp4.dequantize(q, s, s2)
+            elif lay.asymmetric:
+                q, s, z = int4.quantize(w, lay.group, asymmetric=True)
+                lay.part(rows, part + "_zero_point", x).copy_(z)
+                ref = int4.dequantize(q, s, group=lay.group, zero=z)
             else:
                 q, s = int4.quantize(w, lay.group)
                 ref = int4.dequantize(q, s, group=lay.group)
@@ -166,7 +191,8 @@ def test_config_detection_and_exclusion():
     assert qcfg.activation_scales(w4a4)
     asym = {**CT_INT4, "config_groups": {"g": {"weights": {**CT_INT4["config_groups"]["group_0"]["weights"],
                                                            "symmetric": False}}}}
-    assert "asymmetric" in get("int4").config_problems(asym)[0]
+    assert qcfg.format_of(asym) == "int4-asym" and get("int4-asym").config_problems(asym) == []
+    assert qcfg.example("int4-g32-asym")["config_groups"]["group_0"]["weights"]["symmetric"] is False
     assert "group_size 32" in get("nvfp4").config_problems({**MODELOPT, "group_size": 32})[0]
 
 

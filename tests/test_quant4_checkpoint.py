@@ -17,7 +17,8 @@ from moetier.checkpoint import quant4_weights as q4
 from moetier.quant import int4, nvfp4
 from tests.test_fp8_checkpoint import logits_of, rel_err
 
-FORMATS = [("nvfp4", None), ("nvfp4", "compressed-tensors"), ("int4", None), ("int4-g32", None)]
+FORMATS = [("nvfp4", None), ("nvfp4", "compressed-tensors"), ("int4", None), ("int4-g32", None),
+           ("int4-g32-asym", None)]  # asymmetric: a zero point per group
 PRESETS = ["tiny", "tiny-dsv3", "tiny-glm5-next"]
 
 
@@ -38,8 +39,7 @@ def dequantized_copy(src, dst):
             shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     qc = cfg.pop("quantization_config", None) or cfg["text_config"].pop("quantization_config")  # glm5_next: in text_config
-    quant = "nvfp4" if qc.get("quant_algo") == "NVFP4" or qc.get("format") == "nvfp4-pack-quantized" else (
-        "int4-g32" if qc["config_groups"]["group_0"]["weights"]["group_size"] == 32 else "int4")
+    group = None if qc.get("quant_algo") == "NVFP4" else qc["config_groups"]["group_0"]["weights"]["group_size"]
     t = {}
     for f in src.glob("*.safetensors"):
         t.update(load_file(f))
@@ -58,9 +58,12 @@ def dequantized_copy(src, dst):
         elif x.dtype == torch.int32 and name.endswith("_packed"):  # int4 codes
             w = name.removesuffix("_packed")
             k = int(t[w + "_shape"][-1])
-            out[w] = int4.dequantize(int4.to_bytes(x, k), t[w + "_scale"], group=int4.GROUPS[quant])
+            zero = t.get(w + "_zero_point")  # asymmetric: eight rows' zero codes a word
+            zero = None if zero is None else int4.zero_to_bytes(zero, x.shape[-2])
+            out[w] = int4.dequantize(int4.to_bytes(x, k), t[w + "_scale"], group=group, zero=zero)
     codes = {n.removesuffix("_packed") for n, x in t.items() if x.dtype in (torch.uint8, torch.int32)}
-    companions = {w + s for w in codes for s in ("_scale", "_scale_2", "_global_scale", "_shape", "_packed")}
+    companions = {w + s for w in codes
+                  for s in ("_scale", "_scale_2", "_global_scale", "_shape", "_packed", "_zero_point")}
     out.update({n: x.float() for n, x in t.items() if n not in companions and n not in out})
     save_file(out, dst / "model.safetensors")
     cfg["torch_dtype"] = "float32"
@@ -180,7 +183,39 @@ def test_4bit_validation_names_the_tensor(tmp_path, dtype, fmt):
     assert f"missing tensor {e}up_proj.weight_scale" in msg
     assert f"{e}gate_proj.weight_scale has dtype F32" in msg
     assert f"{e}down_proj.weight{codes} has shape" in msg
-    assert f"{dense}{codes} holds {dtype} codes but its scale {dense}_scale is missing" in msg
+    assert f"{dense}{codes} holds {dtype} codes but its group scale {dense}_scale is missing" in msg
+
+
+def load_error(path, edit) -> str:
+    """The CheckpointError loading `path` gives after edit(tensors) rewrote its one shard."""
+    from safetensors.torch import load_file, save_file
+
+    from moetier.checkpoint.loader import load_model
+    from moetier.errors import CheckpointError
+
+    t = load_file(path / "model.safetensors")
+    edit(t)
+    save_file(t, path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    return str(err.value)
+
+
+def test_asymmetric_int4_zero_points_are_checked(tmp_path):
+    """A zero point of the wrong dtype or shape is one line naming it; zero points in a checkpoint whose
+    config says symmetric are one line saying which to fix."""
+    e = "model.layers.1.mlp.experts.3."
+
+    def bad(t):
+        t[e + "up_proj.weight_zero_point"] = t[e + "up_proj.weight_zero_point"].to(torch.int64)
+        t[e + "gate_proj.weight_zero_point"] = t[e + "gate_proj.weight_zero_point"][:, :-1].contiguous()
+
+    msg = load_error(ckpt(tmp_path, "tiny-gqa", "int4-g32-asym", None, seed=2), bad)
+    assert f"{e}up_proj.weight_zero_point has dtype I64; int4-g32-asym wants I32 here (zero points" in msg
+    assert f"{e}gate_proj.weight_zero_point has shape" in msg
+    msg = load_error(ckpt(tmp_path, "tiny-gqa", "int4-g32", None, seed=2),
+                     lambda t: t.update({e + "up_proj.weight_zero_point": torch.zeros(1, 1, dtype=torch.int32)}))
+    assert "quantization_config says symmetric; set weights.symmetric false" in msg
 
 
 @pytest.mark.parametrize("dtype,fmt,patterns", [

@@ -16,7 +16,7 @@ from tests.test_gpu import replay_backends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-FORMATS = ("nvfp4", "int4", "int4-g32")
+FORMATS = ("nvfp4", "int4", "int4-g32", "int4-asym")
 
 
 def q4_store(quant: str, e: int = QE, seed: int = 0):

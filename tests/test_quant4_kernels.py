@@ -9,7 +9,7 @@ import torch
 
 from moetier.quant.rows import RowLayout
 
-FORMATS = ("nvfp4", "int4", "int4-g32")
+FORMATS = ("nvfp4", "int4", "int4-g32", "int4-asym")
 
 
 def test_4bit_grouped_kernels_in_the_interpreter():
@@ -18,9 +18,9 @@ def test_4bit_grouped_kernels_in_the_interpreter():
 
     out = run_script("quant4_interpreter.py")
     lines = [line for line in out.splitlines() if " decode " in line or " large " in line]
-    # 3 formats x 2 cases x 2 dtypes x (decode, large), a third of them clamped
-    assert len(lines) == 24 and sum("limit=0.5" in line for line in lines) == 8, out
-    assert sum(line.endswith("bit-exact over 1024 weights") for line in out.splitlines()) == 3, out
+    # 5 formats x 2 cases x 2 dtypes x (decode, large), a third of them clamped
+    assert len(lines) == 40 and sum("limit=0.5" in line for line in lines) == 13, out
+    assert sum(line.endswith("bit-exact over 1024 weights") for line in out.splitlines()) == 5, out
 
 
 @pytest.mark.gpu

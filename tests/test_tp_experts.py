@@ -149,7 +149,7 @@ def test_column_part_of_4bit_codes_and_group_scales():
     assert column_part(s2, "gate_up_scale_2", i, 1, 2, "nvfp4") is s2
 
 
-@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "int4"])
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4", "int4", "int4-g32-asym"])
 def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
     # a TP rank's dense shards use the generator differently from one process (module docstring), so
     # its columns are slices of the replicated TP share's whole experts, and the ranks' slices tile them
@@ -159,6 +159,7 @@ def test_random_bed_columns_are_slices_of_the_replicated_share(quant):
     layer = cfg.moe_layers[0]
     parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if quant else ())
     parts += ("gate_scale_2", "up_scale_2", "down_scale_2") if quant == "nvfp4" else ()
+    parts += ("gate_zero_point", "up_zero_point", "down_zero_point") if quant == "int4-g32-asym" else ()
     for rank in (0, 1):
         bed = random_bed(cfg, seed=3, device="cpu", dtype=torch.float32, quant=quant, par=Parallel(rank, 2, 2, 1),
                          split="columns")
@@ -196,7 +197,7 @@ def test_rank_plan_counts_half_the_expert_bytes(ckpts):
 I256 = "tiny-i256"  # tiny with an expert intermediate of 256: 128 a rank, whole FP8 blocks and 4-bit groups
 # kind -> (--dtype, fused expert tensors, the rows' format)
 QUANT_CKPTS = {"fp8": ("fp8", False), "fp8-fused": ("fp8", True), "nvfp4": ("nvfp4", False),
-               "int4-fused": ("int4", True)}
+               "int4-fused": ("int4", True), "int4-asym": ("int4-g32-asym", False)}
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +213,7 @@ def quant_ckpts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,backend", [("fp8", "slots"), ("fp8-fused", "resident"), ("nvfp4", "slots"),
-                                          ("int4-fused", "resident")])
+                                          ("int4-fused", "resident"), ("int4-asym", "slots")])
 def test_quantized_columns_split_weights_and_their_scales(quant_ckpts, kind, backend):
     """Quantized expert rows under columns: one process's logits. FP8: each rank its 128 gate / up
     rows and down columns with their 128 x 128 scale blocks (per-expert grids, or fused gate_up grids

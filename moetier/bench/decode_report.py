@@ -6,6 +6,7 @@ from __future__ import annotations
 from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
 from moetier.bench.outputs import column
 from moetier.experts.registry import NAMES, Hybrid, Resident, Slots
+from moetier.quant.registry import PACKED4
 
 
 def row_name(r: dict) -> str:
@@ -90,7 +91,7 @@ def ratios(rows: list[dict]) -> list[str]:
     out = []
     four = ("fp8", "bf16")
     for (backend, budget, batch, dtype), tok_s in by.items():
-        for over in {"fp8": ("bf16",), "fp8-dense": ("fp8",), "nvfp4": four, "int4": four, "int4-g32": four}.get(dtype, ()):
+        for over in {"fp8": ("bf16",), "fp8-dense": ("fp8",), **dict.fromkeys(PACKED4, four)}.get(dtype, ()):
             base = by.get((backend, budget, batch, over))
             if base:
                 where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")

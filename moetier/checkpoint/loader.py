@@ -50,6 +50,7 @@ from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
 from moetier.quant import quant_config as qconfig
 from moetier.quant.registry import PACKED4
+from moetier.quant.rows import weight_part
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -153,7 +154,8 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
     x, lay, par = w.expert, placement.layout, placement.par
     tp = par.tp if placement.split == "columns" else 1  # columns: this rank's I/tp of every expert
     full = placement.full_shape
-    k = full.inter if x.part == "down" else full.hidden  # the checkpoint's values per row (4-bit words)
+    i, h = full.inter, full.hidden  # the weight's whole (N, K), for 4-bit words cut after unpacking
+    nk = {"gate": (i, h), "up": (i, h), "gate_up": (2 * i, h), "down": (h, i)}[weight_part(x.part)]
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return column_part(t, x.part, full.inter, par.tp_rank, tp, full.quant)
@@ -164,19 +166,19 @@ def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: We
             src = whole if par.ep == 1 else whole[par.ep_rank::par.ep]
             if x.layer not in placement.pinned:
                 dest = lay.part(rows[x.layer], x.part, None)
-                dest.copy_(mine(quant4.to_row(w.name, src, dest, k)))
+                dest.copy_(mine(quant4.to_row(w.name, src, dest, nk)))
                 return True
             for local in range(src.shape[0]):  # pinned experts to the device, only cached ones to the host
                 block, i = placement.home(x.layer, local, rows[x.layer])
                 dest = lay.part(block, x.part, i)
-                dest.copy_(mine(quant4.to_row(w.name, src[local], dest, k)))
+                dest.copy_(mine(quant4.to_row(w.name, src[local], dest, nk)))
             return True
         local = placement.local_id(x.expert)
         if local is None:
             return False
         block, i = placement.home(x.layer, local, rows[x.layer])  # the device block for a pinned expert (split.py)
         dest = lay.part(block, x.part, i)
-        dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest, k)))
+        dest.copy_(mine(quant4.to_row(w.name, tensor(w.name), dest, nk)))
         return True
 
 
@@ -244,8 +246,9 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
                      f"dequantized to {str(torch_dtype).removeprefix('torch.')} at load")
     if cfg.quant in PACKED4:
         lay = placement.layout
-        notes.append(f"routed experts stay {cfg.quant}: {lay.row_bytes(torch_dtype)} bytes per expert row (codes "
-                     f"and scales; {lay.row_bytes(torch_dtype) / (3 * lay.hidden * lay.inter):.4f} B per weight), "
+        held = "codes, scales and zero points" if lay.asymmetric else "codes and scales"
+        notes.append(f"routed experts stay {cfg.quant}: {lay.row_bytes(torch_dtype)} bytes per expert row ({held}; "
+                     f"{lay.row_bytes(torch_dtype) / (3 * lay.hidden * lay.inter):.4f} B per weight), "
                      "computed weight-only (W4A16: dequantized in registers, activations in "
                      f"{str(torch_dtype).removeprefix('torch.')}); other 4-bit weights dequantized at load")
         if qconfig.activation_scales(cfg.quant_config) or any(

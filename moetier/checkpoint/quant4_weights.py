@@ -10,6 +10,7 @@ the config's, quant/quant_config.py's. Names: a weight `W` (a module's `x.weight
       (nvfp4)                                                 (reciprocal: 1 / global)
     compressed-tensors  W_packed int32      W_scale bf16      -                             W_shape
       (int4)            [N, ceil(K/8)]      [N, ceil(K/g)]
+      asymmetric int4:  W_zero_point int32 [ceil(N/8), ceil(K/g)]: a zero code per group, eight rows a word
 
 Fused expert tensors take per-expert tensor scales: [E] (down), [E, 2] (gate_up: gate's, up's).
 
@@ -37,8 +38,8 @@ from moetier.quant import quant_config as qconfig
 # (codes, group scales, tensor scale or None) suffixes of a weight's companions, per layout
 SUFFIXES = {"modelopt": ("", "_scale", "_scale_2"), "compressed-tensors": ("_packed", "_scale", "_global_scale")}
 ACTIVATION_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scale")
-CODES = {"nvfp4": "U8", "int4": "I32", "int4-g32": "I32"}
-SCALES = {"nvfp4": "F8_E4M3", "int4": "BF16", "int4-g32": "BF16"}
+CODES = {"nvfp4": "U8", **{name: "I32" for name in int4.GROUPS}}
+SCALES = {"nvfp4": "F8_E4M3", **{name: "BF16" for name in int4.GROUPS}}
 FLOATS = ("F32", "BF16", "F16")
 SCALAR = {(), (1,)}  # the shapes a linear's one float32 tensor scale is stored in
 
@@ -60,6 +61,12 @@ def shapes(quant: str, shape: tuple[int, ...], ct_layout: bool, gate_up: bool = 
     codes = (*lead, n, packed4.cdiv(k, 8)) if quant != "nvfp4" else (*lead, n, k // 2)
     glob = (*lead, 2) if gate_up and lead else tuple(lead) if lead else ((1,) if ct_layout else ())
     return codes, (*lead, n, packed4.cdiv(k, _group(quant))), glob
+
+
+def zero_shape(quant: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The int32 zero points of an asymmetric INT4 weight [..., N, K]: [..., ceil(N/8), ceil(K/g)]."""
+    *lead, n, k = shape
+    return (*lead, packed4.cdiv(n, 8), packed4.cdiv(k, _group(quant)))
 
 
 def with_tensors(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> tuple[list[Weight], list[str], set[str]]:
@@ -95,24 +102,27 @@ def with_tensors(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> t
         parts = [(sname, sshape, SCALES[cfg.quant], "_scale")]
         if gname is not None:
             parts.append((gname, gshape, "F32", "_scale_2"))
+        if cfg.quant in int4.ASYMMETRIC:
+            parts.append((w.name + "_zero_point", zero_shape(cfg.quant, w.shape), "I32", "_zero_point"))
         for name, shape, dtype, part in parts:
             got = ckpt.tensors.get(name)
             if part == "_scale_2" and got is not None and {tuple(got.shape), tuple(shape)} <= SCALAR:
                 shape = tuple(got.shape)  # a per-linear tensor scale stored as [] or [1]: exporters write either
             out.append(Weight(name, shape, skipped=dense,
                               expert=None if dense else ExpertTensor(x.layer, x.expert, x.part + part)))
+            what = {"_scale": "group scales", "_scale_2": "tensor scales", "_zero_point": "zero points"}[part]
             if got is None and dense:
-                problems.append(f"{info.file}: {cname} holds {cfg.quant} codes but its scale {name} is missing")
+                problems.append(f"{info.file}: {cname} holds {cfg.quant} codes but its {what[:-1]} {name} is missing")
             elif got is not None and got.dtype != dtype:
                 problems.append(f"{got.file}: {name} has dtype {got.dtype}; {cfg.quant} wants {dtype} here "
-                                f"({'group' if part == '_scale' else 'tensor'} scales of {cname})")
+                                f"({what} of {cname})")
             elif got is not None and dense and tuple(got.shape) != tuple(shape):
                 problems.append(f"{got.file}: {name} has shape {list(got.shape)}, {cname} needs {list(shape)}")
         if cfg.quant != "nvfp4":
             out.append(Weight(w.name + "_shape", (len(w.shape),), optional=True, skipped=True))
-            if w.name + "_zero_point" in ckpt.tensors:
-                problems.append(f"{w.name}_zero_point: asymmetric INT4 (a zero point) is not supported; use a "
-                                "symmetric checkpoint")
+            if cfg.quant not in int4.ASYMMETRIC and w.name + "_zero_point" in ckpt.tensors:
+                problems.append(f"{w.name}_zero_point: a zero point in a checkpoint whose quantization_config says "
+                                "symmetric; set weights.symmetric false in config.json, or drop the zero points")
         vouched.update(n for n, *_ in parts)
         vouched.update((cname, w.name + "_shape"))
     for name, t in ckpt.tensors.items():  # W4A4 calibration and KV scales: accepted, never read
@@ -140,7 +150,11 @@ def read_dense(read, ckpt: Checkpoint, cfg: ModelConfig, name: str, dtype: torch
             return nvfp4.dequantize(t, read(sname), scale_2(read(gname), gname), dtype, name)
         shape = w.name + "_shape"  # K exactly; without it the codes fill their words
         k = int(read(shape)[-1]) if shape in ckpt.tensors else 8 * t.shape[-1]
-        return int4.dequantize(int4.to_bytes(t, k, name), read(sname), dtype, int4.GROUPS[cfg.quant], name)
+        zero = None
+        if cfg.quant in int4.ASYMMETRIC:
+            zname = w.name + "_zero_point"
+            zero = int4.zero_to_bytes(read(zname), t.shape[-2], zname)
+        return int4.dequantize(int4.to_bytes(t, k, name), read(sname), dtype, int4.GROUPS[cfg.quant], name, zero)
     except ValueError as e:
         from moetier.errors import CheckpointError
 
@@ -152,12 +166,14 @@ def scale_2(t: torch.Tensor, name: str) -> torch.Tensor:
     return (1.0 / t.float()) if name.endswith("_global_scale") else t.float()
 
 
-def to_row(name: str, t: torch.Tensor, dest: torch.Tensor, k: int | None = None) -> torch.Tensor:
-    """A routed-expert checkpoint tensor as its row part `dest` holds it: int32 words as bytes,
-    global scales inverted, scalar scales reshaped. k: the values per row of t (default: dest's; the
-    whole K where dest holds a rank's columns of it)."""
+def to_row(name: str, t: torch.Tensor, dest: torch.Tensor, nk: tuple[int, int] | None = None) -> torch.Tensor:
+    """A routed-expert checkpoint tensor as its row part `dest` holds it: int32 codes and zero points
+    as bytes, global scales inverted, scalar scales reshaped. nk: the weight's whole (N, K) (default:
+    dest's; a rank's columns of it are cut after)."""
+    if t.dtype == torch.int32 and name.endswith("_zero_point"):
+        return int4.zero_to_bytes(t, dest.shape[-2] if nk is None else nk[0], name)
     if t.dtype == torch.int32:
-        return int4.to_bytes(t, 2 * dest.shape[-1] if k is None else k, name)
+        return int4.to_bytes(t, 2 * dest.shape[-1] if nk is None else nk[1], name)
     if name.endswith(("_scale_2", "_global_scale")):
         return scale_2(t, name).reshape(dest.shape)
     return t

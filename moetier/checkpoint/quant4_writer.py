@@ -1,4 +1,4 @@
-"""make-checkpoint --dtype nvfp4 | int4 | int4-g32: the random bf16 tensors of writer.py quantized
+"""make-checkpoint --dtype nvfp4 | int4 | int4-g32 (| -asym): the random bf16 tensors of writer.py quantized
 and laid out as the published tools write them (checkpoint/quant4_weights.py has the names):
 
     nvfp4, --format modelopt (the default)   ModelOpt: `x.weight` uint8 codes, `x.weight_scale` e4m3,
@@ -8,6 +8,8 @@ and laid out as the published tools write them (checkpoint/quant4_weights.py has
                                              float32 [1] (1 / scale_2), `nvfp4-pack-quantized`, `ignore`
     int4, int4-g32 (compressed-tensors)      `x.weight_packed` int32, `x.weight_scale` bf16,
                                              `x.weight_shape`, `pack-quantized` in groups of 128 or 32
+    int4-asym, int4-g32-asym                 the same with `x.weight_zero_point` int32 [ceil(N/8), G]
+                                             and `symmetric: false`
 
 What is quantized: the projections fp8_block.quantizable names (not embeddings, norms, routers or
 lm_head) whose K is even; the rest stay bf16 and are listed in exclude_modules / ignore by name.
@@ -61,16 +63,20 @@ def entries(name: str, shape: tuple[int, ...], dtype: torch.dtype, quant: str, l
         return [(name + c, torch.uint8, (*lead, n, k // 2)), (name + s, nvfp4.E4M3, (*lead, n, packed4.cdiv(k, 16))),
                 (name + g, torch.float32, glob)]
     group = int4.GROUPS[quant]
+    zero = [(name + "_zero_point", torch.int32, (*lead, packed4.cdiv(n, 8), packed4.cdiv(k, group)))]
     return [(name + c, torch.int32, (*lead, n, packed4.cdiv(k, 8))),
-            (name + s, int4.SCALE, (*lead, n, packed4.cdiv(k, group))), (name + "_shape", torch.int32, (len(shape),))]
+            (name + s, int4.SCALE, (*lead, n, packed4.cdiv(k, group))),
+            *(zero if quant in int4.ASYMMETRIC else []), (name + "_shape", torch.int32, (len(shape),))]
 
 
 def tensors(name: str, t: torch.Tensor, quant: str, layout: str) -> list[tuple[str, torch.Tensor]]:
     """The entries' tensors for weight t (entries' order); fused gate_up halves quantized apart."""
     c, s, g = _suffixes(layout)
     if quant != "nvfp4":
-        q, scale = int4.quantize(t, int4.GROUPS[quant])
+        asym = quant in int4.ASYMMETRIC
+        q, scale, *zero = int4.quantize(t, int4.GROUPS[quant], asymmetric=asym)
         return [(name + c, int4.to_words(q)), (name + s, scale),
+                *([(name + "_zero_point", int4.zero_to_words(zero[0]))] if asym else []),
                 (name + "_shape", torch.tensor(t.shape, dtype=torch.int32))]
     if _fused_gate_up(name):  # gate's and up's own tensor scales, as two modules would have them
         i = t.shape[-2] // 2
@@ -99,7 +105,7 @@ def config(d: dict, names: list[str], shapes: dict[str, tuple[int, ...]], quant:
         weights = ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": nvfp4.GROUP,
                     "symmetric": True, "dynamic": False} if quant == "nvfp4" else
                    {"num_bits": 4, "type": "int", "strategy": "group", "group_size": int4.GROUPS[quant],
-                    "symmetric": True, "dynamic": False})
+                    "symmetric": quant not in int4.ASYMMETRIC, "dynamic": False})
         fmt = "nvfp4-pack-quantized" if quant == "nvfp4" else "pack-quantized"
         qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,

@@ -233,13 +233,17 @@ def fill_fp8_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.d
 
 def fill_4bit_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
     """4-bit rows [N, R] (NVFP4, INT4) of random experts: each projection drawn as N(0, 0.02) in `dtype`,
-    quantized by the format's rule (quant/nvfp4.quantize, quant/int4.quantize), written with its scales."""
+    quantized by the format's rule (quant/nvfp4.quantize, quant/int4.quantize), written with its scales
+    (and, asymmetric, its zero codes)."""
     h, i = layout.hidden, layout.inter
     for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
         w = torch.empty(rows.shape[0], *shape, dtype=dtype, device=g.device).normal_(0.0, 0.02, generator=g)
         if layout.quant == "nvfp4":
             q, scale, s2 = nvfp4.quantize(w)
             layout.part(rows, part + "_scale_2").copy_(s2)
+        elif layout.asymmetric:
+            q, scale, zero = int4.quantize(w, layout.group, asymmetric=True)
+            layout.part(rows, part + "_zero_point").copy_(zero)
         else:
             q, scale = int4.quantize(w, layout.group)
         layout.part(rows, part).copy_(q)

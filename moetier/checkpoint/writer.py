@@ -138,10 +138,10 @@ def make_checkpoint(out: str | Path, preset: str, layers: int | None = None, see
     quant = dtype == "fp8"
     four = dtype in PACKED4
     if dtype not in DTYPES and not quant and not four:
-        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16, float16, fp8, nvfp4, int4 or "
-                           "int4-g32")
+        raise MoetierError(f"unsupported --dtype {dtype!r}; choose float32, bfloat16, float16, fp8 or one of the "
+                           f"4-bit formats: {', '.join(PACKED4)}")
     if format is not None and not four:
-        raise MoetierError(f"--format {format} names a 4-bit layout; it goes with --dtype nvfp4, int4 or int4-g32")
+        raise MoetierError(f"--format {format} names a 4-bit layout; it goes with --dtype {', '.join(PACKED4)}")
     layout = quant4.check(dtype, format) if four else None
     if not shard_bytes > 0:
         raise MoetierError(f"the shard size must be positive, got {shard_bytes} bytes")

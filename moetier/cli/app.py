@@ -257,7 +257,8 @@ def make_checkpoint_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, in [0, 2^63)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, float32, float16, fp8 (block-scaled float8 e4m3 with "
                        "128 x 128 scales, quantized from random bf16; docs/fp8.md), nvfp4, int4 or int4-g32 "
-                       "(4-bit weight-only, groups of 16, 128 or 32)."),
+                       "(4-bit weight-only, groups of 16, 128 or 32), int4-asym or int4-g32-asym (INT4 with a "
+                       "zero point per group)."),
     fmt: Optional[str] = typer.Option(None, "--format", help="Layout of --dtype nvfp4: modelopt (the default) or "
                                       "compressed-tensors (INT4 is always compressed-tensors)."),
     fused_experts: bool = typer.Option(False, "--fused-experts",

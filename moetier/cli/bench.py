@@ -27,7 +27,8 @@ def bench_layer(
     policy: opt.CachePolicy = opt.EXPERTS.policy,
     extras: bool = typer.Option(True, "--extras/--no-extras", help="Also both fills and the prefill crossover."),
     dtype: str = typer.Option("bf16", "--dtype", help="Expert formats, comma-separated: bf16, fp8, nvfp4, int4, "
-                                                      "int4-g32 (every row for each, side by side)."),
+                                                      "int4-g32, int4-asym, int4-g32-asym (every row for each, "
+                                                      "side by side)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
 ) -> None:
     """One MoE layer at decode (M = 1), graph-replayed: resident, uva, slots at set hit rates (CUDA)."""
@@ -98,8 +99,9 @@ def bench_decode(
                                                      "kernel, threads and rates (default: measured at build)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats of the random weights, comma-separated: "
                                                       "bf16, fp8 (FP8 experts), fp8-dense (FP8 experts and dense "
-                                                      "projections), nvfp4, int4, int4-g32 (4-bit weight-only "
-                                                      "experts); every row for each, side by side."),
+                                                      "projections), nvfp4, int4, int4-g32, int4-asym, "
+                                                      "int4-g32-asym (4-bit weight-only experts); every row for "
+                                                      "each, side by side."),
     parallel: str = typer.Option("1", "--parallel", metavar="<rows>",
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "

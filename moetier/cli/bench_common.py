@@ -10,6 +10,7 @@ import typer
 
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
+from moetier.quant.registry import PACKED4
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 
@@ -38,7 +39,7 @@ def need_modules(*names: str, why: str) -> None:
         raise MoetierError(f"{why} needs {', '.join(missing)}, which this install lacks: {BENCH_EXTRA}")
 
 
-EXPERT_DTYPES = ("bf16", "fp8", "nvfp4", "int4", "int4-g32")  # nvfp4, int4: 4-bit weight-only experts
+EXPERT_DTYPES = ("bf16", "fp8", *PACKED4)  # nvfp4, int4...: 4-bit weight-only experts (quant/registry.py)
 WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
 
 

@@ -13,7 +13,9 @@ Row of one routed expert (byte offsets; gate_up is [2I, H], gate rows then up ro
     [0, IH)                   gate_up codes  uint8 [2I, H/2]
     [IH, 3IH/2)               down codes     uint8 [H, I/2]
     [s13, s2)                 gate_up scales [2I, ceil(H/g)] (scale_bytes each)
-    [s2, ..)                  down scales    [H, ceil(I/g)]
+    [s2, z13)                 down scales    [H, ceil(I/g)]
+    [z13, z2)                 asymmetric INT4 only: gate_up zero codes uint8 [2I, ceil(H/g)]
+    [z2, ..)                  and down's [H, ceil(I/g)] (zero_offsets; absent elsewhere: z13 = z2 = gs)
     [gs, gs + 4 * n_global)   float32 per-projection scales (NVFP4: gate, up, down; INT4: none)
     padding                   zeros so that s13 and the row end are multiples of 16 and gs of 4
 """
@@ -33,15 +35,24 @@ def _align(n: int, to: int) -> int:
     return cdiv(n, to) * to
 
 
-def row_offsets(hidden: int, inter: int, group: int, scale_bytes: int, n_global: int) -> tuple[int, int, int, int]:
-    """(s13, s2, gs, row bytes) of a 4-bit expert row (module docstring)."""
+def row_offsets(hidden: int, inter: int, group: int, scale_bytes: int, n_global: int, zero_bytes: int = 0
+                ) -> tuple[int, int, int, int]:
+    """(s13, s2, gs, row bytes) of a 4-bit expert row (module docstring); zero_bytes: per group of an
+    asymmetric row's zero codes (1), else 0."""
     if hidden % 2 or inter % 2:
         raise ValueError(f"4-bit rows pack two values per byte: hidden ({hidden}) and intermediate ({inter}) "
                          "sizes must be even")
     s13 = _align(3 * inter * hidden // 2, ROW_ALIGN)
     s2 = s13 + scale_bytes * 2 * inter * cdiv(hidden, group)
-    gs = _align(s2 + scale_bytes * hidden * cdiv(inter, group), 4)
+    z13 = s2 + scale_bytes * hidden * cdiv(inter, group)
+    gs = _align(z13 + zero_bytes * (2 * inter * cdiv(hidden, group) + hidden * cdiv(inter, group)), 4)
     return s13, s2, gs, _align(gs + 4 * n_global, ROW_ALIGN)
+
+
+def zero_offsets(hidden: int, inter: int, group: int, scale_bytes: int) -> tuple[int, int]:
+    """(z13, z2): where an asymmetric row's gate_up and down zero codes start (right after the scales)."""
+    z13 = row_offsets(hidden, inter, group, scale_bytes, 0)[1] + scale_bytes * hidden * cdiv(inter, group)
+    return z13, z13 + 2 * inter * cdiv(hidden, group)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """The Triton side of the 4-bit formats (quant/nvfp4.py and quant/int4.py have the rules and the
 torch references): the jit helper kernels call to turn a tile of packed codes into weights.
 
-    dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, DOT, EMULATE, BLOCK_K)
+    dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, DOT, EMULATE, BLOCK_K,
+                  zeros=None, ZERO=False)
         -> [BLOCK_N, BLOCK_K] weights of rows n, columns k0.., rounded once to DOT:
         NVFP4  e2m1(code) * (float32(e4m3 scale) * gscale)      (nvfp4.dequantize's products, to the bit)
         INT4   (code - 8) * float32(bf16 scale)                 (int4.dequantize's)
+               (code - zcode) * float32(bf16 scale)             with ZERO: asymmetric rows, zeros the
+                                                                 uint8 zero codes [N, scale_row]
         Callers: experts/kernels/grouped_gemm.py (decode and large-step expert GEMMs).
 
 Codes sit two per byte, the even element in the low nibble, `row_bytes` bytes per weight row; the
@@ -34,7 +37,8 @@ def _e2m1_f16_bits(b, SHIFT: tl.constexpr):
 
 @triton.jit
 def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr,
-                  GROUP: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_K: tl.constexpr):
+                  GROUP: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                  zeros=None, ZERO: tl.constexpr = False):
     # codes, scales: byte pointers to this projection's codes [N, row_bytes] and scales [N, scale_row];
     # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K. Loads are whole
     # tiles: the tile's bytes [BLOCK_N, BLOCK_K / 2] (one load, contiguous per row), its scales
@@ -48,8 +52,8 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
     if NVFP4:  # element 2j: the low nibble
         bits = tl.reshape(tl.join(_e2m1_f16_bits(b, 0), _e2m1_f16_bits(b, 4)), [n.shape[0], BLOCK_K])
         v = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 / 2^14, exact
-    else:
-        v = (tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K]) - 8).to(tl.float32)
+    else:  # INT4 codes; the offset (8, or the group's zero code) is subtracted below, by group
+        v = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K]).to(tl.float32)
     if BLOCK_K >= GROUP:
         NG: tl.constexpr = BLOCK_K // GROUP
         g = k0 // GROUP + tl.arange(0, NG)
@@ -63,9 +67,19 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
         sc = sc * 16384.0  # 2^14: exact; v holds e2m1 / 2^14
     else:
         sc = tl.load(scales.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, mask=sm, other=0.0).to(tl.float32)
+        if ZERO:  # the group's zero code
+            zc = tl.load(zeros + at, mask=sm, other=0).to(tl.float32)
+        else:
+            zc = tl.zeros(sc.shape, tl.float32) + 8.0
+    # INT4: (code - offset) * scale, the subtraction exact in float32 (integers below 16), one rounding
     if BLOCK_K >= GROUP:
-        v = tl.reshape(tl.reshape(v, [n.shape[0], NG, GROUP]) * sc[:, :, None], [n.shape[0], BLOCK_K])
+        v = tl.reshape(v, [n.shape[0], NG, GROUP])
+        if not NVFP4:
+            v = v - zc[:, :, None]
+        v = tl.reshape(v * sc[:, :, None], [n.shape[0], BLOCK_K])
     else:
+        if not NVFP4:
+            v = v - zc[:, None]
         v = v * sc[:, None]
     if EMULATE:
         if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does

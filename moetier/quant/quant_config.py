@@ -9,9 +9,11 @@ modules it leaves unquantized. Reads the three published shapes:
                          {"targets": [...], "weights": {num_bits, type, strategy, group_size, symmetric},
                          "input_activations": ... | null, "format": ...}}, "ignore": [names, "re:" regexes]}
                          with format "nvfp4-pack-quantized" (type float, strategy tensor_group, group 16)
-                         or "pack-quantized" (type int, 4 bits, strategy group, group 128 or 32, symmetric)
+                         or "pack-quantized" (type int, 4 bits, strategy group, group 128 or 32, symmetric
+                         or not: `symmetric: false` stores a zero point per group)
 
-    format_of(qc) -> the quant/registry name ("fp8", "nvfp4", "int4", "int4-g32") or None (not one of ours)
+    format_of(qc) -> the quant/registry name ("fp8", "nvfp4", "int4", "int4-g32", "int4-asym",
+                     "int4-g32-asym") or None (not one of ours)
     layout(qc)    -> "fp8", "modelopt" or "compressed-tensors" (which tensor names to read)
     problems(qc, name) -> one line per problem
     excluded(qc, module) -> the module is stored unquantized
@@ -61,8 +63,9 @@ def format_of(qc: object) -> str | None:
         schemes, cfgs, _ = _ct_weights(qc)
         fmt = qc.get("format") or next((g.get("format") for g in cfgs if g.get("format")), None)
         name = CT_FORMATS.get(fmt)
-        if name == "int4" and schemes and schemes[0].get("group_size") == 32:
-            return "int4-g32"
+        if name == "int4" and schemes:
+            name += "-g32" if schemes[0].get("group_size") == 32 else ""
+            name += "-asym" if schemes[0].get("symmetric", True) is False else ""
         return name
     return None
 
@@ -76,8 +79,8 @@ def example(name: str) -> dict:
         return dict(QUANT_CONFIG)
     if name == "nvfp4":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32 if name == "int4-g32" else 128,
-               "symmetric": True}
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32 if "g32" in name else 128,
+               "symmetric": not name.endswith("-asym")}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
 
@@ -104,7 +107,7 @@ def layout(qc: object) -> str:
 
 
 def problems(qc: object, name: str) -> list[str]:
-    """What is wrong with qc as a config of format `name` ("nvfp4", "int4", "int4-g32")."""
+    """What is wrong with qc as a config of format `name` ("nvfp4" or one of the INT4 names)."""
     if not isinstance(qc, dict):
         return [f"quantization_config must be an object, got {qc!r}"]
     if format_of(qc) != name:
@@ -118,15 +121,13 @@ def problems(qc: object, name: str) -> list[str]:
         return out
     schemes, _, out = _ct_weights(qc)
     want = ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16} if name == "nvfp4"
-            else {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128 if name == "int4" else 32})
+            else {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32 if "g32" in name else 128,
+                  "symmetric": not name.endswith("-asym")})
     for s in schemes:
         for key, value in want.items():
-            if s.get(key) != value:
+            if s.get(key, True if key == "symmetric" else None) != value:
                 out.append(f"quantization_config weights.{key} {s.get(key)!r} is not supported for {name} "
                            f"(want {value!r})")
-        if name != "nvfp4" and s.get("symmetric", True) is not True:
-            out.append("quantization_config weights.symmetric false (asymmetric INT4 with weight_zero_point) is "
-                       "not supported; use a symmetric checkpoint")
     if not isinstance(qc.get("ignore", []), list):
         out.append("quantization_config.ignore must be a list of module names or \"re:\" patterns")
     return sorted(set(out), key=out.index)

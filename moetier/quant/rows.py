@@ -8,7 +8,8 @@ Parts, the names the checkpoint loader copies into (RowLayout.part): the weights
 `gate_up`, `down` (for 4-bit rows their packed codes), for quantized rows their scales
 `gate_scale`, ..., `down_scale` (FP8: block grids; 4-bit: group scales, one row per weight row) and,
 for NVFP4 rows, the float32 tensor scales `gate_scale_2`, `up_scale_2`, `gate_up_scale_2` (both),
-`down_scale_2`.
+`down_scale_2`; for asymmetric INT4 rows the zero codes `gate_zero_point`, ..., `down_zero_point`
+(uint8, one per group, beside the group scales' shape).
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from dataclasses import dataclass
 import torch
 
 from moetier.quant import fp8_block as fp8
-from moetier.quant import int4, nvfp4
+from moetier.quant import int4, nvfp4, packed4
 from moetier.quant.registry import GROUPS, PACKED4, QUANTS, get
 
 WEIGHT_PARTS = ("gate", "up", "gate_up", "down")
 SCALE_PARTS = tuple(p + "_scale" for p in WEIGHT_PARTS)  # quantized rows: the parts' scales
 GLOBAL_PARTS = tuple(p + "_scale_2" for p in WEIGHT_PARTS)  # NVFP4 rows: the parts' float32 tensor scales
-PARTS = WEIGHT_PARTS + SCALE_PARTS + GLOBAL_PARTS
+ZERO_PARTS = tuple(p + "_zero_point" for p in WEIGHT_PARTS)  # asymmetric INT4 rows: the parts' zero codes
+PARTS = WEIGHT_PARTS + SCALE_PARTS + GLOBAL_PARTS + ZERO_PARTS
+
+
+def weight_part(part: str) -> str:
+    """The weight a part belongs to: "gate_up_scale_2" -> "gate_up", "down_zero_point" -> "down"."""
+    for suffix in ("_scale_2", "_scale", "_zero_point"):
+        if part.endswith(suffix):
+            return part[: -len(suffix)]
+    return part
 
 
 @dataclass(frozen=True)
@@ -44,9 +54,10 @@ class RowLayout:
     The padding exists only so that every row (rows sit back to back in a block) starts 16-byte
     aligned and its scales 4-byte aligned for float32 views; it is counted in row_bytes.
 
-    quant "nvfp4", "int4", "int4-g32": a row of bytes, codes packed two per byte, group scales in
-    the same row (quant/packed4.py draws it): NVFP4 0.5625 bytes per weight plus three float32
-    tensor scales, INT4 0.5 + 2/128 (or 2/32) bytes per weight, plus at most 31 bytes of padding.
+    quant "nvfp4" or an INT4 name: a row of bytes, codes packed two per byte, group scales in the
+    same row (quant/packed4.py draws it): NVFP4 0.5625 bytes per weight plus three float32 tensor
+    scales, INT4 0.5 + 2/128 (or 2/32) bytes per weight, asymmetric INT4 one zero code byte per
+    group more, plus at most 31 bytes of padding.
     """
 
     hidden: int
@@ -78,6 +89,10 @@ class RowLayout:
         return GROUPS[self.quant]
 
     @property
+    def asymmetric(self) -> bool:  # an INT4 row with zero codes (quant/int4.ASYMMETRIC)
+        return self.quant in int4.ASYMMETRIC
+
+    @property
     def scale_dtype(self) -> torch.dtype:  # of a quantized row's scales
         return {"fp8": torch.float32, "nvfp4": nvfp4.E4M3}.get(self.quant, int4.SCALE)
 
@@ -85,7 +100,11 @@ class RowLayout:
         """(s13, s2, gs, row bytes) of a 4-bit row (quant/packed4.row_offsets)."""
         if self.quant == "nvfp4":
             return nvfp4.row_offsets(self.hidden, self.inter)
-        return int4.row_offsets(self.hidden, self.inter, self.group)
+        return int4.row_offsets(self.hidden, self.inter, self.group, self.asymmetric)
+
+    def zero_offsets(self) -> tuple[int, int]:
+        """(z13, z2) of an asymmetric INT4 row's zero codes (quant/packed4.zero_offsets)."""
+        return packed4.zero_offsets(self.hidden, self.inter, self.group, self.scale_dtype.itemsize)
 
     @property
     def n_inter(self) -> int:  # 128-blocks along I
@@ -152,6 +171,22 @@ class RowLayout:
         return rows[:, a:a + 4 * self.n_hidden * self.n_inter].view(torch.float32).view(
             rows.shape[0], self.n_hidden, self.n_inter)
 
+    def zeros13(self, rows: torch.Tensor) -> torch.Tensor:
+        # asymmetric INT4 rows [N, numel] -> [N, 2I, ceil(H/g)] uint8 zero codes (a view; gate's, then up's)
+        z13, z2 = self._zeros()
+        return rows[:, z13:z2].view(rows.shape[0], 2 * self.inter, -1)
+
+    def zeros2(self, rows: torch.Tensor) -> torch.Tensor:
+        # asymmetric INT4 rows [N, numel] -> [N, H, ceil(I/g)] uint8 zero codes (a view)
+        _, z2 = self._zeros()
+        g = -(-self.inter // self.group)
+        return rows[:, z2:z2 + self.hidden * g].view(rows.shape[0], self.hidden, g)
+
+    def _zeros(self) -> tuple[int, int]:
+        if not self.asymmetric:
+            raise ValueError(f"zero points: rows of quantization {self.quant!r} hold none (asymmetric INT4 only)")
+        return self.zero_offsets()
+
     def globals(self, rows: torch.Tensor) -> torch.Tensor:
         # nvfp4 rows [N, numel] uint8 -> [N, 3] float32 (a view): gate's, up's and down's scale_2
         if self.quant != "nvfp4":
@@ -175,7 +210,9 @@ class RowLayout:
     def _weights4(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         w13, s13, w2, s2, i = self.w13(rows), self.s13(rows), self.w2(rows), self.s2(rows), self.inter
         if self.quant != "nvfp4":
-            return int4.dequantize(w13, s13, dtype, self.group), int4.dequantize(w2, s2, dtype, self.group)
+            z13, z2 = (self.zeros13(rows), self.zeros2(rows)) if self.asymmetric else (None, None)
+            return (int4.dequantize(w13, s13, dtype, self.group, zero=z13),
+                    int4.dequantize(w2, s2, dtype, self.group, zero=z2))
         g = self.globals(rows)
         gate = nvfp4.dequantize(w13[:, :i], s13[:, :i], g[:, 0], dtype)
         up = nvfp4.dequantize(w13[:, i:], s13[:, i:], g[:, 1], dtype)
@@ -187,6 +224,10 @@ class RowLayout:
         if part in GLOBAL_PARTS:
             g = self.globals(sel)
             return {"gate": g[:, 0], "up": g[:, 1], "gate_up": g[:, 0:2], "down": g[:, 2]}[part[:-8]]
+        if part in ZERO_PARTS:
+            base = part.removesuffix("_zero_point")
+            z = self.zeros2(sel) if base == "down" else self.zeros13(sel)
+            return z if base in ("down", "gate_up") else z[:, :i] if base == "gate" else z[:, i:]
         scale = part.endswith("_scale")
         base = part.removesuffix("_scale")
         if base == "down":
@@ -206,8 +247,8 @@ class RowLayout:
         if self.packed4:
             view = self._part4(sel, part)
             return view if expert is None else view[0]
-        if part in GLOBAL_PARTS:
-            raise ValueError(f"expert part {part!r}: rows of quantization {self.quant!r} hold no tensor scales")
+        if part in GLOBAL_PARTS or part in ZERO_PARTS:
+            raise ValueError(f"expert part {part!r}: rows of quantization {self.quant!r} hold no such part")
         i = self.inter
         if part == "down":
             view = self.w2(sel)

@@ -166,8 +166,8 @@ def available() -> tuple[bool, str]:
 
 def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
     """The kernel's code for these rows, or None when it has none (the caller falls back to torch)."""
-    if layout.quant is not None:  # FP8, NVFP4, INT4: byte rows
-        return QUANT_KINDS[layout.quant] if rows.dtype == torch.uint8 else None
+    if layout.quant is not None:  # FP8, NVFP4, INT4: byte rows (asymmetric INT4: no code here yet)
+        return QUANT_KINDS.get(layout.quant) if rows.dtype == torch.uint8 else None
     return KINDS.get(rows.dtype)
 
 

@@ -16,9 +16,10 @@ multiplied against all of them with tl.dot.
 
 FP8 rows (RowLayout quant "fp8", docs/fp8.md): with FP8 set the kernels scale each weight tile in
 registers (fp32 x block scale, rounded once to the dot type: fp8.dequantize's weights exactly).
-4-bit rows ("nvfp4", "int4", "int4-g32"; quant/packed4.py): with Q4 set the kernels unpack each
-tile's codes and scale them in registers (quant/packed4_triton.py: the formats' references exactly),
-weight-only: the activations stay in their dtype and no activation scale exists here.
+4-bit rows ("nvfp4", "int4", "int4-g32" and the asymmetric "int4-asym", "int4-g32-asym";
+quant/packed4.py): with Q4 set the kernels unpack each tile's codes, subtract INT4's offset (8, or
+with ZERO the group's zero code) and scale them in registers (quant/packed4_triton.py: the formats'
+references exactly), weight-only: the activations stay in their dtype, no activation scale exists here.
 
 A pair whose expert id is negative (experts/parallel/ep.NOT_MINE: another rank's expert) is no work: the plan
 sorts it last under SKIP_KEY and starts no chunk there, a one-token chunk of it leaves at once (_chunk),
@@ -130,6 +131,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
              FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
              Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0,
+             ZERO: tl.constexpr = False, Z13: tl.constexpr = 0, Z2: tl.constexpr = 0,
              HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0):
     # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
@@ -158,12 +160,13 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < hidden
         xa = tl.load(x_ptr + tok[:, None] * hidden + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        if Q4:  # codes [2I, H/2] at 0, group scales [2I, NH] at byte S13 (NH: groups per row here)
+        if Q4:  # codes [2I, H/2] at 0, group scales [2I, NH] at byte S13 (NH: groups per row here), zero
+            # codes (asymmetric INT4) [2I, NH] at byte Z13
             sb = 1 if NVFP4 else 2
             wg = _dequant4(base, hidden // 2, base + S13, NH, n, nm, k0, hidden, g_gate, NVFP4, GROUP, DOT, EMULATE,
-                           BLOCK_K)
+                           BLOCK_K, base + Z13, ZERO)
             wu = _dequant4(base + inter * (hidden // 2), hidden // 2, base + S13 + sb * inter * NH, NH, n, nm, k0,
-                           hidden, g_up, NVFP4, GROUP, DOT, EMULATE, BLOCK_K)
+                           hidden, g_up, NVFP4, GROUP, DOT, EMULATE, BLOCK_K, base + Z13 + inter * NH, ZERO)
         else:
             wm = nm[:, None] & km[None, :]
             wg = tl.load(base + n[:, None] * hidden + kk[None, :], mask=wm, other=0.0)
@@ -184,7 +187,8 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
           DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LISTED: tl.constexpr,
           FP8: tl.constexpr, S13: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
-          Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0):
+          Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0,
+          ZERO: tl.constexpr = False, Z13: tl.constexpr = 0, Z2: tl.constexpr = 0):
     # program (c, nb): chunk c (see _chunk_start), output rows [nb * BLOCK_N, +BLOCK_N)
     i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     nb = tl.program_id(1)
@@ -195,6 +199,7 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         return
     pair = pair.to(tl.int64)
     scales = base + S2  # FP8: down's scale grid [NH, NI]; 4-bit: its group scales [H, NI] (unused otherwise)
+    zeros = base + Z2  # asymmetric INT4: down's zero codes [H, NI] (unused otherwise)
     g_down = 1.0
     if NVFP4:
         g_down = tl.load((base + GS + 8).to(tl.pointer_type(tl.float32), bitcast=True))
@@ -207,7 +212,8 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
         km = kk < inter
         ha = tl.load(h_ptr + pair[:, None] * inter + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         if Q4:
-            w = _dequant4(base, inter // 2, scales, NI, n, nm, k0, inter, g_down, NVFP4, GROUP, DOT, EMULATE, BLOCK_K)
+            w = _dequant4(base, inter // 2, scales, NI, n, nm, k0, inter, g_down, NVFP4, GROUP, DOT, EMULATE, BLOCK_K,
+                          zeros, ZERO)
         else:
             w = tl.load(base + n[:, None] * inter + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if FP8:
@@ -327,8 +333,9 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
     lay = RowLayout(hidden, inter, quant)
     if lay.packed4:  # NH, NI: groups per gate_up row and per down row
         s13, s2, gs, _ = lay.offsets4()
+        z13, z2 = lay.zero_offsets() if lay.asymmetric else (0, 0)
         return dict(FP8=False, S13=s13, S2=s2, NI=-(-inter // lay.group), NH=-(-hidden // lay.group), Q4=True,
-                    NVFP4=quant == "nvfp4", GROUP=lay.group, GS=gs)
+                    NVFP4=quant == "nvfp4", GROUP=lay.group, GS=gs, ZERO=lay.asymmetric, Z13=z13, Z2=z2)
     if quant != "fp8":
         return dict(FP8=False, S13=0, S2=0, NI=0, NH=0)
     bad = [bk for bk in blocks_k if fp8.BLOCK % bk and bk % fp8.BLOCK]

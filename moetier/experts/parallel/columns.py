@@ -15,9 +15,9 @@ output, and one all-reduce over the tp group per MoE layer makes it (ColumnExper
     slice_rows(src, full, dst, local, rank, tp)   full rows -> this rank's rows (random weights)
 
 4-bit rows (quant/packed4.py) slice as their weights do: gate and up rows with their group-scale
-rows (groups run along H, whole in every row), down's packed columns (two per byte) with the group
-scales of those columns, which is why I / tp must hold whole groups; NVFP4's per-projection tensor
-scales are every rank's unchanged.
+(and zero-code) rows (groups run along H, whole in every row), down's packed columns (two per byte)
+with the group scales and zero codes of those columns, which is why I / tp must hold whole groups;
+NVFP4's per-projection tensor scales are every rank's unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from moetier.experts.shape import MoeShape
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
 from moetier.quant.registry import GROUPS, PACKED4
-from moetier.quant.rows import GLOBAL_PARTS, RowLayout
+from moetier.quant.rows import GLOBAL_PARTS, RowLayout, weight_part
 
 SPLITS = ("auto", "replicate", "columns")
 
@@ -90,11 +90,11 @@ def local_shape(shape: MoeShape, split: str, tp: int) -> MoeShape:
 
 def _unit(part: str, quant: str | None) -> int:
     """Intermediate columns one entry of `part` covers along the dimension columns slices."""
-    scale, base = part.endswith("_scale"), part.removesuffix("_scale")
+    per_group, base = part.endswith(("_scale", "_zero_point")), weight_part(part)
     if quant == "fp8":
-        return fp8.BLOCK if scale else 1  # resolve() keeps I / tp on 128-wide scale blocks
-    if quant in PACKED4 and base == "down":  # codes: two columns a byte; scales: a group each
-        return GROUPS[quant] if scale else 2
+        return fp8.BLOCK if per_group else 1  # resolve() keeps I / tp on 128-wide scale blocks
+    if quant in PACKED4 and base == "down":  # codes: two columns a byte; scales, zero codes: a group each
+        return GROUPS[quant] if per_group else 2
     return 1  # gate / up rows (and a 4-bit row's scale rows beside them): one row each
 
 
@@ -105,7 +105,7 @@ def column_part(t: torch.Tensor, part: str, inter: int, rank: int, tp: int, quan
     tensors). NVFP4's tensor scales (`*_scale_2`) and the whole tensor when tp == 1 pass unchanged."""
     if tp == 1 or part in GLOBAL_PARTS:
         return t
-    base = part.removesuffix("_scale")
+    base = weight_part(part)
     unit = _unit(part, quant)
     whole, k = inter // unit, inter // tp // unit
     a = rank * k
@@ -122,6 +122,7 @@ def slice_rows(src: torch.Tensor, full: RowLayout, dst: torch.Tensor, local: Row
     """dst [N, local.numel] <- rank's columns of the whole rows src [N, full.numel] (weights and scales)."""
     parts = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if full.quant else ())
     parts += ("gate_scale_2", "up_scale_2", "down_scale_2") if full.quant == "nvfp4" else ()
+    parts += ("gate_zero_point", "up_zero_point", "down_zero_point") if full.asymmetric else ()
     for p in parts:
         local.part(dst, p).copy_(column_part(full.part(src, p), p, full.inter, rank, tp, full.quant))
 
