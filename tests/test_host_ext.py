@@ -54,9 +54,11 @@ def fp8_rows(src: torch.Tensor, lay: RowLayout) -> torch.Tensor:
 
 
 def rows_of(kind: str, e: int = 6, hidden: int = H, inter: int = I, seed: int = 0):
-    """(layout, rows) of bf16, fp32 or FP8 rows, or 4-bit ones (nvfp4, int4, int4-g32: random experts
+    """(layout, rows) of bf16, fp32 or FP8 rows, or 4-bit ones (nvfp4 and the INT4 names: random experts
     quantized by the format's rule, random_bed.fill_4bit_rows)."""
-    if kind in ("nvfp4", "int4", "int4-g32"):
+    from moetier.quant.registry import PACKED4
+
+    if kind in PACKED4:
         from moetier.checkpoint.random_bed import fill_4bit_rows
 
         lay = RowLayout(hidden, inter, kind)

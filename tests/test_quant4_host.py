@@ -1,6 +1,6 @@
-"""4-bit rows (NVFP4, INT4 in groups of 128 and 32; issue 30) on the host cores: the compiled host
-kernel (experts/hybrid/csrc/host_experts.cpp, host_decode.h) decodes the codes and scales in
-registers. Against the fp32 oracle (host_kernels.reference, which dequantizes with the formats' torch
+"""4-bit rows (NVFP4, INT4 in groups of 128 and 32, symmetric or with zero codes; issue 30) on the host
+cores: the compiled host kernel (experts/hybrid/csrc/host_experts.cpp, host_decode.h) decodes the
+codes, scales and zero codes in registers. Against the fp32 oracle (host_kernels.reference, which dequantizes with the formats' torch
 references) on ragged shapes with every nibble and e4m3 subnormal scales; bitwise independent of the
 thread count (the hybrid backend with 4-bit rows: tests/test_host_ext.py).
 
@@ -18,7 +18,8 @@ from moetier.quant import nvfp4
 from moetier.quant.rows import RowLayout
 from tests.test_host_ext import H, I, lib, rel, rows_of, step  # noqa: F401 (lib: the built kernel, a fixture)
 
-FORMATS = ("nvfp4", "int4", "int4-g32")  # on test_host_ext's ragged H, I: groups of 16, 128 and 32 end short
+# on test_host_ext's ragged H, I: groups of 16, 128 and 32 end short
+FORMATS = ("nvfp4", "int4", "int4-g32", "int4-asym", "int4-g32-asym")
 
 
 def random_code_rows(quant: str, e: int = 5, seed: int = 4) -> tuple[RowLayout, torch.Tensor]:
@@ -37,6 +38,9 @@ def random_code_rows(quant: str, e: int = 5, seed: int = 4) -> tuple[RowLayout, 
                                                                generator=g) * 0.05)
         else:
             scale.copy_((torch.randn(scale.shape, generator=g) * 1e-2).to(scale.dtype))
+        if lay.asymmetric:  # every zero code
+            zero = lay.part(rows, part + "_zero_point")
+            zero.copy_(torch.randint(0, 16, zero.shape, generator=g, dtype=torch.uint8))
     return lay, rows
 
 

@@ -46,7 +46,8 @@ NODE_SOURCE = SOURCE.with_name("host_node.cpp")
 HEADERS = (SOURCE.with_name("host_decode.h"),)  # included by SOURCE: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared"]
 KINDS = {torch.bfloat16: 0, torch.float32: 1}  # plus quantized rows (uint8), by layout.quant:
-QUANT_KINDS = {"fp8": 2, "nvfp4": 4, "int4": 6, "int4-g32": 8}  # each + 1: weights rounded to bf16 (csrc Kind)
+# each + 1: weights rounded to bf16 (csrc Kind)
+QUANT_KINDS = {"fp8": 2, "nvfp4": 4, "int4": 6, "int4-g32": 8, "int4-asym": 10, "int4-g32-asym": 12}
 _LOADED: dict[tuple, ctypes.CDLL | Exception] = {}
 
 
@@ -166,8 +167,8 @@ def available() -> tuple[bool, str]:
 
 def kind_of(rows: torch.Tensor, layout: RowLayout) -> int | None:
     """The kernel's code for these rows, or None when it has none (the caller falls back to torch)."""
-    if layout.quant is not None:  # FP8, NVFP4, INT4: byte rows (asymmetric INT4: no code here yet)
-        return QUANT_KINDS.get(layout.quant) if rows.dtype == torch.uint8 else None
+    if layout.quant is not None:  # FP8, NVFP4, INT4: byte rows
+        return QUANT_KINDS[layout.quant] if rows.dtype == torch.uint8 else None
     return KINDS.get(rows.dtype)
 
 

@@ -25,8 +25,8 @@ layout.swiglu_limit (the clamped SwiGLU of GLM-5.3-Flash: both kernels clamp). T
               docs/hybrid.md has its numerics.
     auto      (host_kernel() only) compiled where it builds, else grouped, with a one-line warning
 
-Quantized rows (layout.quant "fp8", "nvfp4", the INT4 names: uint8 rows of codes and scales; the
-compiled kernel has no code for asymmetric INT4's zero points, whose rows take the torch kernel)
+Quantized rows (layout.quant "fp8", "nvfp4", the INT4 names: uint8 rows of codes and scales, and
+asymmetric INT4's zero codes)
 compute in the hidden state's dtype: the torch kernels dequantize an expert's row into scratch (RowLayout.weights, the CPU
 backends' own dequantization) before the same F.linear ops; the compiled kernel decodes the bytes in
 registers. A dtype no kernel knows is refused, not silently computed wrong.

@@ -5,17 +5,23 @@
 //     FP8    float32(e4m3) * block scale                        (quant/fp8_block.dequantize)
 //     NVFP4  e2m1(code) * (float32(e4m3 scale) * scale_2)       (quant/nvfp4.dequantize's two products)
 //     INT4   (code - 8) * float32(bf16 scale)                   (quant/int4.dequantize's, exact in fp32)
+//            (code - zcode) * float32(bf16 scale)               asymmetric INT4: the group's zero code
 // each rounded once to bf16 for the rounded kinds (a bf16 model), as the GPU kernels and RowLayout.weights.
 // Groups run along K (16 for NVFP4, 128 or 32 for INT4); the kernel reads VW weights at k a multiple of VW,
 // and VW divides every group and block size, so a chunk never straddles two scales.
 #pragma once
 
 // FP8R, NV4R, ...: the same weights rounded to bf16 (a bf16 model; see load_w). NV4: NVFP4 rows, I4 / I4S:
-// INT4 rows in groups of 128 / 32 (host_ext.KINDS and QUANT_KINDS have the same codes).
-enum Kind { BF16 = 0, F32 = 1, FP8 = 2, FP8R = 3, NV4 = 4, NV4R = 5, I4 = 6, I4R = 7, I4S = 8, I4SR = 9 };
+// INT4 rows in groups of 128 / 32, I4Z / I4ZS: asymmetric INT4 (zero codes) in groups of 128 / 32
+// (host_ext.KINDS and QUANT_KINDS have the same codes).
+enum Kind { BF16 = 0, F32 = 1, FP8 = 2, FP8R = 3, NV4 = 4, NV4R = 5, I4 = 6, I4R = 7, I4S = 8, I4SR = 9,
+            I4Z = 10, I4ZR = 11, I4ZS = 12, I4ZSR = 13, LAST_KIND = I4ZSR };
 constexpr bool is4(int k) { return k >= NV4; }
-constexpr bool rounded(int k) { return k == FP8R || k == NV4R || k == I4R || k == I4SR; }
-constexpr int group_of(int k) { return k <= NV4R ? 16 : k <= I4R ? 128 : 32; }  // 4-bit kinds' group size
+constexpr bool asym(int k) { return k >= I4Z; }  // rows with a zero code per group (after the scales)
+constexpr bool rounded(int k) { return k == FP8R || k == NV4R || k == I4R || k == I4SR || k == I4ZR || k == I4ZSR; }
+constexpr int group_of(int k) {  // 4-bit kinds' group size
+  return k <= NV4R ? 16 : (k == I4 || k == I4R || k == I4Z || k == I4ZR) ? 128 : 32;
+}
 constexpr int64_t half_bytes(int k) { return k == BF16 ? 4 : k == F32 ? 8 : k <= FP8R ? 2 : 1; }  // per weight
 
 // fp32 -> the nearest bf16 (ties to even), kept as fp32; finite inputs (weights, activations)
@@ -91,8 +97,9 @@ static inline float e2m1_decode1(uint32_t c) {
   return f * 0x1p126f;
 }
 
-static inline vf int4_decode(vu32 c) { return __builtin_convertvector((vi32)c - 8, vf); }
-static inline float int4_decode1(uint32_t c) { return (float)((int32_t)c - 8); }
+// INT4 code -> code - zero (8, or the group's zero code), exact
+static inline vf int4_decode(vu32 c, int32_t zero) { return __builtin_convertvector((vi32)c - zero, vf); }
+static inline float int4_decode1(uint32_t c, int32_t zero) { return (float)((int32_t)c - zero); }
 
 static inline float bf16_to_f32(uint16_t b) {
   const uint32_t u = (uint32_t)b << 16;
@@ -104,6 +111,19 @@ static inline float bf16_to_f32(uint16_t b) {
 // Byte offset of the float32 tensor scales in an NVFP4 row (gate's, up's, down's): after the down group
 // scales (s2 + H * ceil(I / 16) e4m3 bytes), 4-byte aligned, as quant/packed4.row_offsets places them.
 static inline int64_t nvfp4_globals(int64_t s2, int64_t H, int64_t I) { return (s2 + H * ((I + 15) / 16) + 3) & ~3LL; }
+
+// The zero code of the weights from element k of a row whose zero codes start at z (asymmetric INT4, one
+// byte per group); the symmetric INT4 rows' offset 8 otherwise (unused by the other kinds).
+template <int KIND> static inline int32_t zero_at(const uint8_t* z, int64_t k) {
+  if (asym(KIND)) return z[k / group_of(KIND)];
+  return 8;
+}
+
+// Byte offset of an asymmetric INT4 row's zero codes, gate_up's [2I, groups(H)] then down's [H, groups(I)]:
+// right after the down group scales (s2 + H * groups(I) bf16), as quant/packed4.zero_offsets places them.
+template <int KIND> static inline int64_t zeros13(int64_t s2, int64_t H, int64_t I) {
+  return s2 + 2 * H * ((I + group_of(KIND) - 1) / group_of(KIND));
+}
 
 // The scale of the VW weights from element k of a row whose scales start at s: FP8's float32 block scale
 // (one per 128 columns); NVFP4's e4m3 group scale times the row's tensor scale t (one fp32 product, as
@@ -119,17 +139,17 @@ template <int KIND> static inline float scale_at(const uint8_t* s, int64_t k, fl
 // 4-bit group); `scale` is that chunk's scale (scale_at): the decoded code times it as the format's torch
 // reference computes it, and for the rounded kinds rounded once to bf16, as the GPU kernels and the torch
 // path (RowLayout.weights) do in a bf16 model.
-template <int KIND> static inline vf load_w(const uint8_t* w, int64_t k, float scale) {
+template <int KIND> static inline vf load_w(const uint8_t* w, int64_t k, float scale, int32_t zero) {
   if (KIND == BF16) return (vf)(__builtin_convertvector(loadu<vu16>(w + 2 * k), vu32) << 16);
   if (KIND == F32) return loadu<vf>(w + 4 * k);
   vf f = KIND <= FP8R ? fp8_decode(w + k) * scale
-       : KIND <= NV4R ? e2m1_decode(nibbles(w + k / 2)) * scale : int4_decode(nibbles(w + k / 2)) * scale;
+       : KIND <= NV4R ? e2m1_decode(nibbles(w + k / 2)) * scale : int4_decode(nibbles(w + k / 2), zero) * scale;
   return rounded(KIND) ? round_bf16(f) : f;
 }
-template <int KIND> static inline float load_w1(const uint8_t* w, int64_t k, float scale) {
+template <int KIND> static inline float load_w1(const uint8_t* w, int64_t k, float scale, int32_t zero) {
   if (KIND == BF16) return bf16_to_f32(loadu<uint16_t>(w + 2 * k));
   if (KIND == F32) return loadu<float>(w + 4 * k);
   float f = KIND <= FP8R ? fp8_decode1(w[k]) * scale
-          : KIND <= NV4R ? e2m1_decode1(nibble1(w, k)) * scale : int4_decode1(nibble1(w, k)) * scale;
+          : KIND <= NV4R ? e2m1_decode1(nibble1(w, k)) * scale : int4_decode1(nibble1(w, k), zero) * scale;
   return rounded(KIND) ? round_bf16_1(f) : f;
 }

@@ -73,10 +73,10 @@ template <class T> static inline T loadu(const void* p) { T v; std::memcpy(&v, p
 
 // out[r][m] = row r . xs[m] over K, for R rows (gate and up, or two down rows) and M tokens at once.
 // w[r]: the row's first weight; s[r]: its scales along K (quantized rows: scale_at), else null; t[r]: its
-// tensor scale (NVFP4).
+// tensor scale (NVFP4); z[r]: its zero codes along K (asymmetric INT4: zero_at), else null.
 template <int KIND, int R, int M>
-static void dots(const uint8_t* const* w, const uint8_t* const* s, const float* t, const float* const* xs, int64_t K,
-                 float (*out)[MT]) {
+static void dots(const uint8_t* const* w, const uint8_t* const* s, const float* t, const uint8_t* const* z,
+                 const float* const* xs, int64_t K, float (*out)[MT]) {
   vf acc[R][M];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < M; m++) acc[r][m] = (vf){};
@@ -90,7 +90,7 @@ static void dots(const uint8_t* const* w, const uint8_t* const* s, const float* 
     if (KIND >= FP8 && PF_FP8 > 0 && (k * HB / 2) % 64 == 0)
       for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k * HB / 2 + PF_FP8, 0, 0);
     vf wv[R];
-    for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r]));
+    for (int r = 0; r < R; r++) wv[r] = load_w<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r]), zero_at<KIND>(z[r], k));
     for (int m = 0; m < M; m++) {
       vf xv = loadu<vf>(xs[m] + k);
       for (int r = 0; r < R; r++) acc[r][m] = fmadd(wv[r], xv, acc[r][m]);
@@ -101,25 +101,25 @@ static void dots(const uint8_t* const* w, const uint8_t* const* s, const float* 
       float sum = 0.0f;
       for (int l = 0; l < VW; l++) sum += acc[r][m][l];  // lane order
       for (int64_t k = kv; k < K; k++)
-        sum = std::fma(load_w1<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r])), xs[m][k], sum);
+        sum = std::fma(load_w1<KIND>(w[r], k, scale_at<KIND>(s[r], k, t[r]), zero_at<KIND>(z[r], k)), xs[m][k], sum);
       out[r][m] = sum;
     }
 }
 
 template <int KIND, int R>
-static void dots_m(int m, const uint8_t* const* w, const uint8_t* const* s, const float* t, const float* const* xs,
-                   int64_t K, float (*out)[MT]) {
+static void dots_m(int m, const uint8_t* const* w, const uint8_t* const* s, const float* t, const uint8_t* const* z,
+                   const float* const* xs, int64_t K, float (*out)[MT]) {
   switch (m) {  // compile-time M: the accumulators stay in registers
-    case 1: return dots<KIND, R, 1>(w, s, t, xs, K, out);
-    case 2: return dots<KIND, R, 2>(w, s, t, xs, K, out);
-    case 3: return dots<KIND, R, 3>(w, s, t, xs, K, out);
+    case 1: return dots<KIND, R, 1>(w, s, t, z, xs, K, out);
+    case 2: return dots<KIND, R, 2>(w, s, t, z, xs, K, out);
+    case 3: return dots<KIND, R, 3>(w, s, t, z, xs, K, out);
 #if MT > 4
-    case 4: return dots<KIND, R, 4>(w, s, t, xs, K, out);
-    case 5: return dots<KIND, R, 5>(w, s, t, xs, K, out);
-    case 6: return dots<KIND, R, 6>(w, s, t, xs, K, out);
-    case 7: return dots<KIND, R, 7>(w, s, t, xs, K, out);
+    case 4: return dots<KIND, R, 4>(w, s, t, z, xs, K, out);
+    case 5: return dots<KIND, R, 5>(w, s, t, z, xs, K, out);
+    case 6: return dots<KIND, R, 6>(w, s, t, z, xs, K, out);
+    case 7: return dots<KIND, R, 7>(w, s, t, z, xs, K, out);
 #endif
-    default: return dots<KIND, R, MT>(w, s, t, xs, K, out);
+    default: return dots<KIND, R, MT>(w, s, t, z, xs, K, out);
   }
 }
 
@@ -146,7 +146,12 @@ template <int KIND> static void gate_up(const Call& c, int64_t g, int64_t lo, in
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
     const uint8_t* w[2] = {row + j * H * c.hb / 2, row + (I + j) * H * c.hb / 2};
     const uint8_t* s[2] = {nullptr, nullptr};
+    const uint8_t* z[2] = {nullptr, nullptr};
     float t[2] = {1.0f, 1.0f};
+    if (asym(KIND)) {  // zero codes [2I, groups(H)] at zeros13: gate's rows, then up's
+      const int64_t z13 = zeros13<KIND>(c.s2, H, I);
+      z[0] = row + z13 + j * groups<KIND>(H); z[1] = row + z13 + (I + j) * groups<KIND>(H);
+    }
     if (KIND == FP8 || KIND == FP8R) {  // s13 [2, nI, nH]: gate's grid, then up's
       const float* s13 = (const float*)(row + c.s13);
       s[0] = (const uint8_t*)(s13 + (j >> 7) * nH); s[1] = (const uint8_t*)(s13 + (nI + (j >> 7)) * nH);
@@ -162,7 +167,7 @@ template <int KIND> static void gate_up(const Call& c, int64_t g, int64_t lo, in
       const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
       const float* xs[MT]; float out[2][MT];
       for (int i = 0; i < m; i++) xs[i] = c.x + c.tok[c.order[b + i]] * H;
-      dots_m<KIND, 2>(m, w, s, t, xs, H, out);
+      dots_m<KIND, 2>(m, w, s, t, z, xs, H, out);
       for (int i = 0; i < m; i++) {
         float gv = out[0][i], uv = out[1][i];  // std::min / max keep a NaN first argument, as torch's clamp
         if (c.limit > 0) gv = std::min(gv, c.limit), uv = std::min(std::max(uv, -c.limit), c.limit);
@@ -181,18 +186,21 @@ template <int KIND> static void down(const Call& c, int64_t g, int64_t lo, int64
     const uint8_t* row = c.rows + c.expert[g] * c.row_bytes;
     const uint8_t* w[2];
     const uint8_t* s[2] = {nullptr, nullptr};
+    const uint8_t* z[2] = {nullptr, nullptr};
     float t[2] = {1.0f, 1.0f};
     for (int q = 0; q < R; q++) {
       w[q] = row + (2 * I * H + (r + q) * I) * c.hb / 2;
       if (KIND == FP8 || KIND == FP8R) s[q] = (const uint8_t*)((const float*)(row + c.s2) + ((r + q) >> 7) * nI);
       if (is4(KIND)) s[q] = row + c.s2 + (r + q) * groups<KIND>(I) * scale_bytes(KIND);  // s2 [H, groups(I)]
       if (KIND == NV4 || KIND == NV4R) t[q] = ((const float*)(row + nvfp4_globals(c.s2, H, I)))[2];
+      if (asym(KIND))  // down's zero codes [H, groups(I)], after gate_up's
+        z[q] = row + zeros13<KIND>(c.s2, H, I) + 2 * I * groups<KIND>(H) + (r + q) * groups<KIND>(I);
     }
     for (int64_t b = c.begin[g]; b < c.begin[g + 1]; b += MT) {
       const int m = (int)std::min<int64_t>(MT, c.begin[g + 1] - b);
       const float* hs[MT]; float out[2][MT];
       for (int i = 0; i < m; i++) hs[i] = c.h + c.order[b + i] * I;
-      if (R == 2) dots_m<KIND, 2>(m, w, s, t, hs, I, out); else dots_m<KIND, 1>(m, w, s, t, hs, I, out);
+      if (R == 2) dots_m<KIND, 2>(m, w, s, t, z, hs, I, out); else dots_m<KIND, 1>(m, w, s, t, z, hs, I, out);
       for (int q = 0; q < R; q++)
         for (int i = 0; i < m; i++) c.y[c.order[b + i] * H + r + q] = out[q][i];
     }
@@ -231,7 +239,7 @@ template <int KIND> static void run(const Call& c, int threads, int64_t block) {
 static int prepare(Call& c, const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
                    int64_t s13, int64_t s2, int round_h, const float* x, int64_t T, const int64_t* tokens,
                    const int64_t* experts, int64_t P, float* h, float* y, int threads, float limit, char* err, int errlen) {
-  if (kind < 0 || kind > I4SR || H < 1 || I < 1 || threads < 1 || (is4(kind) && (H % 2 || I % 2))) {
+  if (kind < 0 || kind > LAST_KIND || H < 1 || I < 1 || threads < 1 || (is4(kind) && (H % 2 || I % 2))) {
     std::snprintf(err, errlen, "bad arguments: kind %d, hidden %lld, inter %lld, threads %d", kind, (long long)H,
                   (long long)I, threads);
     return 1;
@@ -271,7 +279,11 @@ static void dispatch(const Call& c, int kind, int threads, int64_t block) {
     case I4: return run<I4>(c, threads, block);
     case I4R: return run<I4R>(c, threads, block);
     case I4S: return run<I4S>(c, threads, block);
-    default: return run<I4SR>(c, threads, block);
+    case I4SR: return run<I4SR>(c, threads, block);
+    case I4Z: return run<I4Z>(c, threads, block);
+    case I4ZR: return run<I4ZR>(c, threads, block);
+    case I4ZS: return run<I4ZS>(c, threads, block);
+    default: return run<I4ZSR>(c, threads, block);
   }
 }
 
@@ -319,7 +331,8 @@ static Async* async_state() {
 extern "C" {
 
 // Returns 0, or 1 with a one-line reason in err. kind: 0 bf16, 1 fp32, 2 fp8 rows (3: fp8 with weights
-// rounded to bf16), 4 NVFP4, 6 INT4 in groups of 128, 8 INT4 in groups of 32 (5, 7, 9: rounded). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
+// rounded to bf16), 4 NVFP4, 6 INT4 in groups of 128, 8 INT4 in groups of 32, 10 and 12 the same with zero
+// codes (5, 7, 9, 11, 13: rounded). round_h: the SwiGLU rounded to bf16 before the down projection (a bf16 model).
 // x [T, H] fp32, tokens / experts [P] int64, h [P, I] fp32 scratch, y [P, H] fp32 out. Offsets in bytes.
 // block: weight bytes per work item (0: 64 KB; tests cut finer); limit: the SwiGLU clamp (<= 0 or NaN: none).
 int moetier_host_experts(const void* rows, int64_t num_rows, int64_t row_bytes, int kind, int64_t H, int64_t I,
