@@ -9,17 +9,18 @@ problem in a config.json is reported in one error, so a user fixes them all in o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 
-from moetier.errors import ConfigError, problem_list
+from moetier.errors import ConfigError, MoetierError, problem_list
 from moetier.experts.shape import MoeShape
 from moetier.quant import quant_config as qconfig
 from moetier.quant.registry import get as quant_format
 
 REQUIRED = object()
+DENSE_WEIGHTS = ("dequantize", "keep")  # EngineConfig.dense_weights: what a checkpoint's dense quantized weights become
 
 
 class Fields:
@@ -85,9 +86,9 @@ class ModelConfig:
     # dequantized at load
     quant: str | None = None
     quant_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as written
-    # How the model holds the dense projections of an FP8 checkpoint: None, dequantized to the model
-    # dtype at load; "fp8", kept in FP8 (layers/fp8_linear.py). Not in config.json: set from
-    # EngineConfig.fp8_dense by checkpoint/fp8_weights.with_dense.
+    # The format the model holds a quantized checkpoint's dense projections in: None, dequantized to
+    # the model dtype at load; else `quant` itself, kept as stored (layers/quant_linear.py). Not in
+    # config.json: set from EngineConfig.dense_weights by with_dense.
     dense_quant: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -176,3 +177,16 @@ class ModelConfig:
         """Bytes of each transient the attention of one layer holds at a step of `tokens` tokens
         (plan/residents.step_activations)."""
         raise NotImplementedError
+
+
+def with_dense(cfg: ModelConfig, dense_weights: str) -> ModelConfig:
+    """cfg with its dense projections held as dense_weights says: "dequantize" (the model dtype, at
+    load) or "keep" (the checkpoint's own format: FP8 blocks, 4-bit codes; a quantized checkpoint only)."""
+    if dense_weights not in DENSE_WEIGHTS:
+        raise MoetierError(f"dense_weights {dense_weights!r}: choose dequantize or keep")
+    if dense_weights == "keep" and cfg.quant is None:
+        raise MoetierError("dense_weights \"keep\" (--dense-weights keep) keeps a quantized checkpoint's dense "
+                           "weights in its own format, but this model is not quantized (no quantization_config); "
+                           "use dense_weights \"dequantize\" or a quantized checkpoint (moetier make-checkpoint "
+                           "--dtype fp8, nvfp4 or int4)")
+    return replace(cfg, dense_quant=cfg.quant if dense_weights == "keep" else None)

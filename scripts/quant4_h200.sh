@@ -9,7 +9,7 @@
 #                                               --no-tests: stage 1 left out, when the GPU suite ran them)
 #
 # Stages (records in $OUT):
-#   1. pytest -m gpu tests/test_quant4_kernels.py tests/test_quant4_gpu.py   -> q4-gpu-tests.log
+#   1. pytest -m gpu tests/test_quant4_kernels.py tests/test_quant4_gpu.py tests/test_packed4_linear.py -> q4-gpu-tests.log
 #      the 4-bit grouped GEMMs against the torch reference and bit-exact across resident / slots / uva;
 #      graph replay against eager resident; the large step; 4-bit checkpoints through the engine
 #   2. bench layer qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4                  -> layer-q4.json
@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/q4-out}
 source scripts/h200_stages.sh  # wheels, PYTHONPATH, mt, stage, the header
 
-[ "${1:-}" = --no-tests ] || stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py
+[ "${1:-}" = --no-tests ] || stage q4-gpu-tests 140 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_quant4_kernels.py tests/test_quant4_gpu.py tests/test_packed4_linear.py
 stage layer-q4 110 "${mt[@]}" bench layer --preset qwen3-30b-a3b --dtype bf16,fp8,nvfp4,int4 --no-tune --out "$out/layer-q4.json"
 stage tune-q4 95 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nvfp4,int4 --tokens 1,8
 stage decode-qwen3-q4 135 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \

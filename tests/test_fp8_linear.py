@@ -1,6 +1,6 @@
 """FP8 dense projections (issue 13, layers/fp8_linear.py): the torch reference, the Triton kernels in
 the interpreter, which weights each model holds in FP8 (and which fall back), the loader and the
-engine with fp8_dense "fp8" against "dequantize" (on the CPU both run dequantize + F.linear, so
+engine with dense_weights "keep" against "dequantize" (on the CPU both run dequantize + F.linear, so
 they agree bit for bit), the memory plan's exact bytes, the random bed and the decode benchmark's
 fp8-dense rows; on CUDA (marked gpu) the kernel at Qwen3-30B shapes and greedy generation."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetier.layers.fp8_linear import Fp8Weight, fusable, linear, linear_reference
+from moetier.layers.fp8_linear import Fp8Weight, fusable
+from moetier.layers.quant_linear import linear
 from moetier.quant import fp8_block as fp8
 
 from tests.test_fp8_checkpoint import RAGGED, logits_of
@@ -41,7 +42,7 @@ def test_linear_is_dequantize_then_f_linear_on_the_cpu():
     x = torch.randn(2, 3, 328).to(torch.bfloat16)
     b = torch.randn(200).to(torch.bfloat16)
     want = F.linear(x, fp8.dequantize(w.q, w.scale, torch.bfloat16), b)
-    assert torch.equal(linear(x, w, b), want) and torch.equal(linear_reference(x, w, b), want)
+    assert torch.equal(linear(x, w, b), want) and torch.equal(w.reference(x, b), want)
     plain = torch.randn(200, 328).to(torch.bfloat16)
     assert torch.equal(linear(x, plain), F.linear(x, plain))
     assert w.q.dtype == fp8.FP8 and w.scale.shape == (2, 3) and w.shape == (200, 328)
@@ -78,13 +79,13 @@ def test_which_weights_are_held_in_fp8(aligned):
     import dataclasses
 
     from moetier import presets
-    from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.config import with_dense
     from moetier.layers.mlp import SwigluMLP
     from moetier.models.registry import model_class
     from moetier.parallel import Parallel
 
     def held(preset):
-        cfg = with_dense(dataclasses.replace(presets.preset(preset), quant="fp8"), "fp8")
+        cfg = with_dense(dataclasses.replace(presets.preset(preset), quant="fp8"), "keep")
         model = model_class(cfg)(cfg, torch.bfloat16, "meta")
         return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Fp8Weight)}
 
@@ -92,8 +93,8 @@ def test_which_weights_are_held_in_fp8(aligned):
     assert held("tiny") == {"o"}  # q 128 | k 64 | v 64: k ends off a block, qkv is dequantized
     assert held("tiny-dsv3") == {"q_a", "q_b", "kv_a", "o", "w13", "w2"}  # kv_b stays (W_UK, W_UV)
     # tensor parallelism: each rank's columns must start on a block too
-    assert isinstance(SwigluMLP(64, 512, torch.bfloat16, "meta", Parallel(0, 2, 2), True).w2, Fp8Weight)
-    mlp = SwigluMLP(64, 384, torch.bfloat16, "meta", Parallel(1, 2, 2), True)  # 192 columns per rank
+    assert isinstance(SwigluMLP(64, 512, torch.bfloat16, "meta", Parallel(0, 2, 2), "fp8").w2, Fp8Weight)
+    mlp = SwigluMLP(64, 384, torch.bfloat16, "meta", Parallel(1, 2, 2), "fp8")  # 192 columns per rank
     assert not isinstance(mlp.w13, Fp8Weight) and not isinstance(mlp.w2, Fp8Weight)
 
 
@@ -117,31 +118,32 @@ def fp8_ckpt(tmp_path, preset):
 
 
 @pytest.mark.parametrize("preset", ["tiny-aligned", "tiny", "tiny-dsv3"])
-def test_fp8_dense_loads_to_the_same_logits_in_fewer_bytes(tmp_path, aligned, preset):
+def test_kept_fp8_loads_to_the_same_logits_in_fewer_bytes(tmp_path, aligned, preset):
     from moetier.checkpoint.loader import load_model
     from moetier.plan.residents import dense_weights
 
     path = fp8_ckpt(tmp_path, preset)
     out = {}
-    for mode in ("dequantize", "fp8"):
-        cfg, model, report = load_model(path, dtype="bfloat16", fp8_dense=mode)
+    for mode in ("dequantize", "keep"):
+        cfg, model, report = load_model(path, dtype="bfloat16", dense_weights=mode)
         out[mode] = (logits_of(model, torch.tensor([3, 1, 4, 1, 5])), report)
         dense = dense_weights(cfg, torch.bfloat16)  # the plan's count: exact, scales included
         assert dense.embedding_and_head + dense.layers == report.dense_bytes
-    (a, ra), (b, rb) = out["dequantize"], out["fp8"]
+    (a, ra), (b, rb) = out["dequantize"], out["keep"]
     assert torch.equal(a, b)
-    assert rb.dense_bytes < ra.dense_bytes and "kept in FP8" in rb.notes[0]
+    assert rb.dense_bytes < ra.dense_bytes and "kept in fp8" in rb.notes[0]
 
 
-def test_fp8_dense_is_refused_clearly(tiny_ckpt):
+def test_keep_is_refused_clearly(tiny_ckpt):
     from moetier.checkpoint.loader import load_model
     from moetier.engine.config import EngineConfig
     from moetier.errors import MoetierError
 
-    with pytest.raises(MoetierError, match="--fp8-dense fp8"):
-        load_model(tiny_ckpt, fp8_dense="fp8")  # a float32 checkpoint: nothing to keep in FP8
-    with pytest.raises(MoetierError, match="fp8_dense"):
-        EngineConfig.of(fp8_dense="fp4")
+    with pytest.raises(MoetierError, match="--dense-weights keep") as e:
+        load_model(tiny_ckpt, dense_weights="keep")  # a float32 checkpoint: nothing to keep
+    assert "\n" not in str(e.value)
+    with pytest.raises(MoetierError, match="dense_weights"):
+        EngineConfig.of(dense_weights="fp8")  # the old value of the FP8-only option
 
 
 def test_engine_generates_the_same_tokens(tmp_path, aligned):
@@ -150,23 +152,23 @@ def test_engine_generates_the_same_tokens(tmp_path, aligned):
     path = fp8_ckpt(tmp_path, aligned)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     toks = {}
-    for mode in ("dequantize", "fp8"):
-        llm = LLM(path, device="cpu", dtype="bfloat16", fp8_dense=mode, kv_tokens=256)
+    for mode in ("dequantize", "keep"):
+        llm = LLM(path, device="cpu", dtype="bfloat16", dense_weights=mode, kv_tokens=256)
         toks[mode] = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
         llm.close()
-    assert toks["fp8"] == toks["dequantize"] and len(toks["fp8"]) == 6
+    assert toks["keep"] == toks["dequantize"] and len(toks["keep"]) == 6
 
 
-def test_tensor_parallel_fp8_dense_matches_one_process(tmp_path, aligned):
+def test_tensor_parallel_kept_fp8_matches_one_process(tmp_path, aligned):
     """Two ranks over gloo, each loading its rows and columns of the FP8 weights and of their scale
     grids: the logits of one process (fp32 tolerance: the split GEMMs sum in another order)."""
     from moetier import LLM
     from tests.test_tp import ENGINE, close_enough, logits_of as tp_logits
 
     path = fp8_ckpt(tmp_path, aligned)
-    one = LLM(path, dtype="float32", fp8_dense="fp8", **ENGINE)
+    one = LLM(path, dtype="float32", dense_weights="keep", **ENGINE)
     ref = tp_logits(one)
-    llm = LLM(path, dtype="float32", fp8_dense="fp8", tensor_parallel_size=2, **ENGINE)
+    llm = LLM(path, dtype="float32", dense_weights="keep", tensor_parallel_size=2, **ENGINE)
     try:
         assert {n.rsplit(".", 1)[-1] for n, m in llm.model.named_modules() if isinstance(m, Fp8Weight)} == {
             "qkv", "o", "w13", "w2"}
@@ -177,22 +179,22 @@ def test_tensor_parallel_fp8_dense_matches_one_process(tmp_path, aligned):
         llm.close()
 
 
-def test_plan_counts_fp8_dense_bytes(aligned):
+def test_plan_counts_kept_fp8_bytes(aligned):
     import dataclasses
 
     from moetier import presets
-    from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.config import with_dense
     from moetier.plan.memory import PlanRequest, count
 
     q = dataclasses.replace(presets.preset("qwen3-30b-a3b", dtype="bfloat16"), quant="fp8")
-    plans = {m: count(PlanRequest(with_dense(q, m), torch.bfloat16, "cuda")) for m in ("dequantize", "fp8")}
+    plans = {m: count(PlanRequest(with_dense(q, m), torch.bfloat16, "cuda")) for m in ("dequantize", "keep")}
     dense = {m: next(i for i in p.device if i.name == "dense: decoder layers") for m, p in plans.items()}
     # 48 layers: qkv [5120, 2048] and o [2048, 4096] in 1 byte plus float32 scales [40, 16] and [16, 32]
     saved = 48 * (5120 * 2048 + 2048 * 4096 - 4 * (40 * 16 + 16 * 32))
-    assert dense["dequantize"].bytes - dense["fp8"].bytes == saved
-    assert "block scales" in dense["fp8"].note and plans["fp8"].request["dense_quant"] == "fp8"
+    assert dense["dequantize"].bytes - dense["keep"].bytes == saved
+    assert "fp8 projections kept" in dense["keep"].note and plans["keep"].request["dense_quant"] == "fp8"
     act = {m: next(i for i in p.device if i.name.startswith("activations")).bytes for m, p in plans.items()}
-    assert act["fp8"] > act["dequantize"]  # the prefill path's dequantized qkv (21 MB) is counted
+    assert act["keep"] > act["dequantize"]  # the prefill path's dequantized qkv (21 MB) is counted
 
 
 def test_bench_decode_runs_fp8_dense_rows_beside_fp8(tmp_path, aligned):
@@ -208,7 +210,7 @@ def test_bench_decode_runs_fp8_dense_rows_beside_fp8(tmp_path, aligned):
     trace = tmp_path / "t.mtrace"
     p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=64, skew=1.2, seed=3)
     write_trace(trace, synthesize(p), meta_of(p))
-    beds = {d: random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16, quant="fp8", fp8_dense=d == "fp8-dense")
+    beds = {d: random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16, quant="fp8", keep_dense=d == "fp8-dense")
             for d in ("fp8", "fp8-dense")}
     assert beds["fp8-dense"].dense_bytes < beds["fp8"].dense_bytes
     assert beds["fp8-dense"].dense_params == beds["fp8"].dense_params
@@ -231,11 +233,18 @@ def test_kernel_at_qwen3_shapes(m, k, n):
     g = torch.Generator("cuda").manual_seed(m + n)
     w = Fp8Weight(n, k, "cuda")
     w.rows().copy_(*fp8.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02), "w")
-    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    kernel_holds(w, torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
+
+
+def kernel_holds(w, x: torch.Tensor) -> None:
+    """A kept weight's CUDA paths (layers/param.KeptWeight.linear) on x [M, K] bf16: within bf16 of the
+    reference; up to 64 rows the decode kernel deterministic, a row's bits independent of its batch,
+    the same under graph replay; above, the kernel-dequantized transient the reference's, then cuBLAS."""
     y = linear(x, w)
     ref = x.double() @ w.dequantize(torch.bfloat16).double().T
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
-    if m <= 64:  # the decode kernel: deterministic, and a row's bits never depend on its batch
+    m = x.shape[0]
+    if m <= 64:
         assert torch.equal(linear(x, w), y)
         assert all(torch.equal(linear(x[i:i + 1], w)[0], y[i]) for i in range(min(m, 8)))
         graph, static = torch.cuda.CUDAGraph(), x.clone()
@@ -245,16 +254,14 @@ def test_kernel_at_qwen3_shapes(m, k, n):
         static.copy_(x)
         graph.replay()
         assert torch.equal(out, y)
-    else:  # the prefill path: the kernel-dequantized weight is fp8.dequantize's, then cuBLAS
-        from moetier.layers import fp8_linear_triton as kernels
-
-        assert torch.equal(kernels.dequantize(w.q, w.scale, torch.bfloat16), w.dequantize(torch.bfloat16))
+    else:
+        assert torch.equal(w.dequantize_cuda(torch.bfloat16), w.dequantize(torch.bfloat16))
         assert torch.equal(y, F.linear(x, w.dequantize(torch.bfloat16)))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_greedy_generation_with_fp8_dense_on_cuda(tmp_path, aligned):
+def test_greedy_generation_with_kept_fp8_on_cuda(tmp_path, aligned):
     """Graph-replayed decode with FP8 dense equals its eager run bit for bit (same kernels, a row's
     bits independent of the batch); against dequantized dense (cuBLAS) only the rounding differs."""
     from moetier import LLM, SamplingParams
@@ -262,12 +269,12 @@ def test_greedy_generation_with_fp8_dense_on_cuda(tmp_path, aligned):
     path = fp8_ckpt(tmp_path, aligned)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     toks = {}
-    for mode, graphs in (("fp8", True), ("fp8", False), ("dequantize", True)):
-        llm = LLM(path, device="cuda", dtype="bfloat16", fp8_dense=mode, cuda_graphs=graphs, kv_tokens=512)
-        assert sum(isinstance(m, Fp8Weight) for m in llm.model.modules()) == (6 if mode == "fp8" else 0)
+    for mode, graphs in (("keep", True), ("keep", False), ("dequantize", True)):
+        llm = LLM(path, device="cuda", dtype="bfloat16", dense_weights=mode, cuda_graphs=graphs, kv_tokens=512)
+        assert sum(isinstance(m, Fp8Weight) for m in llm.model.modules()) == (6 if mode == "keep" else 0)
         outs = llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)  # decode at batch 2
         toks[mode, graphs] = [o.outputs[0].token_ids for o in outs]
         assert (llm.runner.graph_steps > 0) == graphs
         llm.close()
-    assert toks["fp8", True] == toks["fp8", False]
-    assert [t[0] for t in toks["fp8", True]] == [t[0] for t in toks["dequantize", True]], toks
+    assert toks["keep", True] == toks["keep", False]
+    assert [t[0] for t in toks["keep", True]] == [t[0] for t in toks["dequantize", True]], toks

@@ -117,17 +117,17 @@ def test_greedy_batch_equals_each_alone_and_one_process(ckpts, preset):
         llm.close()
 
 
-def meta_model(preset: str, par: Parallel, fp8_dense: bool = False, **changes):
+def meta_model(preset: str, par: Parallel, fp8_kept: bool = False, **changes):
     from moetier import presets
-    from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.config import with_dense
     from moetier.models.registry import model_class
 
     with pytest.MonkeyPatch.context() as mp:
         for name, d in variants().items():
             mp.setitem(presets._TINY, name, d)
         cfg = dataclasses.replace(presets.preset(preset), **changes)
-    if fp8_dense:
-        cfg = with_dense(dataclasses.replace(cfg, quant="fp8"), "fp8")
+    if fp8_kept:
+        cfg = with_dense(dataclasses.replace(cfg, quant="fp8"), "keep")
     return cfg, model_class(cfg)(cfg, torch.bfloat16, "meta", par)
 
 
@@ -147,12 +147,12 @@ def test_which_weights_stay_fp8_under_tensor_parallelism():
 
 
 @pytest.mark.parametrize("preset", [ALIGNED, "tiny-dsv3-fp8"])
-def test_fp8_dense_split_by_scale_blocks_matches_one_process(ckpts, preset):
+def test_kept_fp8_split_by_scale_blocks_matches_one_process(ckpts, preset):
     """Each rank loads its rows of q_b and its columns of o_proj with their scale grids where they sit
     on blocks (ALIGNED), or dequantizes them at load (tiny-dsv3): the logits of one process."""
-    one = LLM(ckpts[preset], dtype="float32", fp8_dense="fp8", **ENGINE)
+    one = LLM(ckpts[preset], dtype="float32", dense_weights="keep", **ENGINE)
     ref = logits_of(one)
-    llm = LLM(ckpts[preset], dtype="float32", fp8_dense="fp8", tensor_parallel_size=2, **ENGINE)
+    llm = LLM(ckpts[preset], dtype="float32", dense_weights="keep", tensor_parallel_size=2, **ENGINE)
     try:
         attn = llm.model.layers[1].attn
         if preset == ALIGNED:

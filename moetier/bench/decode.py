@@ -147,10 +147,10 @@ def bed_dtype(bed: Bed) -> str:
 
 def make_bed(cfg: ModelConfig, dtype: str, seed: int, pinned: dict | None = None) -> Bed:
     """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
-    dense projections, layers/fp8_linear.py; nvfp4, int4: 4-bit experts); pinned: experts made on the GPU
+    dense projections kept, layers/fp8_linear.py; nvfp4, int4: 4-bit experts); pinned: experts made on the GPU
     with no host copy."""
     quant = None if dtype == "bf16" else "fp8" if dtype == "fp8-dense" else dtype
-    return random_bed(cfg, seed, quant=quant, fp8_dense=dtype == "fp8-dense", pinned=pinned)
+    return random_bed(cfg, seed, quant=quant, keep_dense=dtype == "fp8-dense", pinned=pinned)
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],

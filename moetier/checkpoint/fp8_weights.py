@@ -11,14 +11,13 @@ stored as float8_e4m3fn, `<name>_scale_inv` float32 [..., ceil(N/128), ceil(K/12
                      weights and their scales are copied unchanged into the expert's FP8 row
                      (quant/rows.RowLayout parts `gate`, ..., `gate_scale`, ...)
     everything else  float8 weights are dequantized once at load into the model dtype (bf16 for
-                     published checkpoints), or with fp8_dense "fp8" (with_dense) copied unchanged,
-                     with their scales, into the model's Fp8Weights (layers/fp8_linear.py) where the
-                     model holds one; the rest (embeddings, norms, routers, lm_head) load as they are.
+                     published checkpoints), or with dense_weights "keep" (config.with_dense) copied
+                     unchanged, with their scales, into the model's Fp8Weights (layers/fp8_linear.py)
+                     where the model holds one; the rest (embeddings, norms, routers, lm_head) load as
+                     they are.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -28,21 +27,6 @@ from moetier.errors import MoetierError
 from moetier.models.base import ExpertTensor, Weight
 from moetier.quant import fp8_block as fp8
 from moetier.quant.fp8_block import FP8_CODE, scale_name
-
-FP8_DENSE = ("dequantize", "fp8")  # EngineConfig.fp8_dense: what the dense float8 weights become
-
-
-def with_dense(cfg: ModelConfig, fp8_dense: str) -> ModelConfig:
-    """cfg with its dense projections held as fp8_dense says: "dequantize" (the model dtype, at load)
-    or "fp8" (kept in FP8; an FP8 checkpoint only)."""
-    if fp8_dense not in FP8_DENSE:
-        raise MoetierError(f"fp8_dense {fp8_dense!r}: choose dequantize or fp8")
-    if fp8_dense == "fp8" and cfg.quant != "fp8":
-        raise MoetierError("fp8_dense \"fp8\" (--fp8-dense fp8) keeps an FP8 checkpoint's dense weights in FP8, "
-                           "but this model is not FP8 (no quantization_config); use fp8_dense \"dequantize\" or an "
-                           "FP8 checkpoint (moetier make-checkpoint --dtype fp8)")
-    return dataclasses.replace(cfg, dense_quant="fp8" if fp8_dense == "fp8" else None)
-
 
 def with_scales(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> tuple[list[Weight], list[str]]:
     """The model's weights plus the scale tensors this checkpoint must hold, and the FP8 problems
@@ -97,7 +81,7 @@ def require_fp8(ckpt: Checkpoint, name: str) -> None:
     """A weight the model holds in FP8 must be float8 in the checkpoint (with its scale: validated)."""
     if ckpt.tensors[name].dtype != FP8_CODE:
         raise MoetierError(f"{ckpt.tensors[name].file}: {name} is {ckpt.tensors[name].dtype}, not float8, but the "
-                           "model holds it in FP8 (fp8_dense \"fp8\"); load with fp8_dense \"dequantize\"")
+                           "model holds it in FP8 (dense_weights \"keep\"); load with dense_weights \"dequantize\"")
 
 
 def read_fp8(read, ckpt: Checkpoint, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,9 +7,10 @@ stream tensor by tensor.
     each tensor read once and copied into its place, converting dtype on the way:
         routed-expert tensors -> their expert's row (quant/rows.RowLayout.part); FP8 experts and
             their block scales unchanged into FP8 rows
-        everything else -> model.param(name); FP8 weights dequantized with their scales first
-            (checkpoint/fp8_weights.py), or with fp8_dense "fp8" copied with their scales into the
-            model's Fp8Weights (layers/fp8_linear.py) where the model holds one
+        everything else -> model.param(name); FP8 and 4-bit weights dequantized with their scales
+            first (checkpoint/fp8_weights.py, quant4_weights.py), or with dense_weights "keep" copied
+            as stored, with their scales, into the model's kept weights (layers/quant_linear.py:
+            Fp8Weight, Packed4Weight) where the model holds one
     each MoE block gets its expert backend
 
 No second full copy of the model is ever held.
@@ -19,11 +20,14 @@ a dense tensor whose Weight.split names a dim gives this rank its contiguous 1/t
 (generic: any family declares its splits in checkpoint_weights()), the others whole; routed experts
 other ranks own (expert parallelism) are not read at all, fused [E, ...] tensors give their owned rows;
 under the "columns" expert split (experts/parallel/columns.py) every expert tensor gives this rank its I/tp
-slice (gate / up rows, down columns, and their FP8 scale blocks).
+slice (gate / up rows, down columns, and their FP8 scale blocks). A kept dense weight is split as
+its dequantized self would be: rows for column-parallel weights, K for row-parallel ones, with the
+scales' blocks (FP8: 128 wide; 4-bit: groups along K, codes two per byte).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -33,16 +37,17 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8, require_fp8, with_dense
+from moetier.checkpoint.fp8_weights import is_dense_scale, read_dense, read_fp8, require_fp8
 from moetier.checkpoint import quant4_weights as quant4
 from moetier.checkpoint.index import Checkpoint
 from moetier.checkpoint.validate import model_weights, validate
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, with_dense
 from moetier.models.registry import config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
-from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
+from moetier.layers.packed4_linear import group_of
+from moetier.layers.quant_linear import WEIGHTS, destination
 from moetier.models.base import CausalLM, Weight
 from moetier.models.mtp import with_mtp
 from moetier.models.registry import model_class
@@ -114,15 +119,19 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                 elif w.expert is not None:
                     if not copy_expert(placement, rows, w, tensor):
                         done -= 1  # another rank's expert: not read, not counted as copied
-                elif four:  # 4-bit dense codes dequantized with their scales (checkpoint/quant4_weights.py)
-                    if (dest := model.param(quant4.param_name(cfg, w.name))) is not None:
+                elif four:  # 4-bit dense codes: kept as stored, or dequantized (checkpoint/quant4_weights.py)
+                    dest = model.param(quant4.param_name(cfg, w.name))
+                    if (kept := destination(dest)) is not None:
+                        codes, scale, s2, zero = quant4.read_codes(tensor, ckpt, cfg, w.name)
+                        codes, scale, zero = shard_codes(codes, scale, zero, w, placement.par, group_of(cfg.quant))
+                        kept.copy_(codes, scale, s2, w.name, zero)
+                    elif dest is not None:
                         with torch.no_grad():
                             dest.copy_(shard(quant4.read_dense(tensor, ckpt, cfg, w.name, dest.dtype), w,
                                              placement.par))
-                elif isinstance(dest := model.param(w.name), (Fp8Weight, Fp8Rows)):
+                elif (kept := destination(dest := model.param(w.name))) is not None:
                     q, scale = read_fp8(tensor, ckpt, w.name)
-                    (dest.rows() if isinstance(dest, Fp8Weight) else dest).copy_(
-                        shard(q, w, placement.par), shard(scale, w, placement.par, fp8.BLOCK), w.name)
+                    kept.copy_(shard(q, w, placement.par), shard(scale, w, placement.par, fp8.BLOCK), w.name)
                 elif dest is not None:
                     with torch.no_grad():
                         dest.copy_(shard(read_dense(tensor, ckpt, w.name, dest.dtype), w, placement.par))
@@ -135,7 +144,8 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
 
 def shard(t: torch.Tensor, w: Weight, par: Parallel, block: int = 1) -> torch.Tensor:
     """This rank's part of a dense checkpoint tensor: part tp_rank of w.split, or all of it.
-    block: t is the block-scale grid of w (one entry per `block` of w's elements along each dim)."""
+    block: t holds one entry per `block` of w's elements along the split dim (an FP8 block-scale grid,
+    4-bit codes: 2, 4-bit group scales: the group)."""
     if w.split is None or par.tp == 1:
         return t
     n = w.shape[w.split] if block > 1 else t.shape[w.split]
@@ -143,10 +153,21 @@ def shard(t: torch.Tensor, w: Weight, par: Parallel, block: int = 1) -> torch.Te
         raise MoetierError(f"{w.name}: dim {w.split} ({n}) does not split into {par.tp} equal tensor-parallel "
                            "parts; choose a tensor-parallel size that divides it")
     part = n // par.tp
-    if part % block:  # the models hold such weights dequantized (layers/fp8_linear.fusable): a bug if here
+    if part % block:  # the models hold such weights dequantized or refuse them (layers/quant_linear): a bug if here
         raise MoetierError(f"{w.name}: a tensor-parallel part of {part} along dim {w.split} cuts its "
-                           f"{block}-wide FP8 scale blocks; load with fp8_dense \"dequantize\"")
+                           f"{block}-wide scale blocks; load with dense_weights \"dequantize\"")
     return t.narrow(w.split, par.tp_rank * part // block, part // block)
+
+
+def shard_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, w: Weight, par: Parallel,
+                group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's part of a kept 4-bit weight: codes uint8 [N, K/2], group scales [N, ceil(K/group)]
+    and zero codes (their shape, or None) cut by rows (split 0) or along K in whole groups (split 1)."""
+    full = dataclasses.replace(w, shape=(codes.shape[0], 2 * codes.shape[1]))  # w.shape is the stored codes'
+    along_k = w.split == 1
+    per_group = group if along_k else 1
+    return (shard(codes, full, par, 2 if along_k else 1), shard(scale, full, par, per_group),
+            None if zero is None else shard(zero, full, par, per_group))
 
 
 def copy_expert(placement: ExpertPlacement, rows: dict[int, torch.Tensor], w: Weight, tensor) -> bool:
@@ -216,19 +237,19 @@ def check_parallel(cfg: ModelConfig, experts: ExpertOptions, decode_tokens: int,
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", experts: ExpertOptions | None = None,
                decode_tokens: int = 64, progress: Callable[[int, int], None] | None = None,
-               parallel: Parallel = Parallel(), fp8_dense: str = "dequantize", mtp: bool = False
+               parallel: Parallel = Parallel(), dense_weights: str = "dequantize", mtp: bool = False
                ) -> tuple[ModelConfig, CausalLM, LoadReport]:
-    """parallel: this rank's layout (the default: one process holds everything). fp8_dense: what an
-    FP8 checkpoint's dense float8 weights become, "dequantize" or "fp8" (EngineConfig.fp8_dense).
+    """parallel: this rank's layout (the default: one process holds everything). dense_weights: what a
+    quantized checkpoint's dense weights become, "dequantize" or "keep" (EngineConfig.dense_weights).
     mtp: also load the checkpoint's MTP layers (speculative method "mtp"; models/mtp.py)."""
     t0 = time.perf_counter()
-    cfg = with_mtp(with_dense(config_from_dir(path), fp8_dense), mtp)
+    cfg = with_mtp(with_dense(config_from_dir(path), dense_weights), mtp)
     torch_dtype = resolve_dtype(dtype, cfg)
     ckpt = Checkpoint(path)
     weights = validate(cfg, ckpt, model_weights(cfg, ckpt))  # before allocating
     model, placement, rows = build_model(cfg, torch_dtype, device, experts or ExpertOptions(), decode_tokens,
                                          parallel)
-    check_fp8_dense(model, ckpt, weights)  # before a byte is read
+    check_kept(model, ckpt, weights)  # before a byte is read
     n = load_weights(model, placement, ckpt, weights, rows, progress)
     attach_experts(model, placement, rows)
     nbytes = {"device": 0, "host": 0}
@@ -237,10 +258,10 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
             nbytes[tier] += b
     notes = []
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = sum(isinstance(m, WEIGHTS) for m in model.modules())
+    kept = f"{held} dense projections kept in {cfg.quant} (layers/quant_linear.py), the " if held else ""
     if cfg.quant == "fp8":
         lay = placement.layout
-        held = sum(isinstance(m, Fp8Weight) for m in model.modules())
-        kept = f"{held} dense projections kept in FP8 (layers/fp8_linear.py), the " if held else ""
         notes.append(f"routed experts stay FP8: {lay.row_bytes(torch_dtype)} bytes per expert row (weights and "
                      f"block scales; {lay.w13_numel + lay.w2_numel} weight bytes); {kept}other float8 weights "
                      f"dequantized to {str(torch_dtype).removeprefix('torch.')} at load")
@@ -250,7 +271,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
         notes.append(f"routed experts stay {cfg.quant}: {lay.row_bytes(torch_dtype)} bytes per expert row ({held}; "
                      f"{lay.row_bytes(torch_dtype) / (3 * lay.hidden * lay.inter):.4f} B per weight), "
                      "computed weight-only (W4A16: dequantized in registers, activations in "
-                     f"{str(torch_dtype).removeprefix('torch.')}); other 4-bit weights dequantized at load")
+                     f"{str(torch_dtype).removeprefix('torch.')}); {kept}other 4-bit weights dequantized at load")
         if qconfig.activation_scales(cfg.quant_config) or any(
                 n.rsplit(".", 1)[-1].endswith(quant4.ACTIVATION_SCALES) for n in ckpt.tensors):
             notes.append("the checkpoint carries activation scales (W4A4 calibration): they are never read; "
@@ -258,11 +279,19 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", exper
     return cfg, model, LoadReport(time.perf_counter() - t0, ckpt.nbytes(), n, nbytes, notes, dense)
 
 
-def check_fp8_dense(model: CausalLM, ckpt: Checkpoint, weights: list[Weight]) -> None:
-    """Every weight the model holds in FP8 must be float8 in the checkpoint (published FP8 checkpoints
-    store all dense projections so); one clear error otherwise, before loading."""
-    if model.cfg.quant in PACKED4:
-        return  # 4-bit dense weights are always dequantized at load
-    for w in weights:
-        if w.expert is None and not is_dense_scale(w) and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)):
+def check_kept(model: CausalLM, ckpt: Checkpoint, weights: list[Weight]) -> None:
+    """Every weight the model keeps in the checkpoint's format (dense_weights "keep") must be stored
+    quantized (float8, 4-bit codes; published checkpoints store their quantized projections so, and
+    the model holds the modules quantization_config excludes in the model dtype); one clear error
+    otherwise, before loading."""
+    cfg = model.cfg
+    four = cfg.quant in PACKED4
+    for w in weights if cfg.dense_quant else ():
+        if w.expert is not None or is_dense_scale(w):
+            continue
+        if destination(model.param(quant4.param_name(cfg, w.name) if four else w.name)) is None:
+            continue
+        if four:
+            quant4.require_codes(ckpt, cfg, w.name)
+        else:
             require_fp8(ckpt, w.name)

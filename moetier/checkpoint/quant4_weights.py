@@ -18,7 +18,9 @@ Fused expert tensors take per-expert tensor scales: [E] (down), [E, 2] (gate_up:
                      copied into the expert's 4-bit row (quant/rows.RowLayout parts `gate`, ...,
                      `gate_scale`, ..., `gate_scale_2`, ...), int32 words as bytes, reciprocals taken
     everything else  quantized where the checkpoint holds codes for it (exclude_modules / ignore leave
-                     the rest in bf16), dequantized once at load into the model dtype (read_dense)
+                     the rest in bf16), dequantized once at load into the model dtype (read_dense), or
+                     with dense_weights "keep" copied as stored into the model's Packed4Weights
+                     (read_codes: the rows' conventions, layers/packed4_linear.py)
     activation scales (input_scale, input_global_scale; k_scale, v_scale) are accepted and never read:
                      every 4-bit path here is weight-only (W4A16); the load report says so once
 """
@@ -26,11 +28,13 @@ Fused expert tensors take per-expert tensor scales: [E] (down), [E, 2] (gate_up:
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 import torch
 
 from moetier.checkpoint.index import Checkpoint
 from moetier.config import ModelConfig
+from moetier.errors import CheckpointError, MoetierError
 from moetier.models.base import ExpertTensor, Weight
 from moetier.quant import int4, nvfp4, packed4
 from moetier.quant import quant_config as qconfig
@@ -140,24 +144,51 @@ def param_name(cfg: ModelConfig, name: str) -> str:
 def read_dense(read, ckpt: Checkpoint, cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.Tensor:
     """A non-expert tensor of the loader's list in the model dtype: 4-bit codes dequantized with their
     scales (the format's torch reference). read(name) -> the tensor from whichever shard holds it."""
-    t = read(name)
     if ckpt.tensors[name].dtype != CODES[cfg.quant]:
-        return t
+        return read(name)
+    codes, scale, s2, zero = read_codes(read, ckpt, cfg, name)
+    with _named(ckpt, name):
+        if s2 is not None:
+            return nvfp4.dequantize(codes, scale, s2, dtype, name)
+        return int4.dequantize(codes, scale, dtype, int4.GROUPS[cfg.quant], name, zero)
+
+
+def read_codes(read, ckpt: Checkpoint, cfg: ModelConfig, name: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A non-expert weight's codes (uint8 [N, K/2]: INT4's int32 words as bytes, K from `W_shape`),
+    group scales as stored, NVFP4's float32 tensor scale (compressed-tensors' global scale inverted,
+    as the expert rows take it) or None, and asymmetric INT4's zero codes (uint8 [N, G], unpacked from
+    their int32 words of eight rows) or None: what a Packed4Weight holds and read_dense dequantizes."""
     w = Weight(param_name(cfg, name), ())
     _, sname, gname = companions(cfg, w)
-    try:
+    t = read(name)
+    with _named(ckpt, name):
         if cfg.quant == "nvfp4":
-            return nvfp4.dequantize(t, read(sname), scale_2(read(gname), gname), dtype, name)
+            return t, read(sname), scale_2(read(gname), gname), None
         shape = w.name + "_shape"  # K exactly; without it the codes fill their words
         k = int(read(shape)[-1]) if shape in ckpt.tensors else 8 * t.shape[-1]
         zero = None
         if cfg.quant in int4.ASYMMETRIC:
             zname = w.name + "_zero_point"
             zero = int4.zero_to_bytes(read(zname), t.shape[-2], zname)
-        return int4.dequantize(int4.to_bytes(t, k, name), read(sname), dtype, int4.GROUPS[cfg.quant], name, zero)
-    except ValueError as e:
-        from moetier.errors import CheckpointError
+        return int4.to_bytes(t, k, name), read(sname), None, zero
 
+
+def require_codes(ckpt: Checkpoint, cfg: ModelConfig, name: str) -> None:
+    """A weight the model keeps 4-bit must be stored as codes (its scales are validated)."""
+    info = ckpt.tensors[name]
+    if info.dtype != CODES[cfg.quant]:
+        raise MoetierError(f"{info.file}: {name} is {info.dtype}, not {cfg.quant} codes, but the model keeps it "
+                           f"{cfg.quant} (dense_weights \"keep\"); list its module in quantization_config's "
+                           "exclude_modules / ignore, or load with dense_weights \"dequantize\"")
+
+
+@contextmanager
+def _named(ckpt: Checkpoint, name: str):
+    # a format's ValueError (a misfit of codes and scales) as one line naming the shard
+    try:
+        yield
+    except ValueError as e:
         raise CheckpointError(f"{ckpt.tensors[name].file}: {e}") from None
 
 

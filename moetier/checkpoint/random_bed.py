@@ -17,8 +17,9 @@ checkpoints). Under the "columns" expert split (experts/parallel/columns.py) a t
 every expert whole, after its dense shards, and keeps its I/tp columns: the ranks together hold the
 experts of the replicated tp share (the same draws), not the one-process experts. RandomModel is the plain record a worker process rebuilds
 its share from.
-With fp8_dense too, the dense projections the model holds in FP8 (layers/fp8_linear.Fp8Weight; the
-same ones as an FP8 checkpoint loaded with fp8_dense "fp8") are random bf16 quantized the same way.
+With keep_dense too, the dense projections the model keeps in the format (layers/quant_linear.py:
+Fp8Weight, Packed4Weight; the same ones as a checkpoint of that format loaded with dense_weights
+"keep") are random bf16 quantized by the format's own rule.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from moetier.experts.cache.split import local_pinned
 from moetier.experts.registry import Resident, Slots, backend_kind
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
+from moetier.layers.quant_linear import WEIGHTS
 from moetier.models.base import CausalLM
 from moetier.models.registry import model_class
 from moetier.parallel import Parallel
@@ -121,17 +123,17 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
 
 
 def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-               quant: str | None = None, par: Parallel = Parallel(), fp8_dense: bool = False,
+               quant: str | None = None, par: Parallel = Parallel(), keep_dense: bool = False,
                split: str = "auto", pinned: dict[int, tuple[int, ...]] | None = None) -> Bed:
     """Random weights made on the device; routed experts copied into the (pinned) host store, as FP8
-    rows when quant is "fp8", 4-bit rows for "nvfp4", "int4", "int4-g32"; fp8_dense (with quant "fp8"): dense projections in FP8 too. par: this
+    rows when quant is "fp8", 4-bit rows for "nvfp4", "int4", "int4-g32"; keep_dense (with a quant): dense projections in it too. par: this
     rank's share only (module docstring); split: "columns" keeps this rank's I/tp of every expert.
     pinned: per MoE layer the experts (global ids) kept on the device instead (experts/cache/split.py):
     the same draws, their rows stay on the device and only the cached rows reach the host, so a model
     larger than the host fits when the GPU holds the difference."""
-    from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.config import with_dense
 
-    cfg = with_dense(quantized(cfg, quant), "fp8" if fp8_dense else "dequantize")
+    cfg = with_dense(quantized(cfg, quant), "keep" if keep_dense else "dequantize")
     cls = model_class(cfg)
     model = cls(cfg, dtype, device, par) if par.tp > 1 else cls(cfg, dtype, device)
     layout = cfg.moe_shape.layout
@@ -145,19 +147,25 @@ def random_bed(cfg: ModelConfig, seed: int = 0, device: str = "cuda", dtype: tor
     host = {layer: store.rows(layer) for layer in cfg.moe_layers}
     on_gpu = {layer: torch.empty(len(ids), ours.numel, dtype=store.dtype, device=device) for layer, ids in held.items()}
     g = torch.Generator(device=device).manual_seed(seed)
-    fp8_weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
-    in_fp8 = {id(p) for m in fp8_weights for p in (m.q, m.scale)}
+    kept = [m for m in model.modules() if isinstance(m, WEIGHTS)]
+    in_kept = {id(p) for m in kept for p in m.parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if id(p) in in_fp8:
+            if id(p) in in_kept:
                 continue
             if name.endswith("norm") or "_norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        for m in fp8_weights:
+        for m in kept:
             w = torch.empty(m.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
-            m.rows().copy_(*fp8.quantize(w), "random")
+            if isinstance(m, Fp8Weight):
+                m.rows().copy_(*fp8.quantize(w), "random")
+            elif m.quant == "nvfp4":
+                m.rows().copy_(*nvfp4.quantize(w), "random")
+            else:  # asymmetric formats: the zero codes third
+                codes, scale, *zero = int4.quantize(w, m.group, m.zero is not None)
+                m.rows().copy_(codes, scale, None, "random", *zero)
         for layer, rows in host.items():
             # every expert is drawn, in one order whatever the layout; a rank keeps the ones it owns
             if layer in held:
@@ -270,7 +278,9 @@ def _bed(model: CausalLM, host: dict[int, torch.Tensor], tokenizer: Tokenizer | 
     # A step reads every dense weight once, but only its tokens' rows of the embedding.
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
-    params -= sum(m.scale.numel() for m in model.modules() if isinstance(m, Fp8Weight))
+    for m in model.modules():  # kept weights: their elements, not their codes and scales
+        if isinstance(m, WEIGHTS):
+            params += m.shape.numel() - sum(p.numel() for p in m.parameters())
     if not model.cfg.tie_word_embeddings:
         dense -= model.embed.numel() * model.embed.element_size()
         params -= model.embed.numel()

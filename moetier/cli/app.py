@@ -38,7 +38,7 @@ def generate(
     expert_backend: opt.ExpertBackend = opt.CLI_DEFAULTS["--expert-backend"],
     expert_slots: opt.ExpertSlots = opt.EXPERTS.slots,
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
-    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    dense_weights: opt.DenseWeights = opt.ENGINE.dense_weights,
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
     prefill_cache: opt.PrefillCache = opt.EXPERTS.prefill,
@@ -93,7 +93,7 @@ def generate(
                                    enable_prefix_caching=enable_prefix_caching,
                                    kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                    record_trace=record_trace, replay_trace=replay_trace,
-                                   tensor_parallel_size=tp, expert_parallel_size=ep, fp8_dense=fp8_dense,
+                                   tensor_parallel_size=tp, expert_parallel_size=ep, dense_weights=dense_weights,
                                    distributed_executor=opt.executor(distributed_executor),
                                    speculative_config=speculative, experts=experts)
         llm, plan = plan_then_load(model_dir, dtype, dev, config, gpu_memory, host_memory,
@@ -153,7 +153,7 @@ def serve(
     max_num_tokens: opt.MaxNumTokens = opt.ENGINE.max_num_tokens,
     prefill_cache: opt.PrefillCache = opt.EXPERTS.prefill,
     prefill_stream: opt.PrefillStream = opt.EXPERTS.prefill_stream,
-    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    dense_weights: opt.DenseWeights = opt.ENGINE.dense_weights,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
@@ -200,7 +200,7 @@ def serve(
                   "decode_tokens": decode_tokens, "replay_trace": replay_trace, "tensor_parallel_size": tp,
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens,
-                  "fp8_dense": fp8_dense, "enable_prefix_caching": enable_prefix_caching,
+                  "dense_weights": dense_weights, "enable_prefix_caching": enable_prefix_caching,
                   "kv_host_bytes": opt.kv_host_memory(kv_host_memory),
                   "speculative_config": opt.speculative_config(speculative_config)}
         if preset is not None:

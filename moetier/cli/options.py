@@ -28,7 +28,7 @@ ENGINE_FIELDS = {
     "--max-model-len": "max_model_len", "--decode-tokens": "decode_tokens",
     "--record-trace": "record_trace", "--replay-trace": "replay_trace", "--tp": "tensor_parallel_size",
     "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
-    "--step-record-group": "step_record_group", "--fp8-dense": "fp8_dense",
+    "--step-record-group": "step_record_group", "--dense-weights": "dense_weights",
     "--enable-prefix-caching": "enable_prefix_caching", "--kv-host-memory": "kv_host_bytes",
     "--speculative-config": "speculative_config",
 }
@@ -103,9 +103,10 @@ PrefixCaching = Annotated[bool, typer.Option(
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
-Fp8Dense = Annotated[str, typer.Option(
-    "--fp8-dense", help="An FP8 checkpoint's dense projections: dequantize (to the model dtype, at load) or fp8 "
-    "(kept in FP8, half the bytes; docs/fp8.md).")]
+DenseWeights = Annotated[str, typer.Option(
+    "--dense-weights", help="A quantized checkpoint's dense projections: dequantize (to the model dtype, at load; "
+    "faster for FP8) or keep (in the checkpoint's format: FP8 half the bytes, NVFP4 / INT4 about a quarter; "
+    "docs/fp8.md, docs/quant4.md).")]
 
 PrefillCache = Annotated[str, typer.Option(
     "--prefill-cache", help="What a prefill step does to the slot cache (slots, hybrid): bypass (leave it alone) or "

@@ -122,7 +122,7 @@ def plan_cmd(
                                          help="Routing trace: slots per layer from it, and the predicted hit rate "
                                               "and tok/s."),
     policy: opt.CachePolicy = opt.EXPERTS.policy,
-    fp8_dense: opt.Fp8Dense = opt.ENGINE.fp8_dense,
+    dense_weights: opt.DenseWeights = opt.ENGINE.dense_weights,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
@@ -183,7 +183,7 @@ def plan_cmd(
             experts = replace(experts, pinned=opt.pinned_experts(pinned_experts_file, experts.backend))
         # the pool: max_num_seqs requests of full length, as generate configures the engine
         config = opt.engine_config_for(cfg.max_position_embeddings, max_model_len, max_num_seqs,
-                                       max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, fp8_dense=fp8_dense,
+                                       max_num_tokens=max_num_tokens, decode_tokens=decode_tokens, dense_weights=dense_weights,
                                        enable_prefix_caching=enable_prefix_caching,
                                        kv_host_bytes=opt.kv_host_memory(kv_host_memory),
                                        speculative_config=opt.speculative_config(speculative_config))

@@ -103,7 +103,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int, pipe=None) -> None:
 
 
 def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, decode_tokens: int, par,
-               progress=None, fp8_dense: str = "dequantize"):
+               progress=None, dense_weights: str = "dequantize"):
     """-> (config, model with its experts attached) of this rank's share: read from a checkpoint, or
     made (random weights). Rank 0 (engine/llm.py) and the workers load through here alike."""
     if isinstance(spec_model, RandomModel):
@@ -118,7 +118,7 @@ def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, deco
 
     cfg, model, report = load_model(spec_model, dtype=dtype, device=device, experts=experts,
                                     decode_tokens=decode_tokens, progress=progress, parallel=par,
-                                    fp8_dense=fp8_dense)
+                                    dense_weights=dense_weights)
     return cfg, model, report
 
 
@@ -129,7 +129,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
     config = spec.config
     _, model, _ = load_share(spec.model, spec.dtype, device, config.experts, config.decode_tokens, par,
-                             fp8_dense=config.fp8_dense)
+                             dense_weights=config.dense_weights)
     if config.replay_trace is not None:
         from moetier.traces.format import read_trace
         from moetier.traces.hooks import Replayer

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from moetier.config import DENSE_WEIGHTS
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
 from moetier.parallel import layout_problems
@@ -55,10 +56,11 @@ class EngineConfig:
     # reads), "gloo" (a second group over host sockets: the record never touches a GPU) or "pipe" (one
     # OS pipe per worker, rank 0 writes the pickled record to each; the mp executor only: one node).
     step_record_group: str = "world"
-    # An FP8 checkpoint's dense projections (attention, dense MLPs): "dequantize" to the model dtype
-    # at load, or "fp8" kept in FP8 and run by layers/fp8_linear.py (docs/fp8.md says which weights
-    # fall back). "dequantize" stays the default until a GPU run says which is faster.
-    fp8_dense: str = "dequantize"
+    # A quantized checkpoint's dense projections (attention, dense MLPs, shared experts): "dequantize"
+    # to the model dtype at load, or "keep" in the checkpoint's format (FP8 blocks, 4-bit codes) and run
+    # by layers/quant_linear.py (docs/fp8.md, docs/quant4.md say which weights fall back). "dequantize"
+    # measured faster for FP8 on the H200; "keep" is for when HBM, not speed, is short.
+    dense_weights: str = "dequantize"
     # Speculative decoding (--speculative-config, spec/config.py; docs/speculative.md): None is off; the
     # JSON text or dict vLLM takes is parsed into the record. Method "mtp" loads the checkpoint's MTP
     # layers (the plan counts their experts and KV); speculative steps run eagerly (no CUDA graphs).
@@ -113,8 +115,8 @@ class EngineConfig:
                        "Ray actors may be on other nodes): use world or gloo with ray")
         if self.distributed_executor not in ("mp", "ray"):
             out.append(f"distributed_executor must be mp or ray, got {self.distributed_executor!r}")
-        if self.fp8_dense not in ("dequantize", "fp8"):
-            out.append(f"fp8_dense must be \"dequantize\" or \"fp8\", got {self.fp8_dense!r}")
+        if self.dense_weights not in DENSE_WEIGHTS:
+            out.append(f"dense_weights must be \"dequantize\" or \"keep\", got {self.dense_weights!r}")
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             out.append("speculative_config must be a spec.config.SpeculativeConfig (parse_speculative_config "

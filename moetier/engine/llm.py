@@ -96,7 +96,7 @@ class LLM:
                  progress: Callable[[int, int], None] | None = None, on_audit: Callable[[str], None] | None = None,
                  rank_plans: Any = None, **options: Any):
         """Load a checkpoint directory (default: the embedded tiny model). `options`: fields of EngineConfig
-        (max_num_seqs, ..., fp8_dense, experts: where the routed experts live, experts/placement.ExpertOptions)
+        (max_num_seqs, ..., dense_weights, experts: where the routed experts live, experts/placement.ExpertOptions)
         over `config`. plan: the memory plan preflight
         made (moetier/plan); on CUDA audited after loading and after graph capture (self.audits; each, and
         each load note, through on_audit). progress(bytes, total): loading. rank_plans: with several ranks,
@@ -121,7 +121,7 @@ class LLM:
             kw = {} if self.parallel is None else {"parallel": self.parallel}
             cfg, net, self.load_report = load_model(model_dir, dtype=dtype, device=device, experts=experts,
                                                     decode_tokens=config.decode_tokens, progress=progress,
-                                                    fp8_dense=config.fp8_dense, mtp=config.drafts_with_mtp,
+                                                    dense_weights=config.dense_weights, mtp=config.drafts_with_mtp,
                                                     **kw)
             if self._workers is not None:
                 self._workers.ready()

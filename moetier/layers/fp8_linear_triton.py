@@ -30,16 +30,35 @@ NUM_WARPS, NUM_STAGES = 4, 4
 
 
 @triton.jit
+def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # program (mb, nb, s): rows [mb BM, +BM) x columns [nb BN, +BN) over K tiles of split s
+    # -> (s, rows m, their mask, columns n, their mask); the dense kernels' (this file's, packed4's) grid
+    s = tl.program_id(2)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return s, m, m < M, n, n < N
+
+
+@triton.jit
+def store_tile(acc, b_ptr, y_ptr, part_ptr, s, m, mm, n, nm, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # one split: acc (+ bias) rounded once into y; several: acc into split s's fp32 partials [S, M, N]
+    out = m[:, None].to(tl.int64) * N + n[None, :]
+    om = mm[:, None] & nm[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=om)
+    else:
+        tl.store(part_ptr + s.to(tl.int64) * M * N + out, acc, mask=om)
+
+
+@triton.jit
 def _fp8_mm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_x, KB,
             TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
             DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (mb, nb, s): rows [mb BM, +BM) x columns [nb BN, +BN) over K tiles [s TILES, +TILES)
-    mb, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    mm = m < M
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
+    s, m, mm, n, nm = tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(TILES):  # NOTE: a constexpr bound (the interpreter cannot loop to an argument)
         k0 = (s * TILES + t) * BLOCK_K
@@ -51,14 +70,7 @@ def _fp8_mm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_x, KB,
         # past K the scale column is clamped to the last (the tile is zeros: any finite scale will do)
         w = _dequant(w, s_ptr, n, nm, kk, km, tl.minimum(k0, K - 1), KB, DOT, EMULATE, BLOCK_K)
         acc = _mma(xa, w, acc, DOT, PRECISION, EMULATE)
-    out = m[:, None].to(tl.int64) * N + n[None, :]
-    om = mm[:, None] & nm[None, :]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=om)
-    else:
-        tl.store(part_ptr + s.to(tl.int64) * M * N + out, acc, mask=om)
+    store_tile(acc, b_ptr, y_ptr, part_ptr, s, m, mm, n, nm, M, N, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -117,19 +129,35 @@ def fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     if q.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x {list(x.shape)} (stride {x.stride()}) does not multiply an FP8 weight {list(q.shape)}")
     dot, precision, emulate = _dot_type(x.dtype)
+    y, part, per, grid = outputs(x, n, k, block_n, block_k, programs)
+    _fp8_mm[grid](x, q.view(torch.uint8), scale, bias if bias is not None else y, y, part, m, n, k, x.stride(0),
+                  scale.shape[1], TILES=per, SPLIT=grid[2], HAS_BIAS=bias is not None, DOT=dot, PRECISION=precision,
+                  EMULATE=emulate, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return sum_splits(part, bias, y)
+
+
+def outputs(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs: int
+            ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int, int]]:
+    """(y [M, N] in x.dtype, the fp32 split partials [S, M, N] (y itself with one split), K tiles per
+    split, the grid (M blocks, N blocks, S)) of one dense-kernel call: this file's and
+    layers/packed4_linear_triton.py's."""
+    m = x.shape[0]
     split, per = splits(n, k, block_n, block_k, programs)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    b = bias if bias is not None else y
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)
-    _fp8_mm[grid](x, q.view(torch.uint8), scale, b, y, part, m, n, k, x.stride(0), scale.shape[1],
-                  TILES=per, SPLIT=split, HAS_BIAS=bias is not None, DOT=dot, PRECISION=precision, EMULATE=emulate,
-                  BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if split > 1:
-        block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, b, y, m, n, SPLIT=split, HAS_BIAS=bias is not None,
-                                                  BLOCK=block)
+    return y, part, per, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)
+
+
+def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = the fp32 partials part [S, M, N] summed in split order (+ bias), rounded once (the
+    second pass of a K-split call; nothing to do with one split, whose programs wrote y)."""
+    if part is y:
+        return y
+    split, m, n = part.shape
+    block = 1024
+    _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m, n, SPLIT=split,
+                                              HAS_BIAS=bias is not None, BLOCK=block)
     return y
 
 

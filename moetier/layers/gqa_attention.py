@@ -13,10 +13,11 @@ group stays on its rank), qkv column-split by those heads, o_proj row-split by t
 partial o_proj outputs are summed by one all-reduce, and the o_proj bias is added once, after it.
 The KV cache of a rank holds its Hkv/tp heads only.
 
-FP8 dense (fp8_dense, layers/fp8_linear.py): qkv stays FP8 when the q and k rows end on scale
-blocks (Hq D and Hkv D multiples of 128, as in every published Qwen3 shape; under tensor
-parallelism v's too), o unless tensor parallelism cuts its columns off the blocks; otherwise that
-weight is dequantized at load.
+Dense weights kept in the checkpoint's format (held: ModelConfig.dense_quant, layers/quant_linear.py):
+FP8 qkv stays FP8 when the q and k rows end on scale blocks (Hq D and Hkv D multiples of 128, as in
+every published Qwen3 shape; under tensor parallelism v's too), o unless tensor parallelism cuts its
+columns off the blocks; otherwise that weight is dequantized at load. 4-bit qkv and o always stay
+4-bit (a tensor-parallel o whose columns cut a group is refused).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from moetier.layers.attention import AttnBatch, paged_attention, write_kv
-from moetier.layers.fp8_linear import Fp8Rows, dense_weight, fusable, linear, rows_of
+from moetier.layers.quant_linear import dense_weight, linear, rows_of
 from moetier.layers.kv_cache import GqaKVCache
 from moetier.layers.norm import rms_norm
 from moetier.layers.param import param
@@ -50,7 +51,7 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: t
 class GqaAttention(nn.Module):
     def __init__(self, layer: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  eps: float, dtype: torch.dtype, device: torch.device | str, par: Parallel = Parallel(),
-                 fp8_dense: bool = False):
+                 held: str | None = None):
         super().__init__()
         self.layer, self.par = layer, par
         # this rank's heads (all of them without tensor parallelism)
@@ -58,9 +59,8 @@ class GqaAttention(nn.Module):
         num_kv_heads = par.tp_split(num_kv_heads, "num_key_value_heads")
         self.hq, self.hkv, self.d, self.eps = num_heads, num_kv_heads, head_dim, eps
         q, kv, split = num_heads * head_dim, num_kv_heads * head_dim, par.tp > 1
-        self.qkv = dense_weight(q + 2 * kv, hidden, dtype, device,
-                                fp8_dense and fusable((q, kv, kv), split))  # [q; k; v] rows
-        self.o = dense_weight(hidden, q, dtype, device, fp8_dense and (not split or fusable((q,), True)))
+        self.qkv = dense_weight(q + 2 * kv, hidden, dtype, device, held, (q, kv, kv), split)  # [q; k; v] rows
+        self.o = dense_weight(hidden, q, dtype, device, held, k_split=split)
         rows = q + 2 * kv
         self.qkv_bias = param(rows, dtype=dtype, device=device) if bias else None
         self.o_bias = param(hidden, dtype=dtype, device=device) if bias else None
@@ -72,7 +72,7 @@ class GqaAttention(nn.Module):
         q, kv = self.hq * self.d, self.hkv * self.d
         return {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}[proj]
 
-    def qkv_part(self, proj: str) -> torch.Tensor | Fp8Rows:
+    def qkv_part(self, proj: str) -> object:
         """Where checkpoint projection q_proj, k_proj or v_proj (this rank's heads) goes."""
         rows = self.qkv_rows(proj)
         return rows_of(self.qkv, rows.start, rows.stop)

@@ -24,11 +24,12 @@ the latent row is per token, shared by every head, so every rank computes and wr
 latent into a whole (replicated) latent cache: MLA tensor parallelism does not shrink the KV cache.
 The DSA indexer is replicated too (every rank computes the same top-k from replicated inputs).
 
-FP8 dense (fp8_dense, layers/fp8_linear.py): q_a, q_b (or q_proj), kv_a and o are held in FP8, each
-one checkpoint tensor (no fusion, so ragged shapes are exact too); kv_b stays in the model dtype,
-since it is used through its per-head views W_UK and W_UV, not as a linear layer. Under tensor
-parallelism q_b (q_proj) stays FP8 only when a rank's rows (Hq/tp x qk) end on scale blocks and o
-when its columns (Hq/tp x v) do (as in DeepSeek-V3 and GLM-5 up to tp 8); else dequantized at load.
+Dense weights kept in the checkpoint's format (held: ModelConfig.dense_quant, layers/quant_linear.py):
+q_a, q_b (or q_proj), kv_a and o, each one checkpoint tensor (no fusion, so ragged shapes are exact
+too); kv_b stays in the model dtype, since it is used through its per-head views W_UK and W_UV, not
+as a linear layer. Under tensor parallelism FP8 q_b (q_proj) stays FP8 only when a rank's rows
+(Hq/tp x qk) end on scale blocks and o when its columns (Hq/tp x v) do (as in DeepSeek-V3 and GLM-5
+up to tp 8), else dequantized at load; a 4-bit o whose rank's columns cut a group is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
-from moetier.layers.fp8_linear import dense_weight, fusable, linear
+from moetier.layers.quant_linear import dense_weight, linear
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.latent_attention import latent_attention, write_latent
 from moetier.layers.norm import rms_norm
@@ -57,7 +58,7 @@ class MlaAttention(nn.Module):
 
     def __init__(self, layer: int, hidden: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int,
                  rope: int, v_dim: int, bias: bool, scale: float, interleave: bool, dtype: torch.dtype,
-                 device: torch.device | str, indexer: nn.Module | None = None, fp8_dense: bool = False,
+                 device: torch.device | str, indexer: nn.Module | None = None, held: str | None = None,
                  par: Parallel = Parallel(), latent_eps: float = LATENT_NORM_EPS):
         super().__init__()
         self.par, self.latent_eps = par, latent_eps
@@ -65,28 +66,25 @@ class MlaAttention(nn.Module):
         self.layer, self.hq, self.r, self.nope, self.rope, self.v = layer, num_heads, kv_lora_rank, nope, rope, v_dim
         self.scale, self.interleave = scale, interleave
         qk, split = nope + rope, par.tp > 1
-        # the head-split weights stay FP8 only when each rank's part ends on scale blocks
-        q_fp8 = fp8_dense and (not split or fusable((num_heads * qk,), True))
-        o_fp8 = fp8_dense and (not split or fusable((num_heads * v_dim,), True))
 
         def opt_bias(n: int) -> nn.Parameter | None:
             return param(n, dtype=dtype, device=device) if bias else None
 
         if q_lora_rank:
-            self.q_a = dense_weight(q_lora_rank, hidden, dtype, device, fp8_dense)
+            self.q_a = dense_weight(q_lora_rank, hidden, dtype, device, held)
             self.q_a_bias = opt_bias(q_lora_rank)
             self.q_a_norm = param(q_lora_rank, dtype=dtype, device=device)
-            self.q_b = dense_weight(num_heads * qk, q_lora_rank, dtype, device, q_fp8)
+            self.q_b = dense_weight(num_heads * qk, q_lora_rank, dtype, device, held, split=split)
             self.q_proj = None
         else:
             self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = None
-            self.q_proj = dense_weight(num_heads * qk, hidden, dtype, device, q_fp8)
-        self.kv_a = dense_weight(kv_lora_rank + rope, hidden, dtype, device, fp8_dense)
+            self.q_proj = dense_weight(num_heads * qk, hidden, dtype, device, held, split=split)
+        self.kv_a = dense_weight(kv_lora_rank + rope, hidden, dtype, device, held)
         self.kv_a_bias = opt_bias(kv_lora_rank + rope)
         self.kv_a_norm = param(kv_lora_rank, dtype=dtype, device=device)
         # rows per head: [k_nope (nope) | v (v_dim)], each a map from the latent (R); this rank's heads
         self.kv_b = param(num_heads * (nope + v_dim), kv_lora_rank, dtype=dtype, device=device)
-        self.o = dense_weight(hidden, num_heads * v_dim, dtype, device, o_fp8)
+        self.o = dense_weight(hidden, num_heads * v_dim, dtype, device, held, k_split=split)
         self.o_bias = opt_bias(hidden)
         self.indexer = indexer
 

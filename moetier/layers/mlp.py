@@ -1,9 +1,11 @@
 """The dense SwiGLU MLP (dense layers, and the shared experts of the DeepSeek family); swiglu_limit:
 the clamped SwiGLU of GLM-5.3-Flash (moetier/activation.py).
 
-FP8 dense (fp8_dense, layers/fp8_linear.py): w13 stays FP8 only when gate's rows end on a scale
-block (I a multiple of 128; under tensor parallelism every rank's I/tp), w2 unless tensor
-parallelism splits its columns off the blocks; otherwise that weight is dequantized at load.
+Dense weights kept in the checkpoint's format (held: ModelConfig.dense_quant, layers/quant_linear.py):
+FP8 w13 stays FP8 only when gate's rows end on a scale block (I a multiple of 128; under tensor
+parallelism every rank's I/tp), w2 unless tensor parallelism splits its columns off the blocks;
+otherwise that weight is dequantized at load. 4-bit w13 and w2 always stay 4-bit (a
+tensor-parallel w2 whose columns cut a group is refused).
 
 Tensor parallelism (moetier/parallel.Parallel): rank r holds columns [r I/tp, (r+1) I/tp) of gate
 and of up (w13 = [gate_r; up_r]) and the same rows of down's input dimension; each rank's output
@@ -16,23 +18,23 @@ import torch
 from torch import nn
 
 from moetier.activation import silu_mul
-from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight, dense_weight, fusable, linear, rows_of
+from moetier.layers.quant_linear import dense_weight, linear, rows_of
 from moetier.parallel import Parallel
 
 
 class SwigluMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str,
-                 par: Parallel = Parallel(), fp8_dense: bool = False, what: str = "intermediate_size",
+                 par: Parallel = Parallel(), held: str | None = None, what: str = "intermediate_size",
                  swiglu_limit: float | None = None):
         super().__init__()
         self.par, self.swiglu_limit = par, swiglu_limit
         self.inter = inter = par.tp_split(inter, what)  # this rank's columns; what: inter's name in errors
         split = par.tp > 1
         # [gate; up]
-        self.w13 = dense_weight(2 * inter, hidden, dtype, device, fp8_dense and fusable((inter, inter), split))
-        self.w2 = dense_weight(hidden, inter, dtype, device, fp8_dense and (not split or fusable((inter,), True)))
+        self.w13 = dense_weight(2 * inter, hidden, dtype, device, held, (inter, inter), split)
+        self.w2 = dense_weight(hidden, inter, dtype, device, held, k_split=split)
 
-    def part(self, proj: str) -> torch.Tensor | Fp8Rows | Fp8Weight | None:
+    def part(self, proj: str) -> object:
         """Where checkpoint projection gate_proj, up_proj or down_proj (this rank's part) goes."""
         i = self.inter
         if proj == "down_proj":

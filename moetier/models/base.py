@@ -127,6 +127,27 @@ class CausalLM(nn.Module, ABC):
             return None if self.cfg.tie_word_embeddings else self.lm_head
         return False
 
+    def hold_excluded_plain(self) -> None:
+        """Under dense_weights "keep" (cfg.dense_quant), the kept weights holding a module the
+        checkpoint's quantization_config leaves unquantized (exclude_modules, ignore) become model-dtype
+        parameters again, whole (a fused weight with one such part too: the loader dequantizes the
+        others into it). Decided from config.json alone, so the plan's model (meta) and the loaded one
+        hold the same weights. The families with kept weights call this last in their constructor."""
+        from moetier.layers.param import param
+        from moetier.layers.quant_linear import destination
+        from moetier.quant.quant_config import excluded
+
+        cfg = self.cfg
+        if not cfg.dense_quant:
+            return
+        plain = {id(d.owner) for w in type(self).checkpoint_weights(cfg, set())
+                 if w.expert is None and (d := destination(self.param(w.name))) is not None
+                 and excluded(cfg.quant_config or {}, w.name.removesuffix(".weight"))}
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if id(child) in plain:  # a Parameter replaces the submodule (nn.Module.__setattr__)
+                    setattr(module, name, param(*child.shape, dtype=self.dtype, device=self.device))
+
     def expert_stats(self) -> dict[str, int]:
         """The expert backends' counters summed over layers (one host read per layer; between steps)."""
         total = dict.fromkeys(COUNTERS, 0)

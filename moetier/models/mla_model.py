@@ -47,21 +47,21 @@ class MlaDecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.input_norm = param(h, dtype=dtype, device=device)
         self.post_norm = param(h, dtype=dtype, device=device)
-        fp8_dense = cfg.dense_quant == "fp8"
+        held = cfg.dense_quant  # kept in the checkpoint's format (None: the model dtype)
         self.attn = MlaAttention(layer, h, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                                  cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias, cfg.softmax_scale,
-                                 cfg.rope_interleave, dtype, device, indexer, fp8_dense, par)
+                                 cfg.rope_interleave, dtype, device, indexer, held, par)
         if cfg.is_moe_layer(layer):
             router = GroupedSigmoidTopK(cfg.num_experts, h, cfg.top_k, cfg.n_group, cfg.topk_group,
                                         cfg.norm_topk_prob, cfg.routed_scaling_factor, device)
             # column-split under TP, with its own all-reduce inside shared(x): MoEBlock adds it after
             # the routed experts' output (whole on every rank: replicated, or summed over EP ranks)
-            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device, par, fp8_dense,
+            shared = (SwigluMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device, par, held,
                                 "the shared experts' width (moe_intermediate_size x n_shared_experts)")
                       if cfg.n_shared_experts else None)
             self.mlp: MoEBlock | SwigluMLP = MoEBlock(layer, router, shared)
         else:
-            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device, par, fp8_dense)
+            self.mlp = SwigluMLP(h, cfg.intermediate_size, dtype, device, par, held)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: AttnBatch, kv: MlaKVCache, topk: torch.Tensor | None
@@ -114,6 +114,7 @@ class MlaMoeForCausalLM(CausalLM):
                 cfg, n + d, self.make_indexer(cfg, n + d, dtype, device), dtype, device, par), dtype, device)
             for d in range(cfg.mtp_layers))
         self.register_buffer("inv_freq", cfg.inv_freq().to(device), persistent=False)
+        self.hold_excluded_plain()
 
     # -- family hooks (GLM-5's DSA indexer) --
 

@@ -6,8 +6,9 @@ router, optional renormalisation) or, for mlp_only_layers and off the sparse ste
 Attention is GQA with RMSNorm on each head's q and k before rotary (layers/gqa_attention.py).
 
 Weights are fused where that saves launches (qkv, gate_up); param() maps checkpoint names onto them.
-With cfg.dense_quant "fp8" the attention and dense MLP projections are held in FP8 where the block
-rule allows (layers/gqa_attention.py, layers/mlp.py say when).
+With cfg.dense_quant set (EngineConfig.dense_weights "keep") the attention and dense MLP projections
+are held in the checkpoint's format where it allows (layers/gqa_attention.py, layers/mlp.py say when;
+modules the checkpoint leaves unquantized stay in the model dtype: CausalLM.hold_excluded_plain).
 Routed experts are stored per expert (published checkpoints) or fused (transformers 5); either way
 they go to the expert tiers, not to this module.
 
@@ -173,12 +174,11 @@ class DecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.input_norm = param(h, dtype=dtype, device=device)
         self.post_norm = param(h, dtype=dtype, device=device)
-        fp8_dense = cfg.dense_quant == "fp8"
         self.attn = GqaAttention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
-                                 cfg.rms_norm_eps, dtype, device, par, fp8_dense)
+                                 cfg.rms_norm_eps, dtype, device, par, cfg.dense_quant)
         self.mlp: MoEBlock | SwigluMLP = (
             MoEBlock(layer, SoftmaxTopK(cfg.num_experts, h, cfg.top_k, cfg.norm_topk_prob, dtype, device))
-            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device, par, fp8_dense)
+            if cfg.is_moe_layer(layer) else SwigluMLP(h, cfg.intermediate_size, dtype, device, par, cfg.dense_quant)
         )
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -206,6 +206,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.mtp = nn.ModuleList(MtpHead(cfg.hidden_size, cfg.rms_norm_eps, DecoderLayer(cfg, n + d, dtype, device, par),
                                          dtype, device) for d in range(cfg.mtp_layers))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device), persistent=False)
+        self.hold_excluded_plain()
 
     @classmethod
     def layer_weights(cls, cfg: Qwen3MoeConfig, layer: int, present: set[str], moe: bool) -> list[Weight]:

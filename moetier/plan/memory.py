@@ -195,7 +195,7 @@ def count(req: PlanRequest) -> Plan:
                     "tied: one copy" if cfg.tie_word_embeddings else "", r.block(dense.embedding_and_head)))
     what = "attention, norms, routers, dense MLPs, shared experts"
     dev.append(Item("dense: decoder layers", dense.layers, "load",
-                    what + (" (FP8 projections: weights + block scales)" if cfg.dense_quant else ""),
+                    what + (f" ({cfg.dense_quant} projections kept: weights + scales)" if cfg.dense_quant else ""),
                     sum(r.block(n) for n in dense.tensors) - r.block(dense.embedding_and_head)))
     if not kind.host_store:
         rows = [kind.device_rows(e, 0) * row] * len(layers)
@@ -285,8 +285,8 @@ def count(req: PlanRequest) -> Plan:
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
     if kind.host_store:
         act.append(r.prefill_stream(shape, dt))
-    if dense.fp8_transient:  # FP8 dense: a prefill projection dequantizes its weight first
-        act.append(dense.fp8_transient)
+    if dense.transient:  # kept dense weights: a prefill projection dequantizes its weight first
+        act.append(dense.transient)
     if cuda and req.max_num_tokens > req.decode_tokens:  # the step takes the large-step expert GEMM
         act += r.large_step_scratch(req.max_num_tokens, shape, dt,
                                     e + max((slots[la] + pins.get(la, 0) for la in slots), default=0))
@@ -344,7 +344,7 @@ def count(req: PlanRequest) -> Plan:
     host.append(Item("loader buffer", biggest, "host", "largest tensor read at once"))
     request = {"model_type": cfg.model_type, "layers": cfg.num_layers, "moe_layers": len(layers),
                "dtype": str(dt).replace("torch.", ""), "experts_quant": cfg.quant,  # "fp8": FP8 rows with scales
-               "dense_quant": cfg.dense_quant,  # "fp8": dense projections held in FP8 with their scales
+               "dense_quant": cfg.dense_quant,  # the format dense projections are kept in, with their scales
                "device": req.device, "max_model_len": req.model_len,
                "max_num_seqs": req.max_num_seqs, "kv_tokens": req.pool_tokens, "page_size": req.page_size,
                "prefix_caching": req.prefix_caching, "kv_host_pages": host_pages,

@@ -29,12 +29,12 @@ from moetier.plan.memory import PlanRequest
 def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_memory: str | None = None,
                 host_memory: str | None = None) -> PlanRequest:
     """A PlanRequest for an EngineConfig (engine/config.py) on this machine (or the given sizes)."""
-    from moetier.checkpoint.fp8_weights import with_dense
+    from moetier.config import with_dense
     from moetier.models.mtp import with_mtp
 
     gpu, gpu_src, with_context = machine.gpu_budget(gpu_memory, device)
     host, host_src = machine.host_budget(host_memory)
-    cfg = with_dense(cfg, config.fp8_dense)  # the dense weights as they will be held
+    cfg = with_dense(cfg, config.dense_weights)  # the dense weights as they will be held
     # speculative method mtp loads the MTP layers: their experts, dense weights and KV rows are counted
     cfg = with_mtp(cfg, config.drafts_with_mtp)
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),

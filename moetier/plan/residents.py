@@ -16,6 +16,7 @@ calibrated on a GPU with scripts/plan_audit.py (the figures: docs/measured-defau
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -76,27 +77,34 @@ class Dense:
     embedding_and_head: int  # the embedding and, when untied, the LM head
     layers: int  # attention, norms, routers, dense MLP layers, shared experts
     tensors: tuple[int, ...]  # each tensor's bytes (allocator rounding)
-    # FP8 dense (cfg.dense_quant): the largest FP8 weight dequantized to the model dtype, the
-    # transient a prefill step's projection makes (layers/fp8_linear.py); 0 without FP8 dense
-    fp8_transient: int = 0
+    # dense weights kept in the checkpoint's format (cfg.dense_quant): the largest one dequantized to
+    # the model dtype, the transient a prefill step's projection makes (layers/quant_linear.py); 0
+    # when every dense weight is in the model dtype
+    transient: int = 0
 
 
-@lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
 def dense_weights(cfg: ModelConfig, dtype: torch.dtype) -> Dense:
     """Every checkpoint tensor that is not a routed expert (models/<family>.checkpoint_weights),
     in the model dtype (float32 where the model keeps it so); the tied LM head (optional, never
-    kept) is not counted. With cfg.dense_quant "fp8" the weights the model holds in FP8 count their
-    float8 bytes plus their float32 block scales, exactly (which ones: fp8_held)."""
-    from moetier.models.registry import model_class
-    from moetier.quant import fp8_block as fp8
+    kept) is not counted. With cfg.dense_quant set the weights the model keeps in the checkpoint's
+    format count their bytes as held, exactly: FP8 weights plus block scales, 4-bit codes plus group
+    and tensor scales (which ones: kept_weights)."""
+    # the exclusions of quantization_config decide which weights are kept, and ModelConfig's hash
+    # leaves the config dict out: it joins the cache key as text
+    return _dense_weights(cfg, dtype, json.dumps(cfg.quant_config, sort_keys=True) if cfg.dense_quant else "")
 
-    held, largest = fp8_held(cfg)
+
+@lru_cache(maxsize=16)  # sizing and suggestions count one config many times; 235B lists 36k tensors
+def _dense_weights(cfg: ModelConfig, dtype: torch.dtype, quant_config: str) -> Dense:
+    from moetier.models.registry import model_class
+
+    held, largest = kept_weights(cfg)
     head, rest, sizes = 0, 0, []
     for w in model_class(cfg).checkpoint_weights(cfg, set()):
         if w.expert is not None or w.optional:
             continue
         if w.name in held:
-            n = _numel(w.shape) + 4 * _numel(fp8.scale_shape(w.shape))
+            n = held[w.name]
         else:
             n = (4 if w.float32 else dtype.itemsize) * _numel(w.shape)
         sizes.append(n)
@@ -114,19 +122,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def fp8_held(cfg: ModelConfig) -> tuple[frozenset[str], int]:
-    """(checkpoint names the model holds in FP8 under cfg.dense_quant "fp8", the element count of the
-    largest FP8 weight). The model is built on the meta device (no memory) and asked, so the plan
-    follows the layers' own fallback rules (layers/fp8_linear.fusable)."""
-    if cfg.dense_quant != "fp8":
-        return frozenset(), 0
-    from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
+def kept_weights(cfg: ModelConfig) -> tuple[dict[str, int], int]:
+    """(checkpoint name -> bytes as held, for the weights the model keeps in the checkpoint's format
+    under cfg.dense_quant; the element count of the largest kept weight). The model is built on the
+    meta device (no memory) and asked, so the plan follows the layers' own rules (FP8's fallback,
+    layers/quant_linear.py) and the exclusions (CausalLM.hold_excluded_plain)."""
+    if not cfg.dense_quant:
+        return {}, 0
+    from moetier.layers.quant_linear import WEIGHTS, destination
     from moetier.models.registry import model_class
 
     model = model_class(cfg)(cfg, torch.bfloat16, "meta")
-    names = frozenset(w.name for w in model_class(cfg).checkpoint_weights(cfg, set())
-                      if w.expert is None and isinstance(model.param(w.name), (Fp8Weight, Fp8Rows)))
-    return names, max((m.q.numel() for m in model.modules() if isinstance(m, Fp8Weight)), default=0)
+    held = {w.name: d.nbytes for w in model_class(cfg).checkpoint_weights(cfg, set())
+            if w.expert is None and (d := destination(model.param(w.name))) is not None}
+    return held, max((_numel(m.shape) for m in model.modules() if isinstance(m, WEIGHTS)), default=0)
 
 
 def row_bytes(shape: MoeShape, dtype: torch.dtype) -> int:
