@@ -3,8 +3,8 @@
 own format (ModelConfig.dense_quant names it). One table maps a format to its weight module:
 
     "fp8"                       layers/fp8_linear.Fp8Weight (FP8 blocks with their block scales)
-    "nvfp4", "int4", "int4-g32" layers/packed4_linear.Packed4Weight (4-bit codes, group scales and
-                                NVFP4's tensor scale)
+    the 4-bit formats          layers/packed4_linear.Packed4Weight (4-bit codes, group scales,
+      (quant/registry.PACKED4)  NVFP4's tensor scale, asymmetric INT4's zero codes)
 
     dense_weight(n, k, dtype, device, held, parts, split, k_split) -> a parameter, or the format's
         weight module where that format can hold this weight (its `fits`: FP8 needs fused parts and
