@@ -18,6 +18,8 @@
 #      the 4-bit decode blocks (GemmConfig.q4_*: bf16's until this has run)
 #   4. bench decode qwen3-30b-a3b 8 layers, resident and slots at 50% / 25%, batch 1, 8, 32
 #                                                                               -> decode-qwen3-q4.json
+#   4b. bench decode the same, nvfp4 against nvfp4-dense (dense projections kept 4-bit), resident and
+#      slots at 50%, batch 1, 8                                                  -> decode-qwen3-dense4.json
 #   5. bench decode glm-5.3-flash 4 layers (3 dense, 1 MoE of 288 experts), the same rows at batch 1, 8
 #      (needs fla-core: carry a .whl/ with it, PKGS=fla-core ../shared/tools/device-wheels.sh; else
 #      skipped and said so)                                                     -> decode-glm53flash-q4.json
@@ -37,6 +39,10 @@ stage tune-q4 95 python3 scripts/tune_experts.py "$out/tune-q4.json" --dtypes nv
 stage decode-qwen3-q4 135 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype bf16,fp8,nvfp4,int4 \
   --backends resident,slots --expert-budget 50% --expert-budget 25% --batch 1 --batch 8 --batch 32 \
   --tokens 32 --warmup 16 --out "$out/decode-qwen3-q4.json"
+# dense projections kept 4-bit (--dense-weights keep) beside dequantized ones: what keeping them costs
+stage decode-qwen3-dense4 60 "${mt[@]}" bench decode --preset qwen3-30b-a3b --layers 8 --dtype nvfp4,nvfp4-dense \
+  --backends resident,slots --expert-budget 50% --batch 1 --batch 8 --tokens 32 --warmup 16 \
+  --out "$out/decode-qwen3-dense4.json"
 if python3 -c 'import fla' 2>/dev/null; then
   # GLM-5.3-Flash's routing: 288 experts, top-8, the glm-5.3-like trace's parameters, every layer id
   "${mt[@]}" trace synth --out "$out/glm53flash.mtrace" --preset glm-5.3-like --experts 288 --topk 8 --layers 45 \

@@ -197,7 +197,11 @@ def test_plan_counts_kept_fp8_bytes(aligned):
     assert act["keep"] > act["dequantize"]  # the prefill path's dequantized qkv (21 MB) is counted
 
 
-def test_bench_decode_runs_fp8_dense_rows_beside_fp8(tmp_path, aligned):
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_bench_decode_runs_kept_dense_rows_beside_dequantized_dense(tmp_path, aligned, quant):
+    """<format>-dense rows (--dense-weights keep: the dense projections in the experts' format) beside
+    the format's own rows: fewer dense bytes, the same parameters, greedy tokens equal to their resident
+    row, the kept-over-dequantized ratio reported."""
     from moetier import presets
     from moetier.bench import decode
     from moetier.cli.bench_common import WEIGHT_DTYPES, parse_dtypes
@@ -205,22 +209,24 @@ def test_bench_decode_runs_fp8_dense_rows_beside_fp8(tmp_path, aligned):
     from moetier.traces.format import write_trace
     from moetier.traces.synth import SynthParams, meta_of, synthesize
 
-    assert parse_dtypes("fp8,fp8-dense", WEIGHT_DTYPES) == ["fp8", "fp8-dense"]
+    kept = f"{quant}-dense"
+    assert parse_dtypes(f"{quant},{kept}", WEIGHT_DTYPES) == [quant, kept]
     cfg = presets.preset(aligned)
     trace = tmp_path / "t.mtrace"
     p = SynthParams(experts=cfg.num_experts, top_k=cfg.top_k, layers=cfg.num_layers, tokens=64, skew=1.2, seed=3)
     write_trace(trace, synthesize(p), meta_of(p))
-    beds = {d: random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16, quant="fp8", keep_dense=d == "fp8-dense")
-            for d in ("fp8", "fp8-dense")}
-    assert beds["fp8-dense"].dense_bytes < beds["fp8"].dense_bytes
-    assert beds["fp8-dense"].dense_params == beds["fp8"].dense_params
+    beds = {d: random_bed(cfg, seed=1, device="cpu", dtype=torch.bfloat16, quant=quant, keep_dense=d == kept)
+            for d in (quant, kept)}
+    assert [decode.bed_dtype(b) for b in beds.values()] == [quant, kept]
+    assert beds[kept].dense_bytes < beds[quant].dense_bytes
+    assert beds[kept].dense_params == beds[quant].dense_params
     args = {"tokens": 2, "warmup": 1, "prompt_len": 3, "hf_tokens": 1, "policy": "lfru", "decode_tokens": 16, "seed": 0}
     data = decode.run(cfg, str(trace), [0.5], [1], ["resident", "slots"], args,
-                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0}, dtypes=("fp8", "fp8-dense"), beds=beds)
-    assert [r["dtype"] for r in data["rows"]] == ["fp8", "fp8", "fp8-dense", "fp8-dense"]
-    assert set(data["greedy_tokens_equal_to_resident"]) == {"slots@0.5/b1/fp8", "slots@0.5/b1/fp8-dense"}
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0}, dtypes=(quant, kept), beds=beds)
+    assert [r["dtype"] for r in data["rows"]] == [quant, quant, kept, kept]
+    assert set(data["greedy_tokens_equal_to_resident"]) == {f"slots@0.5/b1/{quant}", f"slots@0.5/b1/{kept}"}
     assert all(data["greedy_tokens_equal_to_resident"].values())
-    assert any(line.startswith("fp8-dense/fp8 resident b1") for line in decode.ratios(data["rows"]))
+    assert any(line.startswith(f"{kept}/{quant} resident b1") for line in decode.ratios(data["rows"]))
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------

@@ -136,21 +136,20 @@ def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: di
 
 
 def bed_dtype(bed: Bed) -> str:
-    """The row label of a bed's weight format: fp8-dense (FP8 experts and dense projections), fp8
-    (FP8 experts, dense in the model dtype), or the model dtype (bf16, float32)."""
-    if bed.cfg.quant == "fp8":
-        return "fp8-dense" if bed.cfg.dense_quant == "fp8" else "fp8"
-    if bed.cfg.quant is not None:  # 4-bit experts: the format's name
-        return bed.cfg.quant
+    """The row label of a bed's weight format: the experts' format (fp8, nvfp4, ...; dense weights in
+    the model dtype), <format>-dense (the dense projections kept in that format too: fp8-dense,
+    nvfp4-dense, ...), or the model dtype (bf16, float32)."""
+    if bed.cfg.quant is not None:
+        return bed.cfg.quant + ("-dense" if bed.cfg.dense_quant else "")
     return {torch.bfloat16: "bf16"}.get(bed.model.dtype, str(bed.model.dtype)[6:])
 
 
 def make_bed(cfg: ModelConfig, dtype: str, seed: int, pinned: dict | None = None) -> Bed:
-    """A random bed of one --dtype format: bf16, fp8 (FP8 experts) or fp8-dense (FP8 experts and
-    dense projections kept, layers/fp8_linear.py; nvfp4, int4: 4-bit experts); pinned: experts made on the GPU
-    with no host copy."""
-    quant = None if dtype == "bf16" else "fp8" if dtype == "fp8-dense" else dtype
-    return random_bed(cfg, seed, quant=quant, keep_dense=dtype == "fp8-dense", pinned=pinned)
+    """A random bed of one --dtype format: bf16, an expert format (fp8, nvfp4, int4, ...: the routed
+    experts in it, dense weights bf16) or <format>-dense (the dense projections kept in it too,
+    layers/quant_linear.py); pinned: experts made on the GPU with no host copy."""
+    quant = None if dtype == "bf16" else dtype.removesuffix("-dense")
+    return random_bed(cfg, seed, quant=quant, keep_dense=dtype.endswith("-dense"), pinned=pinned)
 
 
 def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[int], backends: list[str],

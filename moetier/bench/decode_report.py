@@ -11,7 +11,7 @@ from moetier.quant.registry import PACKED4
 
 def row_name(r: dict) -> str:
     """A row's name in the record's checks: resident/b1, slots@0.5/b1, uva/b8, hybrid/nodes-auto@0.5/b8;
-    FP8 rows end in /fp8 (or /fp8-dense), parallel rows in /tp2, /ep2."""
+    quantized rows end in /fp8, /nvfp4, ... (or /fp8-dense, /nvfp4-dense, ...), parallel rows in /tp2, /ep2."""
     par = r.get("parallel", "1")
     name = r["backend"] + ("/" + r["graphs"] if r["backend"] == Hybrid.name else "")
     key = f"{name}@{r['budget']}/b{r['batch']}" if r.get("budget") is not None else f"{name}/b{r['batch']}"
@@ -84,14 +84,16 @@ def phases_line(hyb: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
-    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, FP8
-    dense over dequantized dense (fp8-dense over fp8), and each 4-bit format over FP8 and over bf16
-    (issue 30's targets are both)."""
+    """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, kept
+    dense over dequantized dense (fp8-dense over fp8, nvfp4-dense over nvfp4, ...), and each 4-bit
+    format over FP8 and over bf16 (issue 30's targets are both)."""
     by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
     out = []
     four = ("fp8", "bf16")
+    kept = {f"{q}-dense": (q,) for q in ("fp8", *PACKED4)}  # kept dense over dequantized dense
+    bases = {"fp8": ("bf16",), **kept, **dict.fromkeys(PACKED4, four)}
     for (backend, budget, batch, dtype), tok_s in by.items():
-        for over in {"fp8": ("bf16",), "fp8-dense": ("fp8",), **dict.fromkeys(PACKED4, four)}.get(dtype, ()):
+        for over in bases.get(dtype, ()):
             base = by.get((backend, budget, batch, over))
             if base:
                 where = f"{backend}" + (f" {budget:.0%}" if budget is not None else "")

@@ -98,10 +98,10 @@ def bench_decode(
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats of the random weights, comma-separated: "
-                                                      "bf16, fp8 (FP8 experts), fp8-dense (FP8 experts and dense "
-                                                      "projections), nvfp4, int4, int4-g32, int4-asym, "
-                                                      "int4-g32-asym (4-bit weight-only experts); every row for "
-                                                      "each, side by side."),
+                                                      "bf16, fp8 (FP8 experts), nvfp4, int4, int4-g32, int4-asym, "
+                                                      "int4-g32-asym (4-bit weight-only experts), each with "
+                                                      "-dense (the dense projections in that format too, e.g. "
+                                                      "fp8-dense, nvfp4-dense); every row for each, side by side."),
     parallel: str = typer.Option("1", "--parallel", metavar="<rows>",
                                  help="Rows by world size, comma-separated: 1 (one GPU), tpN, epN, tpNepN (N GPUs, "
                                       "one process each; random weights only), e.g. 1,tp2,ep2. The expert budget "

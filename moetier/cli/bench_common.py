@@ -40,7 +40,8 @@ def need_modules(*names: str, why: str) -> None:
 
 
 EXPERT_DTYPES = ("bf16", "fp8", *PACKED4)  # nvfp4, int4...: 4-bit weight-only experts (quant/registry.py)
-WEIGHT_DTYPES = (*EXPERT_DTYPES, "fp8-dense")  # fp8-dense: FP8 experts and FP8 dense projections
+# <format>-dense: the experts and the dense projections in that format (--dense-weights keep)
+WEIGHT_DTYPES = (*EXPERT_DTYPES, *(f"{q}-dense" for q in EXPERT_DTYPES[1:]))
 
 
 def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[str]:
@@ -48,9 +49,9 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
     names = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in names if d not in allowed]
     if bad or not names or len(set(names)) != len(names):
-        dense = ", fp8-dense (FP8 dense projections too, layers/fp8_linear.py)" if "fp8-dense" in allowed else ""
+        dense = "; <format>-dense: the dense projections in that format too" if "fp8-dense" in allowed else ""
         raise MoetierError(f"--dtype {text!r}: give a comma-separated list of {', '.join(allowed)} (fp8: "
-                           f"block-scaled e4m3 experts; nvfp4, int4, int4-g32: 4-bit weight-only experts; dense "
+                           f"block-scaled e4m3 experts; nvfp4, int4...: 4-bit weight-only experts; dense "
                            f"weights bf16{dense})")
     return names
 
