@@ -16,7 +16,10 @@ Scored on the second half of the tokens: recall = predicted among the k real / k
 predicted among the k real / k'. Under a cache what counts is the misses: an LRU of half the experts
 per layer (--slots, warmed on the first half, evolving as without prefetch) gives each predictor's
 miss recall (the misses it names / the misses) and the rows it would fill in vain per token (named,
-not in the cache, not used).
+not in the cache, not used). And with the prefetch in the cache (`<name> prefetched`): before each token
+routes, its named experts enter the LRU as most recent (evicting the least recent, maybe one the token
+needs), then the token routes: (misses left per token, rows filled per token: prefetched + missed),
+against the same LRU without prefetch (`miss_rate` x k misses, every one a fill).
 
     python scripts/prefetch_predict.py --out bench/results/cpu-prefetch-predict.json
 """
@@ -87,6 +90,31 @@ def lru_held(ids: torch.Tensor, slots: int, start: int) -> list[set[int]]:
     return held
 
 
+def with_prefetch(ids: torch.Tensor, pred: torch.Tensor, slots: int, start: int) -> tuple[float, float]:
+    """An LRU of `slots` whose tokens i >= start first take in pred[i - start] (rows filled ahead), then
+    route ids[i] -> (misses left per token, rows filled per token) over those tokens."""
+    order: dict[int, None] = {}
+    left = filled = 0
+
+    def touch(e: int) -> None:
+        order.pop(e, None)
+        order[e] = None
+        while len(order) > slots:
+            order.pop(next(iter(order)))
+
+    for i, row in enumerate(ids.tolist()):
+        if i >= start:
+            for e in pred[i - start].tolist():
+                filled += e not in order
+                touch(e)
+            miss = sum(e not in order for e in row)
+            left, filled = left + miss, filled + miss
+        for e in row:
+            touch(e)
+    n = ids.shape[0] - start
+    return left / n, filled / n
+
+
 def miss_scores(pred: torch.Tensor, real: torch.Tensor, held: list[set[int]]) -> tuple[float, float]:
     """-> (the misses named / the misses, rows filled in vain per token: named, not held, not used)."""
     named = missed = vain = 0
@@ -143,6 +171,8 @@ def main() -> None:
                 pred = lg.topk(kk, dim=-1).indices
                 row[name] = scores(pred, real)
                 row[name + " misses"] = miss_scores(pred, real, held)
+                if name != "popular":
+                    row[name + " prefetched"] = with_prefetch(got["ids"][layer + 1], pred, slots, half)
             keep = ~first[half:]
             if kk == k:  # the previous token names k experts only
                 row["previous"] = scores(prev[keep], real[keep])
@@ -150,7 +180,8 @@ def main() -> None:
     out = {"model": "tiny-stdlib", "files": [f.name for f in files], "tokens": n, "scored_tokens": n - half,
            "experts": e, "top_k": k, "lru_slots": slots,
            "metric": "(recall, precision) of layer l+1's experts; '<name> misses': (miss recall, rows filled in "
-                     "vain per token) under the LRU", "rows": rows}
+                     "vain per token) under the LRU; '<name> prefetched': (misses left per token, rows filled "
+                     "per token) with the named rows taken in first", "rows": rows}
     text = json.dumps(out, indent=1)
     print(text)
     if args.out is not None:
@@ -166,6 +197,11 @@ def main() -> None:
         cells = [f"{r[m + ' misses'][0]:.2f}/{r[m + ' misses'][1]:.2f}" for m in
                  ("router@moe-in", "router@layer-out", "transition", "popular")]
         print(f"{r['layer']:>5} {r['k_pred']:>6} {r['miss_rate']:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
+    print(f"with the prefetch in the LRU: misses per token without it, then per predictor (misses left / rows filled per token)")
+    for r in rows:
+        cells = [f"{r[m + ' prefetched'][0]:.2f}/{r[m + ' prefetched'][1]:.2f}" for m in
+                 ("router@moe-in", "router@layer-out", "transition")]
+        print(f"{r['layer']:>5} {r['k_pred']:>6} {r['miss_rate'] * k:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
 
 
 if __name__ == "__main__":

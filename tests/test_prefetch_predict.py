@@ -31,3 +31,11 @@ def test_lru_holds_the_most_recent_experts_and_misses_are_scored_against_it():
     recall, vain = pp.miss_scores(pred, ids[2:], held)
     assert recall == 1 / 2  # 3 named, 2 not
     assert vain == (1 + 2) / 2  # 4 at token 2; 5 and 6 at token 3
+
+
+def test_prefetched_rows_enter_the_lru_before_the_token_routes():
+    ids = torch.tensor([[0, 1], [2, 3], [0, 2]])
+    # slots 2; token 1 takes in 2 first (0, 1 held: 0 goes), then routes 2 (hit) and 3 (miss); token 2
+    # takes in 0 (a fill; 2 goes), then routes 0 (hit) and 2 (a miss: 3 and 0 are held)
+    left, filled = pp.with_prefetch(ids, torch.tensor([[2], [0]]), slots=2, start=1)
+    assert (left, filled) == ((1 + 1) / 2, (2 + 2) / 2)
