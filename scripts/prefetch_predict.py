@@ -13,13 +13,14 @@ Predictors of layer l+1's experts, each naming k' of them (k' = k and 2k):
   popular           layer l+1's most used experts on the first half
   previous          the previous token's experts at layer l+1 (same file)
 Scored on the second half of the tokens: recall = predicted among the k real / k, precision =
-predicted among the k real / k'. Under a cache what counts is the misses: an LRU of half the experts
-per layer (--slots, warmed on the first half, evolving as without prefetch) gives each predictor's
-miss recall (the misses it names / the misses) and the rows it would fill in vain per token (named,
-not in the cache, not used). And with the prefetch in the cache (`<name> prefetched`): before each token
-routes, its named experts enter the LRU as most recent (evicting the least recent, maybe one the token
-needs), then the token routes: (misses left per token, rows filled per token: prefetched + missed),
-against the same LRU without prefetch (`miss_rate` x k misses, every one a fill).
+predicted among the k real / k'. Under a cache what counts is the misses: the engine's slot cache
+(experts/cache/slots.py, --policy, default lfru as the engine's) of half the experts per layer (--slots),
+one token a step, warmed on the first half, gives each predictor's miss recall (the misses it names /
+the misses) and the rows it would fill in vain per token (named, not held, not used). And with the
+prefetch in the cache (`<name> prefetched`): before each token routes, its named experts are taken in
+(SlotCache.warm, as a step that asks for them), then the token routes: (misses left per token, rows
+filled per token: prefetched plus missed), against the same cache without prefetch (its misses per
+token, every one a fill).
 
     python scripts/prefetch_predict.py --out bench/results/cpu-prefetch-predict.json
 """
@@ -35,6 +36,7 @@ import torch
 
 from moetier.default_model import ASSET
 from moetier.engine.llm import LLM
+from moetier.experts.cache.slots import MISSES, OVERFLOW, SlotCache, policy_for
 from moetier.layers.norm import rms_norm
 from moetier.sampling_params import SamplingParams
 
@@ -75,44 +77,31 @@ def scores(pred: torch.Tensor, real: torch.Tensor) -> tuple[float, float]:
     return hit / real.numel(), hit / pred.numel()
 
 
-def lru_held(ids: torch.Tensor, slots: int, start: int) -> list[set[int]]:
-    """What an LRU of `slots` experts holds before each token i >= start routes (ids [N, k], in order)."""
-    order: dict[int, None] = {}
-    held = []
-    for i, row in enumerate(ids.tolist()):
+def cache_run(ids: torch.Tensor, slots: int, policy: str, start: int, pred: torch.Tensor | None = None
+              ) -> tuple[list[set[int]], float, float]:
+    """The engine's slot cache (experts/cache/slots.SlotCache, `policy`) of `slots` slots stepping through
+    ids [N, k] one token a step (decode at batch 1). Tokens i >= start first take in pred[i - start]
+    (SlotCache.warm: what a prefetch would fill) when pred is given. -> (the experts held before each
+    token i >= start routes, after its prefetch; misses left per token; rows filled per token, prefetched
+    plus missed, overflow included)."""
+    e, k = int(ids.max()) + 1, ids.shape[1]
+    if pred is not None:
+        e = max(e, int(pred.max()) + 1)
+    cache = SlotCache(max(e, slots), slots, "cpu", policy_for(policy, slots, k))
+    held, left, filled = [], 0, 0
+    for i, row in enumerate(ids):
+        if i >= start and pred is not None:
+            filled += int(cache.warm(pred[i - start].tolist()).count)
         if i >= start:
-            held.append(set(order))
-        for e in row:
-            order.pop(e, None)
-            order[e] = None
-        while len(order) > slots:
-            order.pop(next(iter(order)))
-    return held
-
-
-def with_prefetch(ids: torch.Tensor, pred: torch.Tensor, slots: int, start: int) -> tuple[float, float]:
-    """An LRU of `slots` whose tokens i >= start first take in pred[i - start] (rows filled ahead), then
-    route ids[i] -> (misses left per token, rows filled per token) over those tokens."""
-    order: dict[int, None] = {}
-    left = filled = 0
-
-    def touch(e: int) -> None:
-        order.pop(e, None)
-        order[e] = None
-        while len(order) > slots:
-            order.pop(next(iter(order)))
-
-    for i, row in enumerate(ids.tolist()):
+            held.append(set((cache.expert_slot >= 0).nonzero().flatten().tolist()))
+        before = cache.stats.clone()
+        cache.step_reference(row[None])
         if i >= start:
-            for e in pred[i - start].tolist():
-                filled += e not in order
-                touch(e)
-            miss = sum(e not in order for e in row)
-            left, filled = left + miss, filled + miss
-        for e in row:
-            touch(e)
+            d = (cache.stats - before).tolist()
+            left += d[MISSES] + d[OVERFLOW]
+            filled += d[MISSES] + d[OVERFLOW]
     n = ids.shape[0] - start
-    return left / n, filled / n
+    return held, left / n, filled / n
 
 
 def miss_scores(pred: torch.Tensor, real: torch.Tensor, held: list[set[int]]) -> tuple[float, float]:
@@ -130,7 +119,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=11, help="held-out files (11 in all)")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens read from the start of each file")
-    ap.add_argument("--slots", type=int, default=None, help="LRU slots per layer (default: half the experts)")
+    ap.add_argument("--slots", type=int, default=None, help="slots per layer (default: half the experts)")
+    ap.add_argument("--policy", choices=["lru", "lfru"], default="lfru", help="the slot cache's victim order")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     llm = LLM(None, device="cpu", dtype="float32", max_num_tokens=args.prompt_len)
@@ -163,25 +153,24 @@ def main() -> None:
         logits["transition"] = counts[got["ids"][layer][half:]].sum(1)
         logits["popular"] = torch.bincount(nx.reshape(-1), minlength=e).float().expand(n - half, e)
         prev = torch.roll(got["ids"][layer + 1], 1, 0)[half:]  # the previous token's, same file only
-        held = lru_held(got["ids"][layer + 1], slots, half)
+        held, base_left, _ = cache_run(got["ids"][layer + 1], slots, args.policy, half)
         for kk in (k, 2 * k):
-            row = {"layer": int(llm.model.cfg.moe_layers[layer + 1]), "k_pred": kk,
-                   "miss_rate": 1 - sum(len(set(r) & h) for r, h in zip(real.tolist(), held)) / real.numel()}
+            row = {"layer": int(llm.model.cfg.moe_layers[layer + 1]), "k_pred": kk, "misses_per_token": base_left}
             for name, lg in logits.items():
                 pred = lg.topk(kk, dim=-1).indices
                 row[name] = scores(pred, real)
                 row[name + " misses"] = miss_scores(pred, real, held)
                 if name != "popular":
-                    row[name + " prefetched"] = with_prefetch(got["ids"][layer + 1], pred, slots, half)
+                    row[name + " prefetched"] = cache_run(got["ids"][layer + 1], slots, args.policy, half, pred)[1:]
             keep = ~first[half:]
             if kk == k:  # the previous token names k experts only
                 row["previous"] = scores(prev[keep], real[keep])
             rows.append(row)
     out = {"model": "tiny-stdlib", "files": [f.name for f in files], "tokens": n, "scored_tokens": n - half,
-           "experts": e, "top_k": k, "lru_slots": slots,
+           "experts": e, "top_k": k, "slots": slots, "policy": args.policy,
            "metric": "(recall, precision) of layer l+1's experts; '<name> misses': (miss recall, rows filled in "
-                     "vain per token) under the LRU; '<name> prefetched': (misses left per token, rows filled "
-                     "per token) with the named rows taken in first", "rows": rows}
+                     "vain per token) under the slot cache; '<name> prefetched': (misses left per token, rows "
+                     "filled per token) with the named rows taken in first", "rows": rows}
     text = json.dumps(out, indent=1)
     print(text)
     if args.out is not None:
@@ -192,16 +181,18 @@ def main() -> None:
         cells = [f"{r[m][0]:.2f}/{r[m][1]:.2f}" if m in r else "-" for m in
                  ("router@moe-in", "router@layer-out", "transition", "popular", "previous")]
         print(f"{r['layer']:>5} {r['k_pred']:>6} " + " ".join(f"{c:>18}" for c in cells))
-    print(f"under an LRU of {slots} slots: miss rate, then per predictor (miss recall / rows filled in vain per token)")
+    print(f"under a {args.policy} cache of {slots} slots: misses per token, then per predictor (miss recall / rows "
+          "filled in vain per token)")
     for r in rows:
         cells = [f"{r[m + ' misses'][0]:.2f}/{r[m + ' misses'][1]:.2f}" for m in
                  ("router@moe-in", "router@layer-out", "transition", "popular")]
-        print(f"{r['layer']:>5} {r['k_pred']:>6} {r['miss_rate']:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
-    print(f"with the prefetch in the LRU: misses per token without it, then per predictor (misses left / rows filled per token)")
+        print(f"{r['layer']:>5} {r['k_pred']:>6} {r['misses_per_token']:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
+    print("with the prefetch in the cache: misses per token without it, then per predictor (misses left / rows filled "
+          "per token)")
     for r in rows:
         cells = [f"{r[m + ' prefetched'][0]:.2f}/{r[m + ' prefetched'][1]:.2f}" for m in
                  ("router@moe-in", "router@layer-out", "transition")]
-        print(f"{r['layer']:>5} {r['k_pred']:>6} {r['miss_rate'] * k:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
+        print(f"{r['layer']:>5} {r['k_pred']:>6} {r['misses_per_token']:>6.2f} " + " ".join(f"{c:>18}" for c in cells))
 
 
 if __name__ == "__main__":
