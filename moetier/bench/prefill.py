@@ -284,7 +284,8 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
 
 
 def row_name(r: dict) -> str:
-    """resident/pp512x1, slots@0.5/bypass/ring/pp512x1, uva/pp512x4; FP8 rows end in /fp8 (or /fp8-dense)."""
+    """resident/pp512x1, slots@0.5/bypass/ring/pp512x1, uva/pp512x4; quantized rows end in /fp8, /nvfp4, ...
+    (or /fp8-dense, /nvfp4-dense, ...)."""
     # records from before the policy and stream options ran bypass and uva, what the names then say
     policy, stream = r.get("prefill_cache") or "bypass", r.get("prefill_stream") or "uva"
     name = r["backend"] if r["budget"] is None else f"{r['backend']}@{r['budget']}/{policy}/{stream}"

@@ -46,8 +46,9 @@ def bench_prefill(
     decode_tokens: opt.DecodeTokens = opt.ENGINE.decode_tokens,
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("bf16", "--dtype", help="Weight formats, comma-separated: bf16, fp8 (FP8 experts), "
-                                                      "fp8-dense (FP8 experts and dense projections), nvfp4, int4, "
-                                                      "int4-g32 (4-bit weight-only experts)."),
+                                                      "nvfp4, int4, int4-g32, int4-asym, int4-g32-asym (4-bit "
+                                                      "weight-only experts), each with -dense (the dense "
+                                                      "projections in that format too, e.g. fp8-dense)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>", help="Write a PNG of tok/s by prompt length."),
 ) -> None:
