@@ -11,7 +11,8 @@ from moetier.quant.rows import RowLayout
 
 
 def test_registry_lists_each_format_once_under_its_name():
-    assert QUANTS == (None, "fp8", "nvfp4", "int4", "int4-g32") and list(FORMATS) == list(QUANTS[1:])
+    assert QUANTS == (None, "fp8", "nvfp4", "int4", "int4-g32", "int4-asym", "int4-g32-asym")
+    assert list(FORMATS) == list(QUANTS[1:])
     assert get("fp8") is fp8_block.FORMAT
     with pytest.raises(ValueError, match="unknown weight format 'mxfp4'"):
         get("mxfp4")

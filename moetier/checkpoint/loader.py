@@ -46,7 +46,6 @@ from moetier.models.registry import config_from_dir
 from moetier.errors import MoetierError
 from moetier.experts.parallel.columns import column_part
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
-from moetier.layers.packed4_linear import group_of
 from moetier.layers.quant_linear import WEIGHTS, destination
 from moetier.models.base import CausalLM, Weight
 from moetier.models.mtp import with_mtp
@@ -54,7 +53,7 @@ from moetier.models.registry import model_class
 from moetier.parallel import Parallel
 from moetier.quant import fp8_block as fp8
 from moetier.quant import quant_config as qconfig
-from moetier.quant.registry import PACKED4
+from moetier.quant.registry import GROUPS, PACKED4
 from moetier.quant.rows import weight_part
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -123,7 +122,7 @@ def load_weights(model: CausalLM, placement: ExpertPlacement, ckpt: Checkpoint, 
                     dest = model.param(quant4.param_name(cfg, w.name))
                     if (kept := destination(dest)) is not None:
                         codes, scale, s2, zero = quant4.read_codes(tensor, ckpt, cfg, w.name)
-                        codes, scale, zero = shard_codes(codes, scale, zero, w, placement.par, group_of(cfg.quant))
+                        codes, scale, zero = shard_codes(codes, scale, zero, w, placement.par, GROUPS[cfg.quant])
                         kept.copy_(codes, scale, s2, w.name, zero)
                     elif dest is not None:
                         with torch.no_grad():

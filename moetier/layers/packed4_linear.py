@@ -37,23 +37,15 @@ import torch
 from moetier.errors import MoetierError
 from moetier.layers.param import KeptWeight, param
 from moetier.quant import int4, nvfp4, packed4
-from moetier.quant.registry import GROUPS
-
-
-def group_of(quant: str) -> int:
-    return GROUPS[quant]
-
-
-def scale_dtype(quant: str) -> torch.dtype:
-    return nvfp4.E4M3 if quant == "nvfp4" else int4.SCALE
+from moetier.quant.registry import GROUP_SCALES, GROUPS
 
 
 def nbytes(quant: str, n: int, k: int) -> int:
     """Bytes a Packed4Weight [N, K] holds: codes, group scales, NVFP4's per-row tensor scale,
     asymmetric INT4's zero code per group."""
-    groups = n * packed4.cdiv(k, group_of(quant))
+    groups = n * packed4.cdiv(k, GROUPS[quant])
     zeros = groups if quant in int4.ASYMMETRIC else 0
-    return n * (k // 2) + groups * scale_dtype(quant).itemsize + (4 * n if quant == "nvfp4" else 0) + zeros
+    return n * (k // 2) + groups * GROUP_SCALES[quant].itemsize + (4 * n if quant == "nvfp4" else 0) + zeros
 
 
 class Packed4Weight(KeptWeight):
@@ -64,9 +56,9 @@ class Packed4Weight(KeptWeight):
         super().__init__()
         if k % 2:
             raise ValueError(f"a 4-bit weight packs two values per byte: K ({k}) must be even")
-        self.quant, self.k, self.group = quant, k, group_of(quant)
+        self.quant, self.k, self.group = quant, k, GROUPS[quant]
         self.codes = param(n, k // 2, dtype=torch.uint8, device=device)
-        self.scale = param(n, packed4.cdiv(k, self.group), dtype=scale_dtype(quant), device=device)
+        self.scale = param(n, packed4.cdiv(k, self.group), dtype=GROUP_SCALES[quant], device=device)
         self.scale_2 = param(n, dtype=torch.float32, device=device) if quant == "nvfp4" else None
         self.zero = (param(*self.scale.shape, dtype=torch.uint8, device=device) if quant in int4.ASYMMETRIC
                      else None)  # asymmetric INT4: each group's zero code (z + 8)
@@ -76,7 +68,7 @@ class Packed4Weight(KeptWeight):
         """Whether this weight can be held in 4 bits: K even (the format packs pairs; a checkpoint
         cannot hold codes otherwise). Row parts always fit; a K split by tensor parallelism (k is a
         rank's part) must keep the groups whole, else one line refuses it."""
-        group = group_of(quant)
+        group = GROUPS[quant]
         if k_split and k % group:
             raise MoetierError(f"a tensor-parallel rank's {k} input columns of a dense {quant} weight [{n}, {k}] cut "
                                f"its groups of {group}; use --dense-weights dequantize or a tensor-parallel size "

@@ -25,8 +25,8 @@ from moetier.layers.fp8_linear_triton import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAG
 from moetier.layers.fp8_linear_triton import store_tile as _store_tile
 from moetier.layers.fp8_linear_triton import sum_splits
 from moetier.layers.fp8_linear_triton import tile as _tile
-from moetier.layers.packed4_linear import group_of, scale_dtype
 from moetier.quant import int4, packed4
+from moetier.quant.registry import GROUP_SCALES, GROUPS
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
 from moetier.quant.packed4_triton import dequant4_tile as _dequant4
@@ -80,10 +80,10 @@ def _check(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | Non
            zero: torch.Tensor | None) -> tuple[int, int]:
     """(N, K) of a 4-bit weight, or one ValueError line naming what does not fit."""
     n, k = codes.shape[0], 2 * codes.shape[1]
-    want = (n, packed4.cdiv(k, group_of(quant)))
-    if (codes.dtype != torch.uint8 or scale.dtype != scale_dtype(quant) or tuple(scale.shape) != want
+    want = (n, packed4.cdiv(k, GROUPS[quant]))
+    if (codes.dtype != torch.uint8 or scale.dtype != GROUP_SCALES[quant] or tuple(scale.shape) != want
             or not codes.is_contiguous() or not scale.is_contiguous()):
-        raise ValueError(f"a {quant} weight needs contiguous uint8 codes [N, K/2] and {scale_dtype(quant)} scales "
+        raise ValueError(f"a {quant} weight needs contiguous uint8 codes [N, K/2] and {GROUP_SCALES[quant]} scales "
                          f"{list(want)}, got {codes.dtype} {list(codes.shape)} and {scale.dtype} {list(scale.shape)}")
     if (scale_2 is None) != (quant != "nvfp4") or (scale_2 is not None and tuple(scale_2.shape) != (n,)):
         what = "a float32 tensor scale per row" if quant == "nvfp4" else "no tensor scale"
@@ -117,7 +117,7 @@ def q4_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, scale_2: to
     s, g, z = _scales(scale, scale_2, zero)
     _q4_mm[grid](x, codes, s, g, z, bias if bias is not None else y, y, part, m, n, k, x.stride(0), scale.shape[1],
                  TILES=per, SPLIT=grid[2], HAS_BIAS=bias is not None, NVFP4=quant == "nvfp4", ZERO=zero is not None,
-                 GROUP=group_of(quant),
+                 GROUP=GROUPS[quant],
                  DOT=dot, PRECISION=precision, EMULATE=emulate, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return sum_splits(part, bias, y)
@@ -132,5 +132,5 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor |
     s, g, z = _scales(scale, scale_2, zero)
     _dequant_rows[(triton.cdiv(n, 64), triton.cdiv(k, BLOCK_K))](
         codes, s, g, z, y, n, k, scale.shape[1], NVFP4=quant == "nvfp4", ZERO=zero is not None,
-        GROUP=group_of(quant), DOT=dot, EMULATE=emulate, BLOCK_N=64, BLOCK_K=BLOCK_K)
+        GROUP=GROUPS[quant], DOT=dot, EMULATE=emulate, BLOCK_N=64, BLOCK_K=BLOCK_K)
     return y

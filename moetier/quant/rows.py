@@ -20,7 +20,7 @@ import torch
 
 from moetier.quant import fp8_block as fp8
 from moetier.quant import int4, nvfp4, packed4
-from moetier.quant.registry import GROUPS, PACKED4, QUANTS, get
+from moetier.quant.registry import GROUP_SCALES, GROUPS, PACKED4, QUANTS, get
 
 WEIGHT_PARTS = ("gate", "up", "gate_up", "down")
 SCALE_PARTS = tuple(p + "_scale" for p in WEIGHT_PARTS)  # quantized rows: the parts' scales
@@ -94,7 +94,7 @@ class RowLayout:
 
     @property
     def scale_dtype(self) -> torch.dtype:  # of a quantized row's scales
-        return {"fp8": torch.float32, "nvfp4": nvfp4.E4M3}.get(self.quant, int4.SCALE)
+        return torch.float32 if self.quant == "fp8" else GROUP_SCALES[self.quant]
 
     def offsets4(self) -> tuple[int, int, int, int]:
         """(s13, s2, gs, row bytes) of a 4-bit row (quant/packed4.row_offsets)."""
