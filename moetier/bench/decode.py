@@ -31,7 +31,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.hybrid.phases import model_phases
-from moetier.experts.registry import backend_kind
+from moetier.experts.registry import Hybrid, Resident, Slots, Uva, backend_kind
 from moetier.traces.format import Trace
 
 # hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a capture
@@ -114,7 +114,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
 def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:
     from moetier.bench.peer_hf import build_hf_peer
 
-    use_backend(bed, "uva")  # our experts stay in the host store only: the GPU is the peer's
+    use_backend(bed, Uva.name)  # our experts stay in the host store only: the GPU is the peer's
     peer = build_hf_peer(bed.model, budget, host_rows=bed.host)
     peer.replay(trace.ids)
     rows = []
@@ -214,12 +214,12 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     without it the first slots row (which then runs first), else the first row that ran."""
     refs = refs if refs is not None else References()
     label, rows = bed_dtype(bed), []
-    plan = [("resident", 1.0)] * ("resident" in backends)
-    plan += [("slots", b) for b in budgets if "slots" in backends]
-    plan[1:1] = [("uva", 0.0)] * ("uva" in backends)  # after the reference
+    plan = [(Resident.name, 1.0)] * (Resident.name in backends)
+    plan += [(Slots.name, b) for b in budgets if Slots.name in backends]
+    plan[1:1] = [(Uva.name, 0.0)] * (Uva.name in backends)  # after the reference
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=HYBRID_GRAPH_MODES.index)
     plan = [(b, budget, "auto") for b, budget in plan]
-    plan += [("hybrid", b, mode) for mode in modes for b in budgets if "hybrid" in backends]
+    plan += [(Hybrid.name, b, mode) for mode in modes for b in budgets if Hybrid.name in backends]
     for backend, budget, mode in plan:
         try:
             rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)

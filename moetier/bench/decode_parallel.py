@@ -34,11 +34,11 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
-from moetier.experts.registry import backend_kind
+from moetier.experts.registry import Resident, Slots, Uva, backend_kind
 from moetier.parallel import layout_problems
 from moetier.traces.format import Trace
 
-BACKENDS = ("resident", "uva", "slots")  # hybrid is refused under EP; the transformers peer is one GPU
+BACKENDS = (Resident.name, Uva.name, Slots.name)  # hybrid is refused under EP; the transformers peer is one GPU
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -69,8 +69,8 @@ def label(tp: int, ep: int) -> str:
 def parallel_rows(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: int, budgets: list[float],
                   batches: list[int], backends: list[str], args: dict, bw: dict, dtype: str = "bf16") -> list[dict]:
     """The (tp, ep) rows of every backend this layout runs (resident, uva, slots at each budget)."""
-    plan = [("resident", 1.0)] * ("resident" in backends) + [("uva", 0.0)] * ("uva" in backends)
-    plan += [("slots", b) for b in budgets if "slots" in backends]
+    plan = [(Resident.name, 1.0)] * (Resident.name in backends) + [(Uva.name, 0.0)] * (Uva.name in backends)
+    plan += [(Slots.name, b) for b in budgets if Slots.name in backends]
     rows: list[dict] = []
     for backend, budget in plan:
         rows += bench_layout(cfg, trace, trace_path, tp, ep, backend, budget, batches, args, bw, dtype)

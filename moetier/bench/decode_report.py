@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
 from moetier.bench.outputs import column
-from moetier.experts.registry import NAMES, Hybrid, Resident, Slots
+from moetier.experts.registry import NAMES, Hybrid, Resident, Slots, Uva
 from moetier.quant.registry import PACKED4
 
 
@@ -115,7 +115,7 @@ def plot(result: dict, path: str) -> None:
                 pts = sorted((r["budget"], r["tok_s"]) for r in mine if r["backend"] == name)
                 if pts:
                     ax.plot([100 * x for x, _ in pts], [y for _, y in pts], style, label=name + tag)
-            for name, style in (("resident", "--"), ("uva", ":")):
+            for name, style in ((Resident.name, "--"), (Uva.name, ":")):
                 flat = [r["tok_s"] for r in mine if r["backend"] == name]
                 if flat and budgets:
                     ax.plot([100 * budgets[0], 100 * budgets[-1]], [flat[0]] * 2, style, label=name + tag)

@@ -47,7 +47,7 @@ from moetier.experts.backends import SlotExperts
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
-from moetier.experts.registry import backend_kind
+from moetier.experts.registry import Resident, Slots, Uva, backend_kind
 from moetier.sampling_params import SamplingParams
 
 
@@ -262,11 +262,11 @@ def run(bed: Bed, trace_path: str, budgets: list[float], lengths: list[int], bat
     bw = bw or {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"], "tflops": matmul_tflops()}
     policies = args.get("prefill_cache", ["bypass"])
     streams = args.get("prefill_stream", ["uva"])
-    plan = [("resident", 1.0, "bypass", "uva")] * ("resident" in backends)
+    plan = [(Resident.name, 1.0, "bypass", "uva")] * (Resident.name in backends)
     # the stream mode matters under bypass only (refresh fills every used expert it can first)
-    plan += [("slots", b, p, s) for b in budgets for p in policies for s in (streams if p == "bypass" else ["uva"])
-             if "slots" in backends]
-    plan += [("uva", 0.0, "bypass", "uva")] * ("uva" in backends)
+    plan += [(Slots.name, b, p, s) for b in budgets for p in policies for s in (streams if p == "bypass" else ["uva"])
+             if Slots.name in backends]
+    plan += [(Uva.name, 0.0, "bypass", "uva")] * (Uva.name in backends)
     rows: list[dict] = []
     refs = References()  # the first row of each (format, length, batch): resident, else the first slots row
     for backend, budget, policy, stream in plan:

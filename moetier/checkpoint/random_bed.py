@@ -35,7 +35,7 @@ from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
 from moetier.experts.cache.split import local_pinned
-from moetier.experts.registry import Resident, Slots, backend_kind
+from moetier.experts.registry import Resident, Slots, Uva, backend_kind
 from moetier.experts.cache.store import HostStore
 from moetier.layers.fp8_linear import Fp8Weight
 from moetier.layers.quant_linear import WEIGHTS
@@ -261,7 +261,7 @@ def fill_4bit_rows(rows: torch.Tensor, layout, g: torch.Generator, dtype: torch.
 def loaded_bed(path: str) -> Bed:
     from moetier.checkpoint.loader import load_model
 
-    _, model, _ = load_model(path, dtype="bf16", device="cuda", experts=ExpertOptions("uva"))
+    _, model, _ = load_model(path, dtype="bf16", device="cuda", experts=ExpertOptions(Uva.name))
     host = {block.layer: block.experts.host for block in model.moe_blocks()}
     return _bed(model, host, Tokenizer.from_dir(path))
 

@@ -13,7 +13,7 @@ from moetier.cli.bench_common import (REPO_TRACE, WEIGHT_DTYPES, app, need_cuda,
 from moetier.cli import options as opt
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
-from moetier.experts.registry import NAMES, backend_kind
+from moetier.experts.registry import NAMES, Resident, Slots, backend_kind
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
 
 
@@ -140,8 +140,8 @@ def bench_chunk(
 
     try:
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        if not names or set(names) - {"resident", "slots"}:
-            raise MoetierError(f"--backends {backends!r}: choose from resident, slots")
+        if not names or set(names) - {Resident.name, Slots.name}:
+            raise MoetierError(f"--backends {backends!r}: choose from {Resident.name}, {Slots.name}")
         sizes = opt.int_list(chunks, "--chunks")
         for c in sizes:
             opt.at_least(c, decode_tokens + 1, "--chunks")
@@ -149,8 +149,8 @@ def bench_chunk(
         opt.at_least(streams, 1, "--decode-streams")
         opt.at_least(before, 1, "--before")
         opt.prefill_cache(prefill_cache)
-        rows = [("resident", 1.0)] * ("resident" in names)
-        rows += [("slots", parse_budget(b)) for b in budget] if "slots" in names else []
+        rows = [(Resident.name, 1.0)] * (Resident.name in names)
+        rows += [(Slots.name, parse_budget(b)) for b in budget] if Slots.name in names else []
         trace = opt.input_file(trace or REPO_TRACE, "--trace")
         if out is not None:
             opt.output_file(out, "--out")

@@ -32,7 +32,7 @@ from moetier.experts.parallel.ep import ShardedExperts, local_experts, owned_exp
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
 from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
-from moetier.experts.registry import KINDS, NAMES, backend_kind, either, find
+from moetier.experts.registry import KINDS, NAMES, Resident, backend_kind, either, find
 from moetier.experts.shape import MoeShape
 from moetier.experts.cache.split import check_pinned, local_pinned
 from moetier.experts.cache.store import HostStore
@@ -43,7 +43,7 @@ POLICIES = ("lru", "lfru")
 
 @dataclass
 class ExpertOptions:
-    backend: str = "resident"
+    backend: str = Resident.name
     slots: int | None = None  # slots per MoE layer (slots backend); default half the experts
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # overrides `slots` by layer
     # Victim order of the slot cache. LFRU beats LRU on every committed trace (docs/traces.md).

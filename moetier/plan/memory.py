@@ -25,7 +25,7 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.experts.prefill.ring import RING_DEPTH, RING_GROUP
-from moetier.experts.registry import backend_kind
+from moetier.experts.registry import Resident, backend_kind
 from moetier.layers.kv_cache import KVSpec
 from moetier.plan import residents as r
 from moetier.plan.units import GiB, gib, round_up
@@ -38,7 +38,7 @@ class PlanRequest:
     cfg: ModelConfig
     dtype: torch.dtype
     device: str = "cuda"  # "cuda" or "cpu" (everything then lives in host memory)
-    backend: str = "resident"  # resident, slots, uva or hybrid (sizing.auto_plan chooses for "auto")
+    backend: str = Resident.name  # experts/registry's names (sizing.auto_plan chooses for "auto")
     slots_per_layer: dict[int, int] = field(default_factory=dict)  # slots backend: every MoE layer
     # slots, hybrid: experts per MoE layer pinned on the GPU, with no host copy (experts/cache/split.py)
     pinned_per_layer: dict[int, int] = field(default_factory=dict)
