@@ -38,6 +38,7 @@ from moetier.errors import CheckpointError, MoetierError
 from moetier.models.base import ExpertTensor, Weight
 from moetier.quant import int4, nvfp4, packed4
 from moetier.quant import quant_config as qconfig
+from moetier.quant.registry import GROUPS
 
 # (codes, group scales, tensor scale or None) suffixes of a weight's companions, per layout
 SUFFIXES = {"modelopt": ("", "_scale", "_scale_2"), "compressed-tensors": ("_packed", "_scale", "_global_scale")}
@@ -46,10 +47,6 @@ CODES = {"nvfp4": "U8", **{name: "I32" for name in int4.GROUPS}}
 SCALES = {"nvfp4": "F8_E4M3", **{name: "BF16" for name in int4.GROUPS}}
 FLOATS = ("F32", "BF16", "F16")
 SCALAR = {(), (1,)}  # the shapes a linear's one float32 tensor scale is stored in
-
-
-def _group(quant: str) -> int:
-    return nvfp4.GROUP if quant == "nvfp4" else int4.GROUPS[quant]
 
 
 def companions(cfg: ModelConfig, w: Weight) -> tuple[str, str, str | None]:
@@ -64,13 +61,13 @@ def shapes(quant: str, shape: tuple[int, ...], ct_layout: bool, gate_up: bool = 
     *lead, n, k = shape
     codes = (*lead, n, packed4.cdiv(k, 8)) if quant != "nvfp4" else (*lead, n, k // 2)
     glob = (*lead, 2) if gate_up and lead else tuple(lead) if lead else ((1,) if ct_layout else ())
-    return codes, (*lead, n, packed4.cdiv(k, _group(quant))), glob
+    return codes, (*lead, n, packed4.cdiv(k, GROUPS[quant])), glob
 
 
 def zero_shape(quant: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The int32 zero points of an asymmetric INT4 weight [..., N, K]: [..., ceil(N/8), ceil(K/g)]."""
     *lead, n, k = shape
-    return (*lead, packed4.cdiv(n, 8), packed4.cdiv(k, _group(quant)))
+    return (*lead, packed4.cdiv(n, 8), packed4.cdiv(k, GROUPS[quant]))
 
 
 def with_tensors(cfg: ModelConfig, ckpt: Checkpoint, weights: list[Weight]) -> tuple[list[Weight], list[str], set[str]]:

@@ -52,8 +52,9 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
     if NVFP4:  # element 2j: the low nibble
         bits = tl.reshape(tl.join(_e2m1_f16_bits(b, 0), _e2m1_f16_bits(b, 4)), [n.shape[0], BLOCK_K])
         v = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 / 2^14, exact
-    else:  # INT4 codes; the offset (8, or the group's zero code) is subtracted below, by group
-        v = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K]).to(tl.float32)
+    else:  # INT4: code - 8; with ZERO the group's zero code instead, subtracted below by group
+        code = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K])
+        v = code.to(tl.float32) if ZERO else (code - 8).to(tl.float32)
     if BLOCK_K >= GROUP:
         NG: tl.constexpr = BLOCK_K // GROUP
         g = k0 // GROUP + tl.arange(0, NG)
@@ -67,18 +68,15 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
         sc = sc * 16384.0  # 2^14: exact; v holds e2m1 / 2^14
     else:
         sc = tl.load(scales.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, mask=sm, other=0.0).to(tl.float32)
-        if ZERO:  # the group's zero code
+        if ZERO:  # the group's zero code: (code - zcode) exact in float32 (integers below 16), one rounding
             zc = tl.load(zeros + at, mask=sm, other=0).to(tl.float32)
-        else:
-            zc = tl.zeros(sc.shape, tl.float32) + 8.0
-    # INT4: (code - offset) * scale, the subtraction exact in float32 (integers below 16), one rounding
     if BLOCK_K >= GROUP:
         v = tl.reshape(v, [n.shape[0], NG, GROUP])
-        if not NVFP4:
+        if ZERO:
             v = v - zc[:, :, None]
         v = tl.reshape(v * sc[:, :, None], [n.shape[0], BLOCK_K])
     else:
-        if not NVFP4:
+        if ZERO:
             v = v - zc[:, None]
         v = v * sc[:, None]
     if EMULATE:
