@@ -77,17 +77,14 @@ def scores(pred: torch.Tensor, real: torch.Tensor) -> tuple[float, float]:
     return hit / real.numel(), hit / pred.numel()
 
 
-def cache_run(ids: torch.Tensor, slots: int, policy: str, start: int, pred: torch.Tensor | None = None
-              ) -> tuple[list[set[int]], float, float]:
+def cache_run(ids: torch.Tensor, num_experts: int, slots: int, policy: str, start: int,
+              pred: torch.Tensor | None = None) -> tuple[list[set[int]], float, float]:
     """The engine's slot cache (experts/cache/slots.SlotCache, `policy`) of `slots` slots stepping through
     ids [N, k] one token a step (decode at batch 1). Tokens i >= start first take in pred[i - start]
     (SlotCache.warm: what a prefetch would fill) when pred is given. -> (the experts held before each
     token i >= start routes, after its prefetch; misses left per token; rows filled per token, prefetched
     plus missed, overflow included)."""
-    e, k = int(ids.max()) + 1, ids.shape[1]
-    if pred is not None:
-        e = max(e, int(pred.max()) + 1)
-    cache = SlotCache(max(e, slots), slots, "cpu", policy_for(policy, slots, k))
+    cache = SlotCache(num_experts, slots, "cpu", policy_for(policy, slots, ids.shape[1]))
     held, left, filled = [], 0, 0
     for i, row in enumerate(ids):
         if i >= start and pred is not None:
@@ -153,7 +150,7 @@ def main() -> None:
         logits["transition"] = counts[got["ids"][layer][half:]].sum(1)
         logits["popular"] = torch.bincount(nx.reshape(-1), minlength=e).float().expand(n - half, e)
         prev = torch.roll(got["ids"][layer + 1], 1, 0)[half:]  # the previous token's, same file only
-        held, base_left, _ = cache_run(got["ids"][layer + 1], slots, args.policy, half)
+        held, base_left, _ = cache_run(got["ids"][layer + 1], e, slots, args.policy, half)
         for kk in (k, 2 * k):
             row = {"layer": int(llm.model.cfg.moe_layers[layer + 1]), "k_pred": kk, "misses_per_token": base_left}
             for name, lg in logits.items():
@@ -161,7 +158,7 @@ def main() -> None:
                 row[name] = scores(pred, real)
                 row[name + " misses"] = miss_scores(pred, real, held)
                 if name != "popular":
-                    row[name + " prefetched"] = cache_run(got["ids"][layer + 1], slots, args.policy, half, pred)[1:]
+                    row[name + " prefetched"] = cache_run(got["ids"][layer + 1], e, slots, args.policy, half, pred)[1:]
             keep = ~first[half:]
             if kk == k:  # the previous token names k experts only
                 row["previous"] = scores(prev[keep], real[keep])

@@ -23,7 +23,7 @@ def test_recall_and_precision_count_named_real_experts():
 
 def test_the_cache_holds_what_it_last_used_and_misses_are_scored_against_it():
     ids = torch.tensor([[0, 1], [2, 0], [3, 1], [0, 2]])
-    held, left, filled = pp.cache_run(ids, slots=3, policy="lru", start=2)
+    held, left, filled = pp.cache_run(ids, 4, slots=3, policy="lru", start=2)
     # token 2 misses 3 and evicts 0 (0 and 2 were last used together: the lower slot goes first);
     # token 3 then misses 0 (2 is held)
     assert held == [{0, 1, 2}, {1, 2, 3}]
@@ -39,6 +39,6 @@ def test_a_prefetch_fills_its_rows_before_the_token_routes():
     # 2 slots; token 1 takes in 2 first (evicting 0, the lower slot of the two used together), then
     # routes 2 (hit) and 3 (a miss, evicting 1); token 2 takes in 0 (a fill, evicting 2: 2 and 3 were
     # used together, 2 in the lower slot), then routes 0 (hit) and 2 (a miss)
-    held, left, filled = pp.cache_run(ids, slots=2, policy="lru", start=1, pred=torch.tensor([[2], [0]]))
+    held, left, filled = pp.cache_run(ids, 4, slots=2, policy="lru", start=1, pred=torch.tensor([[2], [0]]))
     assert held == [{1, 2}, {0, 3}]
     assert (left, filled) == ((1 + 1) / 2, (2 + 2) / 2)
