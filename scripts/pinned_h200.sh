@@ -3,7 +3,7 @@
 # GLM-5.3-Flash shape with random weights, pinned experts made on the GPU and only the cached ones on the
 # host (docs/pinned.md). Run from the repository root; everything lands under $OUT, a table last.
 #
-#   bash scripts/pinned_h200.sh
+#   bash scripts/pinned_h200.sh [--no-tests]
 #
 # Carry .whl/: fla-core 0.6.0 and einops (glm5_next's KDA on CUDA) and the server's wheels, made with
 #   PKGS="fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
@@ -19,7 +19,8 @@
 #   plan     (CPU, beside the tests) moetier plan at the H200's budgets: 125 GiB host with the trace,
 #            without it, and 64 GiB at the model's 1M tokens (refused with the numbers) and at 128K;
 #            then the split the benches run: the bench's own KV on this machine's host, with the trace
-#   tests    GPU tests of the split (tests/test_pinned_gpu.py: kernels, graphs, prefill, engine, random bed)
+#   tests    GPU tests of the split (tests/test_pinned_gpu.py: kernels, graphs, prefill, engine, random bed);
+#            --no-tests: not run (the GPU suite ran them), decode gets their time
 #   decode   bench decode batch 1, 8, 32 over the plan's split (routing replayed from the trace);
 #            reference row: the same split with top_k slots a layer, bit-exact by design (every other
 #            expert a miss or overflow), each row's greedy tokens and logits checked against it
@@ -29,6 +30,12 @@
 #   table    every row beside the plan's prediction, its roofline and its reference check
 set -uo pipefail
 cd "$(dirname "$0")/.."
+TESTS=1 DECODE_CAP=190
+case "${1:-}" in
+  "") ;;
+  --no-tests) TESTS=0 DECODE_CAP=300 ;;
+  *) echo "error: unknown argument $1 (--no-tests)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-bench/results/pinned-h200}
 mkdir -p "$OUT"
 : > "$OUT/steps.jsonl"
@@ -121,7 +128,9 @@ python3 -c "import fla" 2>/dev/null || { FLA=0; echo "error: fla-core is missing
 step trace 30 400 "${MT[@]}" trace synth --preset glm-5.3-like --experts 288 --layers "$MOE" --tokens 8192 --out "$TRACE"
 plans > "$OUT/plan.log" 2>&1 &
 plan_pid=$!
-step tests 120 330 python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
+if [ "$TESTS" = 1 ]; then
+  step tests 120 330 python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
+fi
 wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
 SHARE=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(f'{100*(sum(s.values())//len(s))/288:.4f}%')" \
@@ -130,7 +139,7 @@ if [ "$FLA" = 0 ]; then
   echo "{\"step\": \"decode\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
 elif [ -n "$SHARE" ]; then
   # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots
-  step decode 190 150 "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" --pinned-experts-file "$OUT/pinned-bench.json" \
+  step decode "$DECODE_CAP" 150 "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" --pinned-experts-file "$OUT/pinned-bench.json" \
     --backends slots --expert-budget 1% --expert-budget "$SHARE" --batch 1 --batch 8 --batch 32 \
     --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
   step serve 190 10 serve_rows "$SHARE"

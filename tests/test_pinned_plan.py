@@ -196,3 +196,18 @@ def test_whole_glm53_flash_in_nvfp4_fits_one_h200():
     small = json.loads(plan_cli("--dtype", "nvfp4", "--host-memory", "64GiB", "--max-model-len", "131072",
                                 "--json").output)
     assert small["fits"] and sum(small["pinned_per_layer"].values()) > sum(plan["pinned_per_layer"].values())
+
+
+def test_bench_rows_are_planned_in_their_own_format():
+    """`bench decode --dtype nvfp4` plans NVFP4 rows: 150 experts a layer pinned on the GPU fit the H200 in
+    NVFP4 (14.2 MB rows) and not in bf16 (50.3 MB), which is refused naming its format."""
+    import typer
+
+    from moetier.cli.bench_common import preflight_rows
+
+    cfg = presets.preset("glm-5.3-flash", 45)
+    pinned = {la: tuple(range(150)) for la in range(3, 45)}
+    budgets = {"gpu_memory": "134GiB", "host_memory": "125GiB", "max_num_seqs": 8, "max_model_len": 128}
+    preflight_rows(cfg, [("slots", 0.01)], ("nvfp4",), pinned=pinned, **budgets)
+    with pytest.raises(typer.Exit):
+        preflight_rows(cfg, [("slots", 0.01)], ("nvfp4", "bf16"), pinned=pinned, **budgets)

@@ -185,8 +185,8 @@ def bench_decode(
     if model is None and (1, 1) in layouts:  # parallel rows: each rank's share is checked per node at start
         rows = [(b, 1.0) for b in NAMES if b in names and not backend_kind(b).cached]
         rows += [(b, budget) for b in NAMES if b in names and backend_kind(b).cached for budget in budgets]
-        preflight_rows(cfg, rows, max_num_seqs=max(batch), decode_tokens=decode_tokens,
-                      pinned=pinned or None)
+        preflight_rows(cfg, rows, tuple(dtypes), max_num_seqs=max(batch), decode_tokens=decode_tokens,
+                       pinned=pinned or None)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")

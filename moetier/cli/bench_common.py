@@ -56,16 +56,24 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
     return names
 
 
-def preflight_rows(cfg, rows: list[tuple[str, float]], ring: tuple[int, int] | None = None, pinned=None,
-                   **engine) -> None:
-    """The memory plan of every row before the random weights are made (plan/preflight.bench_preflight)."""
+def preflight_rows(cfg, rows: list[tuple[str, float]], dtypes: tuple[str, ...] = ("bf16",),
+                   ring: tuple[int, int] | None = None, pinned=None, gpu_memory: str | None = None,
+                   host_memory: str | None = None, **engine) -> None:
+    """The memory plan of every row of every weight format in `dtypes` (WEIGHT_DTYPES) before the random
+    weights are made (plan/preflight.bench_preflight): each format is planned with its own expert rows
+    (an NVFP4 row is about a quarter of a bf16 one) and, for <format>-dense, its dense weights kept.
+    gpu_memory, host_memory: budgets instead of this machine's (the tests')."""
+    from moetier.checkpoint.random_bed import quantized
     from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import bench_preflight
 
-    try:
-        bench_preflight(cfg, rows, EngineConfig(**engine), ring=ring, pinned=pinned)
-    except MoetierError as e:
-        opt.fail(e)
+    for d in dtypes:
+        fmt = None if d == "bf16" else d.removesuffix("-dense")
+        config = EngineConfig(**engine, **({"dense_weights": "keep"} if d.endswith("-dense") else {}))
+        try:
+            bench_preflight(quantized(cfg, fmt), rows, config, gpu_memory, host_memory, ring=ring, pinned=pinned)
+        except MoetierError as e:
+            opt.fail(f"--dtype {d}: {e}" if dtypes != ("bf16",) else e)
 
 
 def parse_budget(text: str) -> float:

@@ -86,7 +86,7 @@ def bench_prefill(
     need_cuda("prefill")
     preflight_rows(cfg, [(b, 1.0) for b in names if not backend_kind(b).cached]
                    + [(b, budget) for b in names if backend_kind(b).cached for budget in budgets],
-                   max_num_seqs=max(batch), max_num_tokens=chunk,
+                   tuple(dtypes), max_num_seqs=max(batch), max_num_tokens=chunk,
                    kv_tokens=max(batch) * (max(length) + decode_steps + 16), decode_tokens=decode_tokens,
                    experts=ExpertOptions(prefill_stream="ring" if "ring" in streams else "uva"))
     from moetier.bench import prefill
