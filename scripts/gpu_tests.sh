@@ -31,7 +31,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
-files=(tests/)
+# the slowest files first (durations of the last H200 runs): xdist hands out whole files in this order,
+# so the longest one (swiglu_clamp's glm5_next IEEE-float32 test, about 290 s) starts at once and not
+# last; pytest collects each file once however often it is named
+SLOW=(tests/test_swiglu_clamp.py tests/test_quant4_gpu.py tests/test_glm5_next_gpu.py tests/test_fp8_gpu.py)
+files=("${SLOW[@]}" tests/)
 if [ -n "$part" ]; then  # the files that hold gpu tests; every file is still collected below
   n=${part%/2}
   mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py | sort | awk -v n="$n" 'NR % 2 == n % 2')

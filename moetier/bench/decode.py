@@ -16,6 +16,7 @@ steps that also fill the slot cache; graph capture and kernel compilation happen
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -54,6 +55,12 @@ def repeated(run, repeats: int) -> dict:
     return mid
 
 
+def progress(line: str) -> None:
+    """A line on stderr as each bed and row is done: a run cut short by a time limit still says how far it
+    got and what each part took (the tables go to stdout once a backend's batches are done)."""
+    print(f"bench decode: {line}", file=sys.stderr, flush=True)
+
+
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
                  args: dict, bw: dict, mode: str = "auto") -> list[dict]:
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
@@ -69,11 +76,14 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
                           cuda_graphs=mode != "eager")
+    t0 = time.perf_counter()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
+    progress(f"{backend} {budget:.0%}: engine ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     try:
         for b in batches:
+            t0 = time.perf_counter()
             switch = getattr(llm.runner.graphs, "switch", None)
             counts0 = dict(switch.counts) if switch else {}
             # hybrid: a fresh phase clock (a few perf_counter calls per layer) as the timed window opens
@@ -106,6 +116,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                          "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
+            progress(f"{backend} {budget:.0%} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s")
     finally:
         llm.close()
     return rows
@@ -177,6 +188,7 @@ def run(cfg: ModelConfig, trace_path: str, budgets: list[float], batches: list[i
         else:
             b = loaded_bed(model_path) if model_path else make_bed(cfg, dtype, args["seed"], args.get("pinned"))
         build_s += time.perf_counter() - t0
+        progress(f"{dtype} weights ready in {time.perf_counter() - t0:.1f} s")
         if bw is None:  # measured once, with the first bed's rows
             link = links(row_bytes=b.row_bytes)
             bw = {"hbm_GBps": link["d2d_GBps"], "link_GBps": link["h2d_copy_engine_GBps"]}
