@@ -108,7 +108,7 @@ plans() {
 }
 
 serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
-  local share=$1 pid ok=0 end=$(( $(date +%s) + LIMIT - 25 ))
+  local share=$1 pid ok=0 t0=$(date +%s) end=$(( $(date +%s) + LIMIT - 25 ))
   mt serve "${MODEL[@]}" --expert-backend slots --expert-budget "$share" --pinned-experts-file "$OUT/pinned-bench.json" \
     --replay-trace "$TRACE" --max-model-len 128 --max-num-seqs 64 --port 8000 > "$OUT/server.log" 2>&1 &
   pid=$!
@@ -119,9 +119,10 @@ serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
     sleep 1
   done
   if [ "$ok" = 1 ]; then
+    echo "server up in $(( $(date +%s) - t0 )) s (random weights made, graphs captured)"
     timeout -k 5 $(( end - $(date +%s) )) "${MT[@]}" bench serve --url http://127.0.0.1:8000 --concurrency 1,4,16,64 --input-len 32 --output-len 32 --warmup 2 \
       --out "$OUT/serve.json"
-    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics', timeout=10).read().decode())" \
       > "$OUT/serve-metrics.txt"
   else
     echo "error: the server did not come up (server.log)"
@@ -145,6 +146,12 @@ wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
 SHARE=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(f'{100*(sum(s.values())//len(s))/288:.4f}%')" \
   "$OUT/pinned-bench.json" 2>/dev/null) || SHARE=""
+# the benches run the plan's mean slots in every layer (random weights size slots by --expert-budget):
+# the prediction beside their rows is the plan of that uniform split, with the same pins
+MEAN=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(sum(s.values())//len(s))" \
+  "$OUT/pinned-bench.json" 2>/dev/null) && mt plan "${MODEL[@]}" --gpu-memory 134GiB --max-model-len 128 --max-num-seqs 32 \
+  --trace "$TRACE" --expert-backend slots --expert-slots "$MEAN" --pinned-experts-file "$OUT/pinned-bench.json" --json \
+  > "$OUT/plan-bench-run.json" 2>> "$OUT/plan.log"
 if [ "$FLA" = 0 ]; then
   echo "{\"step\": \"decode\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
 elif [ -n "$SHARE" ]; then
@@ -188,8 +195,11 @@ for name, what in (("plan-125GiB.json", "139 GiB / 125 GiB, trace"), ("plan-64Gi
 text = (out / "plan-64GiB-1M.txt").read_text().splitlines() if (out / "plan-64GiB-1M.txt").exists() else ["missing"]
 split = [x for x in text if x.startswith("split: ")]
 print("plan 139 GiB / 64 GiB, 1M tokens:", f"fits, {split[0]}" if split else text[0][:240])
-bench = load("plan-bench.json") or {}
+bench = load("plan-bench-run.json") or {}  # the uniform split the benches run
 predicted = (bench.get("prediction") or {}).get("tok_per_s")
+if predicted:
+    print(f"plan of the split the benches run ({sum(bench['slots_per_layer'].values()) // len(bench['slots_per_layer'])} slots in "
+          f"every layer, the same pins): {bench['prediction']['hit_rate']:.1%} hits, {predicted:.1f} tok/s at batch 1")
 d = load("decode.json")
 rows = []
 if d:
