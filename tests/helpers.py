@@ -70,26 +70,43 @@ def ieee_fp32_dots(*packages: str):
     TRITON_F32_DEFAULT setting, which Triton's on-disk kernel cache keys by). Its in-memory cache does
     not key by it, so the kernels of `packages` (module prefixes, e.g. "fla") already compiled are
     dropped on entry and again on exit; they compile again as they are next called. For tests that hold
-    a library's float32 kernels (fla's chunked KDA) to the CPU reference's float32 bounds."""
+    a library's float32 kernels (fla's chunked KDA) to the CPU reference's float32 bounds.
+
+    Inside, each of their autotuners (imported by then) also tries one config, not its list: an IEEE
+    float32 dot compiles to unrolled FMAs, many times slower to build than a TF32 one, and fla's kernels
+    autotune over 6 to 18 configs each (a glm5_next engine test compiled them all in about 280 s). The
+    bounds hold for any config; the one kept has the fewest stages and the smallest blocks (the least
+    shared memory). Their lists and tuned choices come back on exit."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
+
+    def chain(obj):  # an object, then through autotuners and heuristics to the JIT function
+        for _ in range(4):
+            yield obj
+            if obj is None or isinstance(obj, JITFunction):
+                return
+            try:
+                obj = getattr(obj, "fn", None)
+            except Exception:  # a lazy namespace's attribute
+                return
+
+    def kernels():
+        for name, module in list(sys.modules.items()):
+            if module is not None and name.startswith(packages):
+                yield from list(vars(module).values())
 
     def drop() -> int:
         n = 0
-        for name, module in list(sys.modules.items()):
-            if module is None or not name.startswith(packages):
-                continue
-            for obj in list(vars(module).values()):
-                for _ in range(4):  # through autotuners and heuristics to the JIT function
-                    if obj is None or isinstance(obj, JITFunction):
-                        break
-                    try:
-                        obj = getattr(obj, "fn", None)
-                    except Exception:  # a lazy namespace's attribute
-                        obj = None
-                if obj is not None and getattr(obj, "device_caches", None) is not None:
-                    obj.device_caches.clear()
+        for obj in kernels():
+            for o in chain(obj):
+                if isinstance(o, JITFunction) and getattr(o, "device_caches", None) is not None:
+                    o.device_caches.clear()
                     n += 1
         return n
+
+    def one_config(c) -> tuple:
+        return (c.num_stages, sum(v for v in c.kwargs.values() if isinstance(v, int)), -c.num_warps)
+
 
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
@@ -100,6 +117,13 @@ def ieee_fp32_dots(*packages: str):
         scratch = tempfile.TemporaryDirectory()
         os.environ["TRITON_CACHE_DIR"] = scratch.name
     drop()
+    narrowed = {}  # id -> (autotuner, its configs, its tuned choices)
+    for obj in kernels():
+        for o in chain(obj):
+            if isinstance(o, Autotuner) and id(o) not in narrowed and len(o.configs) > 1:
+                narrowed[id(o)] = (o, o.configs, dict(o.cache))
+                o.configs = [min(o.configs, key=one_config)]
+                o.cache.clear()
     try:
         yield
     finally:
@@ -110,5 +134,9 @@ def ieee_fp32_dots(*packages: str):
                 os.environ[k] = v
         if scratch is not None:
             scratch.cleanup()
+        for o, configs, cache in narrowed.values():
+            o.configs = configs
+            o.cache.clear()
+            o.cache.update(cache)
         assert drop() > 0, f"no Triton kernels of {packages} were loaded: the setting held nothing"
 
