@@ -74,7 +74,7 @@ def ieee_fp32_dots(*packages: str):
 
     Inside, each of their autotuners (imported by then) also tries one config, not its list: an IEEE
     float32 dot compiles to unrolled FMAs, many times slower to build than a TF32 one, and fla's kernels
-    autotune over 6 to 18 configs each (a glm5_next engine test compiled them all in about 280 s). The
+    autotune over 6 to 18 configs each (compiling them all made the slowest GPU test). The
     bounds hold for any config; the one kept has the fewest stages and the smallest blocks (the least
     shared memory). Their lists and tuned choices come back on exit."""
     from triton.runtime.autotuner import Autotuner
