@@ -24,8 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/eval-out}
 source scripts/h200_stages.sh
-# the checkpoints (about 25 GB) in memory when /dev/shm has room for them twice over (/tmp wrote at about
-# 120 MB/s there: 200 s of the call for the four), else in /tmp
+# the checkpoints (about 25 GB) in memory when /dev/shm has room for them twice over (writing them to
+# /tmp took much of the call: the header's Time), else in /tmp
 shm_free=$(df -B1G --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
 [ "${shm_free:-0}" -ge 50 ] 2>/dev/null && default_data=/dev/shm/eval-q30b || default_data=/tmp/eval-q30b
 data=${1:-$default_data}

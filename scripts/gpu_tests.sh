@@ -32,7 +32,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
 # the slowest files first (durations of the last H200 runs): xdist hands out whole files in this order,
-# so the longest one (swiglu_clamp's glm5_next IEEE-float32 test, about 290 s) starts at once and not
+# so the longest one (swiglu_clamp's glm5_next IEEE-float32 test) starts at once and not
 # last; pytest collects each file once however often it is named
 SLOW=(tests/test_swiglu_clamp.py tests/test_quant4_gpu.py tests/test_glm5_next_gpu.py tests/test_fp8_gpu.py)
 files=("${SLOW[@]}" tests/)
