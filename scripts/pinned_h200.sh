@@ -108,8 +108,8 @@ plans() {
 }
 
 serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
-  local share=$1 pid ok=0 t0=$(date +%s) end=$(( $(date +%s) + LIMIT - 25 ))
-  mt serve "${MODEL[@]}" --expert-backend slots --expert-budget "$share" --pinned-experts-file "$OUT/pinned-bench.json" \
+  local pid ok=0 t0=$(date +%s) end=$(( $(date +%s) + LIMIT - 25 ))
+  mt serve "${MODEL[@]}" --expert-backend slots --expert-slots-file "$SPLIT" --pinned-experts-file "$SPLIT" \
     --replay-trace "$TRACE" --max-model-len 128 --max-num-seqs 64 --port 8000 > "$OUT/server.log" 2>&1 &
   pid=$!
   while [ "$(date +%s)" -lt "$end" ]; do
@@ -144,22 +144,16 @@ if [ "$TESTS" = 1 ]; then
 fi
 wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
-SHARE=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(f'{100*(sum(s.values())//len(s))/288:.4f}%')" \
-  "$OUT/pinned-bench.json" 2>/dev/null) || SHARE=""
-# the benches run the plan's mean slots in every layer (random weights size slots by --expert-budget):
-# the prediction beside their rows is the plan of that uniform split, with the same pins
-MEAN=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['slots']; print(sum(s.values())//len(s))" \
-  "$OUT/pinned-bench.json" 2>/dev/null) && mt plan "${MODEL[@]}" --gpu-memory 134GiB --max-model-len 128 --max-num-seqs 32 \
-  --trace "$TRACE" --expert-backend slots --expert-slots "$MEAN" --pinned-experts-file "$OUT/pinned-bench.json" --json \
-  > "$OUT/plan-bench-run.json" 2>> "$OUT/plan.log"
+SPLIT=$OUT/pinned-bench.json  # the plan's pins and its slots per layer, which the benches run
+[ -s "$SPLIT" ] || SPLIT=""
 if [ "$FLA" = 0 ]; then
   echo "{\"step\": \"decode\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
-elif [ -n "$SHARE" ]; then
-  # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots
+elif [ -n "$SPLIT" ]; then
+  # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots per layer
   [ "$DECODE" = 1 ] && step decode "$DECODE_CAP" $(( SERVE ? 150 : 10 )) "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" --pinned-experts-file "$OUT/pinned-bench.json" \
-    --backends slots --expert-budget 1% --expert-budget "$SHARE" --batch 1 --batch 8 --batch 32 \
+    --backends slots --expert-budget 1% --expert-slots-file "$SPLIT" --batch 1 --batch 8 --batch 32 \
     --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
-  [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows "$SHARE"
+  [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows
 else
   echo "error: the benches' plan wrote no split (plan-bench.json, plan.log): decode and serve not run"
 fi
@@ -195,11 +189,8 @@ for name, what in (("plan-125GiB.json", "139 GiB / 125 GiB, trace"), ("plan-64Gi
 text = (out / "plan-64GiB-1M.txt").read_text().splitlines() if (out / "plan-64GiB-1M.txt").exists() else ["missing"]
 split = [x for x in text if x.startswith("split: ")]
 print("plan 139 GiB / 64 GiB, 1M tokens:", f"fits, {split[0]}" if split else text[0][:240])
-bench = load("plan-bench-run.json") or {}  # the uniform split the benches run
+bench = load("plan-bench.json") or {}  # the split the benches run: its pins and slots per layer
 predicted = (bench.get("prediction") or {}).get("tok_per_s")
-if predicted:
-    print(f"plan of the split the benches run ({sum(bench['slots_per_layer'].values()) // len(bench['slots_per_layer'])} slots in "
-          f"every layer, the same pins): {bench['prediction']['hit_rate']:.1%} hits, {predicted:.1f} tok/s at batch 1")
 d = load("decode.json")
 rows = []
 if d:
@@ -212,8 +203,9 @@ if d:
         looked = max(1, st["hits"] + st["misses"] + st["overflow"])
         pin = st.get("pinned", 0)
         link_t = r["link_bytes_per_step"] / (bw["link_GBps"] * 1e9) * 1e3 / r["roofline_step_ms"]
-        name = f"slots {r['slots']}/layer b{r['batch']}"
-        plan = f"{predicted:6.1f}" if predicted and r["batch"] == 1 and r["budget"] > 0.02 else "     -"
+        split = bool(r.get("slots_per_layer"))  # the plan's row (else the reference, top_k slots a layer)
+        name = f"slots {'plan' if split else r['slots']}/layer b{r['batch']}"
+        plan = f"{predicted:6.1f}" if predicted and r["batch"] == 1 and split else "     -"
         check = r.get("check", {}).get("verdict", "?")
         print(f"{name:22} {r['tok_s']:8.1f} {r['tok_s_min']:6.1f}-{r['tok_s_max']:<6.1f} {plan} {r['roofline_tok_s']:8.1f} "
               f"{r['of_roofline']:7.0%} {pin / looked:7.1%} {(st['hits'] - pin) / looked:6.1%} "
@@ -222,7 +214,7 @@ if d:
         rows.append({"row": name, "batch": r["batch"], "slots": r["slots"], "tok_s": r["tok_s"], "runs_tok_s": r["runs_tok_s"],
                      "roofline_tok_s": r["roofline_tok_s"], "of_roofline": r["of_roofline"], "pinned_share": pin / looked,
                      "link_time_share": link_t, "check": check})
-    main = [r for r in d["rows"] if r["budget"] > 0.02 and r["batch"] == 1]
+    main = [r for r in d["rows"] if r.get("slots_per_layer") and r["batch"] == 1]
     if main:
         b1 = main[0]
         summary["targets"] = {"b1_tok_s_at_least_40": b1["tok_s"] >= 40, "b1_at_least_70pct_of_roofline": b1["of_roofline"] >= 0.7}

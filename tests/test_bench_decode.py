@@ -72,6 +72,25 @@ def test_engine_rows_on_cpu(tiny_trace):
     assert all(v in ("reference", "exact") for v in data["output_checks"].values())
 
 
+def test_a_slots_file_row_runs_its_counts_per_layer(tiny_trace):
+    """args["slots_per_layer"] (bench decode --expert-slots-file): one more slots row whose layers hold
+    those slots, named @file, its budget their share, its outputs exact against the reference."""
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    per_layer = {0: 4, 1: 9, 2: 6, 3: 12}
+    args = {"tokens": 4, "warmup": 2, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0, "slots_per_layer": per_layer}
+    data = decode.run(cfg, tiny_trace, [0.25], [2], ["resident", "slots"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    got = data["rows"][-1]
+    assert [decode.row_name(r) for r in data["rows"]] == ["resident/b2", "slots@0.25/b2", "slots@file/b2"]
+    assert got["slots_per_layer"] == {"0": 4, "1": 9, "2": 6, "3": 12} and got["slots"] == 7
+    assert got["budget"] == pytest.approx(31 / (4 * cfg.num_experts))
+    assert data["output_checks"]["slots@file/b2"] == "exact" and " file b2" in decode.table([got])
+    assert use_backend(bed, "slots", 0.25, slots_per_layer=per_layer) == 7
+    assert {b.layer: b.experts.cache.num_slots for b in bed.model.moe_blocks()} == per_layer
+
+
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [dict(backend=b, budget=bud, batch=n, tok_s=t) for b, bud, t in

@@ -130,3 +130,23 @@ def test_hybrid_model_over_a_split_near_resident(tiny_ckpt):
     for block in hybrid.moe_blocks():
         assert block.experts.cache.pinned == PINNED.get(block.layer, ())
         block.experts.cache.check()
+
+
+def test_served_random_weights_take_the_plans_slots_per_layer(capsys):
+    """moetier serve --preset with --expert-slots-file (a plan's --pinned-out file): each layer gets its
+    own slot count beside its pins, the plan counts them, and the engine generates as resident does."""
+    from moetier.checkpoint.random_bed import RandomModel
+    from moetier.sampling_params import SamplingParams
+    from moetier.server.run import EngineSpec, build_llm
+
+    per_layer = {0: 4, 1: 9, 2: 6, 3: 12}
+    spec = {"dtype": "float32", "device": "cpu", "engine": {"max_num_seqs": 2, "max_model_len": 256}}
+    llm, _ = build_llm(EngineSpec(random=RandomModel("tiny", backend="slots", pinned=PINNED,
+                                                     slots_per_layer=per_layer), **spec))
+    assert "slots 4..12 per layer" in capsys.readouterr().err
+    assert {b.layer: b.experts.cache.num_slots for b in llm.model.moe_blocks()} == per_layer
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    got = llm.generate([[5, 17, 300, 42]], params)[0].outputs[0].token_ids
+    resident, _ = build_llm(EngineSpec(random=RandomModel("tiny", backend="resident"), **spec))
+    assert got == resident.generate([[5, 17, 300, 42]], params)[0].outputs[0].token_ids
+    assert llm.metrics()["expert_stats"]["misses"] > 0

@@ -211,3 +211,22 @@ def test_bench_rows_are_planned_in_their_own_format():
     preflight_rows(cfg, [("slots", 0.01)], ("nvfp4",), pinned=pinned, **budgets)
     with pytest.raises(typer.Exit):
         preflight_rows(cfg, [("slots", 0.01)], ("nvfp4", "bf16"), pinned=pinned, **budgets)
+
+
+def test_bench_preflight_plans_the_slots_file_row():
+    """A slots file's row is planned with its own counts: 100 slots a layer beside 150 pins overflow the
+    134 GiB GPU (the row is refused by name), 16 fit."""
+    from moetier.engine.config import EngineConfig
+    from moetier.plan.expert_plan import PlanRefused
+    from moetier.plan.preflight import bench_preflight
+
+    from moetier.checkpoint.random_bed import quantized
+
+    cfg = quantized(presets.preset("glm-5.3-flash", 45), "nvfp4")
+    pinned = {la: tuple(range(150)) for la in range(3, 45)}
+    config = EngineConfig(max_num_seqs=8, max_model_len=128)
+    rows = [("slots", 0.01)]
+    bench_preflight(cfg, rows, config, "134GiB", "125GiB", pinned=pinned, slots_per_layer=dict.fromkeys(pinned, 16))
+    with pytest.raises(PlanRefused, match="the slots row of the slots file does not fit"):
+        bench_preflight(cfg, rows, config, "134GiB", "125GiB", pinned=pinned,
+                        slots_per_layer=dict.fromkeys(pinned, 100))

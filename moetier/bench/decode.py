@@ -62,12 +62,15 @@ def progress(line: str) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto") -> list[dict]:
+                 args: dict, bw: dict, mode: str = "auto", per_layer: dict[int, int] | None = None) -> list[dict]:
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
-    row's `graphs` says which it made, nodes-auto or pieces-auto)."""
+    row's `graphs` says which it made, nodes-auto or pieces-auto). per_layer: slots per MoE layer (a
+    slots file) instead of the budget's count; the row's budget is then their share of the experts."""
     kind = backend_kind(backend)
     hybrid = kind.host_compute
     opts = host_options(args, bw) if hybrid else {}
+    if per_layer:
+        opts["slots_per_layer"] = per_layer
     slots = use_backend(bed, backend, budget, args["policy"], args["decode_tokens"], **opts)
     if hybrid and mode == "auto":  # what the default made of it
         mode = "nodes-auto" if getattr(bed.model.moe_blocks()[0].experts, "graph_safe", False) else "pieces-auto"
@@ -79,7 +82,8 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     t0 = time.perf_counter()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
-    progress(f"{backend} {budget:.0%}: engine ready in {time.perf_counter() - t0:.1f} s")
+    what = f"{backend} " + ("(slots file)" if per_layer else f"{budget:.0%}")
+    progress(f"{what}: engine ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     try:
         for b in batches:
@@ -112,11 +116,12 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "host_kernel_ms_per_step": st.get("host_us", 0) / 1e3 / max(1, r["timed_steps"]),
                                "rates": hybrid_rates(bed.model), "host_threads": hp.kernel.threads,
                                "host_kernel": hp.kernel.name, "phases_us": model_phases(bed.model.moe_blocks())}
-            rows.append({"backend": backend, "budget": budget if kind.cached else None,
-                         "slots": slots, "graphs": mode if hybrid else graph_mode(llm),
+            rows.append({"backend": backend, "budget": budget if kind.cached else None, "slots": slots,
+                         **({"slots_per_layer": {str(la): n for la, n in per_layer.items()}} if per_layer else {}),
+                         "graphs": mode if hybrid else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
-            progress(f"{backend} {budget:.0%} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s")
+            progress(f"{what} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s")
     finally:
         llm.close()
     return rows
@@ -230,11 +235,16 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     plan += [(Slots.name, b) for b in budgets if Slots.name in backends]
     plan[1:1] = [(Uva.name, 0.0)] * (Uva.name in backends)  # after the reference
     modes = sorted(args.get("hybrid_graphs") or ["auto"], key=HYBRID_GRAPH_MODES.index)
-    plan = [(b, budget, "auto") for b, budget in plan]
-    plan += [(Hybrid.name, b, mode) for mode in modes for b in budgets if Hybrid.name in backends]
-    for backend, budget, mode in plan:
+    per_layer = args.get("slots_per_layer") or {}
+    share = sum(per_layer.values()) / (len(per_layer) * bed.cfg.num_experts) if per_layer else None
+    plan = [(b, budget, "auto", None) for b, budget in plan]
+    plan += [(Slots.name, share, "auto", per_layer)] * bool(per_layer and Slots.name in backends)
+    for mode in modes:
+        plan += [(Hybrid.name, b, mode, None) for b in budgets if Hybrid.name in backends]
+        plan += [(Hybrid.name, share, mode, per_layer)] * bool(per_layer and Hybrid.name in backends)
+    for backend, budget, mode, counts in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, counts)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if not backend_kind(backend).host_compute:
                 raise

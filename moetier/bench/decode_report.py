@@ -14,7 +14,8 @@ def row_name(r: dict) -> str:
     quantized rows end in /fp8, /nvfp4, ... (or /fp8-dense, /nvfp4-dense, ...), parallel rows in /tp2, /ep2."""
     par = r.get("parallel", "1")
     name = r["backend"] + ("/" + r["graphs"] if r["backend"] == Hybrid.name else "")
-    key = f"{name}@{r['budget']}/b{r['batch']}" if r.get("budget") is not None else f"{name}/b{r['batch']}"
+    at = "file" if r.get("slots_per_layer") else r.get("budget")  # a slots file's row: its per-layer counts
+    key = f"{name}@{at}/b{r['batch']}" if at is not None else f"{name}/b{r['batch']}"
     return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "") + ("" if par == "1" else "/" + par)
 
 
@@ -38,6 +39,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         budget = "" if r.get("budget") is None else f"{r['budget']:.0%}"
+        if r.get("slots_per_layer"):  # the slots file's counts (their share of the experts)
+            budget = "file"
         hit = "" if r.get("hit_rate") is None else f"{r['hit_rate']:.1%}"
         if r.get("parallel", "1") != "1" and r.get("hit_rate_per_rank"):  # every rank's, rank 0's first
             hit = "/".join("-" if h is None else f"{h:.1%}" for h in r["hit_rate_per_rank"])

@@ -87,6 +87,8 @@ class RandomModel:
     split: str = "auto"  # routed experts under tensor parallelism: replicate, auto or columns
     # per MoE layer the experts (global ids) pinned on the GPU, made there directly (random_bed)
     pinned: dict[int, tuple[int, ...]] | None = None
+    # per MoE layer the slots instead of the budget's one count (a plan's --pinned-out or slots file)
+    slots_per_layer: dict[int, int] | None = None
 
     def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
         """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
@@ -95,8 +97,8 @@ class RandomModel:
         slots = slots_for(cfg, self.backend, self.budget, ep, columns)
         if self.pinned and slots:  # at most the cached experts
             slots = min(slots, local_experts(cfg.num_experts, ep) - max(len(v) for v in self.pinned.values()))
-        return ExpertOptions(self.backend, slots=slots or None, policy=self.policy, split=self.split,
-                             pinned=dict(self.pinned or {}))
+        return ExpertOptions(self.backend, slots=slots or None, slots_per_layer=dict(self.slots_per_layer or {}),
+                             policy=self.policy, split=self.split, pinned=dict(self.pinned or {}))
 
 
 def quantized(cfg: ModelConfig, quant: str | None) -> ModelConfig:
@@ -118,7 +120,7 @@ def build_random(r: RandomModel, dtype: torch.dtype, device: str, decode_tokens:
     cfg = preset(r.preset, r.layers, str(dtype).removeprefix("torch."))
     split = resolve(r.split, dataclasses.replace(cfg.moe_shape, quant=r.quant), par.tp, par.ep, r.backend)
     bed = random_bed(cfg, r.seed, device, dtype, r.quant, par, split=split, pinned=r.pinned)
-    use_backend(bed, r.backend, r.budget, r.policy, decode_tokens)
+    use_backend(bed, r.backend, r.budget, r.policy, decode_tokens, slots_per_layer=dict(r.slots_per_layer or {}))
     return bed
 
 
@@ -298,8 +300,10 @@ def slots_for(cfg: ModelConfig, backend: str, budget: float, ep: int = 1, column
 
 def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru", decode_tokens: int = 64,
                 **options) -> int:
-    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none).
-    options: further ExpertOptions fields (hybrid: host_kernel, host_threads, rates).
+    """Rebuild every MoE layer's backend over the host rows. Returns the slots per layer (0: none; with
+    per-layer counts, their mean rounded down).
+    options: further ExpertOptions fields (slots_per_layer: a count per MoE layer instead of the
+    budget's; hybrid: host_kernel, host_threads, rates).
     budget: the share of the model's routed experts in each rank's slots (per-GPU bytes), capped at
     the experts the rank holds (under expert parallelism 2, 50% is every expert a rank owns)."""
     cfg, dev = bed.cfg, bed.model.device
@@ -316,6 +320,9 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
         most = max(len(ids) for ids in bed.pinned_rows.values())  # slots: at most the cached experts
         slots = min(slots, local_experts(cfg.num_experts, bed.par.ep) - most) if slots else slots
         options.setdefault("pinned", bed.pinned)
+    per_layer = options.get("slots_per_layer") or {}
+    if per_layer and kind.cached:
+        slots = sum(per_layer.values()) // len(per_layer)
     placement = ExpertPlacement(cfg.moe_shape, bed.model.dtype, cfg.moe_layers,
                                 ExpertOptions(backend, slots=slots or None, policy=policy, split=bed.split,
                                               **options), dev,

@@ -208,14 +208,22 @@ def serve(
 
             if model is not None:
                 raise MoetierError("give --model or --preset, not both")
-            if expert_slots is not None or expert_slots_file is not None:
-                raise MoetierError("with --preset, size the slots with --expert-budget")
+            if expert_slots is not None:
+                raise MoetierError("with --preset, size the slots with --expert-budget (a share of the experts) "
+                                   "or --expert-slots-file (a count per layer: a plan's --pinned-out file)")
+            if expert_budget is not None and expert_slots_file is not None:
+                raise MoetierError("give --expert-budget or --expert-slots-file, not both")
+            from moetier.experts.placement import read_slots_file
             from moetier.experts.registry import AUTO, Resident, Slots, backend_kind
 
-            if expert_budget is not None and expert_backend not in (Slots.name, AUTO):
-                raise MoetierError(f"--expert-budget needs --expert-backend {Slots.name}")
-            if expert_backend == AUTO:  # random weights have no plan to ask: slots when a budget is given
-                expert_backend = Slots.name if expert_budget is not None else Resident.name
+            sized = expert_budget is not None or expert_slots_file is not None
+            if sized and expert_backend not in (Slots.name, AUTO):
+                flag = "--expert-budget" if expert_budget is not None else "--expert-slots-file"
+                raise MoetierError(f"{flag} needs --expert-backend {Slots.name}")
+            if expert_backend == AUTO:  # random weights have no plan to ask: slots when they are sized
+                expert_backend = Slots.name if sized else Resident.name
+            per_layer = read_slots_file(opt.input_file(expert_slots_file, "--expert-slots-file")) \
+                if expert_slots_file is not None else None
             backend_kind(expert_backend)  # an unknown name: one line naming the choices
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             from moetier.quant.registry import FORMATS
@@ -225,7 +233,8 @@ def serve(
             dtype = "bfloat16" if quant else dtype
             random = RandomModel(preset, layers, expert_backend, parse_budget(expert_budget or "50%"), cache_policy,
                                  quant=quant, split=opt.expert_split(expert_split),
-                                 pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None)
+                                 pinned=opt.pinned_experts(pinned_experts_file, expert_backend) or None,
+                                 slots_per_layer=per_layer)
             # the random bed builds its own backends; the engine gives them the prefill options (llm.py)
             prefill = opt.expert_options(Resident.name, prefill=prefill_cache, stream=prefill_stream)
             spec = EngineSpec(random=random, dtype=dtype, device=device, engine={**engine, "experts": prefill},

@@ -112,6 +112,7 @@ def bench_decode(
                                           "worker)."),
     expert_split: opt.ExpertSplit = opt.EXPERTS.split,
     pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
+    expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -148,6 +149,14 @@ def bench_decode(
             raise MoetierError("--pinned-experts-file runs slots and hybrid rows of random weights on one GPU "
                                "(--backends slots,hybrid, no --model or --parallel): the bed has no host copy "
                                "of the pinned experts")
+        per_layer = {}
+        if expert_slots_file is not None:
+            from moetier.experts.placement import read_slots_file
+
+            if not set(names) & cached or layouts != [(1, 1)]:
+                raise MoetierError("--expert-slots-file adds a slots (and hybrid) row on one GPU: give --backends "
+                                   "slots or hybrid, no --parallel")
+            per_layer = read_slots_file(opt.input_file(expert_slots_file, "--expert-slots-file"))
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:
@@ -186,7 +195,7 @@ def bench_decode(
         rows = [(b, 1.0) for b in NAMES if b in names and not backend_kind(b).cached]
         rows += [(b, budget) for b in NAMES if b in names and backend_kind(b).cached for budget in budgets]
         preflight_rows(cfg, rows, tuple(dtypes), max_num_seqs=max(batch), decode_tokens=decode_tokens,
-                       pinned=pinned or None)
+                       pinned=pinned or None, slots_per_layer=per_layer or None)
     if host_profile is not None:  # after the CUDA check: the profile is made on the CUDA machine
         try:
             opt.input_file(host_profile, "--host-profile")
@@ -200,7 +209,7 @@ def bench_decode(
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
-            "pinned": pinned}
+            "pinned": pinned, "slots_per_layer": per_layer}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

@@ -58,11 +58,13 @@ def parse_dtypes(text: str, allowed: tuple[str, ...] = EXPERT_DTYPES) -> list[st
 
 def preflight_rows(cfg, rows: list[tuple[str, float]], dtypes: tuple[str, ...] = ("bf16",),
                    ring: tuple[int, int] | None = None, pinned=None, gpu_memory: str | None = None,
-                   host_memory: str | None = None, **engine) -> None:
+                   host_memory: str | None = None, slots_per_layer: dict[int, int] | None = None,
+                   **engine) -> None:
     """The memory plan of every row of every weight format in `dtypes` (WEIGHT_DTYPES) before the random
     weights are made (plan/preflight.bench_preflight): each format is planned with its own expert rows
     (an NVFP4 row is about a quarter of a bf16 one) and, for <format>-dense, its dense weights kept.
-    gpu_memory, host_memory: budgets instead of this machine's (the tests')."""
+    gpu_memory, host_memory: budgets instead of this machine's (the tests'); slots_per_layer: a slots
+    file's row too."""
     from moetier.checkpoint.random_bed import quantized
     from moetier.engine.config import EngineConfig
     from moetier.plan.preflight import bench_preflight
@@ -71,7 +73,8 @@ def preflight_rows(cfg, rows: list[tuple[str, float]], dtypes: tuple[str, ...] =
         fmt = None if d == "bf16" else d.removesuffix("-dense")
         config = EngineConfig(**engine, **({"dense_weights": "keep"} if d.endswith("-dense") else {}))
         try:
-            bench_preflight(quantized(cfg, fmt), rows, config, gpu_memory, host_memory, ring=ring, pinned=pinned)
+            bench_preflight(quantized(cfg, fmt), rows, config, gpu_memory, host_memory, ring=ring, pinned=pinned,
+                            slots_per_layer=slots_per_layer)
         except MoetierError as e:
             opt.fail(f"--dtype {d}: {e}" if dtypes != ("bf16",) else e)
 

@@ -63,7 +63,8 @@ ExpertSlots = Annotated[Optional[int], typer.Option(
     "--expert-slots", help="Slots per MoE layer for --expert-backend slots (default: as many as the memory plan "
     "fits).")]
 ExpertSlotsFile = Annotated[Optional[Path], typer.Option(
-    "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots`).")]
+    "--expert-slots-file", metavar="<file>", help="Slots per MoE layer (from `moetier trace plan-slots` or "
+    "`moetier plan --pinned-out`); bench decode runs one more slots (and hybrid) row with them.")]
 PinnedExpertsFile = Annotated[Optional[Path], typer.Option(
     "--pinned-experts-file", metavar="<file>", help="Experts per MoE layer pinned on the GPU with no host copy "
     "(from `moetier plan --pinned-out`); the rest are cached. Slots and hybrid backends.")]

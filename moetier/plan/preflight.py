@@ -99,18 +99,20 @@ def place(req: PlanRequest, config, gpu_memory: str | None = None, host_memory: 
 
 def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu_memory: str | None = None,
                     host_memory: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                    ring: tuple[int, int] | None = None, pinned: dict[int, tuple[int, ...]] | None = None) -> None:
+                    ring: tuple[int, int] | None = None, pinned: dict[int, tuple[int, ...]] | None = None,
+                    slots_per_layer: dict[int, int] | None = None) -> None:
     """The memory plan of each (backend, expert budget) row of a random-weight benchmark, checked before
     its weights are made: the first row that cannot run is refused (PlanRefused, exit code 2) with its
     table and what would fit. NOTE: the random bed pins every expert on the host whatever the rows, so
     the host is checked with the whole store (the uva plan: store on the host, none on the device).
     ring: the staging ring's (G, D) when config.experts.prefill_stream is ring (default: ExpertOptions').
     pinned: the bed's pinned experts (experts/cache/split.py): its store holds only the cached rows, so
-    every row is planned with them, and none with the whole store."""
+    every row is planned with them, and none with the whole store. slots_per_layer: a slots file's
+    counts, one more row (slots of those sizes) planned after the others."""
     from moetier.experts.placement import ExpertOptions
 
     req = request_for(cfg, dtype, "cuda", config, gpu_memory, host_memory)
-    checks = [] if pinned else [("the random weights' host store", Uva.name, None)]
+    checks = [] if pinned else [("the random weights' host store", Uva.name, None, {})]
     most = max((len(v) for v in (pinned or {}).values()), default=0)
     for backend, budget in rows:
         kind = backend_kind(backend)
@@ -118,11 +120,13 @@ def bench_preflight(cfg: ModelConfig, rows: list[tuple[str, float]], config, gpu
         slots = min(slots, cfg.num_experts - most) if slots else slots
         # a hybrid row is checked as slots of its size (the bed builds it from the slots' rows)
         checks.append((f"the {backend} row" + (f" at {budget:.0%}" if slots else ""),
-                       Slots.name if kind.cached else backend, slots))
-    for what, backend, slots in checks:
+                       Slots.name if kind.cached else backend, slots, {}))
+    if slots_per_layer:
+        checks.append(("the slots row of the slots file", Slots.name, None, dict(slots_per_layer)))
+    for what, backend, slots, per_layer in checks:
         geometry = {} if ring is None else {"ring_group": ring[0], "ring_depth": ring[1]}
         held = {"pinned": pinned} if pinned and backend_kind(backend).cached else {}
-        plan = plan_for(req, ExpertOptions(backend, slots=slots, **geometry, **held))
+        plan = plan_for(req, ExpertOptions(backend, slots=slots, slots_per_layer=per_layer, **geometry, **held))
         if not plan.fits():
             r = refusal(req, plan)
             raise PlanRefused(f"{what} does not fit: {r}")
