@@ -29,8 +29,8 @@
 #   decode   bench decode batch 1, 8, 32 over the plan's split (routing replayed from the trace);
 #            reference row: the same split with top_k slots a layer, bit-exact by design (every other
 #            expert a miss or overflow), each row's greedy tokens and logits checked against it
-#   serve    moetier serve over the same split, bench serve at concurrency 1, 4, 16, 64; hits by kind
-#            from /metrics. The trace's cursor is shared by all requests, so the completions of two
+#   serve    moetier serve over its own plan's split (64 requests at once), bench serve at concurrency
+#            1, 4, 16, 64; hits by kind from /metrics. The trace's cursor is shared by all requests, so the completions of two
 #            levels route differently: their cross-level check is listed, not a verdict
 #   table    every row beside the plan's prediction, its roofline and its reference check
 set -uo pipefail
@@ -105,11 +105,17 @@ plans() {
   # left to the random bed's drawing scratch and the bench's link probes
   mt plan "${MODEL[@]}" --gpu-memory 134GiB --max-model-len 128 --max-num-seqs 32 --trace "$TRACE" --json \
     --pinned-out "$OUT/pinned-bench.json" > "$OUT/plan-bench.json"
+  # the server's split, planned for its own 64 requests at once (bench serve's top level): more state
+  # slots and checkpoints than the bench's 32, so fewer experts pinned
+  mt plan "${MODEL[@]}" --gpu-memory 134GiB --max-model-len 128 --max-num-seqs 64 --trace "$TRACE" --json \
+    --pinned-out "$OUT/pinned-serve.json" > "$OUT/plan-serve.json"
 }
 
 serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
   local pid ok=0 t0=$(date +%s) end=$(( $(date +%s) + LIMIT - 25 ))
-  mt serve "${MODEL[@]}" --expert-backend slots --expert-slots-file "$SPLIT" --pinned-experts-file "$SPLIT" \
+  local split=$OUT/pinned-serve.json
+  [ -s "$split" ] || { echo "error: the server's plan wrote no split (plan-serve.json, plan.log)"; return 1; }
+  mt serve "${MODEL[@]}" --expert-backend slots --expert-slots-file "$split" --pinned-experts-file "$split" \
     --replay-trace "$TRACE" --max-model-len 128 --max-num-seqs 64 --port 8000 > "$OUT/server.log" 2>&1 &
   pid=$!
   while [ "$(date +%s)" -lt "$end" ]; do
@@ -145,17 +151,18 @@ fi
 wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
 SPLIT=$OUT/pinned-bench.json  # the plan's pins and its slots per layer, which the benches run
-[ -s "$SPLIT" ] || SPLIT=""
 if [ "$FLA" = 0 ]; then
-  echo "{\"step\": \"decode\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
-elif [ -n "$SPLIT" ]; then
-  # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots per layer
-  [ "$DECODE" = 1 ] && step decode "$DECODE_CAP" $(( SERVE ? 150 : 10 )) "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" --pinned-experts-file "$OUT/pinned-bench.json" \
-    --backends slots --expert-budget 1% --expert-slots-file "$SPLIT" --batch 1 --batch 8 --batch 32 \
-    --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
-  [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows
+  echo "{\"step\": \"decode and serve\", \"rc\": null, \"skipped\": \"no fla-core\"}" >> "$OUT/steps.jsonl"
 else
-  echo "error: the benches' plan wrote no split (plan-bench.json, plan.log): decode and serve not run"
+  if [ "$DECODE" = 1 ] && [ ! -s "$SPLIT" ]; then
+    echo "error: the benches' plan wrote no split (plan-bench.json, plan.log): decode not run"
+  elif [ "$DECODE" = 1 ]; then
+    # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots per layer
+    step decode "$DECODE_CAP" $(( SERVE ? 150 : 10 )) "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" \
+      --pinned-experts-file "$SPLIT" --backends slots --expert-budget 1% --expert-slots-file "$SPLIT" \
+      --batch 1 --batch 8 --batch 32 --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
+  fi
+  [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows
 fi
 
 python3 - "$OUT" "$DTYPE" "$LAYERS" <<'EOF' | tee "$OUT/table.txt"
@@ -171,7 +178,8 @@ def load(name):
 summary = {"dtype": dtype, "layers": int(layers), "steps": [json.loads(x) for x in (out / "steps.jsonl").read_text().split("\n") if x]}
 print(f"\nissue 31, one H200: glm-5.3-flash {layers} layers, {dtype} experts, pinned on the GPU + cached on the host")
 for name, what in (("plan-125GiB.json", "139 GiB / 125 GiB, trace"), ("plan-64GiB-128K.json", "139 GiB / 64 GiB, 128K tokens"),
-                   ("plan-bench.json", "the benches' split (134 GiB / this host)")):
+                   ("plan-bench.json", "the benches' split (134 GiB / this host)"),
+                   ("plan-serve.json", "the server's split (134 GiB / this host, 64 requests)")):
     p = load(name)
     if p is None:
         print(f"plan {what}: missing (plan.log)")
