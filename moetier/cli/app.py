@@ -213,7 +213,6 @@ def serve(
                                    "or --expert-slots-file (a count per layer: a plan's --pinned-out file)")
             if expert_budget is not None and expert_slots_file is not None:
                 raise MoetierError("give --expert-budget or --expert-slots-file, not both")
-            from moetier.experts.placement import read_slots_file
             from moetier.experts.registry import AUTO, Resident, Slots, backend_kind
 
             sized = expert_budget is not None or expert_slots_file is not None
@@ -222,8 +221,7 @@ def serve(
                 raise MoetierError(f"{flag} needs --expert-backend {Slots.name}")
             if expert_backend == AUTO:  # random weights have no plan to ask: slots when they are sized
                 expert_backend = Slots.name if sized else Resident.name
-            per_layer = read_slots_file(opt.input_file(expert_slots_file, "--expert-slots-file")) \
-                if expert_slots_file is not None else None
+            per_layer = opt.expert_slots_file(expert_slots_file) or None
             backend_kind(expert_backend)  # an unknown name: one line naming the choices
             presets.preset(preset, layers, "bfloat16")  # an unknown name or bad --layers fails here
             from moetier.quant.registry import FORMATS

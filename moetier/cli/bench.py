@@ -149,14 +149,10 @@ def bench_decode(
             raise MoetierError("--pinned-experts-file runs slots and hybrid rows of random weights on one GPU "
                                "(--backends slots,hybrid, no --model or --parallel): the bed has no host copy "
                                "of the pinned experts")
-        per_layer = {}
-        if expert_slots_file is not None:
-            from moetier.experts.placement import read_slots_file
-
-            if not set(names) & cached or layouts != [(1, 1)]:
-                raise MoetierError("--expert-slots-file adds a slots (and hybrid) row on one GPU: give --backends "
-                                   "slots or hybrid, no --parallel")
-            per_layer = read_slots_file(opt.input_file(expert_slots_file, "--expert-slots-file"))
+        if expert_slots_file is not None and (not set(names) & cached or layouts != [(1, 1)]):
+            raise MoetierError("--expert-slots-file adds a slots (and hybrid) row on one GPU: give --backends "
+                               "slots or hybrid, no --parallel")
+        per_layer = opt.expert_slots_file(expert_slots_file)
         if host_kernel not in HOST_KERNELS:
             raise MoetierError(f"--host-kernel {host_kernel!r}: choose one of {', '.join(HOST_KERNELS)}")
         if host_threads is not None:

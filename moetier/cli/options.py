@@ -188,11 +188,20 @@ def pinned_experts(path: Path | None, backend: str) -> dict[int, tuple[int, ...]
     return read_pinned_file(input_file(path, "--pinned-experts-file"))
 
 
+def expert_slots_file(path: Path | None) -> dict[int, int]:
+    """--expert-slots-file: the slots per MoE layer ({} without the flag)."""
+    if path is None:
+        return {}
+    from moetier.experts.placement import read_slots_file
+
+    return read_slots_file(input_file(path, "--expert-slots-file"))
+
+
 def expert_options(backend: str, slots: int | None = None, slots_file: Path | None = None,
                    policy: str = EXPERTS.policy, split: str = "auto", prefill: str = EXPERTS.prefill,
                    stream: str = EXPERTS.prefill_stream):
     """ExpertOptions from the shared flags, with the combinations that make no sense refused."""
-    from moetier.experts.placement import ExpertOptions, read_slots_file
+    from moetier.experts.placement import ExpertOptions
 
     if backend != _backends.AUTO:
         _backends.backend_kind(backend)  # an unknown name: one line naming the choices
@@ -206,7 +215,7 @@ def expert_options(backend: str, slots: int | None = None, slots_file: Path | No
         raise MoetierError("give --expert-slots or --expert-slots-file, not both")
     if slots is not None and slots < 1:
         raise MoetierError(f"--expert-slots {slots}: it must be at least 1")
-    per_layer = read_slots_file(input_file(slots_file, "--expert-slots-file")) if slots_file else {}
+    per_layer = expert_slots_file(slots_file)
     return ExpertOptions(backend=backend, slots=slots, slots_per_layer=per_layer, policy=policy,
                          split=expert_split(split), prefill=prefill_cache(prefill), prefill_stream=prefill_stream(stream))
 
