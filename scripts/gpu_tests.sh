@@ -6,14 +6,14 @@
 #
 # --part: every other GPU test file (sorted), so the suite splits over two calls of the device's
 #   10-minute limit; without it, every file. --workers N: pytest-xdist processes sharing the one
-#   GPU, whole files per process (default 3; 1: in order); -v names each test as it ends, so a run cut
-#   short by the time limit still says which failed. --log: default
+#   GPU, whole files per process (default 4; 1: in order), beside one process for the slowest files;
+#   -v names each test as it ends, so a run cut short by the time limit still says which failed. --log: default
 #   $OUT/h200-gpu-tests.log when $OUT is set, else gpu-tests.log. The wheels the GPU image lacks
 #   (fastapi, uvicorn, pydantic, openai: ../shared/tools/device-wheels.sh puts them in .whl/, carried
 #   with the call) are installed into /tmp/site first, so that every test file collects.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="" workers=3 log="${OUT:+$OUT/h200-gpu-tests.log}"
+part="" workers=4 log="${OUT:+$OUT/h200-gpu-tests.log}"
 log=${log:-gpu-tests.log}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,14 +31,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
-# the slowest files first (durations of the last H200 runs): xdist hands out whole files in this order,
-# so the longest one (swiglu_clamp's glm5_next IEEE-float32 test) starts at once and not
-# last; pytest collects each file once however often it is named
-SLOW=(tests/test_swiglu_clamp.py tests/test_quant4_gpu.py tests/test_glm5_next_gpu.py tests/test_fp8_gpu.py)
-files=("${SLOW[@]}" tests/)
+# the slowest files (durations of the last H200 runs) run in a pytest process of their own, started
+# beside the rest: xdist hands whole files out in its own order, so named first they still started
+# late and the suite ran past the call limit
+SLOW=(tests/test_swiglu_clamp.py tests/test_quant4_gpu.py tests/test_glm5_next_gpu.py)
+files=(tests/)
 if [ -n "$part" ]; then  # the files that hold gpu tests; every file is still collected below
   n=${part%/2}
   mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py | sort | awk -v n="$n" 'NR % 2 == n % 2')
+  SLOW=()
 fi
 xdist=()
 [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
@@ -53,7 +54,23 @@ xdist=()
 python3 -m pytest --collect-only -q -p no:cacheprovider tests/ > /tmp/gpu-collect.log 2>&1 \
   || { cat /tmp/gpu-collect.log | tail -30 | tee -a "$log"; echo "# collection failed" >> "$log"; exit 1; }
 tail -1 /tmp/gpu-collect.log | tee -a "$log"
+slow_rc=0
+if [ ${#SLOW[@]} -gt 0 ]; then
+  # its own log beside the main one (a run cut by the call limit keeps both), appended at the end
+  python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 "${SLOW[@]}" > "$log.slow" 2>&1 &
+  slow_pid=$!
+  ignore=()
+  for f in "${SLOW[@]}"; do ignore+=(--ignore "$f"); done
+  files=(tests/ "${ignore[@]}")
+fi
 python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 "${xdist[@]}" "${files[@]}" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
-echo "# exit code $rc" >> "$log"
-exit "$rc"
+if [ ${#SLOW[@]} -gt 0 ]; then
+  wait "$slow_pid"
+  slow_rc=$?
+  { echo "# the slow files, run beside the rest: ${SLOW[*]}"; cat "$log.slow"; } >> "$log"
+  rm -f "$log.slow"
+fi
+echo "# exit code $rc (slow files: $slow_rc)" >> "$log"
+[ "$rc" -ne 0 ] && exit "$rc"
+exit "$slow_rc"

@@ -3,7 +3,11 @@
 # GLM-5.3-Flash shape with random weights, pinned experts made on the GPU and only the cached ones on the
 # host (docs/pinned.md). Run from the repository root; everything lands under $OUT, a table last.
 #
-#   bash scripts/pinned_h200.sh [tests] [decode] [serve]      (default: all three)
+#   bash scripts/pinned_h200.sh [tests] [tune] [profile] [decode] [serve] [--budget SECONDS] [--batches 1,8,32]
+#   (default: tests, decode and serve; 540 s; batches 1, 8 and 32)
+#
+# --budget: the whole script's seconds, table included (a device call is 600 s; give less when the call
+#   runs something before it). --batches: decode's batch sizes.
 #
 # The trace and the plans always run (CPU, seconds). The 45-layer NVFP4 bed takes minutes to make and its
 # engine minutes to warm, so on the device give decode and serve a call each: `bash scripts/pinned_h200.sh
@@ -24,6 +28,10 @@
 #   plan     (CPU, beside the tests) moetier plan at the H200's budgets: 125 GiB host with the trace,
 #            without it, and 64 GiB at the model's 1M tokens (refused with the numbers) and at 128K;
 #            then the split the benches run: the bench's own KV on this machine's host, with the trace
+#   tune     scripts/tune_experts.py on this model's expert shape, NVFP4 rows, 1 and 8 tokens: the
+#            one-token GEMV's blocks (and the grouped GEMM at one token beside them), the decode blocks
+#   profile  scripts/profile_glm5_next.py: 8 layers, NVFP4 experts, slots at 50%, batch 1: the step by
+#            part (KDA, MLA+indexer, mHC, routed experts, LM head, the rest), each a graph replay
 #   tests    GPU tests of the split (tests/test_pinned_gpu.py: kernels, graphs, prefill, engine, random bed);
 #            (the GPU suite runs them too)
 #   decode   bench decode batch 1, 8, 32 over the plan's split (routing replayed from the trace);
@@ -35,22 +43,32 @@
 #   table    every row beside the plan's prediction, its roofline and its reference check
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TESTS=0 DECODE=0 SERVE=0
-[ $# -eq 0 ] && set -- tests decode serve
-for a in "$@"; do
-  case "$a" in
+TESTS=0 DECODE=0 SERVE=0 TUNE=0 PROFILE=0 BUDGET=540 BATCHES=1,8,32
+while [ $# -gt 0 ]; do
+  case "$1" in
     tests) TESTS=1 ;;
+    tune) TUNE=1 ;;
+    profile) PROFILE=1 ;;
+    --batches) BATCHES=$2; shift ;;
     decode) DECODE=1 ;;
     serve) SERVE=1 ;;
-    *) echo "error: unknown step $a (give any of: tests decode serve)" >&2; exit 2 ;;
+    --budget) BUDGET=$2; shift ;;
+    *) echo "error: unknown argument $1 (give any of: tests tune profile decode serve, --budget SECONDS," \
+            "--batches LIST)" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$BUDGET" in ''|*[!0-9]*) echo "error: --budget takes whole seconds, got $BUDGET" >&2; exit 2 ;; esac
+case "$BATCHES" in ''|*[!0-9,]*|,*|*,|*,,*) echo "error: --batches takes sizes like 1,8,32, got $BATCHES" >&2; exit 2 ;; esac
+[ $((TESTS + DECODE + SERVE + TUNE + PROFILE)) -eq 0 ] && TESTS=1 DECODE=1 SERVE=1
+BATCH_ARGS=()
+for b in ${BATCHES//,/ }; do BATCH_ARGS+=(--batch "$b"); done
 DECODE_CAP=$(( SERVE ? 190 : 420 )) SERVE_CAP=$(( DECODE ? 190 : 420 ))
 OUT=${OUT:-bench/results/pinned-h200}
 mkdir -p "$OUT"
 : > "$OUT/steps.jsonl"
 START=$(date +%s)
-DEADLINE=$((START + 540))  # the whole script, table included, under 9 minutes (a device call: 10)
+DEADLINE=$((START + BUDGET))  # the whole script, table included
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "error: the carried wheels in .whl/ did not install" >&2; exit 1; }
@@ -142,11 +160,19 @@ serve_rows() {  # under $LIMIT seconds: the server's start, the levels, its stop
 
 FLA=1
 python3 -c "import fla" 2>/dev/null || { FLA=0; echo "error: fla-core is missing: glm5_next cannot run on CUDA (carry it and einops in .whl/); decode and serve skipped"; }
-step trace 30 400 "${MT[@]}" trace synth --preset glm-5.3-like --experts 288 --layers "$MOE" --tokens 8192 --out "$TRACE"
+step trace 30 0 "${MT[@]}" trace synth --preset glm-5.3-like --experts 288 --layers "$MOE" --tokens 8192 --out "$TRACE"
 plans > "$OUT/plan.log" 2>&1 &
 plan_pid=$!
 if [ "$TESTS" = 1 ]; then
-  step tests 120 330 python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
+  step tests 120 $(( (DECODE + SERVE) * 200 + (TUNE + PROFILE) * 100 )) python3 -m pytest -q -m gpu tests/test_pinned_gpu.py -p no:cacheprovider
+fi
+if [ "$TUNE" = 1 ]; then
+  step tune 150 $(( (DECODE + SERVE) * 200 + PROFILE * 100 )) python3 scripts/tune_experts.py "$OUT/tune.json" \
+    --dtypes "$DTYPE" --tokens 1,8 --preset glm-5.3-flash
+fi
+if [ "$PROFILE" = 1 ] && [ "$FLA" = 1 ]; then
+  step profile 150 $(( (DECODE + SERVE) * 200 )) python3 scripts/profile_glm5_next.py --layers 8 --dtype "$DTYPE" \
+    --backend slots --budget 0.5 --out "$OUT/profile.json"
 fi
 wait "$plan_pid"
 echo "{\"step\": \"plan\", \"rc\": $?}" >> "$OUT/steps.jsonl"
@@ -160,7 +186,7 @@ else
     # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots per layer
     step decode "$DECODE_CAP" $(( SERVE ? 150 : 10 )) "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" \
       --pinned-experts-file "$SPLIT" --backends slots --expert-budget 1% --expert-slots-file "$SPLIT" \
-      --batch 1 --batch 8 --batch 32 --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
+      "${BATCH_ARGS[@]}" --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
   fi
   [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows
 fi
@@ -252,6 +278,11 @@ if kinds:
     print(f"serve hits by kind: pinned {p / looked:.1%}, slot {(kinds['hits'] - p) / looked:.1%}, "
           f"miss {(kinds['misses'] + kinds['overflow']) / looked:.1%} of {looked:.0f} lookups")
     summary["serve_hits"] = kinds
+for name in ("tune.log", "profile.log"):  # their own tables, as they printed them
+    if (out / name).exists():
+        text = (out / name).read_text().splitlines()
+        at = next((n for n, x in enumerate(text) if x.startswith(("best per dtype", "glm-5.3-flash cut"))), None)
+        print(f"\n{name}:", *(text[at:] if at is not None else text[-6:]), sep="\n  ")
 tests = (out / "tests.log").read_text().strip().splitlines()[-1:] if (out / "tests.log").exists() else ["missing"]
 print("GPU tests (test_pinned_gpu.py):", tests[0])
 summary["tests"] = tests[0]

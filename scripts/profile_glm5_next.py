@@ -20,7 +20,9 @@ as it comes out (negative when the parts overlap less alone than in the step). O
 of the attribution with a tiny preset) the figures are eager wall times instead, and say so.
 
     python scripts/profile_glm5_next.py [--preset glm-5.3-flash] [--layers 8] [--batch 1]
-        [--backend resident|slots] [--budget 0.5] [--trace FILE] [--out FILE]
+        [--backend resident|slots] [--budget 0.5] [--dtype bf16|fp8|nvfp4|int4] [--trace FILE] [--out FILE]
+
+--dtype: the routed experts' format (quant/registry; dense weights stay bf16), as `bench decode --dtype`.
 
 Without --trace, a synthetic trace for the preset's experts (the glm-5.3-like parameters of
 `moetier trace synth`) is written to a temporary file.
@@ -138,6 +140,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--backend", default="resident", choices=("resident", "slots"))
     ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--dtype", default="bf16", help="routed experts: bf16, fp8, nvfp4, int4, ...")
     ap.add_argument("--trace", type=Path)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -146,7 +149,8 @@ def main(argv: list[str]) -> None:
     if cfg.model_type != "glm5_next":
         sys.exit(f"error: --preset {a.preset} is {cfg.model_type}; this script profiles glm5_next presets")
     trace = a.trace or synthetic_trace(cfg, Path(tempfile.mkdtemp()) / "routing.mtrace")
-    bed = random_bed(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    bed = random_bed(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32,
+                     quant=None if a.dtype == "bf16" else a.dtype)
     use_backend(bed, a.backend, a.budget if a.backend == "slots" else 1.0)
     llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace=trace, max_num_seqs=max(8, a.batch),
                                                                 kv_tokens=max(8, a.batch) * 128))
@@ -163,7 +167,8 @@ def main(argv: list[str]) -> None:
     parts = part_closures(bed.model, ids, batch, kv, llm.replayer)
     ms = {p: sum(timed_ms(f, cuda) for f in fns) for p, fns in parts.items()}
     mode = "CUDA graphs" if cuda else "eager on the CPU (a dry run: not a measurement of the GPU)"
-    print(f"{a.preset} cut to {a.layers} layers, {a.backend}{f' {a.budget:.0%}' if a.backend == 'slots' else ''}, "
+    print(f"{a.preset} cut to {a.layers} layers, {a.dtype} experts, "
+          f"{a.backend}{f' {a.budget:.0%}' if a.backend == 'slots' else ''}, "
           f"batch {a.batch}, {mode}: whole step {whole:.3f} ms")
     for p in PARTS:
         print(f"  {p:<15} {ms[p]:9.3f} ms  {ms[p] / whole:6.1%}  ({len(parts[p])} calls)")
@@ -173,7 +178,7 @@ def main(argv: list[str]) -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"command": " ".join(["python", "scripts/profile_glm5_next.py", *argv]),
                                      "mode": mode, "whole_ms": whole, "parts_ms": ms, "rest_ms": rest,
-                                     "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend,
+                                     "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend, "dtype": a.dtype,
                                      "budget": a.budget if a.backend == "slots" else None,
                                      "trace": str(trace)}, indent=2) + "\n")
 

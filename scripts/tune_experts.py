@@ -1,13 +1,15 @@
 """Times the expert kernel at decode on the GPU: the grouped GEMM (grouped_gemm.py) over a sweep of
 block sizes, tuned kernel by kernel (gate_up with the default down, then down with the best gate_up), for bf16, FP8
-and 4-bit (nvfp4, int4, int4-g32: quant/packed4.py) rows of a Qwen3-30B-shaped layer,
+and 4-bit (nvfp4, int4, int4-g32: quant/packed4.py) rows of a preset's layer (default Qwen3-30B),
 resident rows, random routing, CUDA-graph replayed (20 calls on different ids per replay, so the
-50 MB L2 holds little). Prints us per call and GB/s of distinct rows read; writes JSON.
+50 MB L2 holds little). One token on FP8 or 4-bit rows runs the GEMV (fp8_gemv.py, q4_gemv.py): its
+own blocks are swept there instead. Prints us per call and GB/s of distinct rows read; writes JSON.
 
     python scripts/tune_experts.py OUT.json [--dtypes bf16,fp8,nvfp4,int4] [--tokens 1,8,32,64]
+        [--preset qwen3-30b-a3b]
 
 The winners go into experts/kernels/gemm_config.GemmConfig by hand (gate_up/down, fp8_*, q4_*: one
-pair for all 4-bit formats), with the JSON under bench/results/.
+pair for all 4-bit formats; *_gemv_* for one token), with the JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from moetier.bench.common import GB, record, time_graph
 from moetier.checkpoint.random_bed import fill_4bit_rows, fill_fp8_rows
 from moetier.experts.kernels.gemm_config import SWEEP, GemmConfig
-from moetier.experts.kernels.grouped_gemm import GemmScratch, grouped_expert_mlp
+from moetier.experts.kernels.grouped_gemm import BLOCK_M, GemmScratch, _experts, grouped_expert_mlp
 from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 
@@ -47,8 +49,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--tokens", default="1,8,32,64")
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="the layer shape: a preset name (moetier.presets)")
     args = ap.parse_args()
-    s = moe_shape("qwen3-30b-a3b")
+    s = moe_shape(args.preset)
     h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
     results, best = [], {}
@@ -85,21 +88,32 @@ def main() -> None:
                         grouped_expert_mlp(x, ids32[n], ids[n], w, rows, rows, h, i, scratch, out_t, cfg, quant)
                 return call
 
+            def grouped_at_one(cfg: GemmConfig):  # the grouped GEMM at one token: the path the GEMV replaces
+                gu_b, dn_b = cfg.decode_blocks(quant)
+
+                def call():
+                    for n in range(CALLS):
+                        _experts(x, ids32[n], ids[n], w, rows, rows, h, i, scratch.one_order, scratch.one_end,
+                                 scratch.one_order, k, scratch.h, scratch.y, out_t, BLOCK_M, gu_b, dn_b, listed=False,
+                                 quant=quant)
+                return call
+
             default = GemmConfig()
-            base = timed("default", grouped(default), default.decode_blocks(quant))
-            if not (quant == "fp8" and t == 1):  # one token on FP8 rows runs the GEMV below, not these blocks
+            gemv = t == 1 and quant is not None  # one token on FP8 or 4-bit rows runs the GEMV, not the grouped blocks
+            base = timed("default", grouped(default), default.gemv_blocks(quant) if gemv else default.decode_blocks(quant))
+            if gemv:
+                timed("grouped", grouped_at_one(default), default.decode_blocks(quant))
+                gu = {c: timed("gemv_gu", grouped(default.with_gemv(quant, gate_up=c)), c) for c in GEMV_SWEEP}
+                bgu = min(gu, key=gu.get)
+                dn = {c: timed("gemv_dn", grouped(default.with_gemv(quant, bgu, c)), c) for c in GEMV_SWEEP}
+                bdn = min(dn, key=dn.get)
+                best[f"{dt} T={t} gemv"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
+            else:
                 gu = {c: timed("gate_up", grouped(default.with_decode(quant, gate_up=c)), c) for c in sweep}
                 bgu = min(gu, key=gu.get)
                 dn = {c: timed("down", grouped(default.with_decode(quant, bgu, c)), c) for c in sweep}
                 bdn = min(dn, key=dn.get)
                 best[f"{dt} T={t}"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
-            if quant == "fp8" and t == 1:  # one token on FP8 rows runs the GEMV (fp8_gemv.py): its own blocks
-                gu = {c: timed("gemv_gu", grouped(GemmConfig(fp8_gemv_gate_up=c)), c) for c in GEMV_SWEEP}
-                bgu = min(gu, key=gu.get)
-                dn = {c: timed("gemv_dn", grouped(GemmConfig(fp8_gemv_gate_up=bgu, fp8_gemv_down=c)), c)
-                      for c in GEMV_SWEEP}
-                bdn = min(dn, key=dn.get)
-                best[f"{dt} T={t} gemv"] = {"gate_up": bgu, "down": bdn, "ms": dn[bdn], "default_ms": base}
             save(args.out, s, results, best)  # after every token count: a capped run keeps what finished
     print("\nbest per dtype and tokens (us per call, default -> tuned):")
     for key, b in best.items():

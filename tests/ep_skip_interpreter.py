@@ -25,6 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
+from moetier.checkpoint.random_bed import fill_4bit_rows  # noqa: E402
 from moetier.experts.kernels import grouped_gemm as grouped  # noqa: E402
 from moetier.experts.kernels import grouped_gemm_large as grouped_large  # noqa: E402
 from moetier.experts.cache import slot_kernels as kernels  # noqa: E402
@@ -83,6 +84,10 @@ def bookkeeping(policy: str, steps: int, seed: int) -> dict:
 def weights(layout: RowLayout, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
     if layout.quant == "fp8":
         return fp8_rows(layout, E, g)
+    if layout.packed4:  # each projection drawn in bf16 and quantized by the format's rule
+        rows = torch.zeros(E, layout.numel, dtype=torch.uint8)
+        fill_4bit_rows(rows, layout, g)
+        return rows
     return (torch.randn(E, layout.numel, generator=g) * 0.1).to(dtype)
 
 
@@ -136,7 +141,7 @@ def gemm_case(t: int, k: int, h: int, i: int, dtype: torch.dtype, quant: str | N
     assert err <= TOL[dtype], (t, k, quant, large, err)
     if large:
         check_large_plan(mixed, ids, E + E // 2)
-    path = ("large" if large else "decode") + (" fp8" if quant else "")
+    path = ("large" if large else "decode") + (f" {quant}" if quant else "")
     return f"skip {path} t={t} k={k} {str(dtype)[6:]} skipped={int((~mine).sum())} err={err:.2e}"
 
 
@@ -233,6 +238,7 @@ GEMM_CASES = [  # (t, k, h, i, quant, large)
     (16, 8, 64, 32, None, False),
     (1, 4, 200, 136, "fp8", False),  # the one-token FP8 GEMV
     (5, 2, 64, 40, "fp8", False),
+    (1, 4, 200, 136, "nvfp4", False),  # the one-token 4-bit GEMV
     (40, 4, 72, 40, None, True),
     (20, 3, 64, 40, "fp8", True),
 ]

@@ -56,8 +56,13 @@ def rows4(layout: RowLayout, e: int, g: torch.Generator) -> torch.Tensor:
     return rows
 
 
+# one-token steps run the GEMV (q4_gemv.py): tiles narrower than K (several per row, INT4's group of
+# 128 spanning a tile of 32, NVFP4's groups of 16 whole in one) beside the default blocks' one tile
+SMALL_GEMV = GemmConfig(q4_gemv_gate_up=(8, 32, 2), q4_gemv_down=(16, 64, 4))
+
+
 def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, large: bool,
-         limit: float | None) -> str:
+         limit: float | None, config: GemmConfig = GemmConfig()) -> str:
     g = torch.Generator().manual_seed(seed)
     e = 6
     layout = RowLayout(h, i, quant, limit)
@@ -70,11 +75,11 @@ def case(quant: str, t: int, k: int, h: int, i: int, dtype: torch.dtype, seed: i
                                                           quant, limit=limit)
         scratch = grouped.GemmScratch.make(64, h, i, torch.device("cpu"))
         out = torch.full((t, h), float("nan"), dtype=dtype)
-        return grouped.grouped_expert_mlp(x, slot_ids, ids, w, dev_rows, rows, h, i, scratch, out, GemmConfig(),
+        return grouped.grouped_expert_mlp(x, slot_ids, ids, w, dev_rows, rows, h, i, scratch, out, config,
                                           quant, limit).clone()
 
     out_slots, out_res, out_uva = run(mixed, slots, e + e // 2), run(ids.int(), rows, e), run(none, dummy, e)
-    name = f"{quant} {'large' if large else 'decode'}"
+    name = f"{quant} {'large' if large else 'decode'}{' small-gemv' if config is SMALL_GEMV else ''}"
     err = check(name, out_slots, out_res, out_uva, x, ids, w, rows, layout, dtype, limit)
     return f"{name} t={t} k={k} h={h} i={i} {str(dtype)[6:]} limit={limit} err={err:.2e}"
 
@@ -135,4 +140,7 @@ if __name__ == "__main__":
                 for large in (False, True):
                     n += 1
                     print(case(quant, t, k, h, i, dtype, n, large, 0.5 if n % 3 == 0 else None), flush=True)
+        seed = 100 + FORMATS.index(quant)  # apart from the cases' seeds, which stay as they were
+        print(case(quant, 1, 3, 200, 72, torch.bfloat16, seed, False, 0.5 if quant == "nvfp4" else None, SMALL_GEMV),
+              flush=True)
     sys.exit(0)

@@ -18,8 +18,9 @@ def test_4bit_grouped_kernels_in_the_interpreter():
 
     out = run_script("quant4_interpreter.py")
     lines = [line for line in out.splitlines() if " decode " in line or " large " in line]
-    # 5 formats x 2 cases x 2 dtypes x (decode, large), a third of them clamped
-    assert len(lines) == 40 and sum("limit=0.5" in line for line in lines) == 13, out
+    # 5 formats x (2 cases x 2 dtypes x (decode, large) + one token on small GEMV tiles), some clamped
+    assert len(lines) == 45 and sum("small-gemv" in line for line in lines) == 5, out
+    assert sum("limit=0.5" in line for line in lines) == 14, out
     assert sum(line.endswith("bit-exact over 1024 weights") for line in out.splitlines()) == 5, out
 
 

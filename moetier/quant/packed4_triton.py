@@ -8,7 +8,12 @@ torch references): the jit helper kernels call to turn a tile of packed codes in
         INT4   (code - 8) * float32(bf16 scale)                 (int4.dequantize's)
                (code - zcode) * float32(bf16 scale)             with ZERO: asymmetric rows, zeros the
                                                                  uint8 zero codes [N, scale_row]
-        Callers: experts/kernels/grouped_gemm.py (decode and large-step expert GEMMs).
+        Callers: experts/kernels/grouped_gemm.py (decode and large-step expert GEMMs),
+        layers/packed4_linear_triton.py.
+    dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xv, NVFP4, GROUP, BLOCK_K,
+              zeros=None, ZERO=False)
+        -> [BLOCK_N] float32: the tile's rows dotted with the activations xv [BLOCK_K] (float32), each
+        group's code sum scaled once; no tl.dot. Caller: experts/kernels/q4_gemv.py (one-token steps).
 
 Codes sit two per byte, the even element in the low nibble, `row_bytes` bytes per weight row; the
 scales [N, scale_row] one per GROUP elements along K. BLOCK_K and GROUP are powers of two, so a K tile
@@ -36,25 +41,28 @@ def _e2m1_f16_bits(b, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr,
-                  GROUP: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
-                  zeros=None, ZERO: tl.constexpr = False):
-    # codes, scales: byte pointers to this projection's codes [N, row_bytes] and scales [N, scale_row];
-    # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K. Loads are whole
-    # tiles: the tile's bytes [BLOCK_N, BLOCK_K / 2] (one load, contiguous per row), its scales
-    # [BLOCK_N, BLOCK_K / GROUP] (or one per row when a group spans the tile), then the nibbles are
-    # interleaved and each group multiplied by its scale in registers (a gather per element, byte and
-    # scale each, made the GEMMs instruction-bound: docs/quant4.md has the before and after).
+def _codes4(codes, row_bytes, n, nm, k0, K, NVFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the tile's codes as exact float32 [BLOCK_N, BLOCK_K]: NVFP4 e2m1 / 2^14, INT4 code - 8 (ZERO: the
+    # raw code, its group's zero subtracted by the caller). One load of the tile's bytes
+    # [BLOCK_N, BLOCK_K / 2] (contiguous per row), the nibbles interleaved in registers (a gather per
+    # element made the GEMMs instruction-bound: docs/quant4.md has the before and after).
     HALF: tl.constexpr = BLOCK_K // 2
     kb = k0 // 2 + tl.arange(0, HALF)
     b = tl.load(codes + n[:, None].to(tl.int64) * row_bytes + kb[None, :],
                 mask=nm[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
     if NVFP4:  # element 2j: the low nibble
         bits = tl.reshape(tl.join(_e2m1_f16_bits(b, 0), _e2m1_f16_bits(b, 4)), [n.shape[0], BLOCK_K])
-        v = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 / 2^14, exact
-    else:  # INT4: code - 8; with ZERO the group's zero code instead, subtracted below by group
-        code = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K])
-        v = code.to(tl.float32) if ZERO else (code - 8).to(tl.float32)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 / 2^14, exact
+    code = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K])
+    return code.to(tl.float32) if ZERO else (code - 8).to(tl.float32)
+
+
+@triton.jit
+def _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+             zeros, ZERO: tl.constexpr):
+    # -> (sc, zc) float32: the tile's group scales (NVFP4: times gscale and the 2^14 _codes4 took out)
+    # and zero codes (ZERO; else 0.0), [BLOCK_N, BLOCK_K / GROUP] when the tile holds whole groups,
+    # [BLOCK_N] when one group spans it
     if BLOCK_K >= GROUP:
         NG: tl.constexpr = BLOCK_K // GROUP
         g = k0 // GROUP + tl.arange(0, NG)
@@ -63,24 +71,61 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
     else:  # one group over the whole tile (BLOCK_K divides GROUP)
         at = n.to(tl.int64) * scale_row + k0 // GROUP
         sm = nm
+    zc = 0.0
     if NVFP4:
         sc = tl.load(scales + at, mask=sm, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
-        sc = sc * 16384.0  # 2^14: exact; v holds e2m1 / 2^14
+        sc = sc * 16384.0  # 2^14: exact; the codes hold e2m1 / 2^14
     else:
         sc = tl.load(scales.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, mask=sm, other=0.0).to(tl.float32)
-        if ZERO:  # the group's zero code: (code - zcode) exact in float32 (integers below 16), one rounding
+        if ZERO:  # the group's zero code: (code - zcode) exact in float32 (integers below 16)
             zc = tl.load(zeros + at, mask=sm, other=0).to(tl.float32)
+    return sc, zc
+
+
+@triton.jit
+def _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+           BLOCK_K: tl.constexpr, zeros, ZERO: tl.constexpr):
+    # -> (v, sc): the codes less their zero, exact float32, [BLOCK_N, BLOCK_K / GROUP, GROUP] with the
+    # scales sc [BLOCK_N, BLOCK_K / GROUP] when the tile holds whole groups, else [BLOCK_N, BLOCK_K]
+    # with sc [BLOCK_N] (one group spans the tile)
+    v = _codes4(codes, row_bytes, n, nm, k0, K, NVFP4, ZERO, BLOCK_K)
+    sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
     if BLOCK_K >= GROUP:
-        v = tl.reshape(v, [n.shape[0], NG, GROUP])
+        v = tl.reshape(v, [n.shape[0], BLOCK_K // GROUP, GROUP])
         if ZERO:
             v = v - zc[:, :, None]
+    elif ZERO:
+        v = v - zc[:, None]
+    return v, sc
+
+
+@triton.jit
+def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr,
+                  GROUP: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                  zeros=None, ZERO: tl.constexpr = False):
+    # codes, scales: byte pointers to this projection's codes [N, row_bytes] and scales [N, scale_row];
+    # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K; each group multiplied
+    # by its scale in registers, rounded once to DOT
+    v, sc = _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
+    if BLOCK_K >= GROUP:
         v = tl.reshape(v * sc[:, :, None], [n.shape[0], BLOCK_K])
     else:
-        if ZERO:
-            v = v - zc[:, None]
         v = v * sc[:, None]
     if EMULATE:
         if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
             u = v.to(tl.uint32, bitcast=True)
             v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return v.to(DOT)
+
+
+@triton.jit
+def dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xv, NVFP4: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_K: tl.constexpr, zeros=None, ZERO: tl.constexpr = False):
+    # [BLOCK_N] float32: sum over the tile's columns of w[n, k] * xv[k], xv [BLOCK_K] float32 (zeros past
+    # K). Each group's codes times xv are summed first, then times the group's scale once: no weight is
+    # rounded (the dequantize-then-dot path rounds each to DOT), fewer multiplies per weight.
+    v, sc = _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
+    if BLOCK_K >= GROUP:
+        part = tl.sum(v * tl.reshape(xv, [BLOCK_K // GROUP, GROUP])[None, :, :], axis=2)  # [BLOCK_N, NG]
+        return tl.sum(part * sc, axis=1)
+    return tl.sum(v * xv[None, :], axis=1) * sc

@@ -54,6 +54,23 @@ def _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row):
 
 
 @triton.jit
+def pair_program(dev_ptr, host_ptr, slot_ptr, expert_ptr, row, N, BLOCK_N: tl.constexpr):
+    # program (p, nb) of a GEMV kernel -> (p, n, nm, base, skip): pair p, its output rows
+    # n = [nb * BLOCK_N, +BLOCK_N) (nm: those below N), its row's base pointer, skip (see _row_base)
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base, skip = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    return p, n, n < N, base, skip
+
+
+@triton.jit
+def store_swiglu(h_ptr, p, inter, n, nm, acc_g, acc_u, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr):
+    # h[p, n] = silu(gate) * up of the fp32 accumulators [BLOCK_N], clamped first under a swiglu_limit
+    acc_g, acc_u = swiglu_clamp(acc_g, acc_u, HAS_LIMIT, LIMIT)
+    tl.store(h_ptr + p.to(tl.int64) * inter + n, acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, mask=nm)
+
+
+@triton.jit
 def _tile_dot(w_ptr, scale_ptr, v, n, nm, k0, K: tl.constexpr, KB: tl.constexpr, C: tl.constexpr,
               BLOCK_N: tl.constexpr):
     # sum over k in [k0, k0 + C*128) of fp32(q[n, k]) * v[k], each 128-block's part times its scale.
@@ -75,10 +92,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.co
              inter: tl.constexpr, row: tl.constexpr, S13: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LIMIT: tl.constexpr = False,
              LIMIT: tl.constexpr = 0.0):
-    p = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < inter
-    base, skip = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    p, n, nm, base, skip = pair_program(dev_ptr, host_ptr, slot_ptr, expert_ptr, row, inter, BLOCK_N)
     if skip:
         return
     t = (p // top_k).to(tl.int64)
@@ -90,19 +104,14 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.co
         v = tl.load(x_ptr + t * hidden + kk, mask=kk < hidden, other=0.0).to(tl.float32)
         acc_g += _tile_dot(base, base + S13, v, n, nm, k0, hidden, NH, C, BLOCK_N)
         acc_u += _tile_dot(base + inter * hidden, base + S13 + 4 * NI * NH, v, n, nm, k0, hidden, NH, C, BLOCK_N)
-    acc_g, acc_u = swiglu_clamp(acc_g, acc_u, HAS_LIMIT, LIMIT)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + p.to(tl.int64) * inter + n, h, mask=nm)
+    store_swiglu(h_ptr, p, inter, n, nm, acc_g, acc_u, HAS_LIMIT, LIMIT)
 
 
 @triton.jit
 def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, y_ptr, hidden: tl.constexpr, inter: tl.constexpr,
           row: tl.constexpr, S2: tl.constexpr, NI: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < hidden
-    base, skip = _row_base(dev_ptr, host_ptr, slot_ptr, expert_ptr, p, row)
+    p, n, nm, base, skip = pair_program(dev_ptr, host_ptr, slot_ptr, expert_ptr, row, hidden, BLOCK_N)
     if skip:
         return
     C: tl.constexpr = BLOCK_K // 128
