@@ -15,6 +15,11 @@ forward of that step's static batch and replayed alone:
     rest          the whole step less the parts: embedding, norms, routers, shared experts, dense
                   MLPs and the gaps between launches
 
+Beside each part its bytes (the weights it reads, KDA's recurrent and conv state read and written per
+sequence, the distinct expert rows the step's routing reads) and the HBM time those bytes take at the
+device-to-device copy rate measured in the same run: the part's time over that is how far it is from
+its roofline (issue 29's KDA target: within 1.5x).
+
 A part alone runs without its neighbours, so the parts need not sum to the step: the rest is shown
 as it comes out (negative when the parts overlap less alone than in the step). On the CPU (a dry run
 of the attribution with a tiny preset) the figures are eager wall times instead, and say so.
@@ -40,7 +45,7 @@ from pathlib import Path
 import torch
 
 from moetier.bench import decode
-from moetier.bench.common import time_graph
+from moetier.bench.common import links, time_graph
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.layers.kda import KdaAttention
@@ -91,15 +96,26 @@ def step_inputs(llm: LLM, batch: int):
     return seen["args"]
 
 
+def tensor_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 @torch.inference_mode()
-def part_closures(model, ids, batch, kv, replayer) -> dict[str, list]:
+def part_closures(model, ids, batch, kv, replayer) -> tuple[dict[str, list], dict[str, int]]:
     """One eager forward of the step with hooks that keep each part's inputs -> part -> closures."""
     parts: dict[str, list] = {p: [] for p in PARTS}
+    nbytes = dict.fromkeys(PARTS, 0)
+    n = ids.shape[0]
+    state = kv.state if hasattr(kv, "state") else None  # one sequence's KDA state of one layer, both tensors
+    per_seq = 0 if state is None else (state.conv[0, 0].numel() * state.conv.element_size()
+                                       + state.recurrent[0, 0].numel() * state.recurrent.element_size())
     hooks = []
     for layer in model.layers:
         def on_attn(mod, args, layer=layer):
             kept = (args[0].clone(), *args[1:])
-            parts["KDA" if isinstance(mod, KdaAttention) else "MLA+indexer"].append(lambda: mod(*kept))
+            kda = isinstance(mod, KdaAttention)
+            parts["KDA" if kda else "MLA+indexer"].append(lambda: mod(*kept))
+            nbytes["KDA" if kda else "MLA+indexer"] += tensor_bytes(mod) + (2 * n * per_seq if kda else 0)
 
         def on_layer(mod, args):
             s = args[0].clone()
@@ -110,6 +126,7 @@ def part_closures(model, ids, batch, kv, replayer) -> dict[str, list]:
                     post, comb, _ = hc.weights(s)
                     expand(a, post, comb, s)
             parts["mHC"].append(mhc)
+            nbytes["mHC"] += tensor_bytes(mod.attn_hc) + tensor_bytes(mod.ffn_hc)
         hooks += [layer.attn.register_forward_pre_hook(on_attn), layer.register_forward_pre_hook(on_layer)]
     for block in model.moe_blocks():
         def on_moe(mod, args):
@@ -118,6 +135,7 @@ def part_closures(model, ids, batch, kv, replayer) -> dict[str, list]:
             if mod.route_hook is not None:
                 ids_, w = mod.route_hook(mod.layer, ids_, w)
             parts["routed experts"].append(lambda: mod.experts.forward(x, ids_, w))
+            nbytes["routed experts"] += int(ids_.unique().numel()) * model.cfg.moe_shape.layout.row_bytes(model.dtype)
         hooks.append(block.register_forward_pre_hook(on_moe))
     cursor = replayer.cursor.clone() if replayer is not None else None
     try:
@@ -130,7 +148,8 @@ def part_closures(model, ids, batch, kv, replayer) -> dict[str, list]:
     streams = torch.randn(hidden.shape[0], model.cfg.hc_mult, hidden.shape[1], dtype=hidden.dtype,
                           device=hidden.device)
     parts["LM head"].append(lambda: model.logits(rms_norm(hyper_head(streams), model.norm, model.cfg.rms_norm_eps)))
-    return parts
+    nbytes["LM head"] = model.lm_head.numel() * model.lm_head.element_size()
+    return parts, nbytes
 
 
 def main(argv: list[str]) -> None:
@@ -164,20 +183,26 @@ def main(argv: list[str]) -> None:
         whole = decode.replay_ms(llm, a.batch)
     else:
         whole = timed_ms(lambda: bed.model.logits(bed.model.forward(ids, batch, kv)), False)
-    parts = part_closures(bed.model, ids, batch, kv, llm.replayer)
+    parts, nbytes = part_closures(bed.model, ids, batch, kv, llm.replayer)
     ms = {p: sum(timed_ms(f, cuda) for f in fns) for p, fns in parts.items()}
+    hbm = links(256 * 2**20)["d2d_GBps"] if cuda else None  # GB/s, read + write, this run
+    at_hbm = {p: nbytes[p] / 1e9 / hbm * 1e3 for p in PARTS} if hbm else {}  # ms
     mode = "CUDA graphs" if cuda else "eager on the CPU (a dry run: not a measurement of the GPU)"
     print(f"{a.preset} cut to {a.layers} layers, {a.dtype} experts, "
           f"{a.backend}{f' {a.budget:.0%}' if a.backend == 'slots' else ''}, "
           f"batch {a.batch}, {mode}: whole step {whole:.3f} ms")
     for p in PARTS:
-        print(f"  {p:<15} {ms[p]:9.3f} ms  {ms[p] / whole:6.1%}  ({len(parts[p])} calls)")
+        line = f"  {p:<15} {ms[p]:9.3f} ms  {ms[p] / whole:6.1%}  ({len(parts[p])} calls)  {nbytes[p] / 1e6:9.1f} MB"
+        if hbm and at_hbm[p] > 0:
+            line += f"  {at_hbm[p]:7.3f} ms at {hbm:.0f} GB/s: {ms[p] / at_hbm[p]:5.2f}x its bytes"
+        print(line)
     rest = whole - sum(ms.values())
     print(f"  {'rest':<15} {rest:9.3f} ms  {rest / whole:6.1%}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"command": " ".join(["python", "scripts/profile_glm5_next.py", *argv]),
                                      "mode": mode, "whole_ms": whole, "parts_ms": ms, "rest_ms": rest,
+                                     "parts_bytes": nbytes, "hbm_GBps": hbm, "parts_ms_at_hbm": at_hbm,
                                      "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend, "dtype": a.dtype,
                                      "budget": a.budget if a.backend == "slots" else None,
                                      "trace": str(trace)}, indent=2) + "\n")
