@@ -32,6 +32,7 @@ from moetier.config import ModelConfig
 from moetier.engine.config import EngineConfig
 from moetier.engine.llm import LLM
 from moetier.experts.hybrid.phases import model_phases
+from moetier.experts.placement import ExpertOptions
 from moetier.experts.registry import Hybrid, Resident, Slots, Uva, backend_kind
 from moetier.traces.format import Trace
 
@@ -62,10 +63,12 @@ def progress(line: str) -> None:
 
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
-                 args: dict, bw: dict, mode: str = "auto", per_layer: dict[int, int] | None = None) -> list[dict]:
+                 args: dict, bw: dict, mode: str = "auto", per_layer: dict[int, int] | None = None,
+                 prefetch: str = "off") -> list[dict]:
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
     row's `graphs` says which it made, nodes-auto or pieces-auto). per_layer: slots per MoE layer (a
-    slots file) instead of the budget's count; the row's budget is then their share of the experts."""
+    slots file) instead of the budget's count; the row's budget is then their share of the experts.
+    prefetch: next-layer expert prefetch of slots rows (experts/prefetch.py MODES)."""
     kind = backend_kind(backend)
     hybrid = kind.host_compute
     opts = host_options(args, bw) if hybrid else {}
@@ -78,11 +81,12 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          cuda_graphs=mode != "eager")
+                          cuda_graphs=mode != "eager", experts=ExpertOptions(prefetch=prefetch))
     t0 = time.perf_counter()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
-    what = f"{backend} " + ("(slots file)" if per_layer else f"{budget:.0%}")
+    what = f"{backend} " + ("(slots file)" if per_layer else f"{budget:.0%}") + (
+        f" prefetch {prefetch}" if prefetch != "off" else "")
     progress(f"{what}: engine ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     try:
@@ -100,10 +104,14 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                                "last_misses_per_layer_step": switch.last_misses_per_layer_step}
             st = r["expert_stats"]
             host_experts = None
+            prefetched = None
             if kind.cached:
                 per = max(1, st["steps"])  # layer-steps: every counter is summed over layers
                 hbm_experts = (st["hits"] + st["misses"]) / per
+                # the step's own misses: on its critical path (prefetch fills cross the link beside it)
                 link_experts = (st["misses"] + st["overflow"]) / per
+                if prefetch != "off":
+                    prefetched = st.get("prefetch_fills", 0) / per
                 if hybrid:
                     host_experts = st.get("host", 0) / per
             else:
@@ -120,7 +128,9 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                          **({"slots_per_layer": {str(la): n for la, n in per_layer.items()}} if per_layer else {}),
                          "graphs": mode if hybrid else graph_mode(llm),
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
-                         "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts})
+                         "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts,
+                         **({"prefetch": prefetch, "prefetch_experts_per_layer_step": prefetched}
+                            if prefetch != "off" else {})})
             progress(f"{what} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s")
     finally:
         llm.close()
@@ -239,12 +249,14 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     share = sum(per_layer.values()) / (len(per_layer) * bed.cfg.num_experts) if per_layer else None
     plan = [(b, budget, "auto", None) for b, budget in plan]
     plan += [(Slots.name, share, "auto", per_layer)] * bool(per_layer and Slots.name in backends)
+    # every slots row once per prefetch mode, in the order given
+    plan = [(*p, pf) for p in plan for pf in ((args.get("prefetch") or ["off"]) if p[0] == Slots.name else ["off"])]
     for mode in modes:
-        plan += [(Hybrid.name, b, mode, None) for b in budgets if Hybrid.name in backends]
-        plan += [(Hybrid.name, share, mode, per_layer)] * bool(per_layer and Hybrid.name in backends)
-    for backend, budget, mode, counts in plan:
+        plan += [(Hybrid.name, b, mode, None, "off") for b in budgets if Hybrid.name in backends]
+        plan += [(Hybrid.name, share, mode, per_layer, "off")] * bool(per_layer and Hybrid.name in backends)
+    for backend, budget, mode, counts, prefetch in plan:
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, counts)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, counts, prefetch)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if not backend_kind(backend).host_compute:
                 raise

@@ -14,6 +14,7 @@ def row_name(r: dict) -> str:
     quantized rows end in /fp8, /nvfp4, ... (or /fp8-dense, /nvfp4-dense, ...), parallel rows in /tp2, /ep2."""
     par = r.get("parallel", "1")
     name = r["backend"] + ("/" + r["graphs"] if r["backend"] == Hybrid.name else "")
+    name += f"+prefetch:{r['prefetch']}" if r.get("prefetch", "off") != "off" else ""
     at = "file" if r.get("slots_per_layer") else r.get("budget")  # a slots file's row: its per-layer counts
     key = f"{name}@{at}/b{r['batch']}" if at is not None else f"{name}/b{r['batch']}"
     return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "") + ("" if par == "1" else "/" + par)
@@ -50,6 +51,9 @@ def table(rows: list[dict]) -> str:
             st = r["switch"]["steps"]
             host += f"  pieces {st['pieces']}/{st['pieces'] + st['whole']} steps"
         name = r["backend"] + ("/" + r["graphs"][:5] if r["backend"] == Hybrid.name else "")
+        if r.get("prefetch", "off") != "off":  # the rows it filled ahead, beside the step's own misses
+            name += f"+pf:{r['prefetch'][:5]}"
+            host += f"  prefetched {r['prefetch_experts_per_layer_step']:.2f} exp/layer-step"
         if r.get("parallel", "1") != "1":  # rank 0's roofline; every rank's hit rate; the all-reduce time
             name = f"{r['parallel']}:{name}"
             host += f"  all-reduce {r['all_reduce_ms_per_step']:.2f} ms/step"

@@ -94,6 +94,11 @@ def bench_decode(
                                            "and/or auto (the engine's default: the host path's graph, nodes "
                                            "on CUDA with the compiled kernel, else pieces, and the whole "
                                            "slots-step graph, switched per step)."),
+    prefetch: str = typer.Option("off", "--prefetch",
+                                 help="slots rows: comma-separated next-layer expert prefetch modes, a row "
+                                      "each: off, router (the next layer's router on this layer's input), "
+                                      "trace (the replayed trace's next-layer experts: a perfect guess; "
+                                      "experts/prefetch.py)."),
     host_profile: Optional[Path] = typer.Option(None, "--host-profile", metavar="<file>",
                                                 help="hybrid rows: scripts/bench_cpu_experts.py JSON; its winner "
                                                      "kernel, threads and rates (default: measured at build)."),
@@ -163,6 +168,11 @@ def bench_decode(
         if not modes or set(modes) - set(HYBRID_GRAPH_MODES):
             raise MoetierError(f"--hybrid-graphs {hybrid_graphs!r}: give {', '.join(HYBRID_GRAPH_MODES)} "
                                "(comma-separated)")
+        from moetier.experts.prefetch import MODES as PREFETCH_MODES
+
+        prefetches = [m.strip() for m in prefetch.split(",") if m.strip()]
+        if not prefetches or set(prefetches) - set(PREFETCH_MODES):
+            raise MoetierError(f"--prefetch {prefetch!r}: give {', '.join(PREFETCH_MODES)} (comma-separated)")
         for b in batch:
             opt.at_least(b, 1, "--batch")
         for value, name in ((tokens, "--tokens"), (prompt_len, "--prompt-len"), (hf_tokens, "--hf-tokens")):
@@ -202,7 +212,7 @@ def bench_decode(
 
     args = {"tokens": tokens, "warmup": warmup, "repeats": repeats, "prompt_len": prompt_len, "hf_tokens": hf_tokens,
             "policy": policy, "decode_tokens": decode_tokens, "seed": seed, "preset": preset,
-            "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes,
+            "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes, "prefetch": prefetches,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
             "pinned": pinned, "slots_per_layer": per_layer}

@@ -33,6 +33,7 @@ from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
+from moetier.experts.prefetch import attach_prefetch, detach_prefetch
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
@@ -254,6 +255,8 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
+        # before the graphs: a prefetch forks onto its side stream inside the captured step
+        attach_prefetch(model, config.experts.prefetch, self.replayer)
         attach_chooser(self.scheduler.spec, model)  # expert-aware k: its route hook is in the graphs too
         graphs = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
@@ -349,6 +352,8 @@ class LLM:
             if hook is not None:
                 hook.close()
         self.recorder = self.replayer = None
+        if getattr(self, "model", None) is not None:  # a bench's next engine over this model starts unlinked
+            detach_prefetch(self.model)
 
     def _last_stats(self) -> list[dict] | None:
         """Every rank's expert statistics as the engine closes, for metrics() after close(); None when a

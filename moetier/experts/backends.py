@@ -50,6 +50,8 @@ class ExpertBackend(ABC):
     # False: forward() reads device values on the host (a sync), so a decode step cannot be captured
     # in a CUDA graph; the engine then runs decode steps eagerly.
     graph_safe = True
+    # True: prefetch() takes in predicted experts ahead of the layer's step (experts/prefetch.py)
+    prefetches = False
 
     def __init__(self, layout: RowLayout, top_k: int, decode_tokens: int, device: torch.device,
                  gemm: GemmConfig = GemmConfig()):
@@ -169,6 +171,7 @@ class SlotExperts(ExpertBackend):
     """S slots in device memory caching the experts of the host store (see slots.py for one step)."""
 
     name = "slots"
+    prefetches = True
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru", gemm: GemmConfig = GemmConfig(), prefill: str = "bypass",
@@ -200,6 +203,10 @@ class SlotExperts(ExpertBackend):
         self.slots = device_rows  # [S + P, R]: the slots, then the pinned experts (slot ids index both)
         # rows the prefill refreshes filled (a device counter: the CUDA path adds the miss count unread)
         self._refreshed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # prefetch steps' counters (slots.py's five), apart from the real steps' (experts/prefetch.py)
+        self._prefetch_stats = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self._prefetched = False  # a prefetch is in flight on the side stream: forward joins it first
+        self._guess_in: torch.Tensor | None = None  # [decode_tokens, H]: the predictor's input, fixed address
         if self.cuda:
             from moetier.experts.cache.slot_kernels import BookkeepingScratch
 
@@ -210,8 +217,42 @@ class SlotExperts(ExpertBackend):
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._copy_programs = 2 * sms
 
+    def prefetch(self, predict, x: torch.Tensor) -> None:
+        """Take in the experts predict(x) names (x: the previous MoE layer's input [T, H]) before this
+        layer's step: one cache step with its own counters, and its fills; on CUDA on the side stream
+        (experts/prefetch.py), which this layer's forward joins. Decode steps only."""
+        t = x.shape[0]
+        if t > self.decode_tokens:
+            return
+        if not self.cuda:
+            miss = self.cache.step_reference(predict(x), stats=self._prefetch_stats)[1]
+            n = int(miss.count)
+            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+            return
+        from moetier.experts.cache.slot_kernels import bookkeeping, copy_rows
+        from moetier.experts.prefetch import side_stream
+
+        if self._guess_in is None or self._guess_in.dtype != x.dtype:
+            self._guess_in = torch.empty(self.decode_tokens, x.shape[1], dtype=x.dtype, device=self.device)
+        guess_in = self._guess_in[:t]
+        guess_in.copy_(x)  # NOTE: x's memory may be reused once this layer returns; the side stream reads this copy
+        main, side = torch.cuda.current_stream(self.device), side_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            bookkeeping(self.cache, self._scratch, predict(guess_in), stats=self._prefetch_stats)
+            copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
+        self._prefetched = True
+
+    def _join_prefetch(self) -> None:
+        if self._prefetched:  # the cache's state and its scratch are the side stream's until here
+            from moetier.experts.prefetch import side_stream
+
+            torch.cuda.current_stream(self.device).wait_stream(side_stream(self.device))
+            self._prefetched = False
+
     def forward(self, hidden, topk_ids, topk_weights):
         t = hidden.shape[0]
+        self._join_prefetch()
         if t > self.decode_tokens:
             return self._bypass(hidden, topk_ids, topk_weights)
         if not self.cuda:
@@ -299,14 +340,18 @@ class SlotExperts(ExpertBackend):
                 "host": cached * self.host.shape[1] * self.host.element_size()}
 
     def stats(self):
-        # refreshed: rows prefill refreshes filled (not in misses: those count decode's fills)
-        return {**self.cache.read_stats(), "bypassed": self.bypassed, "refreshed": int(self._refreshed)}
+        # refreshed: rows prefill refreshes filled (not in misses: those count decode's fills);
+        # prefetch_*: the prefetch steps' lookups (experts/prefetch.py), never in the step counters
+        h, m, o, s, _ = self._prefetch_stats.tolist()
+        return {**self.cache.read_stats(), "bypassed": self.bypassed, "refreshed": int(self._refreshed),
+                "prefetch_hits": h, "prefetch_fills": m, "prefetch_overflow": o, "prefetch_steps": s}
 
     def reset(self):
         super().reset()
         self.ring_rows = 0
         self.cache.reset()
         self._refreshed.zero_()
+        self._prefetch_stats.zero_()
 
 
 def set_prefill_policy(backend: ExpertBackend, policy: str) -> None:

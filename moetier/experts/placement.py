@@ -31,6 +31,7 @@ from moetier.experts.hybrid.host_kernels import CHOICES as HOST_KERNELS
 from moetier.experts.parallel.ep import ShardedExperts, local_experts, owned_experts
 from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.experts.prefill.cache_policy import PREFILL_POLICIES
+from moetier.experts.prefetch import MODES as PREFETCH_MODES
 from moetier.experts.prefill.ring import PREFILL_STREAMS, RING_DEPTH, RING_GROUP, check_geometry
 from moetier.experts.registry import KINDS, NAMES, Resident, backend_kind, either, find
 from moetier.experts.shape import MoeShape
@@ -78,6 +79,9 @@ class ExpertOptions:
     # slots, hybrid: per MoE layer the experts (global ids) pinned on the GPU for good, with no host copy
     # (experts/cache/split.py); the others are cached. From --pinned-experts-file or the plan.
     pinned: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # next-layer expert prefetch of slots backends (experts/prefetch.py: off, router, trace); off until
+    # the H200 measures it (docs/prefetch.md)
+    prefetch: str = "off"
 
     def slots_for(self, layer: int, num_experts: int, num_pinned: int = 0) -> int:
         """num_experts: this rank's; num_pinned: of them pinned (the default is half the cached ones)."""
@@ -117,6 +121,8 @@ class ExpertOptions:
         if self.prefill_stream not in PREFILL_STREAMS:
             out.append(f"prefill stream {self.prefill_stream!r}: choose uva or ring")
         out += check_geometry(self.ring_group, self.ring_depth)
+        if self.prefetch not in PREFETCH_MODES:
+            out.append(f"expert prefetch {self.prefetch!r}: choose one of {', '.join(PREFETCH_MODES)}")
         return out
 
     def _pinned_problems(self, shape: MoeShape, moe_layers: list[int], ep: int) -> list[str]:

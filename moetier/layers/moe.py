@@ -5,7 +5,8 @@
 
 The router is the model's (layers/router.py); the expert backend (experts/backends.py: resident,
 slots, uva) is built by the loader after the weights are in place and handed to the block, so the
-model never knows where its experts live. The route hook sees (layer, ids, weights) and may replace
+model never knows where its experts live. With expert prefetch (experts/prefetch.py) a block first
+asks the next MoE layer's backend to take in the experts predicted from this block's input. The route hook sees (layer, ids, weights) and may replace
 them: routing traces record and replay through it (traces/hooks.py). Shared experts (DeepSeek-V3,
 GLM-5) are a dense module every token runs, always on the device, outside the expert tiers.
 """
@@ -35,11 +36,17 @@ class MoEBlock(nn.Module):
         # ends the graph being captured and runs the backend eagerly at replay (backends that are not
         # graph-safe, such as hybrid).
         self.eager_split: Callable | None = None
+        # (the next MoE layer's backend, a predictor of its experts from this layer's input): set by
+        # experts/prefetch.attach_prefetch; its fills start here, before this layer's experts run
+        self.prefetch_next: tuple[ExpertBackend, Callable] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         if self.route_hook is not None:
             ids, weights = self.route_hook(self.layer, ids, weights)
+        if self.prefetch_next is not None:  # after the hook: a replayed step's ids exist from here
+            backend, predict = self.prefetch_next
+            backend.prefetch(predict, x)
         if self.eager_split is not None:
             out = self.eager_split(self.experts.forward, x, ids, weights)
         else:

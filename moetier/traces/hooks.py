@@ -106,6 +106,13 @@ class Replayer:
             self.cursor.add_(self.model.real_rows if capturing else t)
         return out, weights
 
+    def peek(self, layer: int, t: int) -> torch.Tensor:
+        """The step's ids [t, k] for `layer` (a target MoE layer after the step's first), the cursor
+        untouched: the 'trace' predictor of expert prefetch (experts/prefetch.py)."""
+        if self._step is None or layer == self.first or layer >= self.num_layers:
+            raise MoetierError(f"layer {layer}'s replayed ids are known only after the step's first MoE layer")
+        return self._step[self.slot[layer], :t]
+
     def _steps(self, t: int) -> torch.Tensor:
         return self._arange[:t] if t <= self._arange.numel() else torch.arange(t, device=self._arange.device)
 

@@ -250,10 +250,12 @@ class BookkeepingScratch:
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def bookkeeping(cache, scratch: BookkeepingScratch, topk_ids: torch.Tensor, warps: int = BOOKKEEPING_WARPS
-                ) -> torch.Tensor:
+def bookkeeping(cache, scratch: BookkeepingScratch, topk_ids: torch.Tensor, warps: int = BOOKKEEPING_WARPS,
+                stats: torch.Tensor | None = None) -> torch.Tensor:
     """One fused step of `cache` (a SlotCache on the GPU). -> slot ids [T, k] int32 (a scratch view).
-    warps: of the register kernel (small steps); the bench sweeps it."""
+    warps: of the register kernel (small steps); the bench sweeps it. stats: the [5] counters the step
+    adds to (default the cache's; a prefetch step keeps its own, experts/prefetch.py)."""
+    stats = cache.stats if stats is None else stats
     n = topk_ids.numel()
     if n > scratch.max_pairs:
         raise ValueError(f"{n} (token, expert) pairs exceed the {scratch.max_pairs} this cache was sized for")
@@ -263,12 +265,12 @@ def bookkeeping(cache, scratch: BookkeepingScratch, topk_ids: torch.Tensor, warp
     freq = (cache.freq, cache.fepoch, pol.weight, pol.half_life)
     if fits_registers(n, cache.num_slots):
         _bookkeeping_regs[(1,)](
-            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
+            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, stats,
             scratch.slots_out, scratch.miss_expert, scratch.miss_slot, scratch.miss_count, cache.num_slots, *freq,
             BLOCK_N=block_n, BLOCK_S=block_s, USE_FREQ=pol.uses_freq, num_warps=warps)
     else:
         _bookkeeping[(1,)](
-            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, cache.stats,
+            topk_ids, n, cache.expert_slot, cache.slot_expert, cache.stamp, cache.clock, stats,
             scratch.first, scratch.used, scratch.victim, scratch.slots_out, scratch.miss_expert,
             scratch.miss_slot, scratch.miss_count, cache.num_slots, *freq,
             BLOCK_N=block_n, BLOCK_S=block_s, USE_FREQ=pol.uses_freq, num_warps=4)

@@ -159,8 +159,11 @@ class SlotCache:
         assert bool((self.stamp.cpu() < clock).all()), "a stamp is ahead of the clock"
 
     @torch.no_grad()
-    def step_reference(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, MissList]:
-        """The torch reference of one step (CPU or GPU; syncs freely). -> slot ids [T, k], misses."""
+    def step_reference(self, topk_ids: torch.Tensor, stats: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, MissList]:
+        """The torch reference of one step (CPU or GPU; syncs freely). -> slot ids [T, k], misses.
+        stats: the [5] counters this step adds to (default the cache's own; a prefetch step keeps its own,
+        experts/prefetch.py)."""
         ids = topk_ids.reshape(-1).long()
         # Negative ids (experts/parallel/ep.NOT_MINE: another rank's expert) are no expert of this cache: they
         # take no slot, count nowhere, and get slot id -1.
@@ -207,8 +210,8 @@ class SlotCache:
         slots[valid] = self.expert_slot[flat].long()
         self.stamp[slots[(slots >= 0) & (slots < self.num_slots)]] = self.clock
         self.clock += 1
-        self.stats += torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1, int(pinned.sum())],
-                                   device=flat.device)
+        (self.stats if stats is None else stats).add_(
+            torch.tensor([int(hit.sum()), n_fill, misses.numel() - n_fill, 1, int(pinned.sum())], device=flat.device))
         cap = ids.numel()
         miss = MissList(
             expert=torch.full((cap,), -1, dtype=torch.int32, device=flat.device),

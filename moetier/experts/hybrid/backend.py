@@ -57,6 +57,7 @@ class HybridExperts(SlotExperts):
 
     name = "hybrid"
     graph_safe = False  # one host sync per layer (see the module NOTE)
+    prefetches = False  # its misses may be computed on the host: a prefetch would fill them in vain
 
     def __init__(self, host_rows: torch.Tensor, layout: RowLayout, top_k: int, num_slots: int,
                  decode_tokens: int = 64, device: torch.device | str = "cpu", policy: str = "lfru",
