@@ -4,10 +4,12 @@
 # host (docs/pinned.md). Run from the repository root; everything lands under $OUT, a table last.
 #
 #   bash scripts/pinned_h200.sh [tests] [tune] [profile] [decode] [serve] [--budget SECONDS] [--batches 1,8,32]
-#   (default: tests, decode and serve; 540 s; batches 1, 8 and 32)
+#       [--prefetch off,trace]
+#   (default: tests, decode and serve; 540 s; batches 1, 8 and 32; prefetch off)
 #
 # --budget: the whole script's seconds, table included (a device call is 600 s; give less when the call
-#   runs something before it). --batches: decode's batch sizes.
+#   runs something before it). --batches: decode's batch sizes. --prefetch: decode's slots rows once per
+#   next-layer expert prefetch mode (experts/prefetch.py; trace: the replayed routing's perfect guess).
 #
 # The trace and the plans always run (CPU, seconds). The 45-layer NVFP4 bed takes minutes to make and its
 # engine minutes to warm, so on the device give decode and serve a call each: `bash scripts/pinned_h200.sh
@@ -43,18 +45,19 @@
 #   table    every row beside the plan's prediction, its roofline and its reference check
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TESTS=0 DECODE=0 SERVE=0 TUNE=0 PROFILE=0 BUDGET=540 BATCHES=1,8,32
+TESTS=0 DECODE=0 SERVE=0 TUNE=0 PROFILE=0 BUDGET=540 BATCHES=1,8,32 PREFETCH=off
 while [ $# -gt 0 ]; do
   case "$1" in
     tests) TESTS=1 ;;
     tune) TUNE=1 ;;
     profile) PROFILE=1 ;;
     --batches) BATCHES=$2; shift ;;
+    --prefetch) PREFETCH=$2; shift ;;
     decode) DECODE=1 ;;
     serve) SERVE=1 ;;
     --budget) BUDGET=$2; shift ;;
     *) echo "error: unknown argument $1 (give any of: tests tune profile decode serve, --budget SECONDS," \
-            "--batches LIST)" >&2; exit 2 ;;
+            "--batches LIST, --prefetch LIST)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -186,7 +189,7 @@ else
     # 1%: top_k slots a layer (the fewest a layer takes), the reference row; then the plan's slots per layer
     step decode "$DECODE_CAP" $(( SERVE ? 150 : 10 )) "${MT[@]}" bench decode "${MODEL[@]}" --trace "$TRACE" \
       --pinned-experts-file "$SPLIT" --backends slots --expert-budget 1% --expert-slots-file "$SPLIT" \
-      "${BATCH_ARGS[@]}" --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
+      "${BATCH_ARGS[@]}" --prefetch "$PREFETCH" --tokens 32 --warmup 8 --prompt-len 32 --repeats 3 --out "$OUT/decode.json"
   fi
   [ "$SERVE" = 1 ] && step serve "$SERVE_CAP" 10 serve_rows
 fi
@@ -238,7 +241,8 @@ if d:
         pin = st.get("pinned", 0)
         link_t = r["link_bytes_per_step"] / (bw["link_GBps"] * 1e9) * 1e3 / r["roofline_step_ms"]
         split = bool(r.get("slots_per_layer"))  # the plan's row (else the reference, top_k slots a layer)
-        name = f"slots {'plan' if split else r['slots']}/layer b{r['batch']}"
+        name = f"slots {'plan' if split else r['slots']}/layer b{r['batch']}" + (
+            f" pf:{r['prefetch']}" if r.get("prefetch", "off") != "off" else "")
         plan = f"{predicted:6.1f}" if predicted and r["batch"] == 1 and split else "     -"
         check = r.get("check", {}).get("verdict", "?")
         print(f"{name:22} {r['tok_s']:8.1f} {r['tok_s_min']:6.1f}-{r['tok_s_max']:<6.1f} {plan} {r['roofline_tok_s']:8.1f} "
@@ -248,7 +252,7 @@ if d:
         rows.append({"row": name, "batch": r["batch"], "slots": r["slots"], "tok_s": r["tok_s"], "runs_tok_s": r["runs_tok_s"],
                      "roofline_tok_s": r["roofline_tok_s"], "of_roofline": r["of_roofline"], "pinned_share": pin / looked,
                      "link_time_share": link_t, "check": check})
-    main = [r for r in d["rows"] if r.get("slots_per_layer") and r["batch"] == 1]
+    main = [r for r in d["rows"] if r.get("slots_per_layer") and r["batch"] == 1 and r.get("prefetch", "off") == "off"]
     if main:
         b1 = main[0]
         summary["targets"] = {"b1_tok_s_at_least_40": b1["tok_s"] >= 40, "b1_at_least_70pct_of_roofline": b1["of_roofline"] >= 0.7}

@@ -86,6 +86,7 @@ def test_make_checkpoint_checks_before_any_progress(tmp_path):
     (("decode", "--layers", "99"), "preset qwen3-30b-a3b has 48 layers"),
     (("decode", "--model", "/etc/passwd"), "is a file"),
     (("decode", "--hybrid-graphs", "nodes"), "--hybrid-graphs 'nodes': give eager, auto"),
+    (("decode", "--prefetch", "sometimes"), "--prefetch 'sometimes': give off, router, trace"),
     (("decode", "--host-kernel", "pair"), "--host-kernel 'pair': choose one of auto, compiled, grouped"),
     (("layer", "--steps", "0"), "--steps 0: it must be at least 1"),
     (("layer", "--hits", "2"), "each rate must be in [0, 1]"),

@@ -37,7 +37,6 @@ def run(ckpt, trace, prefetch: str):
         b.experts.cache.check()
     links = sum(b.prefetch_next is not None for b in llm.model.moe_blocks())
     llm.close()
-    assert all(b.prefetch_next is None for b in llm.model.moe_blocks())  # close unlinks
     return [(o.token_ids, o.logprobs) for o in outs], stats, links
 
 
@@ -79,6 +78,11 @@ def test_prefetch_links_and_refusals(tiny_ckpt):
 
     with pytest.raises(MoetierError, match="prefetch 'trace' predicts from the replayed routing"):
         LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("slots", slots=6, prefetch="trace"))
+    llm = LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("slots", slots=6))
+    assert attach_prefetch(llm.model, "router") == 3
+    # an engine's setup links or unlinks (a bench's next row over the same model starts from its own mode)
+    LLM.from_model(llm.model, llm.tokenizer).close()
+    assert all(b.prefetch_next is None for b in llm.model.moe_blocks())
     llm = LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("resident"))
     assert attach_prefetch(llm.model, "router") == 0  # resident backends take nothing in
     with pytest.raises(ValueError, match="unknown expert prefetch 'sometimes'"):

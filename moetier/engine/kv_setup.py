@@ -1,5 +1,6 @@
 """The engine's KV, sized and wired together: the device pool (pages, state slots, state checkpoints),
-the host KV tier, the prefix cache over the pages, and the scheduler that holds them. Every rank of a
+the host KV tier, the prefix cache over the pages, and the scheduler that holds them (and, without a
+memory plan, its prefill chunk: auto_chunk). Every rank of a
 parallel engine builds the same device pool and the same moves (dist/worker.py); rank 0 alone
 schedules."""
 
@@ -15,6 +16,7 @@ from moetier.engine.prefix_cache import PrefixCache
 from moetier.engine.scheduler import Scheduler
 from moetier.engine.speculation import Speculation
 from moetier.errors import MoetierError
+from moetier.experts.backends import UvaExperts
 from moetier.layers.kv_cache import KVCache, KVSpec
 
 
@@ -75,3 +77,18 @@ def engine_scheduler(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, mov
     spec = None if config.speculative_config is None else Speculation(config.speculative_config)
     return Scheduler(pages, config.page_size, config.max_num_tokens, config.max_num_seqs, max_len, states, cache,
                      PagePool(ckpts) if ckpts else None, spec)
+
+
+def auto_chunk(model) -> tuple[int, str]:
+    """The prefill chunk for an engine without a memory plan: experts off the GPU (uva, or a slot
+    cache short of every expert) or not, the budget being the device's memory. -> (tokens, reason)."""
+    from moetier.plan.chunk import engine_chunk
+
+    offloaded = False
+    for block in model.moe_blocks():
+        ex = getattr(block.experts, "inner", block.experts)  # experts/parallel/ep.ShardedExperts
+        cache = getattr(ex, "cache", None)
+        offloaded |= isinstance(ex, UvaExperts) or (cache is not None and cache.num_slots < cache.num_experts)
+    dev = model.device
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    return engine_chunk(model.cfg, model.dtype, dev.type, offloaded, total)

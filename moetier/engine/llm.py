@@ -26,14 +26,14 @@ from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
-from moetier.engine.kv_setup import engine_kv, engine_moves, engine_scheduler, page_bytes
+from moetier.engine.kv_setup import auto_chunk, engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
-from moetier.experts.backends import UvaExperts, set_prefill_policy, set_prefill_stream
-from moetier.experts.prefetch import attach_prefetch, detach_prefetch
+from moetier.experts.backends import set_prefill_policy, set_prefill_stream
+from moetier.experts.prefetch import attach_prefetch
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
@@ -74,21 +74,6 @@ def model_dir_of(model: str | Path | None) -> Path:
     if not path.is_dir():
         raise MoetierError(f"--model {path}: no such directory")
     return path
-
-
-def auto_chunk(model: CausalLM) -> tuple[int, str]:
-    """The prefill chunk for an engine without a memory plan: experts off the GPU (uva, or a slot
-    cache short of every expert) or not, the budget being the device's memory. -> (tokens, reason)."""
-    from moetier.plan.chunk import engine_chunk
-
-    offloaded = False
-    for block in model.moe_blocks():
-        ex = getattr(block.experts, "inner", block.experts)  # experts/parallel/ep.ShardedExperts
-        cache = getattr(ex, "cache", None)
-        offloaded |= isinstance(ex, UvaExperts) or (cache is not None and cache.num_slots < cache.num_experts)
-    dev = model.device
-    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-    return engine_chunk(model.cfg, model.dtype, dev.type, offloaded, total)
 
 
 class LLM:
@@ -255,8 +240,7 @@ class LLM:
             from moetier.traces.hooks import Replayer
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
-        # before the graphs: a prefetch forks onto its side stream inside the captured step
-        attach_prefetch(model, config.experts.prefetch, self.replayer)
+        attach_prefetch(model, config.experts.prefetch, self.replayer)  # (re)links or unlinks, before the graphs
         attach_chooser(self.scheduler.spec, model)  # expert-aware k: its route hook is in the graphs too
         graphs = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
@@ -352,8 +336,6 @@ class LLM:
             if hook is not None:
                 hook.close()
         self.recorder = self.replayer = None
-        if getattr(self, "model", None) is not None:  # a bench's next engine over this model starts unlinked
-            detach_prefetch(self.model)
 
     def _last_stats(self) -> list[dict] | None:
         """Every rank's expert statistics as the engine closes, for metrics() after close(); None when a
