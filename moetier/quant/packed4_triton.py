@@ -10,10 +10,11 @@ torch references): the jit helper kernels call to turn a tile of packed codes in
                                                                  uint8 zero codes [N, scale_row]
         Callers: experts/kernels/grouped_gemm.py (decode and large-step expert GEMMs),
         layers/packed4_linear_triton.py.
-    dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xv, NVFP4, GROUP, BLOCK_K,
+    dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xe, xo, NVFP4, GROUP, BLOCK_K,
               zeros=None, ZERO=False)
-        -> [BLOCK_N] float32: the tile's rows dotted with the activations xv [BLOCK_K] (float32), each
-        group's code sum scaled once; no tl.dot. Caller: experts/kernels/q4_gemv.py (one-token steps).
+        -> [BLOCK_N] float32: the tile's rows dotted with the activations (xe, xo: float32 at its even and
+        odd columns), each group's code sum scaled once; no tl.dot, no interleave. Caller:
+        experts/kernels/q4_gemv.py (one-token steps).
 
 Codes sit two per byte, the even element in the low nibble, `row_bytes` bytes per weight row; the
 scales [N, scale_row] one per GROUP elements along K. BLOCK_K and GROUP are powers of two, so a K tile
@@ -41,20 +42,30 @@ def _e2m1_f16_bits(b, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _codes4(codes, row_bytes, n, nm, k0, K, NVFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
-    # the tile's codes as exact float32 [BLOCK_N, BLOCK_K]: NVFP4 e2m1 / 2^14, INT4 code - 8 (ZERO: the
-    # raw code, its group's zero subtracted by the caller). One load of the tile's bytes
-    # [BLOCK_N, BLOCK_K / 2] (contiguous per row), the nibbles interleaved in registers (a gather per
-    # element made the GEMMs instruction-bound: docs/quant4.md has the before and after).
-    HALF: tl.constexpr = BLOCK_K // 2
-    kb = k0 // 2 + tl.arange(0, HALF)
-    b = tl.load(codes + n[:, None].to(tl.int64) * row_bytes + kb[None, :],
-                mask=nm[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
-    if NVFP4:  # element 2j: the low nibble
-        bits = tl.reshape(tl.join(_e2m1_f16_bits(b, 0), _e2m1_f16_bits(b, 4)), [n.shape[0], BLOCK_K])
-        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 / 2^14, exact
-    code = tl.reshape(tl.join(b & 15, (b >> 4) & 15), [n.shape[0], BLOCK_K])
+def _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K: tl.constexpr):
+    # the tile's bytes [BLOCK_N, BLOCK_K / 2] as int32: one load, contiguous per row (a gather per
+    # element made the GEMMs instruction-bound: docs/quant4.md has the before and after)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    return tl.load(codes + n[:, None].to(tl.int64) * row_bytes + kb[None, :],
+                   mask=nm[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+
+
+@triton.jit
+def _nibble4(b, SHIFT: tl.constexpr, NVFP4: tl.constexpr, ZERO: tl.constexpr):
+    # the codes at bit SHIFT of bytes b (0: the even elements, 4: the odd ones) as exact float32:
+    # NVFP4 e2m1 / 2^14, INT4 code - 8 (ZERO: the raw code, its group's zero subtracted by the caller)
+    if NVFP4:
+        return _e2m1_f16_bits(b, SHIFT).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    code = (b >> SHIFT) & 15
     return code.to(tl.float32) if ZERO else (code - 8).to(tl.float32)
+
+
+@triton.jit
+def _codes4(codes, row_bytes, n, nm, k0, K, NVFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the tile's codes [BLOCK_N, BLOCK_K] in element order (_nibble4's values), the nibbles interleaved
+    # in registers
+    b = _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K)
+    return tl.reshape(tl.join(_nibble4(b, 0, NVFP4, ZERO), _nibble4(b, 4, NVFP4, ZERO)), [n.shape[0], BLOCK_K])
 
 
 @triton.jit
@@ -119,13 +130,26 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
 
 
 @triton.jit
-def dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xv, NVFP4: tl.constexpr,
+def dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xe, xo, NVFP4: tl.constexpr,
               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, zeros=None, ZERO: tl.constexpr = False):
-    # [BLOCK_N] float32: sum over the tile's columns of w[n, k] * xv[k], xv [BLOCK_K] float32 (zeros past
-    # K). Each group's codes times xv are summed first, then times the group's scale once: no weight is
-    # rounded (the dequantize-then-dot path rounds each to DOT), fewer multiplies per weight.
-    v, sc = _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
+    # [BLOCK_N] float32: sum over the tile's columns of w[n, k] * x[k]; xe, xo [BLOCK_K / 2] float32: the
+    # activations at the tile's even and odd columns (zeros past K). The low nibbles meet xe, the high
+    # ones xo, so the codes are never interleaved; each group's sum is scaled once: no weight is rounded
+    # (the dequantize-then-dot path rounds each to DOT), fewer multiplies per weight.
+    b = _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K)
+    lo, hi = _nibble4(b, 0, NVFP4, ZERO), _nibble4(b, 4, NVFP4, ZERO)
+    sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
     if BLOCK_K >= GROUP:
-        part = tl.sum(v * tl.reshape(xv, [BLOCK_K // GROUP, GROUP])[None, :, :], axis=2)  # [BLOCK_N, NG]
-        return tl.sum(part * sc, axis=1)
-    return tl.sum(v * xv[None, :], axis=1) * sc
+        NG: tl.constexpr = BLOCK_K // GROUP
+        G2: tl.constexpr = GROUP // 2
+        lo = tl.reshape(lo, [n.shape[0], NG, G2])
+        hi = tl.reshape(hi, [n.shape[0], NG, G2])
+        if ZERO:
+            lo = lo - zc[:, :, None]
+            hi = hi - zc[:, :, None]
+        part = tl.sum(lo * tl.reshape(xe, [NG, G2])[None, :, :] + hi * tl.reshape(xo, [NG, G2])[None, :, :], axis=2)
+        return tl.sum(part * sc, axis=1)  # part [BLOCK_N, NG]
+    if ZERO:
+        lo = lo - zc[:, None]
+        hi = hi - zc[:, None]
+    return tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) * sc

@@ -6,7 +6,8 @@ the dot operand layout before the MMA, fifteen of its sixteen rows zeros. Here a
 [BLOCK_N, BLOCK_K] tile of codes straight against the token's activations in float32, with no dot and
 no layout change (quant/packed4_triton.dot4_tile):
 
-    tile   codes [BLOCK_N, BLOCK_K] as exact float32 (NVFP4 e2m1, INT4 code - 8 or code - zero)
+    tile   codes [BLOCK_N, BLOCK_K] as exact float32 (NVFP4 e2m1, INT4 code - 8 or code - zero), the
+           low nibbles (even columns) and the high ones (odd columns) apart, never interleaved
     part   p [BLOCK_N, G] = sum over each group of codes * x           (G = BLOCK_K / GROUP)
     acc    acc [BLOCK_N] += sum_G p * scale[n, g]                      (each group scale applied once)
 
@@ -40,6 +41,26 @@ from moetier.quant.packed4_triton import dot4_tile
 
 
 @triton.jit
+def _activations(x_ptr, k0, K, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
+                 ROUND: tl.constexpr):
+    # -> (xe, xo) float32 [BLOCK_K / 2]: the row's activations at the tile's even and odd columns
+    # (zeros past K); ROUND: rounded to DOT first (the SwiGLU output h, as the grouped GEMM's dot rounds it)
+    j = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    xe = tl.load(x_ptr + j, mask=j < K, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + j + 1, mask=j + 1 < K, other=0.0).to(tl.float32)
+    if ROUND:
+        if EMULATE:
+            if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
+                ue = xe.to(tl.uint32, bitcast=True)
+                xe = ((ue + 0x7FFF + ((ue >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                uo = xo.to(tl.uint32, bitcast=True)
+                xo = ((uo + 0x7FFF + ((uo >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        xe = xe.to(DOT).to(tl.float32)
+        xo = xo.to(DOT).to(tl.float32)
+    return xe, xo
+
+
+@triton.jit
 def _tensor_scale(base, GS: tl.constexpr, j: tl.constexpr, NVFP4: tl.constexpr):
     # NVFP4's float32 tensor scale j (0 gate, 1 up, 2 down) at byte GS of the row; 1.0 for INT4
     if NVFP4:
@@ -65,13 +86,12 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, h_ptr, top_k: tl.co
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(x_ptr + t * hidden + kk, mask=kk < hidden, other=0.0).to(tl.float32)
+        xe, xo = _activations(x_ptr + t * hidden, k0, hidden, BLOCK_K, tl.float32, False, False)
         # codes [2I, H/2] at byte 0 (gate's rows, then up's), group scales [2I, NH] at S13, zeros at Z13
-        acc_g += dot4_tile(base, half, base + S13, NH, n, nm, k0, hidden, g_gate, v, NVFP4, GROUP, BLOCK_K,
+        acc_g += dot4_tile(base, half, base + S13, NH, n, nm, k0, hidden, g_gate, xe, xo, NVFP4, GROUP, BLOCK_K,
                            base + Z13, ZERO)
-        acc_u += dot4_tile(base + inter * half, half, base + S13 + sb * inter * NH, NH, n, nm, k0, hidden, g_up, v,
-                           NVFP4, GROUP, BLOCK_K, base + Z13 + inter * NH, ZERO)
+        acc_u += dot4_tile(base + inter * half, half, base + S13 + sb * inter * NH, NH, n, nm, k0, hidden, g_up,
+                           xe, xo, NVFP4, GROUP, BLOCK_K, base + Z13 + inter * NH, ZERO)
     store_swiglu(h_ptr, p, inter, n, nm, acc_g, acc_u, HAS_LIMIT, LIMIT)
 
 
@@ -87,15 +107,9 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, y_ptr, hidden: tl.cons
     g_down = _tensor_scale(base, GS, 2, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(h_ptr + p.to(tl.int64) * inter + kk, mask=kk < inter, other=0.0)
-        if EMULATE:
-            if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
-                u = v.to(tl.uint32, bitcast=True)
-                v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        v = v.to(DOT).to(tl.float32)
-        acc += dot4_tile(base + w13, inter // 2, base + S2, NI, n, nm, k0, inter, g_down, v, NVFP4, GROUP, BLOCK_K,
-                         base + Z2, ZERO)
+        xe, xo = _activations(h_ptr + p.to(tl.int64) * inter, k0, inter, BLOCK_K, DOT, EMULATE, True)
+        acc += dot4_tile(base + w13, inter // 2, base + S2, NI, n, nm, k0, inter, g_down, xe, xo, NVFP4, GROUP,
+                         BLOCK_K, base + Z2, ZERO)
     tl.store(y_ptr + p.to(tl.int64) * hidden + n, acc, mask=nm)
 
 
