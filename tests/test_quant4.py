@@ -34,6 +34,21 @@ def test_every_e2m1_code_and_the_nibble_order():
                                                                                codes.to(torch.uint8))
 
 
+def test_e2m1_encode_is_the_nearest_magnitude_ties_to_the_smaller():
+    """encode against the rule written out (the argmin over the eight distances it replaced): every
+    midpoint, its float32 neighbours, the magnitudes, signed zeros, values past 6, and random values."""
+    from moetier.quant import nvfp4
+
+    mag = torch.tensor(nvfp4.E2M1)
+    mids = (mag[1:] + mag[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, torch.zeros(7)), torch.nextafter(mids, torch.full((7,), 9.0)), mag,
+                      torch.tensor([0.0, 6.5, 1e30, 1e-38])])
+    x = torch.cat([near, -near, torch.tensor([-0.0]), torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3])
+    rule = (x.abs().clamp(max=6.0)[:, None] - mag).abs().argmin(dim=1) + 8 * torch.signbit(x).long()
+    assert torch.equal(nvfp4.encode(x), rule.to(torch.uint8))
+    assert nvfp4.encode(torch.tensor([0.25, 0.75, 5.0, -5.0, -0.0])).tolist() == [0, 1, 6, 14, 8]
+
+
 @pytest.mark.parametrize("bits, value", [(0x01, 2.0 ** -9), (0x07, 7 * 2.0 ** -9), (0x08, 2.0 ** -6),
                                          (0x38, 1.0), (0x3C, 1.5), (0x7E, 448.0), (0xB8, -1.0), (0x00, 0.0)])
 def test_e4m3_group_scales_with_subnormals_times_the_tensor_scale(bits, value):
