@@ -31,14 +31,27 @@ def test_4bit_grouped_kernels_in_the_interpreter():
 def test_gpu_4bit_grouped_gemm_matches_the_reference_and_is_placement_exact(quant, t):
     """Qwen3-30B's expert shape, bf16 activations: within bf16 of the torch reference (the weights the
     reference dequantizes, products in float64); resident, slots and host (uva) rows give the same bits."""
+    placement_exact_against_the_oracle(quant, t, 2048, 768, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8])
+def test_gpu_nvfp4_at_glm53_flash_shape_with_its_clamp(t):
+    """GLM-5.3-Flash's expert shape (4096 x 2048) and SwiGLU clamp (10.0): the one-token GEMV and the
+    grouped GEMM, placement-exact and within bf16 of the reference."""
+    placement_exact_against_the_oracle("nvfp4", t, 4096, 2048, 10.0)
+
+
+def placement_exact_against_the_oracle(quant: str, t: int, h: int, i: int, limit: float | None) -> None:
     from moetier.experts.kernels import grouped_gemm as grouped
     from moetier.experts.kernels import grouped_gemm_large as grouped_large
     from moetier.checkpoint.random_bed import fill_4bit_rows
     from moetier.experts.reference import combine, expert_pairs, row_fetch
 
     g = torch.Generator().manual_seed(t)
-    h, i, e, k = 2048, 768, 16, 8
-    lay = RowLayout(h, i, quant)
+    e, k = 16, 8
+    lay = RowLayout(h, i, quant, limit)
     rows = torch.zeros(e, lay.numel, dtype=torch.uint8)
     fill_4bit_rows(rows, lay, g)  # N(0, 0.02) bf16 experts quantized by the format's rule
     x = torch.randn(t, h, generator=g).bfloat16()
@@ -52,10 +65,10 @@ def test_gpu_4bit_grouped_gemm_matches_the_reference_and_is_placement_exact(quan
     def run(slot_ids, dev_rows, host_rows):
         if t > 64:
             return grouped_large.grouped_expert_mlp_large(xs, slot_ids, ids_d, ws, dev_rows, host_rows, h, i, e,
-                                                          quant=quant).float().cpu()
+                                                          quant=quant, limit=limit).float().cpu()
         out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
         return grouped.grouped_expert_mlp(xs, slot_ids, ids_d, ws, dev_rows, host_rows, h, i, scratch, out,
-                                          quant=quant).float().cpu()
+                                          quant=quant, limit=limit).float().cpu()
 
     resident = run(ids_d.int(), dev, dev)
     slot_of = torch.randperm(e, generator=g).int().cuda()
@@ -67,5 +80,6 @@ def test_gpu_4bit_grouped_gemm_matches_the_reference_and_is_placement_exact(quan
     none = torch.full_like(ids_d, -1, dtype=torch.int32)
     assert torch.equal(run(none, dev[:1], DevicePointer(host)), resident)
     fetch = row_fetch(rows, lay, torch.bfloat16)
-    oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key))), w.double())
+    oracle = combine(expert_pairs(x.double(), ids, lambda key: tuple(p.double() for p in fetch(key)), limit),
+                     w.double())
     assert ((resident.double() - oracle).norm() / oracle.norm()).item() <= 1e-2
