@@ -102,10 +102,12 @@ class ExpertBackend(ABC):
     def _kernel(self, hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows) -> torch.Tensor:
         from moetier.experts.kernels.grouped_gemm import grouped_expert_mlp
 
-        # One kernel for every T and every backend: the backends stay bit-exact against each other,
-        # and on the GPU a pair's result never depends on the other tokens of its step (a token gets
-        # the same bits alone or in a batch; see the NOTE in grouped_gemm._gate_up). At one token it is as fast as a per-pair GEMV, and
-        # faster with more tokens (docs/bench-decode.md).
+        # One kernel for every backend at a given T: the backends stay bit-exact against each other,
+        # and on the GPU a pair's result never depends on the other tokens of its step (see the NOTE in
+        # grouped_gemm._gate_up). bf16 rows take the grouped GEMM at every T (at one token as fast as a
+        # per-pair GEMV, faster with more: docs/bench-decode.md), so a token gets the same bits alone or
+        # in a batch; FP8 and 4-bit rows take a GEMV at one token (fp8_gemv.py, q4_gemv.py), whose bits
+        # differ from the grouped GEMM's: for them batch == alone holds for greedy tokens.
         return grouped_expert_mlp(hidden, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, self.layout.hidden,
                                   self.layout.inter, self._work, self._decode_out(hidden), self.gemm, self.layout.quant,
                                   self.layout.swiglu_limit)
