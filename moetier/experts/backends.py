@@ -227,9 +227,7 @@ class SlotExperts(ExpertBackend):
         if t > self.decode_tokens:
             return
         if not self.cuda:
-            miss = self.cache.step_reference(predict(x), stats=self._prefetch_stats)[1]
-            n = int(miss.count)
-            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+            self._fill_reference(self.cache.step_reference(predict(x), stats=self._prefetch_stats)[1])
             return
         from moetier.experts.cache.slot_kernels import bookkeeping, copy_rows
         from moetier.experts.prefetch import side_stream
@@ -259,8 +257,7 @@ class SlotExperts(ExpertBackend):
             return self._bypass(hidden, topk_ids, topk_weights)
         if not self.cuda:
             slot_ids, miss = self.cache.step_reference(topk_ids)
-            n = int(miss.count)
-            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+            self._fill_reference(miss)
             keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_rows + topk_ids)
             keys = torch.where(topk_ids < 0, topk_ids, keys)  # another rank's expert (experts/parallel/ep.py)
             return combine(expert_pairs(hidden, keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit),
@@ -270,6 +267,12 @@ class SlotExperts(ExpertBackend):
         slot_ids = bookkeeping(self.cache, self._scratch, topk_ids)
         copy_rows(self._host_dev, self.slots, self._scratch, self._copy_programs)
         return self._kernel(hidden, slot_ids, topk_ids, topk_weights, self.slots, self._host_dev)
+
+    def _fill_reference(self, miss) -> int:
+        """The torch path's fill: the miss list's host rows into their slots. -> rows copied."""
+        n = int(miss.count)
+        self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+        return n
 
     def _fetcher(self, dtype: torch.dtype):
         """key -> weights: keys below S + P read device row `key`, the others host row `key - S - P`."""
@@ -299,10 +302,7 @@ class SlotExperts(ExpertBackend):
                                self.cache.num_rows + self.cache.num_experts)
         self.bypassed += 1
         if self.prefill == "refresh":
-            miss = refresh_reference(self.cache, topk_ids)
-            n = int(miss.count)
-            self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
-            self._refreshed += n
+            self._refreshed += self._fill_reference(refresh_reference(self.cache, topk_ids))
         slot_of = self.cache.expert_slot.tolist()
         host = row_fetch(self.host, self.layout, hidden.dtype)
         slot = row_fetch(self.slots, self.layout, hidden.dtype)

@@ -6,8 +6,9 @@
 The router is the model's (layers/router.py); the expert backend (experts/backends.py: resident,
 slots, uva) is built by the loader after the weights are in place and handed to the block, so the
 model never knows where its experts live. With expert prefetch (experts/prefetch.py) a block first
-asks the next MoE layer's backend to take in the experts predicted from this block's input. The route hook sees (layer, ids, weights) and may replace
-them: routing traces record and replay through it (traces/hooks.py). Shared experts (DeepSeek-V3,
+asks the next MoE layer's backend to take in the experts predicted from this block's input. The route
+hook sees (layer, ids, weights) and may replace them: routing traces record and replay through it
+(traces/hooks.py). Shared experts (DeepSeek-V3,
 GLM-5) are a dense module every token runs, always on the device, outside the expert tiers.
 """
 

@@ -5,6 +5,7 @@ the activations; bf16 rows skip the dequantize and share the same dot.
 
     dot_type(dtype) -> (DOT, PRECISION, EMULATE): the constexprs the kernels take for a compute dtype
     mma(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [N, K]^T in fp32
+    to_dot(v, DOT, EMULATE): float32 v rounded to DOT, to nearest even under the interpreter too
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) 16-bit products are emulated: the
 interpreter multiplies the raw bits of bf16, so the operands are rounded to DOT and widened to fp32.
@@ -28,6 +29,16 @@ def dot_type(dtype: torch.dtype) -> tuple[tl.dtype, str, bool]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dot, "ieee", True
     return dot, "tf32", False  # the precision of 16-bit operands is their own; "tf32" is the default
+
+
+@triton.jit
+def to_dot(v, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    # float32 v -> DOT; the interpreter truncates fp32 -> bf16, so round to nearest even as the GPU does
+    if EMULATE:
+        if DOT == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(DOT)
 
 
 @triton.jit

@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moetier.quant.dot import to_dot
+
 
 @triton.jit
 def dequant_tile(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
@@ -29,9 +31,4 @@ def dequant_tile(w, scale_ptr, n, nm, kk, km, k0, K_BLOCKS: tl.constexpr, DOT: t
     else:
         s = tl.load(sp + (n // 128)[:, None] * K_BLOCKS + (kk // 128)[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0)
-    v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-    if EMULATE:
-        if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
-            b = v.to(tl.uint32, bitcast=True)
-            v = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return v.to(DOT)
+    return to_dot(w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s, DOT, EMULATE)

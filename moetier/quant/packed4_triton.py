@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moetier.quant.dot import to_dot
+
 
 # E2M1 -> float16 bits: sign to bit 15, the exponent's two bits and the mantissa bit just below
 # float16's exponent LSB (bits 11..9). Every code then reads as its value / 2^14 exactly: a normal
@@ -94,39 +96,24 @@ def _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4: tl.constexpr, GROUP: t
 
 
 @triton.jit
-def _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-           BLOCK_K: tl.constexpr, zeros, ZERO: tl.constexpr):
-    # -> (v, sc): the codes less their zero, exact float32, [BLOCK_N, BLOCK_K / GROUP, GROUP] with the
-    # scales sc [BLOCK_N, BLOCK_K / GROUP] when the tile holds whole groups, else [BLOCK_N, BLOCK_K]
-    # with sc [BLOCK_N] (one group spans the tile)
-    v = _codes4(codes, row_bytes, n, nm, k0, K, NVFP4, ZERO, BLOCK_K)
-    sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
-    if BLOCK_K >= GROUP:
-        v = tl.reshape(v, [n.shape[0], BLOCK_K // GROUP, GROUP])
-        if ZERO:
-            v = v - zc[:, :, None]
-    elif ZERO:
-        v = v - zc[:, None]
-    return v, sc
-
-
-@triton.jit
 def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4: tl.constexpr,
                   GROUP: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
                   zeros=None, ZERO: tl.constexpr = False):
     # codes, scales: byte pointers to this projection's codes [N, row_bytes] and scales [N, scale_row];
     # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K; each group multiplied
     # by its scale in registers, rounded once to DOT
-    v, sc = _tile4(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
+    v = _codes4(codes, row_bytes, n, nm, k0, K, NVFP4, ZERO, BLOCK_K)
+    sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
     if BLOCK_K >= GROUP:
+        v = tl.reshape(v, [n.shape[0], BLOCK_K // GROUP, GROUP])
+        if ZERO:
+            v = v - zc[:, :, None]
         v = tl.reshape(v * sc[:, :, None], [n.shape[0], BLOCK_K])
     else:
+        if ZERO:
+            v = v - zc[:, None]
         v = v * sc[:, None]
-    if EMULATE:
-        if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
-            u = v.to(tl.uint32, bitcast=True)
-            v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return v.to(DOT)
+    return to_dot(v, DOT, EMULATE)
 
 
 @triton.jit

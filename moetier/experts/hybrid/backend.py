@@ -209,8 +209,7 @@ class HybridExperts(SlotExperts):
         g = torch.tensor(gpu_pos)
         g_ids = topk_ids.reshape(-1)[g].view(-1, 1)
         slot_ids, miss = self.cache.step_reference(g_ids)
-        n = int(miss.count)
-        self.slots[miss.slot[:n].long()] = self.host[miss.expert[:n].long()]
+        self._fill_reference(miss)
         keys = torch.where(slot_ids >= 0, slot_ids.long(), self.cache.num_rows + g_ids)
         y[g] = expert_pairs(hidden[g // k], keys, self._fetcher(hidden.dtype), self.layout.swiglu_limit)[:, 0]
 

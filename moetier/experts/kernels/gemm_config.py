@@ -46,19 +46,21 @@ class GemmConfig:
     def _names(self, quant: str | None) -> tuple[str, str]:
         return {"fp8": ("fp8_gate_up", "fp8_down"), None: ("gate_up", "down")}.get(quant, ("q4_gate_up", "q4_down"))
 
+    def _gemv_names(self, quant: str) -> tuple[str, str]:
+        return ("fp8_gemv_gate_up", "fp8_gemv_down") if quant == "fp8" else ("q4_gemv_gate_up", "q4_gemv_down")
+
     def gemv_blocks(self, quant: str | None) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
         """(gate_up, down) blocks of the one-token GEMV for rows of `quant` (fp8_gemv.py, q4_gemv.py);
         None for bf16 rows, which run the grouped GEMM at one token too."""
         if quant is None:
             return None
-        if quant == "fp8":
-            return self.fp8_gemv_gate_up, self.fp8_gemv_down
-        return self.q4_gemv_gate_up, self.q4_gemv_down
+        gu, dn = self._gemv_names(quant)
+        return getattr(self, gu), getattr(self, dn)
 
     def with_gemv(self, quant: str, gate_up=None, down=None) -> GemmConfig:
         """A copy with the one-token GEMV blocks of `quant` rows replaced (the tuners' trial configs)."""
         gu, dn = self.gemv_blocks(quant)
-        names = ("fp8_gemv_gate_up", "fp8_gemv_down") if quant == "fp8" else ("q4_gemv_gate_up", "q4_gemv_down")
+        names = self._gemv_names(quant)
         return replace(self, **{names[0]: gate_up or gu, names[1]: down or dn})
 
     def decode_blocks(self, quant: str | None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -310,13 +310,13 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     if t == 1 and quant == "fp8":  # one token on FP8 rows: the GEMV (fp8_gemv.py), then the same combine
         dot = _dot_type(x.dtype)[0]
         expert_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
-                    scratch.h, scratch.y, dot, config.fp8_gemv_gate_up, config.fp8_gemv_down, limit)
+                    scratch.h, scratch.y, dot, *config.gemv_blocks(quant), limit)
         return combine_pairs(scratch.y, topk_weights, topk_ids, out)
     lay = RowLayout(hidden, inter, quant)
     if t == 1 and lay.packed4:  # one token on 4-bit rows: the GEMV (q4_gemv.py), then the same combine
         dot, _, emulate = _dot_type(x.dtype)
         q4_gemv(x, slot_ids, topk_ids, dev_rows, host_rows, hidden, inter, fp8_args(hidden, inter, quant, ()),
-                lay.w13_numel, scratch.h, scratch.y, dot, emulate, config.q4_gemv_gate_up, config.q4_gemv_down, limit)
+                lay.w13_numel, scratch.h, scratch.y, dot, emulate, *config.gemv_blocks(quant), limit)
         return combine_pairs(scratch.y, topk_weights, topk_ids, out)
     if t == 1:
         # One token: a chunk per pair needs no plan (the profile's 2.4 us per layer). Duplicate ids

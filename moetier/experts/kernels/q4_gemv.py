@@ -37,6 +37,7 @@ import triton.language as tl
 
 from moetier.experts.kernels.fp8_gemv import pair_program, store_swiglu
 from moetier.experts.kernels.swiglu_clamp import limit_args
+from moetier.quant.dot import to_dot
 from moetier.quant.packed4_triton import dot4_tile
 
 
@@ -49,14 +50,8 @@ def _activations(x_ptr, k0, K, BLOCK_K: tl.constexpr, DOT: tl.constexpr, EMULATE
     xe = tl.load(x_ptr + j, mask=j < K, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + j + 1, mask=j + 1 < K, other=0.0).to(tl.float32)
     if ROUND:
-        if EMULATE:
-            if DOT == tl.bfloat16:  # the interpreter truncates fp32 -> bf16; round to nearest even as the GPU does
-                ue = xe.to(tl.uint32, bitcast=True)
-                xe = ((ue + 0x7FFF + ((ue >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-                uo = xo.to(tl.uint32, bitcast=True)
-                xo = ((uo + 0x7FFF + ((uo >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        xe = xe.to(DOT).to(tl.float32)
-        xo = xo.to(DOT).to(tl.float32)
+        xe = to_dot(xe, DOT, EMULATE).to(tl.float32)
+        xo = to_dot(xo, DOT, EMULATE).to(tl.float32)
     return xe, xo
 
 
