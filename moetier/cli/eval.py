@@ -24,6 +24,12 @@ from moetier.cli import options as opt
 from moetier.errors import MoetierError
 
 
+def save(out: Path, runs: list, verdicts: list) -> None:
+    """The record: every run so far and the gate's verdicts on them."""
+    out.write_text(json.dumps({"runs": [r.as_dict() for r in runs], "gate": [v.as_dict() for v in verdicts]},
+                              indent=1, default=float))
+
+
 def parse_configs(values: list[str]) -> list[tuple[str, list[str]]]:
     """--compare LABEL=FLAGS -> [(label, serve flags)], labels unique."""
     out = []
@@ -131,6 +137,9 @@ def eval_cmd(
                     run = lmeval.run(server.url, tok_dir, todo, label=label, **kw)
                 run.serve_flags = base + flags
                 runs.append(run)
+                typer.echo(f"moetier eval: {label}: {run.seconds:.1f} s", err=True)
+                if out is not None and configs:  # each finished run kept: a gate cut short loses only the rest
+                    save(out, runs, gate.compare(runs, tolerances) if len(runs) > 1 else [])
     except MoetierError as e:
         opt.fail(e)
     verdicts = gate.compare(runs, tolerances) if len(runs) > 1 else []
@@ -139,8 +148,7 @@ def eval_cmd(
         typer.echo("\n" + "\n".join(gate.verdict_table(verdicts)))
     typer.echo(f"\n({', '.join(f'{r.label} {r.seconds:.1f} s' for r in runs)}; max length {kw['max_length']} tokens)")
     if out is not None:
-        out.write_text(json.dumps({"runs": [r.as_dict() for r in runs], "gate": [v.as_dict() for v in verdicts]},
-                                  indent=1, default=float))
+        save(out, runs, verdicts)
     failed = [v for v in verdicts if v.problem is not None]
     if failed:
         typer.echo(f"gate: FAILED ({len(failed)} of {len(verdicts)} configuration-task pairs)", err=True)

@@ -126,17 +126,21 @@ def dot4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, xe, xo,
     b = _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K)
     lo, hi = _nibble4(b, 0, NVFP4, ZERO), _nibble4(b, 4, NVFP4, ZERO)
     sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
+    # one return after both branches: Triton's code generator goes on past a return inside a constexpr
+    # `if`, so the branch's 3-D `lo` would reach the 2-D sum below
     if BLOCK_K >= GROUP:
         NG: tl.constexpr = BLOCK_K // GROUP
         G2: tl.constexpr = GROUP // 2
-        lo = tl.reshape(lo, [n.shape[0], NG, G2])
-        hi = tl.reshape(hi, [n.shape[0], NG, G2])
+        lo3 = tl.reshape(lo, [n.shape[0], NG, G2])
+        hi3 = tl.reshape(hi, [n.shape[0], NG, G2])
         if ZERO:
-            lo = lo - zc[:, :, None]
-            hi = hi - zc[:, :, None]
-        part = tl.sum(lo * tl.reshape(xe, [NG, G2])[None, :, :] + hi * tl.reshape(xo, [NG, G2])[None, :, :], axis=2)
-        return tl.sum(part * sc, axis=1)  # part [BLOCK_N, NG]
-    if ZERO:
-        lo = lo - zc[:, None]
-        hi = hi - zc[:, None]
-    return tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) * sc
+            lo3 = lo3 - zc[:, :, None]
+            hi3 = hi3 - zc[:, :, None]
+        part = tl.sum(lo3 * tl.reshape(xe, [NG, G2])[None, :, :] + hi3 * tl.reshape(xo, [NG, G2])[None, :, :], axis=2)
+        acc = tl.sum(part * sc, axis=1)  # part [BLOCK_N, NG]
+    else:
+        if ZERO:
+            lo = lo - zc[:, None]
+            hi = hi - zc[:, None]
+        acc = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) * sc
+    return acc
