@@ -5,6 +5,9 @@ graph) is tests/test_prefetch_gpu.py's."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +83,12 @@ def test_prefetch_links_and_refusals(tiny_ckpt):
         LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("slots", slots=6, prefetch="trace"))
     llm = LLM(tiny_ckpt, device="cpu", experts=ExpertOptions("slots", slots=6))
     assert attach_prefetch(llm.model, "router") == 3
+    # a link names the next block, not its backend: a backend replaced under a link is freed (a bench's
+    # rows rebuild every layer's backend over one model; a kept one held its device rows)
+    gone = weakref.ref(llm.model.moe_blocks()[1].experts)
+    llm.model.moe_blocks()[1].experts = None
+    gc.collect()
+    assert gone() is None
     # an engine's setup links or unlinks (a bench's next row over the same model starts from its own mode)
     LLM.from_model(llm.model, llm.tokenizer).close()
     assert all(b.prefetch_next is None for b in llm.model.moe_blocks())

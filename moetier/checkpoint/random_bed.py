@@ -34,6 +34,7 @@ from moetier.config import ModelConfig
 from moetier.experts.parallel.columns import local_shape, resolve, slice_rows
 from moetier.experts.parallel.ep import local_experts
 from moetier.experts.placement import ExpertOptions, ExpertPlacement
+from moetier.experts.prefetch import detach_prefetch
 from moetier.experts.cache.split import local_pinned
 from moetier.experts.registry import Resident, Slots, Uva, backend_kind
 from moetier.experts.cache.store import HostStore
@@ -307,6 +308,7 @@ def use_backend(bed: Bed, backend: str, budget: float = 1.0, policy: str = "lfru
     budget: the share of the model's routed experts in each rank's slots (per-GPU bytes), capped at
     the experts the rank holds (under expert parallelism 2, 50% is every expert a rank owns)."""
     cfg, dev = bed.cfg, bed.model.device
+    detach_prefetch(bed.model)  # the new backend may not prefetch; the next engine links it again
     for block in bed.model.moe_blocks():
         block.experts = None  # free the previous backend's device memory first
     if dev.type == "cuda":

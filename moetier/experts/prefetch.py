@@ -57,7 +57,7 @@ def attach_prefetch(model, mode: str, replayer=None) -> int:
     for cur, nxt in zip(blocks, blocks[1:]):
         if not getattr(nxt.experts, "prefetches", False):
             continue
-        cur.prefetch_next = (nxt.experts, predictor(mode, nxt, replayer))
+        cur.prefetch_next = (nxt, predictor(mode, nxt, replayer))
         links += 1
     return links
 

@@ -37,17 +37,18 @@ class MoEBlock(nn.Module):
         # ends the graph being captured and runs the backend eagerly at replay (backends that are not
         # graph-safe, such as hybrid).
         self.eager_split: Callable | None = None
-        # (the next MoE layer's backend, a predictor of its experts from this layer's input): set by
-        # experts/prefetch.attach_prefetch; its fills start here, before this layer's experts run
-        self.prefetch_next: tuple[ExpertBackend, Callable] | None = None
+        # (the next MoE block, a predictor of its experts from this layer's input): set by
+        # experts/prefetch.attach_prefetch; its backend's fills start here, before this layer's experts
+        # run. The block, not its backend: a backend rebuilt later is never kept alive by the link
+        self.prefetch_next: tuple[MoEBlock, Callable] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         if self.route_hook is not None:
             ids, weights = self.route_hook(self.layer, ids, weights)
         if self.prefetch_next is not None:  # after the hook: a replayed step's ids exist from here
-            backend, predict = self.prefetch_next
-            backend.prefetch(predict, x)
+            nxt, predict = self.prefetch_next
+            nxt.experts.prefetch(predict, x)
         if self.eager_split is not None:
             out = self.eager_split(self.experts.forward, x, ids, weights)
         else:
