@@ -24,5 +24,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time cap, log to $out/NAM
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  git rev-parse --short HEAD 2>/dev/null
+  # the tree's commit as moetier records it (the stamped moetier/_build_info.json): the device copy's .git
+  # can be an earlier one's
+  python3 -c 'import moetier.bench.common as c; print("commit", c.commit())' 2>/dev/null
 } | tee "$out/stages.txt"

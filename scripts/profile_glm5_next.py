@@ -21,7 +21,9 @@ device-to-device copy rate measured in the same run: the part's time over that i
 its roofline (issue 29's KDA target: within 1.5x).
 
 A part alone runs without its neighbours, so the parts need not sum to the step: the rest is shown
-as it comes out (negative when the parts overlap less alone than in the step). On the CPU (a dry run
+as it comes out (negative when the parts overlap less alone than in the step). Then the whole step's
+graph under torch.profiler: how many kernels a step launches, the sum of their times (the replay less
+that sum is launch gaps) and the longest kernels by total time. On the CPU (a dry run
 of the attribution with a tiny preset) the figures are eager wall times instead, and say so.
 
     python scripts/profile_glm5_next.py [--preset glm-5.3-flash] [--layers 8] [--batch 1]
@@ -46,6 +48,7 @@ import torch
 
 from moetier.bench import decode
 from moetier.bench.common import links, time_graph
+from moetier.bench.decode_steps import replay_kernels
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.layers.kda import KdaAttention
@@ -181,7 +184,9 @@ def main(argv: list[str]) -> None:
     if cuda:
         torch.cuda.synchronize()
         whole = decode.replay_ms(llm, a.batch)
+        kernels = replay_kernels(llm, a.batch)
     else:
+        kernels = None
         whole = timed_ms(lambda: bed.model.logits(bed.model.forward(ids, batch, kv)), False)
     parts, nbytes = part_closures(bed.model, ids, batch, kv, llm.replayer)
     ms = {p: sum(timed_ms(f, cuda) for f in fns) for p, fns in parts.items()}
@@ -198,6 +203,9 @@ def main(argv: list[str]) -> None:
         print(line)
     rest = whole - sum(ms.values())
     print(f"  {'rest':<15} {rest:9.3f} ms  {rest / whole:6.1%}")
+    if kernels:  # the whole step's graph: launches and kernel time (the step less their sum: launch gaps)
+        print(f"the step's graph: {kernels['kernels_per_step']:.0f} kernels per step, their times sum to "
+              f"{kernels['kernel_ms_per_step']:.3f} ms of the {whole:.3f} ms replay\n{kernels['table']}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"command": " ".join(["python", "scripts/profile_glm5_next.py", *argv]),
@@ -205,7 +213,9 @@ def main(argv: list[str]) -> None:
                                      "parts_bytes": nbytes, "hbm_GBps": hbm, "parts_ms_at_hbm": at_hbm,
                                      "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend, "dtype": a.dtype,
                                      "budget": a.budget if a.backend == "slots" else None,
-                                     "trace": str(trace)}, indent=2) + "\n")
+                                     "trace": str(trace),
+                                     **({k: kernels[k] for k in ("kernels_per_step", "kernel_ms_per_step")}
+                                        if kernels else {})}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

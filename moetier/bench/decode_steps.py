@@ -141,6 +141,31 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> floa
     return start.elapsed_time(end) / reps
 
 
+
+def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict | None:
+    """The kernels inside one decode step's graph (the same replays as replay_ms, under torch.profiler):
+    how many a step launches, the sum of their times, and the table of the longest by total time.
+    Inside a graph each kernel still costs its launch gap, so a step of many small kernels is slower
+    than their sum: the count says how much of the step that is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = llm.runner.graphs
+    if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
+        return None
+    graph = graphs.graphs[batch]
+    cursor = llm.replayer.cursor.clone() if llm.replayer else None  # as replay_ms: the cursor put back
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    if cursor is not None:
+        llm.replayer.cursor.copy_(cursor)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels_per_step": len(events) / reps, "kernel_ms_per_step": sum(e.device_time for e in events) / reps / 1e3,
+            "table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)}
+
 def warm_all(model: CausalLM) -> None:
     """Slots for every expert: place them all before timing, the cache's steady state (otherwise the
     timed window would still be paying each expert's first fill)."""
