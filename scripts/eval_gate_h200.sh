@@ -5,11 +5,13 @@
 # embedded model's), each format across resident, slots 50% and hybrid 50%, every run against bf16
 # resident. Random weights: the metrics mean nothing, the differences do.
 #
-#   bash scripts/eval_gate_h200.sh [FORMATS] [LIMIT]      (records under $OUT, else ./eval-out)
+#   bash scripts/eval_gate_h200.sh [FORMATS] [LIMIT] [JOBS]      (records under $OUT, else ./eval-out)
 #
-# FORMATS: a comma list of fp8, nvfp4, int4 (default fp8); bf16's three rows always run. Two formats fit
-# one 10-minute device call (a run is 15-45 s, mostly the server's start): the whole gate is
-# `... fp8` in one call and `... nvfp4,int4` in the next. LIMIT: documents per task (default 30).
+# FORMATS: a comma list of fp8, nvfp4, int4 (default all three); bf16's three rows always run. LIMIT:
+# documents per task (default 30). JOBS: servers starting at once (`moetier eval --jobs`, default 3): a
+# configuration's time is mostly its server's start (15-46 s each when they started one at a time, its
+# evaluation a few seconds), so starting the next ones during an evaluation is what fits twelve
+# configurations in one 10-minute device call.
 #
 # The GPU image has pandas, pyarrow, scikit-learn, sacrebleu and aiohttp but not lm-eval: carry its wheels
 # in .whl (14 MB, for Python 3.12 x86-64):
@@ -28,8 +30,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/eval-out}
-formats=${1:-fp8}
+formats=${1:-fp8,nvfp4,int4}
 limit=${2:-30}
+jobs=${3:-3}
 for f in ${formats//,/ }; do
   case "$f" in fp8|nvfp4|int4) ;; *) echo "error: FORMATS takes fp8, nvfp4, int4 (comma list), got $f" >&2; exit 2 ;; esac
 done
@@ -53,7 +56,8 @@ for f in ${formats//,/ }; do
 done
 # the gate gets what the call has left (a device call is 600 s); its record keeps every finished run
 gate_cap=$(( 570 - ($(date +%s) - t0) ))
-stage gate "$gate_cap" "${mt[@]}" eval --model "$data/bf16" --device cuda --limit "$limit" --out "$out/eval-gate-h200.json" "${cfg[@]}"
+stage gate "$gate_cap" "${mt[@]}" eval --model "$data/bf16" --device cuda --limit "$limit" --jobs "$jobs" \
+  --out "$out/eval-gate-h200.json" "${cfg[@]}"
 # one format, three backends: slots scores exactly as resident, hybrid within its bound (the gate compared
 # each with bf16)
 python3 - "$out/eval-gate-h200.json" "$formats" "$HYBRID_TOL" <<'PY' 2>&1 | tee -a "$out/stages.txt"

@@ -83,6 +83,8 @@ def cli(*args: str):
     (["--compare", "a=", "--tolerance", "a=-1"], "a number >= 0"),
     (["--url", "http://127.0.0.1:9", "--compare", "a="], "--url evaluates a running server"),
     (["--api", "anthropic"], "choose completions or chat"),
+    (["--jobs", "0"], "--jobs 0: it must be at least 1"),
+    (["--url", "http://127.0.0.1:9", "--jobs", "2"], "--jobs starts servers of our own"),
     (["--limit", "0"], "--limit 0: it must be at least 1"),
     (["--tokenizer", "/nonexistent"], "no tokenizer.json there"),
     (["--include-path", "/nonexistent"], "no such directory"),

@@ -65,7 +65,7 @@ def test_the_gate_over_backends_and_fp8_on_the_embedded_model(tmp_path):
                "uva": "--expert-backend uva", "hybrid": "--expert-backend hybrid --expert-slots 8",
                "fp8": f"--model {fp8} --expert-backend resident"}
     cmd = [sys.executable, "-m", "moetier.cli", "eval", "--device", "cpu", "--tasks",
-           "stdlib_next_line,stdlib_choose_line", "--limit", "2", "--out", str(out),
+           "stdlib_next_line,stdlib_choose_line", "--limit", "2", "--out", str(out), "--jobs", "2",
            "--tolerance", "hybrid=0.05", "--tolerance", "fp8=0.5"]
     for label, flags in configs.items():
         cmd += ["--compare", f"{label}={flags}"]
@@ -80,3 +80,63 @@ def test_the_gate_over_backends_and_fp8_on_the_embedded_model(tmp_path):
     # FP8 weights are another model: its log-likelihoods move (by a measured amount, within the tolerance)
     assert verdicts["fp8", "stdlib_choose_line"]["max_ll_diff"] > 0
     assert "| fp8 | stdlib_choose_line | acc |" in p.stdout and "gate: passed" in p.stderr
+
+
+class FakeServer:
+    """spawn.SpawnedServer's interface without a process: records starts, stops and how many are up."""
+    up, most, events = 0, 0, []
+    fail: set[str] = set()
+
+    def __init__(self, flags, label=""):
+        import threading
+
+        self.flags, self.label, self.url, self.cancelled = flags, label, "", threading.Event()
+
+    def __enter__(self):
+        from moetier.errors import MoetierError
+
+        FakeServer.up += 1
+        FakeServer.most = max(FakeServer.most, FakeServer.up)
+        FakeServer.events.append(("start", self.label))
+        if self.label in FakeServer.fail:
+            FakeServer.up -= 1
+            raise MoetierError(f"moetier serve did not start (configuration {self.label})")
+        self.url = f"http://{self.label}"
+        return self
+
+    def stop(self):
+        if self.url:
+            FakeServer.up -= 1
+            FakeServer.events.append(("stop", self.label))
+            self.url = ""
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_servers_start_ahead_in_order_and_all_stop(monkeypatch, jobs):
+    from moetier.errors import MoetierError
+    from moetier.eval import spawn
+
+    monkeypatch.setattr(spawn, "SpawnedServer", FakeServer)
+    FakeServer.up, FakeServer.most, FakeServer.events, FakeServer.fail = 0, 0, [], set()
+    configs = [(c, [f"--{c}"]) for c in "abcde"]
+    seen = []
+    for label, flags, server in spawn.started_ahead(configs, jobs):
+        assert server.url == f"http://{label}" and flags == [f"--{label}"]
+        seen.append(label)
+    assert seen == list("abcde") and FakeServer.up == 0 and FakeServer.most == min(jobs, 5)
+    # a start that fails surfaces in its turn; the servers started ahead of it are all stopped
+    FakeServer.up, FakeServer.most, FakeServer.events, FakeServer.fail = 0, 0, [], {"c"}
+    seen = []
+    with pytest.raises(MoetierError, match="configuration c"):
+        for label, _, _ in spawn.started_ahead(configs, jobs):
+            seen.append(label)
+    assert seen == ["a", "b"] and FakeServer.up == 0
+    # the caller stopping early (an evaluation's error) stops every server still up
+    FakeServer.up, FakeServer.fail = 0, set()
+    with pytest.raises(RuntimeError):
+        for label, _, _ in spawn.started_ahead(configs, jobs):
+            raise RuntimeError("lm-eval failed")
+    assert FakeServer.up == 0

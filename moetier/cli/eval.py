@@ -89,6 +89,10 @@ def eval_cmd(
                             "type) or chat (local-chat-completions: generation tasks, chat template applied)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write every run's metrics, outputs, "
                                        "log-likelihoods and the gate's verdicts as JSON."),
+    jobs: int = typer.Option(1, "--jobs", help="Servers starting at once for --compare, ahead of the one being "
+                             "evaluated (evaluations stay one at a time). They share the device: each plans its "
+                             "automatic sizes on the memory the others leave, so give --gpu-memory in the flags "
+                             "where that matters."),
 ) -> None:
     """Run lm-eval's tasks against our server (spawned) or any OpenAI-compatible URL, offline; with
     --compare, the accuracy gate over engine configurations (docs/eval.md)."""
@@ -107,6 +111,9 @@ def eval_cmd(
         if max_length is not None:
             opt.at_least(max_length, 2, "--max-length")
         opt.at_least(num_concurrent, 1, "--num-concurrent")
+        opt.at_least(jobs, 1, "--jobs")
+        if jobs > 1 and url is not None:
+            raise MoetierError("--jobs starts servers of our own for --compare; --url evaluates one running server")
         for p in include_path:
             if not p.is_dir():
                 raise MoetierError(f"--include-path {p}: no such directory")
@@ -127,15 +134,15 @@ def eval_cmd(
         if url is not None:
             runs = [lmeval.run(url, tok_dir, todo, label=url, **kw)]
         else:
-            from moetier.eval.spawn import SpawnedServer
+            from moetier.eval.spawn import started_ahead
 
             base = (["--model", str(model)] if model is not None else []) + ["--device", device]
             runs = []
             for label, flags in configs or [("serve", [])]:
                 typer.echo(f"moetier eval: {label}: moetier serve {shlex.join(base + flags)}", err=True)
-                with SpawnedServer(base + flags, label) as server:
-                    run = lmeval.run(server.url, tok_dir, todo, label=label, **kw)
-                run.serve_flags = base + flags
+            for label, flags, server in started_ahead([(c, base + f) for c, f in configs or [("serve", [])]], jobs):
+                run = lmeval.run(server.url, tok_dir, todo, label=label, **kw)
+                run.serve_flags = flags
                 runs.append(run)
                 typer.echo(f"moetier eval: {label}: {run.seconds:.1f} s", err=True)
                 if out is not None and configs:  # each finished run kept: a gate cut short loses only the rest
