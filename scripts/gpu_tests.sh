@@ -31,15 +31,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
-# the slowest files (durations of the last H200 runs) run in a pytest process of their own, started
-# beside the rest: xdist hands whole files out in its own order, so named first they still started
-# late and the suite ran past the call limit
-SLOW=(tests/test_swiglu_clamp.py tests/test_quant4_gpu.py tests/test_glm5_next_gpu.py)
+# the slowest files (durations of the last H200 runs: fla's compile and autotune in the first KDA
+# prefill of a process, the 4-bit engine rows) run in pytest processes of their own, one per group,
+# started beside the rest: xdist hands whole files out in its own order, so named first they still
+# started late and the suite ran past the call limit. A group's files run in order in one process.
+SLOW_GROUPS=("tests/test_kda_gpu.py" "tests/test_quant4_gpu.py" "tests/test_swiglu_clamp.py tests/test_glm5_next_gpu.py")
+SLOW=()
+for g in "${SLOW_GROUPS[@]}"; do SLOW+=($g); done
 files=(tests/)
 if [ -n "$part" ]; then  # the files that hold gpu tests; every file is still collected below
   n=${part%/2}
   mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py | sort | awk -v n="$n" 'NR % 2 == n % 2')
-  SLOW=()
+  SLOW=() SLOW_GROUPS=()
 fi
 xdist=()
 [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
@@ -54,23 +57,27 @@ xdist=()
 python3 -m pytest --collect-only -q -p no:cacheprovider tests/ > /tmp/gpu-collect.log 2>&1 \
   || { cat /tmp/gpu-collect.log | tail -30 | tee -a "$log"; echo "# collection failed" >> "$log"; exit 1; }
 tail -1 /tmp/gpu-collect.log | tee -a "$log"
-slow_rc=0
+slow_rc=0 slow_pids=()
 if [ ${#SLOW[@]} -gt 0 ]; then
-  # its own log beside the main one (a run cut by the call limit keeps both), appended at the end
-  python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 "${SLOW[@]}" > "$log.slow" 2>&1 &
-  slow_pid=$!
+  # each group's log beside the main one (a run cut by the call limit keeps them), appended at the end
+  for i in "${!SLOW_GROUPS[@]}"; do
+    # shellcheck disable=SC2086  # a group is a space-separated list of files
+    python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 ${SLOW_GROUPS[$i]} > "$log.slow$i" 2>&1 &
+    slow_pids+=($!)
+  done
   ignore=()
   for f in "${SLOW[@]}"; do ignore+=(--ignore "$f"); done
   files=(tests/ "${ignore[@]}")
 fi
 python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 "${xdist[@]}" "${files[@]}" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
-if [ ${#SLOW[@]} -gt 0 ]; then
-  wait "$slow_pid"
-  slow_rc=$?
-  { echo "# the slow files, run beside the rest: ${SLOW[*]}"; cat "$log.slow"; } >> "$log"
-  rm -f "$log.slow"
-fi
+for i in "${!slow_pids[@]}"; do
+  wait "${slow_pids[$i]}"
+  r=$?
+  [ "$r" -ne 0 ] && slow_rc=$r
+  { echo "# slow files, run beside the rest: ${SLOW_GROUPS[$i]} (exit $r)"; cat "$log.slow$i"; } >> "$log"
+  rm -f "$log.slow$i"
+done
 echo "# exit code $rc (slow files: $slow_rc)" >> "$log"
 [ "$rc" -ne 0 ] && exit "$rc"
 exit "$slow_rc"
