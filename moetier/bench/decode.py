@@ -25,7 +25,7 @@ from moetier.bench.common import links, trace_info
 from moetier.bench.decode_report import check_tokens, plot, ratios, row_name, table  # noqa: F401 -- cli's names
 from moetier.bench.hybrid_rows import host_options, hybrid_rates  # noqa: F401 -- scripts/profile_hybrid.py's
 from moetier.bench.decode_steps import (decode_once, distinct_per_step, graph_mode, hit_rate,  # noqa: F401
-                                        roofline, warm_all)
+                                        replay_kernels, roofline, warm_all)
 from moetier.bench.outputs import References, strip
 from moetier.checkpoint.random_bed import Bed, loaded_bed, random_bed, use_backend
 from moetier.config import ModelConfig
@@ -98,6 +98,10 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
             r = repeated(lambda first: decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"],
                                                    on_timed=timed, keep_logits=first), args.get("repeats", 1))
+            kernels = replay_kernels(llm, b) if bed.model.device.type == "cuda" else None
+            if kernels:  # the step's graph: its launches beside its replay time (the rest is launch gaps)
+                r.update(kernels_per_step=kernels["kernels_per_step"], kernel_ms_per_step=kernels["kernel_ms_per_step"],
+                         kernel_table=kernels["table"])
             if switch:  # steps of this run (warm-up included) on each variant, and what they cost
                 r["switch"] = {"steps": {k: v - counts0[k] for k, v in switch.counts.items()},
                                "overhead_ms": {n: s * 1e3 for n, s in llm.runner.graphs.overhead_s.items()},
@@ -131,7 +135,9 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts,
                          **({"prefetch": prefetch, "prefetch_experts_per_layer_step": prefetched}
                             if prefetch != "off" else {})})
-            progress(f"{what} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s")
+            progress(f"{what} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s" + (
+                f"; {kernels['kernels_per_step']:.0f} kernels a step, {kernels['kernel_ms_per_step']:.3f} ms of "
+                f"kernel time in the {r['gpu_replay_ms']:.3f} ms replay" if kernels and r.get("gpu_replay_ms") else ""))
     finally:
         llm.close()
     return rows
