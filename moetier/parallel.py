@@ -38,6 +38,11 @@ class Parallel:
         if problems:
             raise MoetierError("invalid parallel layout: " + "; ".join(problems))
 
+    @classmethod
+    def of(cls, tp: int = 1, ep: int = 1, rank: int = 0) -> Parallel:
+        """Rank `rank`'s layout of tensor-parallel tp and expert-parallel ep (world: the larger)."""
+        return cls(rank, max(tp, ep), tp, ep)
+
     @property
     def tp_rank(self) -> int:
         return self.rank if self.tp > 1 else 0

@@ -35,7 +35,7 @@ def test_budget_is_per_gpu_capped_at_the_experts_a_rank_owns():
     assert slots_for(cfg, "slots", 0.5) == 16 and slots_for(cfg, "slots", 0.5, ep=2) == 16
     assert slots_for(cfg, "slots", 0.75, ep=2) == 16 and slots_for(cfg, "slots", 0.25, ep=2) == 8
     assert slots_for(cfg, "resident", 0.5, ep=2) == 0
-    assert RandomModel("tiny", budget=0.25).options(cfg, 2).slots == 8
+    assert RandomModel("tiny", budget=0.25).options(cfg, Parallel.of(ep=2)).slots == 8
 
 
 def test_ep_shares_hold_the_one_process_experts():

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from moetier.cli.app import app
 from moetier.engine.llm import LLM
 from moetier.errors import MoetierError
+from moetier.parallel import Parallel
 from moetier.plan.nodes import RankMemory, RankShare, node_problems, rank_plan
 from moetier.sampling_params import SamplingParams
 from test_server_cli import MOETIER, free_port, wait_up
@@ -107,14 +108,14 @@ def test_rank_plan_is_a_share(tiny_ckpt):
     def item(plan, name, tier="device"):
         return next(i.bytes for i in getattr(plan, tier) if i.name.startswith(name))
 
-    one, ep2, tp2 = rank_plan(req, uva, 1, 1), rank_plan(req, uva, 1, 2), rank_plan(req, uva, 2, 1)
+    one, ep2, tp2 = (rank_plan(req, uva, Parallel.of(tp, ep)) for tp, ep in ((1, 1), (1, 2), (2, 1)))
     store = "expert store"
     assert item(ep2, store, "host") < item(one, store, "host") * 0.51  # half the rows (+ page alignment)
     assert item(tp2, "KV pages") * 2 == item(one, "KV pages")
     assert item(tp2, "dense: decoder layers") < item(one, "dense: decoder layers")
     assert item(tp2, "dense: embedding") == item(one, "dense: embedding")  # replicated
     with pytest.raises(MoetierError, match="slots"):  # a rank holds 16 of 32 experts under EP 2
-        rank_plan(req, ExpertOptions("slots", slots=20), 1, 2)
+        rank_plan(req, ExpertOptions("slots", slots=20), Parallel.of(1, 2))
 
 
 def test_a_node_too_small_for_its_ranks_is_refused(tiny_ckpt):
@@ -128,7 +129,7 @@ def test_a_node_too_small_for_its_ranks_is_refused(tiny_ckpt):
 
     config = EngineConfig(tensor_parallel_size=2, max_num_seqs=1, kv_tokens=256)
     req = request_for(config_from_dir(tiny_ckpt), torch.float32, "cpu", config, host_memory="100GiB")
-    need = rank_plans(req, ExpertOptions("resident"), 2, 1)[0].host_total
+    need = rank_plans(req, ExpertOptions("resident"), Parallel.of(2, 1))[0].host_total
     budget = f"{(4 * GiB + 1.5 * need) / GiB:.3f}GiB"  # the 4 GiB margin, then 1.5 ranks
     code, _, err = cli("generate", "hi", "--model", str(tiny_ckpt), "--device", "cpu", "--tp", "2",
                        "--expert-backend", "resident", "--host-memory", budget, "--max-tokens", "2")

@@ -184,8 +184,8 @@ def test_rank_plan_counts_half_the_expert_bytes(ckpts):
         return next(i.bytes for i in getattr(plan, where) if i.name.startswith(name))
 
     for backend, name, where in (("resident", "routed experts", "device"), ("uva", "expert store", "host")):
-        whole = rank_plan(req, ExpertOptions(backend, split="replicate"), 2, 1)
-        cols = rank_plan(req, ExpertOptions(backend, split="auto"), 2, 1)  # auto: columns
+        whole = rank_plan(req, ExpertOptions(backend, split="replicate"), Parallel.of(2, 1))
+        cols = rank_plan(req, ExpertOptions(backend, split="auto"), Parallel.of(2, 1))  # auto: columns
         assert cols.row_bytes * 2 == whole.row_bytes
         if where == "device":
             assert item(cols, name) * 2 == item(whole, name)

@@ -198,6 +198,6 @@ def test_rank_plan_keeps_the_latent_cache_whole(ckpts):
     def item(plan, name):
         return next(i.bytes for i in plan.device if i.name.startswith(name))
 
-    one, tp2 = rank_plan(req, ExpertOptions("uva"), 1, 1), rank_plan(req, ExpertOptions("uva"), 2, 1)
+    one, tp2 = rank_plan(req, ExpertOptions("uva"), Parallel.of(1, 1)), rank_plan(req, ExpertOptions("uva"), Parallel.of(2, 1))
     assert item(tp2, "KV pages") == item(one, "KV pages")  # latent and index keys on every rank
     assert item(tp2, "dense: decoder layers") < item(one, "dense: decoder layers")

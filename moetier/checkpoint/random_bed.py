@@ -91,8 +91,10 @@ class RandomModel:
     # per MoE layer the slots instead of the budget's one count (a plan's --pinned-out or slots file)
     slots_per_layer: dict[int, int] | None = None
 
-    def options(self, cfg: ModelConfig, ep: int = 1, tp: int = 1) -> ExpertOptions:
-        """The ExpertOptions a rank's share is built with (the layout checks and the plan use them)."""
+    def options(self, cfg: ModelConfig, par: Parallel = Parallel()) -> ExpertOptions:
+        """The ExpertOptions a rank's share is built with under layout par (the layout checks and the
+        plan use them)."""
+        tp, ep = par.tp, par.ep
         split = resolve(self.split, dataclasses.replace(cfg.moe_shape, quant=self.quant), tp, ep, self.backend)
         columns = tp if split == "columns" else 1
         slots = slots_for(cfg, self.backend, self.budget, ep, columns)

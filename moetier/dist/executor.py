@@ -79,7 +79,7 @@ def start(spec: WorkerSpec, rank_plans=None) -> tuple[Parallel, WorkerGroup]:
     else:
         workers = Workers(spec)
     try:
-        par = init_rank(0, workers.rendezvous, spec.tp, spec.ep)
+        par = init_rank(workers.rendezvous, spec.config.layout(0))
         records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
         if records is not None:  # gloo: a group of their own (pipe's channel was made at the spawn)
             workers.channel = GroupSender(records)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -109,16 +109,18 @@ def from_env(device: str, timeout_s: float = 600.0) -> tuple[int, Rendezvous]:
                                                timeout_s)
 
 
-def init_rank(rank: int, rdv: Rendezvous, tp: int, ep: int) -> Parallel:
-    """Join the group as `rank` (blocks until every rank has joined, at most the timeout) and return
-    this rank's layout. One group per process: a second engine in the same process must wait until
-    the first is closed."""
+def init_rank(rdv: Rendezvous, layout: Parallel) -> Parallel:
+    """Join the group as layout.rank (blocks until every rank has joined, at most the timeout) and
+    return the layout with its collective timer (EngineConfig.layout makes it). One group per process:
+    a second engine in the same process must wait until the first is closed."""
     if dist.is_initialized():
         raise MoetierError("this process already belongs to a torch.distributed group (another parallel "
                            "engine that was not closed?); call close() on it first")
     from moetier.dist.timing import CollectiveTimer
 
-    par = Parallel(rank, rdv.world, tp, ep, timer=CollectiveTimer())  # validates before anything connects
+    if layout.world != rdv.world:
+        raise MoetierError(f"the layout has {layout.world} ranks, the rendezvous {rdv.world}")
+    rank, par = layout.rank, replace(layout, timer=CollectiveTimer())
     try:
         # NCCL: bind the group to this rank's GPU (set by the caller before joining), so barriers and
         # object collectives never guess the device

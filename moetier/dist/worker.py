@@ -50,14 +50,6 @@ class WorkerSpec:
     rendezvous: Rendezvous
     rank_plans: Any = None  # plan/nodes.RankPlans: each rank's memory share, checked before loading
 
-    @property
-    def tp(self) -> int:
-        return self.config.tensor_parallel_size
-
-    @property
-    def ep(self) -> int:
-        return self.config.expert_parallel_size
-
 
 def main(index: int, spec: WorkerSpec, ends: list | None = None) -> None:
     """Entry point of a spawned worker (torch.multiprocessing passes index 0..N-2: rank index + 1).
@@ -82,7 +74,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int, pipe=None) -> None:
     else:
         device = spec.device
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.rendezvous.world))
-    par = init_rank(rank, spec.rendezvous, spec.tp, spec.ep)
+    par = init_rank(spec.rendezvous, spec.config.layout(rank))
     records = record_group(spec.config.step_record_group, spec.rendezvous.timeout_s)
     channel = PipeReceiver(pipe, rank) if pipe is not None else GroupReceiver(records)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 from moetier.config import DENSE_WEIGHTS
 from moetier.errors import MoetierError
 from moetier.experts.placement import ExpertOptions
-from moetier.parallel import layout_problems
+from moetier.parallel import Parallel, layout_problems
 from moetier.spec.config import SpeculativeConfig, speculative_config_of
 
 STEP_RECORD_GROUPS = ("world", "gloo", "pipe")  # EngineConfig.step_record_group; `--step-record-group`
@@ -153,6 +153,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def layout(self, rank: int = 0) -> Parallel:
+        """Rank `rank`'s parallel layout: where --tp and --ep become the record every rank builds by
+        (the plan's share, the ranks' process group, the model's splits)."""
+        return Parallel.of(self.tensor_parallel_size, self.expert_parallel_size, rank)
 
     def validate(self) -> EngineConfig:
         problems = self.problems()

@@ -129,10 +129,8 @@ class LLM:
         so that threads other than this one (AsyncLLM's) allocate on the same GPU."""
         from moetier.checkpoint.loader import check_parallel
         from moetier.dist.executor import spec_for, start
-        from moetier.parallel import Parallel
 
-        check_parallel(cfg, config.experts, config.decode_tokens,
-                       Parallel(0, config.world_size, config.tensor_parallel_size, config.expert_parallel_size))
+        check_parallel(cfg, config.experts, config.decode_tokens, config.layout())
         self.parallel, self._workers = start(spec_for(source, dtype, device, config), rank_plans)
         return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
 
@@ -151,7 +149,7 @@ class LLM:
         cfg = preset(random.preset, random.layers)
         torch_dtype = resolve_dtype("bfloat16" if dtype == "auto" else dtype, cfg)
         # the bed's placement, with the caller's prefill options (the one record says what runs)
-        experts = random.options(cfg, config.expert_parallel_size, config.tensor_parallel_size)
+        experts = random.options(cfg, config.layout())
         config = EngineConfig.of(config, experts=replace(experts, prefill=config.experts.prefill,
                                                          prefill_stream=config.experts.prefill_stream))
         if config.world_size == 1:

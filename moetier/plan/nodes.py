@@ -2,7 +2,7 @@
 memory of the machine it runs on, checked before any rank loads a byte (reference 004: on two
 machines the tighter one failed, and its OOM surfaced as an unrelated error elsewhere).
 
-    plan, experts, plans = rank_plans(req, experts, tp, ep, gpu, host)   # (plan/preflight.place)
+    plan, experts, plans = rank_plans(req, experts, config.layout(), gpu, host)   # (plan/preflight.place)
         plan: one rank's share (dense weights under the TP split, its 1/ep of the experts and their
         store, its kv heads' KV pages, the usual workspaces), experts: the placement that carries it out
     after joining the group, before loading, every rank (mp or Ray alike) calls
@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from moetier.plan.memory import HOST_MARGIN_MIN, HOST_MARGIN_SHARE, Item, Plan, PlanRequest, _kv_bytes_per_token
 from moetier.plan.expert_plan import PlanRefused, options_for, plan_for
 from moetier.plan.units import gib
+from moetier.parallel import Parallel
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def refuse(problems: list[str], plan: Plan | None = None) -> PlanRefused:
     return PlanRefused("\n".join(lines))
 
 
-def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
-    """One rank's plan (every rank's is the same): the plan of a model with num_experts / ep routed
+def rank_plan(req: PlanRequest, experts, par: Parallel) -> Plan:
+    """One rank's plan under layout par (every rank's is the same): the plan of a model with num_experts / ep routed
     experts (its host store, its slots or resident rows), then the TP-split dense weights and KV
     heads taken down to 1/tp (GQA; an MLA latent cache stays whole on every rank). NOTE: the router
     of the smaller model counts E/ep rows where the rank holds all E (E x hidden x 4 bytes per MoE
@@ -139,7 +140,7 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
     every expert row holds I/tp: the rows, slots and store count 1/tp of the expert bytes."""
     from moetier.experts.parallel.columns import resolve
 
-    cfg = req.cfg
+    cfg, tp, ep = req.cfg, par.tp, par.ep
     local = replace(cfg, num_experts=cfg.num_experts // ep)
     split = resolve(getattr(experts, "split", "auto"), cfg.moe_shape, tp, ep, experts.backend)
     columns = tp if split == "columns" else 1
@@ -174,10 +175,10 @@ def rank_plan(req: PlanRequest, experts, tp: int, ep: int) -> Plan:
     return replace(plan, device=shrink(plan.device), host=shrink(plan.host))
 
 
-def rank_plans(req: PlanRequest, experts, tp: int, ep: int, gpu_memory: str | None = None,
+def rank_plans(req: PlanRequest, experts, par: Parallel, gpu_memory: str | None = None,
                host_memory: str | None = None) -> tuple[Plan, object, RankPlans]:
     """-> (one rank's plan, the ExpertOptions that carry it out, every rank's share to check)."""
-    plan = rank_plan(req, experts, tp, ep)
+    plan = rank_plan(req, experts, par)
     cuda = req.device == "cuda"
-    share = [RankShare(r, plan.device_total if cuda else 0, plan.host_total) for r in range(max(tp, ep))]
+    share = [RankShare(r, plan.device_total if cuda else 0, plan.host_total) for r in range(par.world)]
     return plan, options_for(plan, experts), RankPlans(tuple(share), gpu_memory, host_memory)

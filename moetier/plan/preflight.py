@@ -88,8 +88,7 @@ def place(req: PlanRequest, config, gpu_memory: str | None = None, host_memory: 
     if config.world_size > 1:
         from moetier.plan.nodes import rank_plans
 
-        plan, experts, shares = rank_plans(req, config.experts, config.tensor_parallel_size,
-                                           config.expert_parallel_size, gpu_memory, host_memory)
+        plan, experts, shares = rank_plans(req, config.experts, config.layout(), gpu_memory, host_memory)
         return plan, replace(config, experts=experts), shares
     plan = plan_for(req, config.experts)
     if not plan.fits():

@@ -45,7 +45,6 @@ def build_llm(spec: EngineSpec):
 
     device = pick_device(spec.device)
     config = EngineConfig.of(**spec.engine)
-    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
 
     def on_plan(plan, rank_plans) -> None:
         _log(table(plan) if rank_plans is None else f"one rank's share of {config.world_size}:\n{table(plan)}")
@@ -68,7 +67,7 @@ def build_llm(spec: EngineSpec):
     name = f"{r.preset}-random" + (f"-{r.layers}l" if r.layers else "")
     # the bed's own placement (from_random makes it again from r): planned, refused if one process
     # cannot hold it; several ranks: one rank's share, every node checked once the ranks have started
-    plan, _, rank_plans = place(req, EngineConfig.of(config, experts=r.options(cfg, ep, tp)),
+    plan, _, rank_plans = place(req, EngineConfig.of(config, experts=r.options(cfg, config.layout())),
                                 spec.gpu_memory, spec.host_memory)
     on_plan(plan, rank_plans)
     if config.max_num_tokens is None and rank_plans is None:  # the chunk the plan chose and counted
