@@ -98,7 +98,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
             r = repeated(lambda first: decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"],
                                                    on_timed=timed, keep_logits=first), args.get("repeats", 1))
-            kernels = replay_kernels(llm, b) if bed.model.device.type == "cuda" else None
+            kernels = replay_kernels(llm, b)  # None without graphs (the CPU)
             if kernels:  # the step's graph: its launches beside its replay time (the rest is launch gaps)
                 r.update(kernels_per_step=kernels["kernels_per_step"], kernel_ms_per_step=kernels["kernel_ms_per_step"],
                          kernel_table=kernels["table"])

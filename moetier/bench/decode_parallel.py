@@ -96,8 +96,8 @@ def bench_layout(cfg: ModelConfig, trace: Trace, trace_path: str, tp: int, ep: i
     # every rank's share against its GPU and its node, before any rank makes its weights
     req = request_for(cfg, getattr(torch, model_dtype), device, config, args.get("gpu_memory"),
                       args.get("host_memory"))
-    _, _, plans = rank_plans(req, random.options(cfg, config.layout()), config.layout(), args.get("gpu_memory"),
-                             args.get("host_memory"))
+    par = config.layout()
+    _, _, plans = rank_plans(req, random.options(cfg, par), par, args.get("gpu_memory"), args.get("host_memory"))
     llm = LLM.from_random(random, model_dtype, device, config, rank_plans=plans)
     bed = llm.bed
     slots = slots_for(cfg, backend, budget, ep, tp if bed.split == "columns" else 1)

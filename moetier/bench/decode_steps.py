@@ -113,33 +113,47 @@ def hit_rate(stats: dict) -> float | None:
     return stats["hits"] / looked if looked else None
 
 
+def step_graph(llm: LLM, batch: int, whole: bool = False):
+    """The decode graph of `batch` rows (whole: a hybrid engine's whole-step graph), or None: no
+    graphs, no such size, or a parallel engine (rank 0 alone cannot replay a graph whose all-reduces
+    wait for the other ranks)."""
+    graphs = llm.runner.graphs
+    if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
+        return None
+    return graphs.whole.get(batch) if whole else graphs.graphs[batch]
+
+
+@contextlib.contextmanager
+def cursor_kept(llm: LLM):
+    """The trace replayer's cursor advances inside the graph: put it back, or the next run of this
+    engine would route its tokens by other trace rows than the same run of another row's engine (rows
+    with and without a whole-step graph replay a different number of times)."""
+    cursor = llm.replayer.cursor.clone() if llm.replayer else None
+    try:
+        yield
+    finally:
+        if cursor is not None:
+            llm.replayer.cursor.copy_(cursor)
+
+
 def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> float | None:
     """GPU time of one decode step alone: the step's graphs replayed back to back on the last step's
     inputs (so the slot cache only hits). Against the step time it splits host from device time.
     whole: a hybrid engine's whole-step graph (what its switch replays when the pieces do not pay; None
     without one), so its GPU time can be held to slots' own graph."""
-    graphs = llm.runner.graphs
-    if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
-        return None  # NOTE: rank 0 alone cannot replay a graph of a parallel engine (its all-reduces wait)
-    graph = graphs.whole.get(batch) if whole else graphs.graphs[batch]
+    graph = step_graph(llm, batch, whole)
     if graph is None:
         return None
-    # The trace replayer's cursor advances inside the graph: put it back, or the next run of this
-    # engine would route its tokens by other trace rows than the same run of another row's engine
-    # (rows with and without a whole-step graph replay a different number of times here)
-    cursor = llm.replayer.cursor.clone() if llm.replayer else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
+    with cursor_kept(llm):
         graph.replay()
-        graphs.samplers[batch, "greedy"].replay()
-    end.record()
-    end.synchronize()
-    if cursor is not None:
-        llm.replayer.cursor.copy_(cursor)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+            llm.runner.graphs.samplers[batch, "greedy"].replay()
+        end.record()
+        end.synchronize()
     return start.elapsed_time(end) / reps
-
 
 
 def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict | None:
@@ -149,22 +163,20 @@ def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict 
     than their sum: the count says how much of the step that is."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = llm.runner.graphs
-    if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
+    graph = step_graph(llm, batch)
+    if graph is None:
         return None
-    graph = graphs.graphs[batch]
-    cursor = llm.replayer.cursor.clone() if llm.replayer else None  # as replay_ms: the cursor put back
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            graph.replay()
+    with cursor_kept(llm):
+        graph.replay()
         torch.cuda.synchronize()
-    if cursor is not None:
-        llm.replayer.cursor.copy_(cursor)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                graph.replay()
+            torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"kernels_per_step": len(events) / reps, "kernel_ms_per_step": sum(e.device_time for e in events) / reps / 1e3,
             "table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)}
+
 
 def warm_all(model: CausalLM) -> None:
     """Slots for every expert: place them all before timing, the cache's steady state (otherwise the

@@ -137,10 +137,10 @@ def eval_cmd(
             from moetier.eval.spawn import started_ahead
 
             base = (["--model", str(model)] if model is not None else []) + ["--device", device]
-            runs = []
-            for label, flags in configs or [("serve", [])]:
-                typer.echo(f"moetier eval: {label}: moetier serve {shlex.join(base + flags)}", err=True)
-            for label, flags, server in started_ahead([(c, base + f) for c, f in configs or [("serve", [])]], jobs):
+            runs, served = [], [(label, base + flags) for label, flags in configs or [("serve", [])]]
+            for label, flags in served:
+                typer.echo(f"moetier eval: {label}: moetier serve {shlex.join(flags)}", err=True)
+            for label, flags, server in started_ahead(served, jobs):
                 run = lmeval.run(server.url, tok_dir, todo, label=label, **kw)
                 run.serve_flags = flags
                 runs.append(run)
