@@ -8,8 +8,7 @@ import sys
 
 import torch
 
-from moetier.bench import decode
-from moetier.bench.decode_steps import replay_kernels
+from moetier.bench.decode_steps import replay_kernels, replay_ms
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
@@ -27,7 +26,7 @@ def main(layers: int = 8, batch: int = 1, name: str = "qwen3-30b-a3b",
     for _ in range(10):
         llm.step()
     torch.cuda.synchronize()
-    graph_ms = decode.replay_ms(llm, batch)
+    graph_ms = replay_ms(llm, batch)
     k = replay_kernels(llm, batch)
     print(f"{layers} layers, batch {batch}: graph replay {graph_ms:.3f} ms per step; kernels inside sum to "
           f"{k['kernel_ms_per_step']:.3f} ms; {k['kernels_per_step']:.0f} kernels per step")

@@ -2,7 +2,7 @@
 cut to N layers, random weights, replayed routing, `batch` requests decoding through the engine.
 
 On CUDA every figure is a CUDA-graph replay (the mode we ship): the whole step is the engine's own
-decode graph (bench/decode.replay_ms); each part is captured alone on the inputs it had in one
+decode graph (bench/decode_steps.replay_ms); each part is captured alone on the inputs it had in one
 forward of that step's static batch and replayed alone:
 
     KDA           the linear-attention layers' attention (projections, conv, fla's recurrent step,
@@ -46,9 +46,8 @@ from pathlib import Path
 
 import torch
 
-from moetier.bench import decode
 from moetier.bench.common import links, time_graph
-from moetier.bench.decode_steps import replay_kernels
+from moetier.bench.decode_steps import replay_kernels, replay_ms
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.layers.kda import KdaAttention
@@ -183,7 +182,7 @@ def main(argv: list[str]) -> None:
     ids, batch, kv = step_inputs(llm, a.batch)
     if cuda:
         torch.cuda.synchronize()
-        whole = decode.replay_ms(llm, a.batch)
+        whole = replay_ms(llm, a.batch)
         kernels = replay_kernels(llm, a.batch)
     else:
         kernels = None
