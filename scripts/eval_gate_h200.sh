@@ -61,7 +61,7 @@ stage gate "$gate_cap" "${mt[@]}" eval --model "$data/bf16" --device cuda --limi
 # one format, three backends: slots scores exactly as resident, hybrid within its bound (the gate compared
 # each with bf16)
 python3 - "$out/eval-gate-h200.json" "$formats" "$HYBRID_TOL" <<'PY' 2>&1 | tee -a "$out/stages.txt"
-import json, sys
+import json, math, sys
 from moetier.eval.gate import judge
 from moetier.eval.lmeval import TaskResult
 runs = {r["label"]: {t: TaskResult(**v) for t, v in r["tasks"].items()} for r in json.load(open(sys.argv[1]))["runs"]}
@@ -72,7 +72,9 @@ for f in sys.argv[2].split(","):
             continue
         for t, ref in runs[f].items():
             v = judge(b, t, ref, runs[b][t], bound)
-            print(f"{b} against {f}, {t}: {v.problem or 'pass'} (max |d ll| {v.max_ll_diff:.3g} nats, "
-                  f"{v.max_ll_diff_per_token:.3g} per token, tolerance {bound:g}; "
+            # a generation task scores no log-likelihood: its differences are the outputs alone
+            ll = ("no log-likelihoods" if math.isnan(v.max_ll_diff) else
+                  f"max |d ll| {v.max_ll_diff:.3g} nats, {v.max_ll_diff_per_token:.3g} per token")
+            print(f"{b} against {f}, {t}: {v.problem or 'pass'} ({ll}, tolerance {bound:g}; "
                   f"{v.outputs_differing} of {v.outputs} outputs differ)")
 PY

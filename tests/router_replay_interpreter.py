@@ -1,9 +1,9 @@
 """A replayed trace routes alike whichever router computed the weights: the CUDA router kernels
 (layers/fused.route_topk for softmax top-k, layers/router_triton.route_grouped for the sigmoid
 groups) run in Triton's interpreter on the CPU, against the torch routers, on the embedded model and
-on the tiny glm5_next preset, a prompt in two steps then decode steps from one trace. The kernels
-list their picks in descending order, the torch ones in top-k's unsorted order; the replayer pairs
-weights largest first, so the logits agree to float32 rounding (before: 5e-3 on glm5_next). Run as a
+on the tiny glm5_next preset, a prompt in two steps then decode steps from one trace. Every router
+lists its picks largest weight first and the replayer pairs them by position, so the logits agree to
+float32 rounding (pairing by position in each router's own order left them 5e-3 apart on glm5_next). Run as a
 script (TRITON_INTERPRET before triton is imported); tests/test_traces.py does that in a subprocess."""
 
 from __future__ import annotations

@@ -6,6 +6,11 @@
 
 On CUDA the softmax-top-k-renorm is one fused Triton kernel (layers/fused.route_topk); the CPU path
 and its test oracle is route_reference.
+
+Every router, on every device, lists a token's picks largest weight first (the grouped ones: equal
+weights lowest id first). A replayed trace (traces/hooks.Replayer) gives its experts the router's
+weights by position, so a CUDA and a CPU replay of one trace weigh each expert alike with no sort of
+their own (a sort is five kernels per MoE layer inside the decode graph).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from moetier.layers.param import param
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # logits: [T, E] -> ids [T, k] int64, weights [T, k] in logits.dtype
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # sorted: largest weight first (module docstring)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(logits.dtype)
@@ -52,7 +57,8 @@ def grouped_route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int
     are ranked by the sum of their two best biased scores, the best topk_group groups stay, and the
     top_k biased scores among their experts are the picks; the weights are the unbiased scores of
     the picks, optionally renormalised to sum 1, times routed_scaling_factor. Same ops, same order
-    as transformers' DeepseekV3TopkRouter, so ties break the same way."""
+    as transformers' DeepseekV3TopkRouter up to the picks, so ties break the same way; the picks
+    are then listed largest weight first."""
     t, e = logits.shape
     scores = logits.sigmoid()
     choice = scores + bias
@@ -63,7 +69,11 @@ def grouped_route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int
         keep = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
         choice = choice.masked_fill(~keep.bool(), float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    # listed largest weight first, equal weights lowest id first (the kernel's order: module docstring)
+    ids = ids.sort(dim=-1).values
     weights = scores.gather(1, ids)
+    order = weights.sort(dim=-1, descending=True, stable=True).indices
+    ids, weights = ids.gather(1, order), weights.gather(1, order)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * scaling

@@ -5,8 +5,8 @@ so 75 GLM-5 MoE layers would pay over a millisecond per decode step for routing 
 
 One program per token. E and n_group must be powers of two (every published config: 256 experts
 in 8 or 1 groups); route_grouped_supported() says when. Equal scores go lowest index first, where
-torch.topk's order on CUDA is unspecified; otherwise the picks equal the reference's, and the
-weights differ from it by the float32 rounding of sigmoid. Fixed shapes, no host reads: graph-safe.
+torch.topk's order on CUDA is unspecified; otherwise the picks equal the reference's, listed in its
+order (largest weight first), and the weights differ from it by the float32 rounding of sigmoid. Fixed shapes, no host reads: graph-safe.
 """
 
 from __future__ import annotations
@@ -42,17 +42,25 @@ def _grouped_route(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_i, str
             free = free & (g != pick)
         dropped = tl.reshape(tl.broadcast_to(free[:, None], (G, PER)), (E,))
         choice = tl.where(dropped, float("-inf"), choice)
-    kk = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # the K picks: the largest biased choices (ties: lowest id first) ...
     open_ = e < E
+    sel = e < 0
     for i in tl.static_range(K):
         top = tl.max(tl.where(open_, choice, float("-inf")), axis=0)
         idx = tl.min(tl.where(open_ & (choice == top), e, E), axis=0)
-        pick = e == idx
+        sel = sel | (e == idx)
+        open_ = open_ & (e != idx)
+    # ... listed by their unbiased scores, the weights, largest first (ties: lowest id first): the
+    # order of every router (layers/router.py), which a replayed trace pairs its experts in
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in tl.static_range(K):
+        top = tl.max(tl.where(sel, score, float("-inf")), axis=0)
+        idx = tl.min(tl.where(sel & (score == top), e, E), axis=0)
         ids = tl.where(kk == i, idx, ids)
-        ws = tl.where(kk == i, tl.sum(tl.where(pick, score, 0.0), axis=0), ws)  # unbiased score
-        open_ = open_ & ~pick
+        ws = tl.where(kk == i, top, ws)
+        sel = sel & (e != idx)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)  # lanes >= K hold 0
     ws = ws * scaling

@@ -1,6 +1,7 @@
 """The engine's side of routing traces: a recorder that writes the experts each MoE layer chose, and
-a replayer that makes the router choose the experts a trace says (the router's weights, largest first,
-go to the trace's experts in their order).
+a replayer that makes the router choose the experts a trace says (the router's weights go to the
+trace's experts by position: every router lists its picks largest weight first, layers/router.py, and
+the recorder writes them in that order).
 
 Both attach to the model's MoE blocks as `route_hook(layer, topk_ids, topk_weights)`. The recorder
 reads ids back to the host once per step (recording is a measurement mode; the engine runs it
@@ -38,9 +39,8 @@ class Recorder:
             b.route_hook = self._hook
 
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
-        if layer < self.num_layers:  # written largest weight first: the order the replayer pairs them in
-            order = weights.argsort(dim=-1, descending=True, stable=True)
-            self._ids[layer], self._weights[layer] = ids.gather(1, order), weights.gather(1, order)
+        if layer < self.num_layers:  # the router's order, largest weight first: the replayer pairs by it
+            self._ids[layer], self._weights[layer] = ids, weights
         return ids, weights
 
     def end_step(self, request_ids: list[str], counts: list[int]) -> None:
@@ -88,11 +88,9 @@ class Replayer:
             b.route_hook = self._hook
 
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
-        # NOTE: device ops only (graph-safe); three small kernels per step, and one sort per layer.
-        # The router's weights go to the trace's experts in descending order: routers list their picks
-        # in orders of their own (the CPU's unsorted top-k, the CUDA kernel's descending), and pairing
-        # by position would make a replay's weights depend on the device
-        weights = weights.sort(dim=-1, descending=True).values
+        # NOTE: device ops only (graph-safe); three small kernels per step, none per layer. The router's
+        # weights go to the trace's experts by position: every router lists them largest first on
+        # every device (layers/router.py), so a replay's weights never depend on the device
         t = ids.shape[0]
         if layer >= self.num_layers:  # an MTP layer's draft step: the trace's next tokens, cursor kept
             return self.ids[self.slot[layer], (self.cursor + self._steps(t)) % self.length], weights
