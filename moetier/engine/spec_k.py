@@ -32,6 +32,8 @@ RETRY = 0.02  # per step without a verify, the measured acceptance moves this sh
 
 
 def _seconds(fn, device: torch.device, reps: int = 5) -> float:
+    # the fastest of reps after a warm-up call: other work on the device (another process's kernels
+    # time-slicing the GPU, a busy host) only ever adds time, and a median of five can still take it
     times = []
     for _ in range(reps + 1):
         if device.type == "cuda":
@@ -41,7 +43,7 @@ def _seconds(fn, device: torch.device, reps: int = 5) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[reps // 2]  # the first call warms up
+    return min(times[1:])
 
 
 def measured_costs(model, row_bytes: int, dense_bytes: int) -> StepCosts:
