@@ -37,11 +37,18 @@ for k, t in table.items():
     new, old = t.get("new", []), t.get("old", [])
     if not new or not old: print(k, "missing", {n: len(v) for n, v in t.items()}); continue
     mn, mo = statistics.median(x["tok_s"] for x in new), statistics.median(x["tok_s"] for x in old)
-    sig = lambda x: json.dumps([x.get("expert_stats"), x.get("tokens"), x.get("hit_rate")], sort_keys=True, default=str)
+    # the counters both trees have (the new one adds prefetch_* to slots' stats): same routing, same cache
+    common = set.intersection(*(set(x.get("expert_stats") or {}) for x in new + old))
+    sig = lambda x: json.dumps([{k: x["expert_stats"][k] for k in common} if common else None, x.get("hit_rate")],
+                               sort_keys=True, default=str)
     eq = len({sig(x) for x in new + old}) == 1
     same &= eq
     fmt = lambda v: "/".join(f"{x['tok_s']:.1f}" for x in v)
     print(f"{str(k):55s} {fmt(new):>22s} {fmt(old):>22s} {mn / mo:8.3f} {eq}")
+# each tree's own output check (bench/outputs.py: every row against its reference row of the same run)
+for name, d in runs.items():
+    checks = d.get("output_checks") or d.get("greedy_tokens_equal_to_resident")
+    print(f"{name}: output checks {checks}")
 json.dump({"mode": mode, "rows": {str(k): {n: [x["tok_s"] for x in v] for n, v in t.items()} for k, t in table.items()},
            "stats_equal": same}, open(f"{out}/alt-{mode}-summary.json", "w"), indent=1)
 PY
