@@ -21,7 +21,7 @@ SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.sh"))
 # prefix_cache_h200.sh's $M, pinned_h200.sh's function mt
 CALL = re.compile(r'(?:"?\$\{(?:mt|MT)\[[@*]\]\}"?|python3 -m moetier\.cli|\$M\b|(?:^\s*|[;&|(]\s*)mt)\s+(.*)')
 ARGS = re.compile(r'\bargs="([a-z][^"]*)"')
-END = {";", "&&", "||", "|", "&", ")", "\\", "2>&1"}
+END = {";", "&&", "||", "|", "&", ")"}  # and any redirection: the shell command ends there
 
 
 def shell_lines(text: str) -> list[str]:
@@ -62,7 +62,7 @@ def check(args: str, root) -> list[str]:
     known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
     bad = []
     for w in words[i:]:
-        if w in END or w.startswith(">") or w.startswith("2>"):
+        if w in END or w.startswith((">", "2>")):
             break
         name = w.split("=", 1)[0]
         if name.startswith("--") and name not in known:

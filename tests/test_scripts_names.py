@@ -45,7 +45,7 @@ def test_script_names_exist(script):
     missing = []
     for module, name in names:
         mod = importlib.import_module(module)
-        if not hasattr(mod, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+        if not hasattr(mod, name) and not (is_package(module) and importlib.util.find_spec(f"{module}.{name}")):
             missing.append(f"from {module} import {name}")
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
