@@ -95,6 +95,7 @@ if __name__ == "__main__":
     check_mhc(3, 4, 200, 20, g)
     check_mhc(1, 4, 64, 1, g)
     check_mhc(2, 2, 300, 5, g)
+    check_mhc(1, 4, 2100, 3, g)  # 33 programs of two column blocks each: a split not a power of two
     check_conv(torch.float32, g)
     check_conv(torch.bfloat16, g)
     if importlib.util.find_spec("fla") is None:

@@ -1,8 +1,10 @@
-"""KDA's torch references (layers/kda_reference.py) against each other, mHC's Sinkhorn, and the
-state pool in the memory plan and the engine: plain torch, no transformers."""
+"""KDA's torch references (layers/kda_reference.py) against each other, mHC's Sinkhorn and the column
+split of its decode kernel (layers/mhc_triton.py), and the state pool in the memory plan and the
+engine: plain torch, no transformers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_recurrent
@@ -86,3 +88,12 @@ def test_engine_allocates_what_the_plan_counts(tmp_path):
     outs = llm.generate([[1, 2, 3]] * 4 + [[9] * 70], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 1  # equal prompts, equal tokens
     llm.scheduler.check()
+
+
+@pytest.mark.parametrize("sh", [1, 128, 129, 800, 8192, 8193, 16384, 400000])
+def test_mhc_split_covers_every_column_once(sh):
+    from moetier.layers.mhc_triton import BLOCK, MAX_SPLIT, split_of
+
+    chunk, split = split_of(sh)
+    assert chunk % BLOCK == 0 and 1 <= split <= MAX_SPLIT
+    assert (split - 1) * chunk < sh <= split * chunk  # no program without columns, none left over

@@ -17,7 +17,7 @@ same order as transformers' Glm5NextTextHyperConnection, so float32 agrees to ro
 in the model dtype and applied in float32; base and scale are float32 in the checkpoints.
 
 On CUDA, steps of up to mhc_triton.MAX_ROWS tokens (decode) compute the weights and the collapse in
-one Triton launch (layers/mhc_triton.py; these torch ops are its oracle).
+two Triton launches (layers/mhc_triton.py; these torch ops are its oracle).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class HyperConnection(nn.Module):
         """streams [N, S, H] -> (post [N, S] float32, comb [N, S, S] float32, block input [N, H])."""
         n, s = streams.shape[0], self.s
         if streams.is_cuda:
-            from moetier.layers import mhc_triton  # decode on CUDA: one launch for all of the below
+            from moetier.layers import mhc_triton  # decode on CUDA: two launches for all of the below
 
             if mhc_triton.fused_supported(streams):
                 return mhc_triton.mhc_weights_fused(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,

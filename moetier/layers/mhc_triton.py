@@ -1,14 +1,19 @@
-"""mHC's mixing weights in one Triton launch (decode steps on CUDA): the small projection, Sinkhorn
+"""mHC's mixing weights in two Triton launches (decode steps on CUDA): the small projection, Sinkhorn
 and the collapse of layers/mhc.HyperConnection.weights, whose torch ops are the oracle.
 
-One program per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult):
+Per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult), R = (2 + S) * S:
 
-    pass 1 over x in blocks:  sum x^2, and the (2 + S) * S dot products with fn's rows (float32),
-                              kept as pre [S], post [S], comb [S, S] accumulators
-    in registers:             times rsqrt(mean x^2 + eps) (the RMS norm commutes with the projection),
-                              scale and base, sigmoids, the softmax of comb's rows, Sinkhorn
-    pass 2 over H in blocks:  collapsed[h] = sum_s pre[s] x[s, h] (float32, stored in x's dtype)
+    _mhc_partials  grid (N, SPLIT): program (n, j) takes columns [j CHUNK, (j + 1) CHUNK) of x and
+                   writes its partial sum x^2 and its R partial dot products with fn's rows (float32)
+    _mhc_finish    grid (N, H / BLOCK_H): every program sums token n's SPLIT partials (the same
+                   order in each, so all agree), scales by rsqrt(mean x^2 + eps) (the RMS norm commutes
+                   with the projection), adds scale and base, takes the sigmoids, the softmax of
+                   comb's rows and Sinkhorn in registers; program 0 stores post and comb, each
+                   stores its block of collapsed[h] = sum_s pre[s] x[s, h] (float32, stored in x's dtype)
 
+Why split: one program per token reads fn's R x S*H weights (786 KB at GLM-5.3-Flash's width) on one
+SM, so a batch-1 step ran a single program per call; the split spreads the read over up to
+MAX_SPLIT programs per token, and a token's partials depend on the token alone (batch invariant).
 fn's rows are read once per token: the launch is meant for decode batches (a prefill step keeps the
 torch path, whose projection is one GEMM). S must be a power of two (hc_mult 4 in GLM-5.3-Flash).
 """
@@ -19,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 256
+BLOCK = 128  # columns of x per loop step of _mhc_partials
+BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
+MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens take the torch path (layers/mhc.py)
 
 
@@ -28,31 +35,50 @@ def fused_supported(streams: torch.Tensor) -> bool:
     return streams.is_cuda and n <= MAX_ROWS and s >= 1 and s & (s - 1) == 0
 
 
+def split_of(sh: int) -> tuple[int, int]:
+    """(CHUNK columns per program, SPLIT programs per token) for a flattened row of sh columns."""
+    chunk = BLOCK * max(1, triton.cdiv(sh, BLOCK * MAX_SPLIT))
+    return chunk, triton.cdiv(sh, chunk)
+
+
 @triton.jit
-def _mhc_weights_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, H, norm_eps, hc_eps,
-                        S: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+def _mhc_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, SH, CHUNK, SPLIT,
+                  R: tl.constexpr, R_PAD: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
-    sh = S * H
-    x_row = x_ptr + n * sh
-    s = tl.arange(0, S)
-    comb_rows = 2 * S + s[:, None] * S + s[None, :]  # [S, S]: fn rows of comb, row-major
-    acc_pre = tl.zeros([S], dtype=tl.float32)
-    acc_post = tl.zeros([S], dtype=tl.float32)
-    acc_comb = tl.zeros([S, S], dtype=tl.float32)
+    j = tl.program_id(1)
+    r = tl.arange(0, R_PAD)
+    rm = r < R
+    acc = tl.zeros([R_PAD], dtype=tl.float32)
     sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(0, sh, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        m = cols < sh
-        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        cols = j * CHUNK + off + tl.arange(0, BLOCK)
+        m = cols < SH
+        x = tl.load(x_ptr + n * SH + cols, mask=m, other=0.0).to(tl.float32)
         sq += x * x
-        w = tl.load(fn_ptr + s[:, None] * sh + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        acc_pre += tl.sum(w * x[None, :], axis=1)
-        w = tl.load(fn_ptr + (S + s)[:, None] * sh + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        acc_post += tl.sum(w * x[None, :], axis=1)
-        w3 = tl.load(fn_ptr + comb_rows[:, :, None] * sh + cols[None, None, :], mask=m[None, None, :],
-                     other=0.0).to(tl.float32)
-        acc_comb += tl.sum(w3 * x[None, None, :], axis=2)
-    rstd = tl.rsqrt(tl.sum(sq, axis=0) / sh + norm_eps)
+        w = tl.load(fn_ptr + r[:, None] * SH + cols[None, :], mask=rm[:, None] & m[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(part_ptr + (n * SPLIT + j) * R_PAD + r, acc)
+    tl.store(sq_ptr + n * SPLIT + j, tl.sum(sq, axis=0))
+
+
+@triton.jit
+def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, H, SPLIT,
+                norm_eps, hc_eps, S: tl.constexpr, R_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    s = tl.arange(0, S)
+    j = tl.arange(0, SPLIT_PAD)
+    jm = j < SPLIT
+    parts = part_ptr + n * SPLIT * R_PAD + j * R_PAD  # [SPLIT_PAD] row starts
+    comb_rows = 2 * S + s[:, None] * S + s[None, :]  # [S, S]: fn rows of comb, row-major
+    acc_pre = tl.sum(tl.load(parts[:, None] + s[None, :], mask=jm[:, None], other=0.0), axis=0)
+    acc_post = tl.sum(tl.load(parts[:, None] + S + s[None, :], mask=jm[:, None], other=0.0), axis=0)
+    acc_comb = tl.sum(tl.load(parts[:, None, None] + comb_rows[None, :, :], mask=jm[:, None, None], other=0.0),
+                      axis=0)
+    sh = S * H
+    sumsq = tl.sum(tl.load(sq_ptr + n * SPLIT + j, mask=jm, other=0.0), axis=0)
+    rstd = tl.rsqrt(sumsq / sh + norm_eps)
     pre = tl.sigmoid(acc_pre * rstd * tl.load(scale_ptr) + tl.load(base_ptr + s)) + hc_eps
     post = 2.0 * tl.sigmoid(acc_post * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + S + s))
     logit = acc_comb * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows)
@@ -62,14 +88,14 @@ def _mhc_weights_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     for _ in tl.static_range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + n * S + s, post)
-    tl.store(comb_ptr + n * S * S + s[:, None] * S + s[None, :], comb)
-    for off in range(0, H, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        m = cols < H
-        xs = tl.load(x_row + s[:, None] * H + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(out_ptr + n * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+    if hb == 0:
+        tl.store(post_ptr + n * S + s, post)
+        tl.store(comb_ptr + n * S * S + s[:, None] * S + s[None, :], comb)
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    xs = tl.load(x_ptr + n * sh + s[:, None] * H + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xs, axis=0)
+    tl.store(out_ptr + n * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -79,10 +105,18 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
     -> (post [N, S] float32, comb [N, S, S] float32, block input [N, H] in streams' dtype)."""
     n, s, h = streams.shape
     x = streams.contiguous()
+    r = (2 + s) * s
+    r_pad = triton.next_power_of_2(r)
+    chunk, split = split_of(s * h)
     post = torch.empty(n, s, dtype=torch.float32, device=x.device)
     comb = torch.empty(n, s, s, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n:
-        _mhc_weights_kernel[(n,)](x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), post,
-                                  comb, out, h, norm_eps, hc_eps, S=s, ITERS=max(iters, 1), BLOCK=BLOCK)
+        part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
+        sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
+        _mhc_partials[(n, split)](x, fn.contiguous(), part, sq, s * h, chunk, split, R=r, R_PAD=r_pad, BLOCK=BLOCK)
+        _mhc_finish[(n, triton.cdiv(h, BLOCK_H))](
+            x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, h, split,
+            norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
+            BLOCK_H=BLOCK_H)
     return post, comb, out
