@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
                                      "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend, "dtype": a.dtype,
                                      "budget": a.budget if a.backend == "slots" else None,
                                      "trace": str(trace),
-                                     **({k: kernels[k] for k in ("kernels_per_step", "kernel_ms_per_step")}
+                                     **({k: kernels[k] for k in ("kernels_per_step", "kernel_ms_per_step", "kernels")}
                                         if kernels else {})}, indent=2) + "\n")
 
 

@@ -37,14 +37,19 @@ for k, t in table.items():
     new, old = t.get("new", []), t.get("old", [])
     if not new or not old: print(k, "missing", {n: len(v) for n, v in t.items()}); continue
     mn, mo = statistics.median(x["tok_s"] for x in new), statistics.median(x["tok_s"] for x in old)
-    # the counters both trees have (the new one adds prefetch_* to slots' stats): same routing, same cache
-    common = set.intersection(*(set(x.get("expert_stats") or {}) for x in new + old))
+    # the counters both trees have (the new one adds prefetch_* to slots' stats): same routing, same cache.
+    # host_us is a time, not a count; and the trace rows each run routed (cursor: [first, end]) are printed,
+    # since a tree that moves the replay cursor differently routes different rows
+    common = set.intersection(*(set(x.get("expert_stats") or {}) for x in new + old)) - {"host_us"}
     sig = lambda x: json.dumps([{k: x["expert_stats"][k] for k in common} if common else None, x.get("hit_rate")],
                                sort_keys=True, default=str)
     eq = len({sig(x) for x in new + old}) == 1
     same &= eq
     fmt = lambda v: "/".join(f"{x['tok_s']:.1f}" for x in v)
     print(f"{str(k):55s} {fmt(new):>22s} {fmt(old):>22s} {mn / mo:8.3f} {eq}")
+    if not eq:
+        spans = lambda v: "/".join(str(x.get("cursor")) for x in v)
+        print(f"{'':55s} cursor new {spans(new)}, old {spans(old)}")
 # each tree's own output check (bench/outputs.py: every row against its reference row of the same run)
 for name, d in runs.items():
     checks = d.get("output_checks") or d.get("greedy_tokens_equal_to_resident")

@@ -6,6 +6,11 @@ subprocess.
     the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
     scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
     a missing Sinkhorn round shows).
+  - mHC's fused expand (layers/mhc_triton.expand_fused) against layers/mhc.expand's torch form, float32
+    and bfloat16 (loosely: the interpreter truncates casts to bfloat16), at hc_mult 4 and 2, H not a
+    multiple of the block.
+  - KDA's gated output norm (layers/fused.gated_rms_norm) against kda.gated_rms_norm, float32 and
+    bfloat16, a head width not a power of two.
   - the decode conv over the state pool (layers/kda_conv_triton.py) against
     kda_reference.causal_conv_step on the gathered states: outputs within float32 tolerance, the
     slots' states shifted in place exactly, a row at position 0 starting from zeros, other slots
@@ -49,6 +54,32 @@ def check_mhc(n: int, s: int, h: int, iters: int, g: torch.Generator) -> None:
         assert rel(a, b) <= TOL, (name, n, s, h, rel(a, b))
     assert got[1].std() > 0.05, "the comb came out flat: the check could not tell rows or rounds apart"
     print(f"mhc n={n} S={s} H={h} iters={iters}: ok")
+
+
+def check_expand(n: int, s: int, h: int, dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.mhc import expand
+    from moetier.layers.mhc_triton import expand_fused
+
+    out, streams = torch.randn(n, h, generator=g).to(dtype), torch.randn(n, s, h, generator=g).to(dtype)
+    post, comb = 2 * torch.rand(n, s, generator=g), torch.rand(n, s, s, generator=g)
+    want, got = expand(out, post, comb, streams), expand_fused(out, post, comb, streams)  # torch form on the CPU
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # bfloat16: the interpreter's casts to bfloat16 truncate (the GPU's round to nearest), so here the
+    # three roundings may each lose up to one step; tests/test_kda_gpu.py checks the roundings themselves
+    assert rel(got, want) <= (TOL if dtype == torch.float32 else 2e-2), rel(got, want)
+    print(f"mhc expand n={n} S={s} H={h} {dtype}: ok")
+
+
+def check_gated_norm(dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.fused import gated_rms_norm as fused_norm
+    from moetier.layers.kda import gated_rms_norm
+
+    x, gate = torch.randn(3, 2, 96, generator=g).to(dtype), (3 * torch.randn(3, 2, 96, generator=g)).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    want, got = gated_rms_norm(x, gate, weight, 1e-5), fused_norm(x, gate, weight, 1e-5)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
+    print(f"kda gated norm {dtype}: ok")
 
 
 def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
@@ -96,6 +127,11 @@ if __name__ == "__main__":
     check_mhc(1, 4, 64, 1, g)
     check_mhc(2, 2, 300, 5, g)
     check_mhc(1, 4, 2100, 3, g)  # 33 programs of two column blocks each: a split not a power of two
+    check_expand(3, 4, 300, torch.float32, g)
+    check_expand(2, 2, 520, torch.bfloat16, g)
+    check_expand(1, 4, 4096, torch.bfloat16, g)
+    check_gated_norm(torch.float32, g)
+    check_gated_norm(torch.bfloat16, g)
     check_conv(torch.float32, g)
     check_conv(torch.bfloat16, g)
     if importlib.util.find_spec("fla") is None:

@@ -1,6 +1,8 @@
-"""The fused layer kernels (moetier.models.fused) against the plain-torch code they replace: in
+"""The fused layer kernels (moetier.layers.fused) against the plain-torch code they replace: in
 Triton's interpreter on the CPU (a subprocess running fused_interpreter.py), and, marked `gpu`, on
-CUDA at Qwen3-30B-A3B sizes, inside a captured CUDA graph, and through the whole model."""
+CUDA at Qwen3-30B-A3B sizes, inside a captured CUDA graph, and through the whole model; and on CUDA at
+GLM-5.3-Flash's sizes, glm5_next's one-launch forms: the models' RMSNorm (norm.model_rms_norm), KDA's
+gated output norm and mHC's expand (layers/mhc_triton.py), each against its torch form on the GPU."""
 
 from __future__ import annotations
 
@@ -70,6 +72,31 @@ def test_rms_norm_on_gpu(t):
     assert torch.equal(s, want_s)
     near(y, want_y, ulps=1)
     near(fused.rms_norm(x, w, EPS)[0], ref_rms_norm(x, w, EPS)[0], ulps=1)
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 8, 300])
+def test_glm5_next_one_launch_forms_round_as_their_torch_forms(t):
+    from moetier.layers import fused
+    from moetier.layers.kda import gated_rms_norm
+    from moetier.layers.mhc import expand
+    from moetier.layers.mhc_triton import expand_fused
+    from moetier.layers.norm import model_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(t)
+    bf = torch.bfloat16
+    x = (torch.randn(t, 4096 + 576, generator=g) * 4).to(bf).cuda()
+    w = (torch.rand(4096, generator=g) + 0.5).to(bf).cuda()
+    near(model_rms_norm(x[:, :4096], w, EPS), rms_norm(x[:, :4096], w, EPS), ulps=1)  # rows with a stride
+    o, gate = torch.randn(t, 32, 128, generator=g).to(bf).cuda(), (3 * torch.randn(t, 32, 128, generator=g)).to(bf).cuda()
+    wn = torch.randn(128, generator=g).to(bf).cuda()
+    near(fused.gated_rms_norm(o, gate, wn, EPS), gated_rms_norm(o, gate, wn, EPS), ulps=1)
+    out, streams = torch.randn(t, 4096, generator=g).to(bf).cuda(), torch.randn(t, 4, 4096, generator=g).to(bf).cuda()
+    post, comb = (2 * torch.rand(t, 4, generator=g)).cuda(), torch.rand(t, 4, 4, generator=g).cuda()
+    got = expand_fused(out, post, comb, streams)
+    want = post.to(bf).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(bf).transpose(-1, -2), streams)
+    near(got, want, ulps=1)  # the same roundings; the four-term sum's order may move one step
+    assert torch.equal(expand(out, post, comb, streams), got)  # expand takes the kernel on CUDA
 
 
 @gpu

@@ -8,9 +8,11 @@ router another five; here each group is one launch:
     rms_norm        (x [+ residual]) -> RMSNorm, and the sum for the residual stream
     qk_norm_rope_kv qkv -> q normed and roped; k normed, roped and written to the cache; v written
     route_topk      router logits -> softmax, top-k, optional renormalisation
+    gated_rms_norm  KDA's output: per head RMSNorm, weight and sigmoid gate
 
 The oracles are the plain-torch code these replace, which stays the CPU path: norm.rms_norm
-after torch's add, gqa_attention.qk_norm_rope_kv_reference and router.route_reference. Each kernel
+after torch's add, gqa_attention.qk_norm_rope_kv_reference, router.route_reference and
+kda.gated_rms_norm. Each kernel
 rounds to the model dtype wherever the reference does (every torch elementwise op rounds its
 result), so outputs differ from the reference only by the float32 reduction order (and, in the
 router, by a tie between equal logits). Outputs are allocated at fixed shapes and no value is read
@@ -177,3 +179,29 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
                  K=top_k, RENORM=renormalize, BLOCK_E=block, BLOCK_K=triton.next_power_of_2(top_k),
                  num_warps=1 if block <= 128 else 2)
     return ids, weights
+
+
+@triton.jit
+def _gated_rms_norm(x_ptr, g_ptr, w_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr):
+    # One program per row of D (a head). The order of layers/kda.gated_rms_norm: float32 norm, then the
+    # float32 weight times it, then the sigmoid gate, one rounding at the end.
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    x = tl.load(x_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    xn = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(y_ptr + row * D + d, (w * xn * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., D] (one shape), weight [D] -> [..., D] in x's dtype: KDA's gated output norm in one
+    launch where its torch form (layers/kda.gated_rms_norm, the oracle) takes about ten."""
+    assert gate.shape == x.shape and weight.shape == (x.shape[-1],)
+    d = x.shape[-1]
+    x2, g2 = x.reshape(-1, d).contiguous(), gate.reshape(-1, d).contiguous()
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _gated_rms_norm[(x2.shape[0],)](x2, g2, weight.contiguous(), y, d, eps, BLOCK_D=triton.next_power_of_2(d))
+    return y.view(x.shape)

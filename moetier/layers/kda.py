@@ -105,7 +105,13 @@ class KdaAttention(nn.Module):
         else:
             o = self._prefill(qkv, g, beta, conv, rec, batch)
         gate = F.linear(F.linear(x, self.g_a), self.g_b).view(n, self.heads, self.d)
-        return F.linear(gated_rms_norm(o, gate, self.o_norm, self.eps).reshape(n, self.inner), self.o_proj)
+        if o.is_cuda:
+            from moetier.layers import fused  # one launch for the gated norm
+
+            normed = fused.gated_rms_norm(o, gate, self.o_norm, self.eps)
+        else:
+            normed = gated_rms_norm(o, gate, self.o_norm, self.eps)
+        return F.linear(normed.reshape(n, self.inner), self.o_proj)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # [N, 3D] -> q, k, v [N, heads, head_dim]

@@ -17,7 +17,8 @@ same order as transformers' Glm5NextTextHyperConnection, so float32 agrees to ro
 in the model dtype and applied in float32; base and scale are float32 in the checkpoints.
 
 On CUDA, steps of up to mhc_triton.MAX_ROWS tokens (decode) compute the weights and the collapse in
-two Triton launches (layers/mhc_triton.py; these torch ops are its oracle).
+two Triton launches, and every step expands in one (layers/mhc_triton.py; these torch ops are their
+oracle).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class HyperConnection(nn.Module):
 def expand(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """A block's output back into the streams: out [N, H], post [N, S], comb [N, S, S], streams
     [N, S, H] (the block's input streams) -> [N, S, H]."""
+    s = streams.shape[1]
+    if streams.is_cuda and s & (s - 1) == 0:
+        from moetier.layers import mhc_triton  # one launch for the five below
+
+        return mhc_triton.expand_fused(out, post, comb, streams)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 

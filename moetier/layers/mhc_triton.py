@@ -1,5 +1,6 @@
-"""mHC's mixing weights in two Triton launches (decode steps on CUDA): the small projection, Sinkhorn
-and the collapse of layers/mhc.HyperConnection.weights, whose torch ops are the oracle.
+"""mHC's Triton kernels (CUDA): the mixing weights in two launches (decode steps: the small projection,
+Sinkhorn and the collapse of layers/mhc.HyperConnection.weights), and the expand in one (every step:
+layers/mhc.expand's torch form, five launches, is its oracle).
 
 Per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult), R = (2 + S) * S:
 
@@ -120,3 +121,33 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
             BLOCK_H=BLOCK_H)
     return post, comb, out
+
+
+@triton.jit
+def _mhc_expand(out_ptr, post_ptr, comb_ptr, x_ptr, y_ptr, H, S: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Program (n, hb): y[n, :, block] = post[n] (x) out[n, block] + comb[n]^T @ x[n, :, block], rounded to
+    # the dtype where the torch form rounds: post and comb cast first, each product term, then the sum.
+    n = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    s = tl.arange(0, S)
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    dt = y_ptr.dtype.element_ty
+    xs = tl.load(x_ptr + n * S * H + s[:, None] * H + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+    ct = tl.load(comb_ptr + n * S * S + s[None, :] * S + s[:, None]).to(dt).to(tl.float32)  # [s, t] = comb[t, s]
+    mixed = tl.sum(ct[:, :, None] * xs[None, :, :], axis=1).to(dt).to(tl.float32)  # [S, BLOCK_H]
+    p = tl.load(post_ptr + n * S + s).to(dt).to(tl.float32)
+    o = tl.load(out_ptr + n * H + cols, mask=m, other=0.0).to(tl.float32)
+    a = (p[:, None] * o[None, :]).to(dt).to(tl.float32)
+    tl.store(y_ptr + n * S * H + s[:, None] * H + cols[None, :], (a + mixed).to(dt), mask=m[None, :])
+
+
+def expand_fused(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """out [N, H], post [N, S] float32, comb [N, S, S] float32, streams [N, S, H] (S a power of two)
+    -> streams' [N, S, H] in streams' dtype, as layers/mhc.expand."""
+    n, s, h = streams.shape
+    y = torch.empty(n, s, h, dtype=streams.dtype, device=streams.device)
+    if n:
+        _mhc_expand[(n, triton.cdiv(h, BLOCK_H))](out.contiguous(), post.contiguous(), comb.contiguous(),
+                                                  streams.contiguous(), y, h, S=s, BLOCK_H=BLOCK_H)
+    return y

@@ -41,7 +41,7 @@ from moetier.layers.attention import AttnBatch
 from moetier.layers.quant_linear import dense_weight, linear
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.latent_attention import latent_attention, write_latent
-from moetier.layers.norm import rms_norm
+from moetier.layers.norm import model_rms_norm
 from moetier.layers.param import param
 from moetier.layers.rotary import apply_rope, apply_rope_interleave
 from moetier.parallel import Parallel
@@ -115,13 +115,13 @@ class MlaAttention(nn.Module):
         latent rows [N, R + P] = [normed c_kv | roped k_pe])."""
         t = x.shape[0]
         if self.q_proj is None:
-            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.latent_eps)
+            q_resid = model_rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.latent_eps)
             q = linear(q_resid, self.q_b)
         else:
             q_resid, q = None, linear(x, self.q_proj)
         q_nope, q_pe = q.view(t, self.hq, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
-        c_kv = rms_norm(c_kv, self.kv_a_norm, self.latent_eps)
+        c_kv = model_rms_norm(c_kv, self.kv_a_norm, self.latent_eps)
         k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
         q_abs = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
         q = torch.cat([q_abs, self.rotate(q_pe, cos, sin)], dim=-1)

@@ -25,3 +25,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if delta is not None:
         x = x + delta
     return rms_norm(x, weight, eps), x
+
+
+def model_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A model's RMSNorm over the last dim: on CUDA, rows [T, H] (unit stride along H) in the weight's
+    dtype take the fused kernel, one launch where the torch form is eight; anything else the torch form
+    (rms_norm above, also the kernel's oracle). The two round alike (layers/fused.py)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype:
+        return add_rms_norm(x, None, weight, eps)[0]
+    return rms_norm(x, weight, eps)

@@ -31,7 +31,7 @@ from moetier.layers.mhc import HyperConnection, expand, hyper_head
 from moetier.layers.mla_attention import MlaAttention
 from moetier.layers.mlp import SwigluMLP
 from moetier.layers.moe import MoEBlock
-from moetier.layers.norm import rms_norm
+from moetier.layers.norm import model_rms_norm
 from moetier.layers.param import param
 from moetier.layers.router import GroupedSigmoidTopK
 from moetier.layers.state_cache import HybridKVCache, HybridKVSpec, KdaStateSpec
@@ -81,14 +81,14 @@ class Glm5NextLayer(nn.Module):
         """streams [N, S, H] -> (streams, the top-k an indexed layer attended over, else None).
         none: the empty [N, 0] cos/sin of NoPE."""
         post, comb, h = self.attn_hc.weights(streams)
-        h = rms_norm(h, self.input_norm, self.eps)
+        h = model_rms_norm(h, self.input_norm, self.eps)
         if self.kda:
             a, topk = self.attn(h, batch, kv.state), None
         else:
             a, topk = self.attn(h, none, none, batch, kv, topk)
         streams = expand(a, post, comb, streams)
         post, comb, h = self.ffn_hc.weights(streams)
-        return expand(self.mlp(rms_norm(h, self.post_norm, self.eps)), post, comb, streams), topk
+        return expand(self.mlp(model_rms_norm(h, self.post_norm, self.eps)), post, comb, streams), topk
 
 
 class Glm5NextForConditionalGeneration(CausalLM):
@@ -220,7 +220,7 @@ class Glm5NextForConditionalGeneration(CausalLM):
         topk = None
         for layer in self.layers:
             streams, topk = layer(streams, batch, kv, topk, none)
-        return rms_norm(hyper_head(streams), self.norm, self.cfg.rms_norm_eps)
+        return model_rms_norm(hyper_head(streams), self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
