@@ -108,6 +108,23 @@ def check_route(t: int, e: int, k: int, renorm: bool, dtype: torch.dtype, g: tor
     close(got_w, want_w, what)
 
 
+def check_silu_mul(t: int, i: int, limit: float | None, dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.activation import silu_mul
+
+    gate_up = (torch.randn(t, 2 * i, generator=g) * 6).to(dtype)
+    close(fused.silu_mul(gate_up, limit), silu_mul(gate_up, limit), f"silu_mul t={t} i={i} limit={limit} {dtype}")
+
+
+def check_expand(t: int, s: int, h: int, dtype: torch.dtype, g: torch.Generator) -> None:
+    # mHC's expand (layers/mhc_triton.py), here for the bfloat16 roundings the interpreter otherwise truncates
+    from moetier.layers.mhc import expand
+    from moetier.layers.mhc_triton import expand_fused
+
+    out, streams = torch.randn(t, h, generator=g).to(dtype), torch.randn(t, s, h, generator=g).to(dtype)
+    post, comb = 2 * torch.rand(t, s, generator=g), torch.rand(t, s, s, generator=g)
+    close(expand_fused(out, post, comb, streams), expand(out, post, comb, streams), f"mhc expand t={t} s={s} h={h}")
+
+
 if __name__ == "__main__":
     g = torch.Generator().manual_seed(0)
     n = 0
@@ -124,5 +141,11 @@ if __name__ == "__main__":
                 for renorm in (False, True):
                     check_route(t, e, k, renorm, dtype, g)
                     n += 1
+        for t, i, limit in ((1, 37, None), (3, 1100, 7.0), (17, 64, 7.0)):
+            check_silu_mul(t, i, limit, dtype, g)
+            n += 1
+        for t, s_, h in ((1, 4, 300), (3, 2, 1000)):
+            check_expand(t, s_, h, dtype, g)
+            n += 1
     print(f"fused kernels ok: {n} cases")
     sys.exit(0)

@@ -11,6 +11,8 @@ subprocess.
     multiple of the block.
   - KDA's gated output norm (layers/fused.gated_rms_norm) against kda.gated_rms_norm, float32 and
     bfloat16, a head width not a power of two.
+  - KDA's forget gate (layers/fused.kda_forget_gate) against kda.log_decay, bounded and softplus
+    (inputs past the softplus's threshold of 20 included), channels not a multiple of the block.
   - the decode conv over the state pool (layers/kda_conv_triton.py) against
     kda_reference.causal_conv_step on the gathered states: outputs within float32 tolerance, the
     slots' states shifted in place exactly, a row at position 0 starting from zeros, other slots
@@ -82,6 +84,19 @@ def check_gated_norm(dtype: torch.dtype, g: torch.Generator) -> None:
     print(f"kda gated norm {dtype}: ok")
 
 
+def check_forget_gate(lower_bound: float | None, g: torch.Generator) -> None:
+    from moetier.layers.fused import kda_forget_gate
+    from moetier.layers.kda import log_decay
+
+    heads, d = 3, 400  # 1,200 channels: two blocks, the second partial
+    low = (torch.randn(2, heads * d, generator=g) * 12).to(torch.bfloat16)
+    dt_bias, a_log = torch.randn(heads * d, generator=g), torch.randn(heads, generator=g)
+    want, got = log_decay(low, dt_bias, a_log, lower_bound), kda_forget_gate(low, dt_bias, a_log, lower_bound)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    assert rel(got, want) <= TOL, rel(got, want)
+    print(f"kda forget gate lower_bound={lower_bound}: ok")
+
+
 def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
     from moetier.layers.kda_conv_triton import conv_step_slots
     from moetier.layers.kda_reference import causal_conv_step
@@ -132,6 +147,8 @@ if __name__ == "__main__":
     check_expand(1, 4, 4096, torch.bfloat16, g)
     check_gated_norm(torch.float32, g)
     check_gated_norm(torch.bfloat16, g)
+    check_forget_gate(-5.0, g)
+    check_forget_gate(None, g)
     check_conv(torch.float32, g)
     check_conv(torch.bfloat16, g)
     if importlib.util.find_spec("fla") is None:

@@ -2,7 +2,8 @@
 Triton's interpreter on the CPU (a subprocess running fused_interpreter.py), and, marked `gpu`, on
 CUDA at Qwen3-30B-A3B sizes, inside a captured CUDA graph, and through the whole model; and on CUDA at
 GLM-5.3-Flash's sizes, glm5_next's one-launch forms: the models' RMSNorm (norm.model_rms_norm), KDA's
-gated output norm and mHC's expand (layers/mhc_triton.py), each against its torch form on the GPU."""
+gated output norm and forget gate, the MLPs' SwiGLU, and mHC's expand (layers/mhc_triton.py), each
+against its torch form on the GPU."""
 
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def test_rms_norm_on_gpu(t):
 @gpu
 @pytest.mark.parametrize("t", [1, 8, 300])
 def test_glm5_next_one_launch_forms_round_as_their_torch_forms(t):
+    from moetier.activation import silu_mul
     from moetier.layers import fused
-    from moetier.layers.kda import gated_rms_norm
+    from moetier.layers.kda import gated_rms_norm, log_decay
     from moetier.layers.mhc import expand
     from moetier.layers.mhc_triton import expand_fused
     from moetier.layers.norm import model_rms_norm, rms_norm
@@ -91,6 +93,14 @@ def test_glm5_next_one_launch_forms_round_as_their_torch_forms(t):
     o, gate = torch.randn(t, 32, 128, generator=g).to(bf).cuda(), (3 * torch.randn(t, 32, 128, generator=g)).to(bf).cuda()
     wn = torch.randn(128, generator=g).to(bf).cuda()
     near(fused.gated_rms_norm(o, gate, wn, EPS), gated_rms_norm(o, gate, wn, EPS), ulps=1)
+    low = (torch.randn(t, 32 * 128, generator=g) * 12).to(bf).cuda()
+    dt_bias, a_log = torch.randn(32 * 128, generator=g).cuda(), torch.randn(32, generator=g).cuda()
+    gate_up = (torch.randn(t, 2 * 1536, generator=g) * 6).to(bf).cuda()
+    for limit in (None, 7.0):
+        near(fused.silu_mul(gate_up, limit), silu_mul(gate_up, limit), ulps=1)
+    for bound in (-5.0, None):
+        want = log_decay(low, dt_bias, a_log, bound)
+        torch.testing.assert_close(fused.kda_forget_gate(low, dt_bias, a_log, bound), want, rtol=1e-5, atol=1e-6)
     out, streams = torch.randn(t, 4096, generator=g).to(bf).cuda(), torch.randn(t, 4, 4096, generator=g).to(bf).cuda()
     post, comb = (2 * torch.rand(t, 4, generator=g)).cuda(), torch.rand(t, 4, 4, generator=g).cuda()
     got = expand_fused(out, post, comb, streams)

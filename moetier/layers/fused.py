@@ -9,14 +9,17 @@ router another five; here each group is one launch:
     qk_norm_rope_kv qkv -> q normed and roped; k normed, roped and written to the cache; v written
     route_topk      router logits -> softmax, top-k, optional renormalisation
     gated_rms_norm  KDA's output: per head RMSNorm, weight and sigmoid gate
+    kda_forget_gate KDA's log decay from its low-rank projection: bias, rate, bounded sigmoid or softplus
+    silu_mul        the dense and shared MLPs' SwiGLU, clamped where the model says (swiglu_limit)
 
 The oracles are the plain-torch code these replace, which stays the CPU path: norm.rms_norm
-after torch's add, gqa_attention.qk_norm_rope_kv_reference, router.route_reference and
-kda.gated_rms_norm. Each kernel
+after torch's add, gqa_attention.qk_norm_rope_kv_reference, router.route_reference,
+kda.gated_rms_norm, kda.log_decay and activation.silu_mul. Each kernel
 rounds to the model dtype wherever the reference does (every torch elementwise op rounds its
-result), so outputs differ from the reference only by the float32 reduction order (and, in the
+result), so outputs differ from the reference only by the float32 reduction order and the last bit
+of exp (and, in the
 router, by a tie between equal logits). Outputs are allocated at fixed shapes and no value is read
-back to the host, so all three are safe inside a captured CUDA graph.
+back to the host, so all are safe inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -205,3 +208,66 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if x2.shape[0]:
         _gated_rms_norm[(x2.shape[0],)](x2, g2, weight.contiguous(), y, d, eps, BLOCK_D=triton.next_power_of_2(d))
     return y.view(x.shape)
+
+
+@triton.jit
+def _kda_forget_gate(x_ptr, bias_ptr, alog_ptr, g_ptr, C, D, lower_bound,
+                     BOUNDED: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (n, block of C = heads * D channels): the order of layers/kda.KdaAttention.forget_gate.
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < C
+    g = tl.load(x_ptr + n * C + c, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + c, mask=ok, other=0.0)
+    rate = tl.exp(tl.load(alog_ptr + c // D, mask=ok, other=0.0))
+    if BOUNDED:
+        out = lower_bound * tl.sigmoid(rate * g)
+    else:
+        out = -rate * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+    tl.store(g_ptr + n * C + c, out, mask=ok)
+
+
+def kda_forget_gate(x: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None
+                    ) -> torch.Tensor:
+    """x [N, heads * D] (f_b's output), dt_bias [heads * D] and A_log [heads] float32 -> the log decay
+    [N, heads, D] float32 in one launch where the torch form takes about six."""
+    n, c = x.shape
+    heads = a_log.shape[0]
+    assert dt_bias.shape == (c,) and c % heads == 0 and dt_bias.dtype == a_log.dtype == torch.float32
+    x = x.contiguous()
+    g = torch.empty(n, c, dtype=torch.float32, device=x.device)
+    block = 1024
+    if n:
+        _kda_forget_gate[(n, triton.cdiv(c, block))](x, dt_bias.contiguous(), a_log.contiguous(), g, c, c // heads,
+                                                     0.0 if lower_bound is None else lower_bound,
+                                                     BOUNDED=lower_bound is not None, BLOCK=block)
+    return g.view(n, heads, c // heads)
+
+
+@triton.jit
+def _silu_mul(x_ptr, y_ptr, I, limit, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row, block of I): y = silu(gate) * up over [gate | up], each rounded as activation.silu_mul's
+    # torch ops round: clamps exact, silu in float32 rounded to the dtype, then the product.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < I
+    dt = y_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * 2 * I + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * I + I + c, mask=ok, other=0.0).to(tl.float32)
+    if LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(y_ptr + row * I + c, (act * up).to(dt), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> [..., I]: activation.silu_mul (the oracle) in one launch where
+    its torch form takes two, or four with the clamps."""
+    i = gate_up.shape[-1] // 2
+    x = gate_up.reshape(-1, 2 * i).contiguous()
+    y = torch.empty(x.shape[0], i, dtype=x.dtype, device=x.device)
+    block = 1024
+    if x.shape[0]:
+        _silu_mul[(x.shape[0], triton.cdiv(i, block))](x, y, i, 0.0 if limit is None else limit,
+                                                      LIMIT=limit is not None, BLOCK=block)
+    return y.view(*gate_up.shape[:-1], i)

@@ -51,6 +51,17 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
 
 
+def log_decay(low: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None
+              ) -> torch.Tensor:
+    # low [N, heads * d] (f_b's output), dt_bias [heads * d], A_log [heads] -> [N, heads, d] float32 (<= 0)
+    heads = a_log.shape[0]
+    g = (low.float() + dt_bias).view(low.shape[0], heads, -1)
+    rate = a_log.exp()[None, :, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * g)
+    return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
 class KdaAttention(nn.Module):
     def __init__(self, layer: int, hidden: int, heads: int, head_dim: int, conv_width: int,
                  lower_bound: float | None, norm_eps: float, dtype: torch.dtype, device: torch.device | str):
@@ -84,11 +95,12 @@ class KdaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, H] -> g [N, heads, head_dim] float32, the log of each channel's decay (<= 0)
-        g = (F.linear(F.linear(x, self.f_a), self.f_b).float() + self.dt_bias).view(-1, self.heads, self.d)
-        rate = self.A_log.exp()[None, :, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        low = F.linear(F.linear(x, self.f_a), self.f_b)
+        if x.is_cuda:
+            from moetier.layers import fused  # one launch for everything after the projections
+
+            return fused.kda_forget_gate(low, self.dt_bias, self.A_log, self.lower_bound)
+        return log_decay(low, self.dt_bias, self.A_log, self.lower_bound)
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, state: KdaStateCache) -> torch.Tensor:
         """x: [N, H] -> [N, H]; reads and writes the sequences' state slots of this layer."""

@@ -43,4 +43,11 @@ class SwigluMLP(nn.Module):
         return None if half is None else rows_of(self.w13, half * i, (half + 1) * i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(linear(silu_mul(linear(x, self.w13), self.swiglu_limit), self.w2), "tp")
+        h = linear(x, self.w13)
+        if h.is_cuda:
+            from moetier.layers import fused  # one launch for the activation
+
+            act = fused.silu_mul(h, self.swiglu_limit)
+        else:
+            act = silu_mul(h, self.swiglu_limit)
+        return self.par.all_reduce(linear(act, self.w2), "tp")
