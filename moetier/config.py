@@ -178,6 +178,12 @@ class ModelConfig:
         (plan/residents.step_activations)."""
         raise NotImplementedError
 
+    def decode_selection_activations(self, rows: int, context: int, dtype: torch.dtype) -> list[int]:
+        """The transients of an indexed layer's fixed-shape decode selection (graph-safe: it scores every
+        row of each sequence's page table, `context` rows, whatever the sequence holds) at a decode step
+        of `rows` sequences, one layer deep; [] for a family without an indexer."""
+        return []
+
 
 def with_dense(cfg: ModelConfig, dense_weights: str) -> ModelConfig:
     """cfg with its dense projections held as dense_weights says: "dequantize" (the model dtype, at

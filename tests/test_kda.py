@@ -71,6 +71,31 @@ def test_plan_counts_the_state_slots():
     assert "16,896 B/token" in items[8]["KV pages"].note  # 11 layers x (512 latent + 256 index key) x 2 B
 
 
+def test_plan_counts_the_indexers_decode_selection():
+    """The fixed-shape decode selection scores every page-table row, so the graph pool grows with the
+    model length: GLM-5.3-Flash at batch 64 and 32,768 tokens, [k | gate] rows [64, 32768, 256] bf16
+    and two float32 [64, 32768, 128] pooling temporaries (more than the scoring's pooled keys and
+    [64, 32, 2048] scores); GLM-5's DSA keys and [N, 32, C] float32 scores; none for Qwen3."""
+    from moetier.plan.memory import PlanRequest, count
+    from moetier.presets import preset
+
+    bf = torch.bfloat16
+    cfg = preset("glm-5.3-flash")
+    assert cfg.decode_selection_activations(64, 32768, bf) == [64 * 32768 * 256 * 2, 2 * 64 * 32768 * 128 * 4]
+    dsa = preset("glm-5")
+    keys, scores = 64 * 32768 * 128, 64 * 32 * 32768 * 4
+    assert dsa.decode_selection_activations(64, 32768, bf) == [keys * 2, scores, max(keys * 4, scores)]
+    assert preset("qwen3-30b-a3b").decode_selection_activations(64, 32768, bf) == []
+
+    def pool(c, length):
+        req = PlanRequest(c, bf, "cuda", max_num_seqs=64, max_model_len=length)
+        return {i.name: i for i in count(req).device}["CUDA graph pool"].bytes
+
+    grown = pool(cfg, 32768) - pool(cfg, 4096)  # 3 GiB at 32,768 rows a sequence, 7/8 of it more than at 4,096
+    assert abs(grown - 7 / 8 * sum(cfg.decode_selection_activations(64, 32768, bf))) < 2**22  # allocator rounding
+    assert pool(preset("qwen3-30b-a3b", 4), 32768) == pool(preset("qwen3-30b-a3b", 4), 4096)
+
+
 def test_engine_allocates_what_the_plan_counts(tmp_path):
     from moetier.checkpoint.writer import make_checkpoint
     from moetier.engine.kv_setup import num_checkpoints

@@ -80,6 +80,15 @@ class GlmMoeDsaConfig(MlaMoeConfig):
                 "index_head_dim": self.index_head_dim, "index_n_heads": self.index_n_heads,
                 "indexer_types": list(self.indexer_types), "head_dim": self.qk_rope_head_dim}
 
+    def decode_selection_activations(self, rows: int, context: int, dtype: torch.dtype) -> list[int]:
+        """layers/dsa_indexer.select_topk_fixed: the gathered keys [N, C, D] (live throughout), the
+        float32 scores [N, Hi, C] twice (einsum, then scaled; relu replaces one) or the float32 keys
+        beside the first, whichever is more."""
+        if not self.index_layers:
+            return []
+        keys, scores = rows * context * self.index_head_dim, rows * self.index_n_heads * context * 4
+        return [keys * dtype.itemsize, scores, max(keys * 4, scores)]
+
     def attention_parameters(self, layer: int) -> int:
         n = super().attention_parameters(layer)
         if layer >= self.num_layers or self.indexer_types[layer] == "full":  # MTP layers: their own indexer
