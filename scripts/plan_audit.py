@@ -1,6 +1,7 @@
 """The memory plan against measured use on a CUDA machine (issue 14): the Qwen3-30B-A3B shape at 8 and
-48 layers, experts resident and in slots (half the experts per layer), each case in its own process
-so every baseline is clean.
+48 layers, experts resident and in slots (half the experts per layer), and GLM-5.3-Flash cut to 4
+layers (resident, 32,768 tokens a request: the indexer's decode selection), each case in its own
+process so every baseline is clean (GLM-5.3-Flash's KDA needs fla-core).
 
     python scripts/plan_audit.py                       # every case; JSON to $OUT/plan_audit.json if OUT is set
     python scripts/plan_audit.py --case 48:slots       # one case (what the driver runs per process)
@@ -25,8 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-CASES = ("8:resident", "8:slots", "48:resident", "48:slots")
-SEQS, LEN = 8, 4096  # engine settings of every case: 8 requests of 4,096 tokens
+CASES = ("8:resident", "8:slots", "48:resident", "48:slots", "glm-5.3-flash:4:resident")
+SEQS, LEN = 8, 4096  # engine settings of every case: 8 requests of 4,096 tokens (GLM_LEN for GLM-5.3-Flash)
+# GLM-5.3-Flash cut to 4 layers (three KDA, one indexed MLA; one MoE layer): its decode graphs hold the
+# indexer's fixed-shape selection over every page-table row, about 0.4 GiB at 8 x 32,768 tokens
+GLM_LEN = 32768
 
 
 def capture_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
@@ -55,19 +59,20 @@ def run_case(case: str, why: bool = False) -> dict:
     from moetier.plan.render import table
     from moetier.presets import preset
 
-    layers, backend = case.split(":")
-    cfg = preset("qwen3-30b-a3b", int(layers), "bfloat16")
+    name, layers, backend = case.split(":") if case.count(":") == 2 else ("qwen3-30b-a3b", *case.split(":"))
+    cfg = preset(name, int(layers), "bfloat16")
+    length = GLM_LEN if name == "glm-5.3-flash" else LEN
     torch.cuda.init()
     torch.cuda.mem_get_info()  # the context exists from here on: the baseline holds it
     base = audit.measure("cuda")
-    config = EngineConfig.of(max_num_seqs=SEQS, max_model_len=LEN, kv_tokens=SEQS * LEN)
+    config = EngineConfig.of(max_num_seqs=SEQS, max_model_len=length, kv_tokens=SEQS * length)
     bed = random_bed(cfg, seed=0, device="cuda")
     slots = use_backend(bed, backend, budget=0.5, decode_tokens=config.decode_tokens)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the bed's random-number scratch; the loader has none
     req = PlanRequest(cfg, torch.bfloat16, "cuda", backend=backend,
                       slots_per_layer=dict.fromkeys(cfg.moe_layers, slots) if backend == "slots" else {},
-                      max_model_len=LEN, max_num_seqs=SEQS, kv_tokens=SEQS * LEN, context_in_budget=False,
+                      max_model_len=length, max_num_seqs=SEQS, kv_tokens=SEQS * length, context_in_budget=False,
                       gpu_budget=torch.cuda.mem_get_info()[1], gpu_source="the card's total")
     plan = count(req)
     print(table(plan), flush=True)
