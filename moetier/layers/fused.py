@@ -14,11 +14,10 @@ router another five; here each group is one launch:
 
 The oracles are the plain-torch code these replace, which stays the CPU path: norm.rms_norm
 after torch's add, gqa_attention.qk_norm_rope_kv_reference, router.route_reference,
-kda.gated_rms_norm, kda.log_decay and activation.silu_mul. Each kernel
-rounds to the model dtype wherever the reference does (every torch elementwise op rounds its
-result), so outputs differ from the reference only by the float32 reduction order and the last bit
-of exp (and, in the
-router, by a tie between equal logits). Outputs are allocated at fixed shapes and no value is read
+kda.gated_rms_norm, kda.log_decay and activation.silu_mul. Each kernel rounds to the model dtype
+wherever the reference does (every torch elementwise op rounds its result), so outputs differ from
+the reference only by the float32 reduction order and the last bit of exp (and, in the router, by a
+tie between equal logits). Outputs are allocated at fixed shapes and no value is read
 back to the host, so all are safe inside a captured CUDA graph.
 """
 

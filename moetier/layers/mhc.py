@@ -77,11 +77,11 @@ class HyperConnection(nn.Module):
 def expand(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """A block's output back into the streams: out [N, H], post [N, S], comb [N, S, S], streams
     [N, S, H] (the block's input streams) -> [N, S, H]."""
-    s = streams.shape[1]
-    if streams.is_cuda and s & (s - 1) == 0:
+    if streams.is_cuda:
         from moetier.layers import mhc_triton  # one launch for the five below
 
-        return mhc_triton.expand_fused(out, post, comb, streams)
+        if mhc_triton.expand_supported(streams):
+            return mhc_triton.expand_fused(out, post, comb, streams)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 

@@ -31,9 +31,13 @@ MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens take the torch path (layers/mhc.py)
 
 
+def expand_supported(streams: torch.Tensor) -> bool:
+    s = streams.shape[1]
+    return streams.is_cuda and s >= 1 and s & (s - 1) == 0  # the kernels' stream count is a power of two
+
+
 def fused_supported(streams: torch.Tensor) -> bool:
-    n, s = streams.shape[0], streams.shape[1]
-    return streams.is_cuda and n <= MAX_ROWS and s >= 1 and s & (s - 1) == 0
+    return expand_supported(streams) and streams.shape[0] <= MAX_ROWS
 
 
 def split_of(sh: int) -> tuple[int, int]:

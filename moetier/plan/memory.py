@@ -265,13 +265,12 @@ def count(req: PlanRequest) -> Plan:
         kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
         if kind.host_compute:  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
             kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
-        peak = (r.step_activations(cfg, b, dt, 0) + cfg.decode_selection_activations(b, width * req.page_size, dt)
-                + [r.sampler_transient(b, cfg.vocab_size)])
+        selection = cfg.decode_selection_activations(b, width * req.page_size, dt)
+        peak = r.step_activations(cfg, b, dt, 0) + selection + [r.sampler_transient(b, cfg.vocab_size)]
         pool = r.segments(kept) + r.segments(peak)
         dev.append(Item("CUDA graph pool", pool, "capture",
                         f"batch {sizes}: logits fp32 kept + batch-{b} peak"
-                        + (f" (indexer scoring {width * req.page_size:,} rows a sequence)"
-                           if cfg.decode_selection_activations(1, 1, dt) else ""),
+                        + (f" (indexer scoring {width * req.page_size:,} rows a sequence)" if selection else ""),
                         sum(r.block(n) for n in kept)))
         tensors += gin
     if cuda:
