@@ -49,7 +49,7 @@ def test_4bit_large_step_vs_reference_and_backends(quant):
 @pytest.mark.parametrize("dtype,fmt", [("nvfp4", None), ("nvfp4", "compressed-tensors"), ("int4", None)])
 def test_4bit_checkpoint_on_gpu(tmp_path, preset, dtype, fmt):
     """make-checkpoint --dtype nvfp4 | int4, loaded on CUDA (CUDA graphs): resident, slots and uva the
-    same sampled tokens; hybrid's and the CPU path's logits (the torch references) within bf16."""
+    same sampled tokens; hybrid's logits and resident's within bf16 of the CPU path in fp32, token by token."""
     from moetier.checkpoint.loader import load_model
     from moetier.checkpoint.writer import make_checkpoint
     from moetier.engine.generate import Generator
@@ -72,10 +72,16 @@ def test_4bit_checkpoint_on_gpu(tmp_path, preset, dtype, fmt):
             assert gen.model.expert_stats()["misses"] > 50
         gen.llm.close()
     assert outs["slots"] == outs["resident"] == outs["uva"]
+    # Judged per token against the CPU path in fp32: in these random tiny models a 1-ulp difference in
+    # bf16 can flip one token's top-k routing and move that token's logits by several percent (the CPU
+    # path in bf16 does it too), so a whole-prompt norm passes or fails on where a flip lands. Within
+    # bf16 means what the CPU path in bf16 meets: the median token near bf16 rounding, flips rare.
     prompt = torch.arange(3, 40)
-    _, cpu, _ = load_model(path, dtype="bfloat16", device="cpu")
+    _, cpu, _ = load_model(path, dtype="float32", device="cpu")
     a = cpu.logits(Sequence(cpu, 64).forward(prompt)).double()
     for opts in (ExpertOptions("resident"), ExpertOptions("hybrid", slots=2)):
         _, gpu, _ = load_model(path, dtype="bfloat16", device="cuda", experts=opts)
         b = gpu.logits(Sequence(gpu, 64).forward(prompt)).double().cpu()
-        assert ((a - b).norm() / a.norm()).item() <= 2e-2, opts.backend
+        rel = (a - b).norm(dim=-1) / a.norm(dim=-1)  # [len(prompt)]
+        assert rel.median().item() <= 1e-2, (opts.backend, rel.tolist())
+        assert (rel <= 2e-2).double().mean().item() >= 0.9, (opts.backend, rel.tolist())

@@ -23,9 +23,12 @@ back to the host, so all are safe inside a captured CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -210,18 +213,37 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 @triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    # libdevice's exp, the CUDA math library torch's own kernels call (tl.exp is the approximate
+    # instruction); the interpreter has no libdevice, and numpy's exp is the exact one there.
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _log(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
 def _kda_forget_gate(x_ptr, bias_ptr, alog_ptr, g_ptr, C, D, lower_bound,
-                     BOUNDED: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (n, block of C = heads * D channels): the order of layers/kda.KdaAttention.forget_gate.
+                     BOUNDED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (n, block of C = heads * D channels): the order of kda.log_decay. Its float32 output is
+    # not rounded to bf16, which would hide the last bits of approximate exp and log: hence libdevice.
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < C
     g = tl.load(x_ptr + n * C + c, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + c, mask=ok, other=0.0)
-    rate = tl.exp(tl.load(alog_ptr + c // D, mask=ok, other=0.0))
+    rate = _exp(tl.load(alog_ptr + c // D, mask=ok, other=0.0), INTERPRET)
     if BOUNDED:
-        out = lower_bound * tl.sigmoid(rate * g)
+        out = lower_bound * (1.0 / (1.0 + _exp(-(rate * g), INTERPRET)))
     else:
-        out = -rate * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+        out = -rate * tl.where(g > 20.0, g, _log(1.0 + _exp(g, INTERPRET), INTERPRET))
     tl.store(g_ptr + n * C + c, out, mask=ok)
 
 
@@ -238,7 +260,8 @@ def kda_forget_gate(x: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
     if n:
         _kda_forget_gate[(n, triton.cdiv(c, block))](x, dt_bias.contiguous(), a_log.contiguous(), g, c, c // heads,
                                                      0.0 if lower_bound is None else lower_bound,
-                                                     BOUNDED=lower_bound is not None, BLOCK=block)
+                                                     BOUNDED=lower_bound is not None,
+                                                     INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", BLOCK=block)
     return g.view(n, heads, c // heads)
 
 
