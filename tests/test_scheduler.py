@@ -42,6 +42,17 @@ def test_step_record_is_plain_data():
     assert pickle.loads(pickle.dumps(step)) == step  # it can cross a process boundary as it is
 
 
+def test_request_tokens_slice_prompt_then_output():
+    r = req("a", 4)
+    r.output_ids += [50, 51, 52]
+    for start in range(8):
+        for end in range(start, 8):
+            assert r.tokens(start, end) == [r.token(i) for i in range(start, end)], (start, end)
+    got = r.tokens(0, 4)
+    got.append(0)
+    assert r.prompt_ids == [1, 2, 3, 4]  # a copy: a step record never aliases the request's lists
+
+
 def run_step(s: Scheduler, token=7, eos=()):
     out = s.schedule()
     assert out.num_tokens <= s.max_num_tokens

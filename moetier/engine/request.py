@@ -59,6 +59,15 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, as slices (a prefill chunk is thousands of tokens)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     def metrics(self) -> dict[str, float | int | str | None]:
         first = self.token_times[0] if self.token_times else None
         last = self.token_times[-1] if self.token_times else None

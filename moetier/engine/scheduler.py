@@ -68,7 +68,7 @@ class ScheduledSeq:
     def record(self) -> SeqStep:
         r = self.request
         own = self.num_tokens - len(self.draft)
-        tokens = [r.token(i) for i in range(self.start, self.start + own)] + self.draft
+        tokens = r.tokens(self.start, self.start + own) + self.draft
         slot = -1 if r.state_slot is None else r.state_slot
         targets = []
         if r.params.prompt_logprobs is not None:  # position j predicts prompt token j + 1
@@ -152,8 +152,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, req.num_computed, budget)
-            decoding = n == 1 and req.num_computed + 1 == req.total_tokens
+            decoding = req.num_computed + 1 == req.total_tokens  # one token to compute: its last sampled
+            n = 1 if decoding else self._chunk(req, req.num_computed, budget)
             draft = self.spec.drafts(req, budget) if self.spec is not None and decoding else []
             if not self._grow(req, req.num_computed + n + len(draft), out):
                 break  # req itself was preempted: it was the newest, nothing runs after it
@@ -246,6 +246,8 @@ class Scheduler:
         """Give req pages for `tokens`, preempting the newest running requests as needed.
         False when req itself had to be preempted."""
         need = self._pages_for(tokens) - len(req.pages)
+        if need <= 0:
+            return True  # the common decode step: the last page still has room
         while not self.cache.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim)
@@ -285,7 +287,8 @@ class Scheduler:
             computed = s.start + s.num_tokens - len(s.draft) + (len(new) - 1 if s.draft else 0)
             if s.draft and self.states is not None and len(new) - 1 < len(s.draft):
                 computed = s.start
-            new = self._until_stop(req, new, eos_ids)
+            if len(new) > 1:
+                new = self._until_stop(req, new, eos_ids)
             req.output_ids += new
             req.token_times += [now] * len(new)
             req.num_computed = min(computed, req.total_tokens - 1) if new else computed  # a stop drops the rest
