@@ -79,6 +79,8 @@ def test_abort_and_metrics(tiny_ckpt):
     assert [o.request_id for o in final] == [b] and final[0].outputs[0].finish_reason == "length"
     met = final[0].metrics
     assert met["ttft_s"] > 0 and len(met["token_times"]) == 3 and met["token_times"] == sorted(met["token_times"])
+    # token times are seconds from arrival: the first is the time to first token, the last end to end
+    assert met["token_times"][0] == met["ttft_s"] and met["token_times"][-1] == met["e2e_s"] >= met["queue_s"]
     assert llm.metrics()["kv_pages_used"] == 0
 
 

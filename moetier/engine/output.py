@@ -96,4 +96,6 @@ class OutputProcessor:
         done = CompletionOutput(0, st.text, list(req.output_ids), req.finish_reason, req.stop_reason, text,
                                 list(req.output_logprobs) if req.params.logprobs is not None else None)
         scored = req.prompt_logprobs if req.params.prompt_logprobs is not None else None  # complete by now
-        return RequestOutput(req.id, req.prompt, list(req.prompt_ids), [done], finished, req.metrics(), scored)
+        # the prompt is the request's own list (nothing changes a prompt after add); the outputs are
+        # copies, as each step's RequestOutput keeps what it had (a stop string shortens the live list)
+        return RequestOutput(req.id, req.prompt, req.prompt_ids, [done], finished, req.metrics(), scored)

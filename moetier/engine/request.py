@@ -32,6 +32,8 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
     first_scheduled: float | None = None
+    # per output token, seconds from arrival to the step that sampled it: kept relative, so a step's
+    # metrics copy the list instead of rebuilding it (that was O(output) of work per request per step)
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     num_cached_tokens: int = 0  # tokens its last admission found in the prefix cache (prefill skipped)
@@ -75,10 +77,10 @@ class Request:
         return {
             "arrival": self.arrival,
             "queue_s": None if self.first_scheduled is None else self.first_scheduled - self.arrival,
-            "ttft_s": None if first is None else first - self.arrival,
+            "ttft_s": first,
             "decode_tok_per_s": decode / (last - first) if decode > 0 and last > first else 0.0,
-            "e2e_s": None if last is None else last - self.arrival,
-            "token_times": [t - self.arrival for t in self.token_times],
+            "e2e_s": last,
+            "token_times": list(self.token_times),
             "prompt_tokens": len(self.prompt_ids),
             "output_tokens": len(self.output_ids),
             "preemptions": self.preemptions,

@@ -290,7 +290,7 @@ class Scheduler:
             if len(new) > 1:
                 new = self._until_stop(req, new, eos_ids)
             req.output_ids += new
-            req.token_times += [now] * len(new)
+            req.token_times += [now - req.arrival] * len(new)
             req.num_computed = min(computed, req.total_tokens - 1) if new else computed  # a stop drops the rest
             if self.cache.enabled and req.num_computed // self.page_size > self.cache.num_hashed_pages(req.id):
                 self.cache.insert(req.id, req.prompt_ids + req.output_ids, req.num_computed)
