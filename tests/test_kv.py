@@ -53,3 +53,26 @@ def test_paged_attention_equals_contiguous():
         want = causal_attention(q[qs[i]:qs[i + 1]], full_k[i], full_v[i], done[i])
         assert torch.equal(got[qs[i]:qs[i + 1]], want)
     assert batch.positions.tolist() == [9, *range(5, 12), *range(0, 6)]
+
+
+def test_make_batch_equals_a_loop_over_tokens():
+    """make_batch's numpy form against the per-token loop it replaced: decode rows, prefill chunks
+    and a chunk after a cached prefix in one step; and a page table too short for the context refused."""
+    page = 4
+    seqs = [(9, 1, [7, 3, 11]), (0, 10, [2, 5, 8]), (4, 6, [1, 9, 12]), (0, 1, [4])]
+    batch = make_batch(seqs, page, "cpu", state_slots=[3, 0, 2, 1])
+    positions, slots, starts, width = [], [], [0], max(len(p) for _, _, p in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, (done, new, pages) in enumerate(seqs):
+        positions += list(range(done, done + new))
+        slots += [pages[p // page] * page + p % page for p in range(done, done + new)]
+        starts.append(starts[-1] + new)
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    assert batch.positions.tolist() == positions and batch.positions.dtype == torch.int64
+    assert batch.slot_mapping.tolist() == slots and batch.slot_mapping.dtype == torch.int64
+    assert batch.query_start.tolist() == batch.query_start_host == starts and batch.query_start.dtype == torch.int32
+    assert batch.seq_lens_host == [10, 10, 10, 1] and batch.seq_lens.dtype == torch.int32
+    assert torch.equal(batch.page_table, table) and batch.max_query_len == 10
+    assert batch.state_slots.tolist() == [3, 0, 2, 1]
+    with pytest.raises(ValueError, match="page table is shorter"):
+        make_batch([(8, 1, [0, 1])], page, "cpu")

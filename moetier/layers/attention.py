@@ -13,7 +13,9 @@ the test oracle); the Triton kernel for CUDA is paged_attention_triton.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,25 +51,35 @@ def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: t
                state_slots: list[int] | None = None) -> AttnBatch:
     """AttnBatch for sequences given as (tokens before this step, new tokens, page table), and their
     state slots for models with recurrent state."""
-    positions, slots, starts, lens = [], [], [0], []
-    width = max(len(pages) for _, _, pages in seqs)
-    table = torch.zeros(len(seqs), width, dtype=torch.int32)
-    for i, (done, new, pages) in enumerate(seqs):
-        for pos in range(done, done + new):
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        starts.append(starts[-1] + new)
-        lens.append(done + new)
-        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    # numpy over the step's tokens and pages, no Python loop per token: this runs on the host every
+    # eager step (prefill chunks of thousands of tokens), serially with the GPU
+    n = len(seqs)
+    done = np.fromiter((d for d, _, _ in seqs), dtype=np.int64, count=n)
+    new = np.fromiter((q for _, q, _ in seqs), dtype=np.int64, count=n)
+    num_pages = np.fromiter((len(pages) for _, _, pages in seqs), dtype=np.int64, count=n)
+    if (done + new > num_pages * page_size).any():
+        raise ValueError("a sequence's page table is shorter than its context after the step")
+    width = int(num_pages.max())
+    table = np.zeros((n, width), dtype=np.int32)
+    # row i's first num_pages[i] entries, in row-major order: the page lists one after another
+    table[np.arange(width) < num_pages[:, None]] = np.fromiter(
+        chain.from_iterable(pages for _, _, pages in seqs), dtype=np.int32, count=int(num_pages.sum()))
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(new, out=starts[1:])
+    seq = np.repeat(np.arange(n), new)  # [N] the sequence of each new token
+    positions = np.arange(starts[-1], dtype=np.int64) - starts[:-1][seq] + done[seq]
+    slots = table[seq, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    lens = done + new
+    starts, lens = starts.tolist(), lens.tolist()
     return AttnBatch(
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         query_start=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        page_table=table.to(device),
+        page_table=torch.from_numpy(table).to(device),
         query_start_host=starts,
         seq_lens_host=lens,
-        max_query_len=max(new for _, new, _ in seqs),
+        max_query_len=int(new.max()),
         state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
         state_slots_host=state_slots,
     )
