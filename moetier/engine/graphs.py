@@ -41,6 +41,44 @@ from moetier.plan.residents import captured_sizes
 MODES = ("greedy", "sample", "filter")
 
 
+class PageRows:
+    """The decode graph's host page table [max_batch, width], written incrementally: a row keeps the
+    page list it was last written from and how many entries it holds, so a running request's step
+    writes only the pages it gained (a whole row of a long context is a Python-to-int32 conversion of
+    every page, each step, serially with the GPU). Rows without a sequence hold the scratch page.
+
+    Invariant it rests on (engine/scheduler.py): a running request's page list only grows, in place
+    (`req.pages += ...`); admission and preemption give it a new list. A row holds a reference to its
+    list, so the identity check cannot be fooled by a reused id; a list that arrives new every step (a
+    worker rank's unpickled step) is written whole, which is correct, only slower."""
+
+    def __init__(self, table: np.ndarray, scratch: int):
+        self.table, self.scratch = table, scratch
+        self.rows: list[tuple[list[int], int] | None] = [None] * table.shape[0]
+        self.used = 0  # rows [used, max_batch) hold the scratch page only
+        table.fill(scratch)
+
+    def write(self, seq_pages: list[list[int]]) -> None:
+        """Row i <- seq_pages[i]; every row after them back to the scratch page."""
+        table, rows = self.table, self.rows
+        for i, pages in enumerate(seq_pages):
+            prev = rows[i]
+            if prev is not None and prev[0] is pages:
+                if len(pages) > prev[1]:
+                    table[i, prev[1]:len(pages)] = pages[prev[1]:]
+            else:
+                if prev is not None:
+                    table[i].fill(self.scratch)
+                table[i, :len(pages)] = pages
+            rows[i] = (pages, len(pages))
+        n = len(seq_pages)
+        for i in range(n, self.used):
+            if rows[i] is not None:
+                table[i].fill(self.scratch)
+                rows[i] = None
+        self.used = n
+
+
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
                  piecewise: bool = False, scratch_state: int | None = None):
@@ -80,6 +118,7 @@ class DecodeGraphs:
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.page_rows = PageRows(self._host_views()[7], scratch_page)
         self.graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}  # both have replay()
         self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -109,8 +148,7 @@ class DecodeGraphs:
         slot.fill(self.scratch * self.kv.page_size)
         state.fill(self.scratch_state)
         lens.fill(1)
-        table.fill(self.scratch)
-        top_p.fill(1.0)
+        top_p.fill(1.0)  # the page table's padding rows: PageRows
 
     def _upload(self) -> None:
         self._dev64.copy_(self._host64, non_blocking=True)
@@ -191,17 +229,17 @@ class DecodeGraphs:
         # NOTE: the host blocks are rewritten each step; the previous step's copies have finished,
         # because the caller read its sampled tokens back to the host.
         self._pad_host()
-        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state = self._host_views()
+        ids, pos, slot, top_k, seeds, steps, lens, _, temp, top_p, state = self._host_views()
         for i, s in enumerate(seqs):
             p = s.start
             ids[i] = s.token_ids[0]
             pos[i] = p
             slot[i] = s.pages[p // page] * page + p % page
             lens[i] = p + 1
-            table[i, : len(s.pages)] = s.pages
             top_k[i], seeds[i], steps[i] = s.params.top_k, s.seed, s.sample_index
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
             state[i] = s.state_slot
+        self.page_rows.write([s.pages for s in seqs])
         self._set_real_rows(n)
         self._upload()
         mode = mode_of([s.params for s in seqs])
