@@ -5,6 +5,9 @@ verify drafts, and every step of an engine that drafts with MTP layers, run eage
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 from moetier.engine.graphs import DecodeGraphs
@@ -118,10 +121,11 @@ class ModelRunner:
 
     def _forward(self, seqs: list[SeqStep]):
         dev = self.model.device
-        ids = [t for s in seqs for t in s.token_ids]
+        # numpy, not torch.tensor(list): a prefill chunk is thousands of Python ints, converted on the host
+        ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64)
         slots = [s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else None  # models with state
         batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev, slots)
-        hidden = self.model.forward(torch.tensor(ids, device=dev), batch, self.kv)
+        hidden = self.model.forward(torch.from_numpy(ids).to(dev), batch, self.kv)
         self.moves.after(seqs)
         return hidden, batch, ids
 
