@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
 # (issue 28) The old tree is an export of the commit compared against, placed at .old/ (with data/traces),
 # carried with the call; per run logs go to /tmp, JSON and the summary to $OUT.
-# Old tree (.old) and new tree (.) alternated: new, old, new, old ... MODE dec|pre, ROUNDS.
+# Old tree (.old) and new tree (.) alternated: new, old, new, old ... MODE dec|res|pre|host, ROUNDS.
+# host: scripts/profile_host_step.py (this tree's copy) in each tree, batch 8: the decode step's host work.
 set -uo pipefail
 mode=$1 rounds=$2
+root=$PWD
+if [ "$mode" = host ]; then
+  for r in $(seq 1 "$rounds"); do
+    for tree in new old; do
+      dir=$PWD; [ $tree = old ] && dir=$PWD/.old
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 150 python3 "$root/scripts/profile_host_step.py" "$tree$r" 8 \
+        "$OUT/alt-host-$tree$r.json" > "/tmp/alt-host-$tree$r.txt" 2>&1) || tail -5 "/tmp/alt-host-$tree$r.txt"
+      head -1 "/tmp/alt-host-$tree$r.txt"
+    done
+  done
+  exit 0
+fi
 if [ "$mode" = dec ]; then
   args="bench decode --layers 8 --backends resident,slots,hybrid --expert-budget 50% --batch 1 --batch 8 --host-profile $PWD/bench/results/h200-cpu-experts-4b7b6ff.json"
 elif [ "$mode" = res ]; then
