@@ -63,7 +63,7 @@ class PageRows:
         table, rows = self.table, self.rows
         for i, pages in enumerate(seq_pages):
             prev = rows[i]
-            if prev is not None and prev[0] is pages:
+            if prev is not None and prev[0] is pages and len(pages) >= prev[1]:
                 if len(pages) > prev[1]:
                     table[i, prev[1]:len(pages)] = pages[prev[1]:]
             else:
