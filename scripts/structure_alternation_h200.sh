@@ -24,11 +24,15 @@ elif [ "$mode" = res ]; then
 else
   args="bench prefill --layers 8 --prompt-len 512 --prompt-len 2048 --batch 1 --expert-budget 50% --backends resident,slots,uva --prefill-cache bypass --reps 3"
 fi
+# res and pre: every process on the same two cores, so that a host-bound row (512 tokens, resident) does not
+# measure which core a process landed on; dec keeps every core (hybrid's host experts use them)
+pin=()
+if [ "$mode" != dec ] && command -v taskset >/dev/null; then pin=(taskset -c 2,3); fi
 for r in $(seq 1 "$rounds"); do
   for tree in new old; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/.old
     t0=$(date +%s)
-    (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 280 python3 -m moetier.cli $args --out "$OUT/alt-$mode-$tree$r.json" > "/tmp/alt-$mode-$tree$r.txt" 2>&1) \
+    (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 280 "${pin[@]}" python3 -m moetier.cli $args --out "$OUT/alt-$mode-$tree$r.json" > "/tmp/alt-$mode-$tree$r.txt" 2>&1) \
       || { echo "$mode $tree$r FAILED"; tail -5 "/tmp/alt-$mode-$tree$r.txt"; }
     echo "$mode $tree$r: $(( $(date +%s) - t0 )) s"
   done
