@@ -114,13 +114,17 @@ def hit_rate(stats: dict) -> float | None:
 
 
 def step_graph(llm: LLM, batch: int, whole: bool = False):
-    """The decode graph of `batch` rows (whole: a hybrid engine's whole-step graph), or None: no
-    graphs, no such size, or a parallel engine (rank 0 alone cannot replay a graph whose all-reduces
-    wait for the other ranks)."""
+    """(model graph, greedy sampler graph) of `batch` rows as its last step replayed them (the context
+    bucket it used: engine/graphs.py), whole: a hybrid engine's whole-step graph instead of the model's;
+    or None: no graphs, no such size (no whole-step graph), or a parallel engine (rank 0 alone cannot
+    replay a graph whose all-reduces wait for the other ranks)."""
     graphs = llm.runner.graphs
     if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
         return None
-    return graphs.whole.get(batch) if whole else graphs.graphs[batch]
+    graph, sampler = graphs.replayed(batch)
+    if whole:
+        graph = graphs.whole.get(batch)
+    return None if graph is None else (graph, sampler)
 
 
 @contextlib.contextmanager
@@ -141,16 +145,17 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> floa
     inputs (so the slot cache only hits). Against the step time it splits host from device time.
     whole: a hybrid engine's whole-step graph (what its switch replays when the pieces do not pay; None
     without one), so its GPU time can be held to slots' own graph."""
-    graph = step_graph(llm, batch, whole)
-    if graph is None:
+    graphs = step_graph(llm, batch, whole)
+    if graphs is None:
         return None
+    graph, sampler = graphs
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with cursor_kept(llm):
         graph.replay()
         start.record()
         for _ in range(reps):
             graph.replay()
-            llm.runner.graphs.samplers[batch, "greedy"].replay()
+            sampler.replay()
         end.record()
         end.synchronize()
     return start.elapsed_time(end) / reps
@@ -164,9 +169,10 @@ def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict 
     than their sum: the count says how much of the step that is."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = step_graph(llm, batch)
-    if graph is None:
+    graphs = step_graph(llm, batch)
+    if graphs is None:
         return None
+    graph = graphs[0]
     with cursor_kept(llm):
         graph.replay()
         torch.cuda.synchronize()

@@ -13,6 +13,14 @@ owns and attend to that page only, and read and write the state pool's spare slo
 (layers/state_cache.py). The slot cache's state lives in device tensors, so replays advance it exactly
 as eager steps would. A step with a sequence at position 0 (a one-token prompt) runs eagerly when the
 model keeps state: its slot is zeroed first from host integers (layers/kda.py).
+
+Context buckets: a model whose decode step reads every column of the page table (the DSA and kpool
+indexers score each key of the table's width, whatever the sequences' lengths) gets, per batch size,
+graphs for narrower page tables too (width_buckets: 4,096 tokens times powers of 4, then the whole
+width); a step replays the narrowest that holds its longest context, so the indexers' work follows the
+context instead of the longest request the engine admits. The widest is captured first, so the narrower
+ones reuse its memory pool and the plan's count (at the whole width) holds. Hybrid backends (pieces,
+the whole-step switch) keep the one whole-width graph per size.
 """
 
 from __future__ import annotations
@@ -35,10 +43,20 @@ from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
+from moetier.plan.residents import BUCKET_TOKENS, captured_sizes, width_buckets
 from moetier.plan.residents import GRAPH_SIZES as SIZES
-from moetier.plan.residents import captured_sizes
 
 MODES = ("greedy", "sample", "filter")
+
+
+class Narrow:
+    """One batch size's graphs at a narrower page table: the model's, its logits, and per sampling mode
+    the sampler's graph and its tokens."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor):
+        self.graph, self.logits = graph, logits
+        self.samplers: dict[str, torch.cuda.CUDAGraph] = {}
+        self.tokens: dict[str, torch.Tensor] = {}
 
 
 class PageRows:
@@ -81,7 +99,7 @@ class PageRows:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, scratch_page: int, max_pages_per_seq: int, sizes=SIZES[:4],
-                 piecewise: bool = False, scratch_state: int | None = None):
+                 piecewise: bool = False, scratch_state: int | None = None, bucket_tokens: int = BUCKET_TOKENS):
         self.model, self.kv, self.scratch = model, kv, scratch_page
         self.piecewise = piecewise  # the model graph split at MoE layers that run eagerly (piecewise.py)
         # with hybrid backends (pieces, or nodes: one graph with host-function nodes): also the whole step
@@ -123,11 +141,17 @@ class DecodeGraphs:
         self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[tuple[int, str], torch.Tensor] = {}
+        # context buckets (module docstring): only for a model whose decode reads the table's whole width
+        reads_width = bool(getattr(kv, "index_slot", None)) and not piecewise and not self.switching
+        self.buckets = width_buckets(width, kv.page_size, bucket_tokens) if reads_width else (width,)
+        self.narrow: dict[tuple[int, int], Narrow] = {}  # (size, width) for each bucket below `width`
+        self.last_width: dict[int, int] = {}  # per size: the width its last replay used (logits_of)
         self._capture()
 
-    def _batch(self, n: int, max_ctx: int) -> AttnBatch:
+    def _batch(self, n: int, max_ctx: int, width: int | None = None) -> AttnBatch:
+        """The captured step's batch: n rows, the page table's first `width` columns (default all)."""
         return AttnBatch(self.positions[:n], self.slots[:n], self.query_start[:n + 1], self.seq_lens[:n],
-                         self.page_table[:n], list(range(n + 1)), [max_ctx] * n, 1,
+                         self.page_table[:n, :width], list(range(n + 1)), [max_ctx] * n, 1,
                          state_slots=self.state_slots[:n] if self.has_state else None)
 
     def _host_views(self):
@@ -154,8 +178,8 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
 
-    def _sampler(self, n: int, mode: str) -> torch.Tensor:
-        return sample_rows(self.logits[n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n],
+    def _sampler(self, logits: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+        return sample_rows(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n],
                            self.steps[:n], mode)
 
     @torch.inference_mode()
@@ -175,7 +199,7 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
                 self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
                 for mode in MODES:
-                    self._sampler(n, mode)
+                    self._sampler(self.logits[n], n, mode)
             torch.cuda.current_stream().wait_stream(side)
             self.model.reset_experts()
             def run(n=n, batch=batch):
@@ -192,27 +216,68 @@ class DecodeGraphs:
                 with link_only(self.model):  # the host path's own cost, at no misses and no host work
                     self.overhead_s[n] = replay_overhead_s(self.graphs[n].replay, self.whole[n].replay)
             for mode in MODES:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.tokens[n, mode] = self._sampler(n, mode)
-                self.samplers[n, mode] = graph
+                self.samplers[n, mode], self.tokens[n, mode] = self._capture_sampler(self.logits[n], n, mode, pool)
+            for w in reversed(self.buckets[:-1]):
+                self.narrow[n, w] = self._capture_narrow(n, w, pool, side)
         self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
         if self.switching:
             self.switch = Switch(switchable(self.model))
+
+    def _capture_sampler(self, logits: torch.Tensor, n: int, mode: str, pool
+                         ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            tokens = self._sampler(logits, n, mode)
+        return graph, tokens
+
+    def _capture_narrow(self, n: int, w: int, pool, side: torch.cuda.Stream) -> Narrow:
+        """Size n's graphs over the first w columns of the page table (a view: the host block and its
+        one upload stay as they are)."""
+        batch = self._batch(n, w * self.kv.page_size, w)
+        def run():
+            return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up at this width
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.model.reset_experts()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = run()
+        out = Narrow(graph, logits)
+        for mode in MODES:
+            out.samplers[mode], out.tokens[mode] = self._capture_sampler(logits, n, mode, pool)
+        return out
+
+    def width_of(self, seqs: list[SeqStep]) -> int:
+        """The narrowest captured page-table width that holds every sequence's context."""
+        need = max(s.start for s in seqs) // self.kv.page_size + 1
+        return next(w for w in self.buckets if w >= need)
+
+    def replayed(self, n: int) -> tuple:
+        """(model graph, greedy sampler graph) that size n's last replay used (the whole width before
+        any): what bench decode times (bench/decode_steps.replay_ms)."""
+        w = self.last_width.get(n, self.width)
+        if w == self.width:
+            return self.graphs[n], self.samplers[n, "greedy"]
+        return self.narrow[n, w].graph, self.narrow[n, w].samplers["greedy"]
 
     def release(self) -> None:
         """Destroy every captured graph now (not whenever the collector gets to them). NOTE: under
         several ranks the graphs hold NCCL work of the process group: they must be gone before the
         group is destroyed, or destroying it waits forever (seen on two H200s)."""
-        for g in [*self.graphs.values(), *self.whole.values(), *self.samplers.values()]:
+        narrow = [g for x in self.narrow.values() for g in (x.graph, *x.samplers.values())]
+        for g in [*self.graphs.values(), *self.whole.values(), *self.samplers.values(), *narrow]:
             for graph in (g.graphs if isinstance(g, Pieces) else [g]):
                 graph.reset()
-        self.graphs.clear(), self.whole.clear(), self.samplers.clear()
+        self.graphs.clear(), self.whole.clear(), self.samplers.clear(), self.narrow.clear()
         torch.cuda.synchronize(self.model.device)
 
     def logits_of(self, n: int) -> torch.Tensor:
         """The last replay's logits [n, V] float32 (valid until the next replay)."""
-        return self.logits[next(s for s in self.sizes if s >= n)][:n]
+        size = next(s for s in self.sizes if s >= n)
+        w = self.last_width.get(size, self.width)
+        return (self.logits[size] if w == self.width else self.narrow[size, w].logits)[:n]
 
     def fits(self, seqs: list[SeqStep]) -> bool:
         # a sequence at position 0 of a model with state needs its slot zeroed first: eager (layers/kda.py)
@@ -244,17 +309,23 @@ class DecodeGraphs:
         self._upload()
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
-        graph = self.graphs[size]
+        w = self.last_width[size] = self.width_of(seqs)
+        if w != self.width:
+            narrow = self.narrow[size, w]
+            graph, logits, sampler, tokens = narrow.graph, narrow.logits, narrow.samplers[mode], narrow.tokens[mode]
+        else:
+            graph, logits, sampler, tokens = (self.graphs[size], self.logits[size], self.samplers[size, mode],
+                                              self.tokens[size, mode])
         if self.switch is not None and not self.switch.choose(self.overhead_s[size], size):
             graph = self.whole[size]
         graph.replay()
         if not sample:
             return None
         if bias is not None:  # a batch with logit_bias: its sampler runs eagerly on the biased logits
-            return sample_rows(add_bias(self.logits[size][:n], bias), self.temperature[:n], self.top_k[:n],
+            return sample_rows(add_bias(logits[:n], bias), self.temperature[:n], self.top_k[:n],
                                self.top_p[:n], self.seeds[:n], self.steps[:n], mode)
-        self.samplers[size, mode].replay()
-        return self.tokens[size, mode][:n]
+        sampler.replay()
+        return tokens[:n]
 
 
 def captures(config, model: CausalLM, parallel: bool) -> bool:
@@ -274,4 +345,5 @@ def decode_graphs(model: CausalLM, kv: KVCache, config, max_len: int, piecewise:
     each capture run their collectives in lockstep, and each step replays the same graph everywhere."""
     sizes = captured_sizes(config.max_num_seqs, config.decode_tokens)
     return DecodeGraphs(model, kv, scratch_page=config.num_pages, max_pages_per_seq=-(-max_len // config.page_size),
-                        sizes=sizes, piecewise=piecewise, scratch_state=config.max_num_seqs)
+                        sizes=sizes, piecewise=piecewise, scratch_state=config.max_num_seqs,
+                        bucket_tokens=BUCKET_TOKENS)

@@ -262,14 +262,19 @@ def count(req: PlanRequest) -> Plan:
         b = sizes[-1]
         gin = r.graph_inputs(b, width)
         dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
-        kept = [n * cfg.vocab_size * 4 for n in sizes] + [8 * n for n in sizes for _ in range(3)]
+        selection = cfg.decode_selection_activations(b, width * req.page_size, dt)
+        # a model whose decode reads the whole page table keeps each narrower context bucket's logits and
+        # sampled tokens per size too (engine/graphs.py); hybrid's graphs keep the one whole width
+        buckets = len(r.width_buckets(width, req.page_size)) if selection and not kind.host_compute else 1
+        kept = [n * cfg.vocab_size * 4 for n in sizes for _ in range(buckets)]
+        kept += [8 * n for n in sizes for _ in range(3 * buckets)]
         if kind.host_compute:  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
             kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
-        selection = cfg.decode_selection_activations(b, width * req.page_size, dt)
         peak = r.step_activations(cfg, b, dt, 0) + selection + [r.sampler_transient(b, cfg.vocab_size)]
         pool = r.segments(kept) + r.segments(peak)
         dev.append(Item("CUDA graph pool", pool, "capture",
-                        f"batch {sizes}: logits fp32 kept + batch-{b} peak"
+                        f"batch {sizes}: logits fp32 kept" + (f" at {buckets} context buckets" if buckets > 1 else "")
+                        + f" + batch-{b} peak"
                         + (f" (indexer scoring {width * req.page_size:,} rows a sequence)" if selection else ""),
                         sum(r.block(n) for n in kept)))
         tensors += gin

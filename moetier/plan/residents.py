@@ -162,6 +162,20 @@ def captured_sizes(max_num_seqs: int, decode_tokens: int) -> list[int]:
     return [n for n in GRAPH_SIZES if n <= cap] or [1]
 
 
+BUCKET_TOKENS = 4096  # the narrowest context bucket of the decode graphs; each next one is 4x wider
+
+
+def width_buckets(width: int, page_size: int, first_tokens: int = BUCKET_TOKENS) -> tuple[int, ...]:
+    """Page-table widths (pages, ascending) the decode graphs of a model whose decode reads the whole
+    table (engine/graphs.py, context buckets) capture for a table of `width` pages: first_tokens, 4x
+    that, ... (in pages, rounded up), each below `width`, then `width` itself."""
+    out, tokens = [], first_tokens
+    while -(-tokens // page_size) < width:
+        out.append(-(-tokens // page_size))
+        tokens *= 4
+    return (*out, width)
+
+
 def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
     """DecodeGraphs' static device blocks (engine/graphs.py): int64 [6b], int32 [b (3 + width)],
     query_start int32 [b + 1]."""
