@@ -33,7 +33,9 @@ def test_narrow_graphs_equal_eager(tmp_path, monkeypatch, preset):
 
     path = make_checkpoint(tmp_path / preset, preset, seed=5, dtype="float32")
     g = torch.Generator().manual_seed(8)
-    lens = [3, 40, 12, 70, 25, 100]  # with 16-token buckets: widths 1, 4, 16 and the whole table
+    # with 16-token buckets a step replays the bucket of the batch's longest context: the batch's
+    # (16 pages), then each prompt alone: 3 tokens decode at widths 1 and 4, 40 at 4, 100 at 16
+    lens = [3, 40, 12, 70, 25, 100]
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     monkeypatch.setattr(graphs_mod, "BUCKET_TOKENS", 16)
@@ -50,6 +52,7 @@ def test_narrow_graphs_equal_eager(tmp_path, monkeypatch, preset):
                 return w
             monkeypatch.setattr(dg, "width_of", record)
         runs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, [params] * len(prompts))]
+        runs[graphs] += [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         assert (llm.runner.graph_steps > 10) == graphs
         if graphs:
             assert len(used) >= 3 and min(used) < dg.width, (used, dg.buckets)  # narrow graphs really ran
