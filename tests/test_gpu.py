@@ -365,16 +365,18 @@ def test_grouped_graph_replay_equals_eager_qwen3_sizes(t):
 def test_generate_json_carries_the_plan_and_two_audits(tiny_ckpt):
     """Issue 14: on CUDA, generate audits the plan after load and after graph capture; the allocated
     bytes of the tiny model's persistent tensors match the plan within a few MiB (fixed costs dominate
-    at this size, so the 5% rule is for the published shapes: scripts/plan_audit.py)."""
+    at this size, so the 5% rule is for the published shapes: scripts/plan_audit.py). In a process of
+    its own: torch keeps a cuBLAS workspace per stream it pools, so after an earlier engine of the
+    same process the capture streams' 64 MiB the plan counts already exist (seen on the H200 after
+    test_hybrid_nodes)."""
     import json
+    import subprocess
+    import sys
 
-    from typer.testing import CliRunner
-
-    from moetier.cli.app import app
-
-    r = CliRunner().invoke(app, ["generate", "hi", "--model", str(tiny_ckpt), "--device", "cuda",
-                                 "--max-tokens", "4", "--max-model-len", "512", "--json"])
-    assert r.exit_code == 0, r.output
+    r = subprocess.run([sys.executable, "-m", "moetier.cli", "generate", "hi", "--model", str(tiny_ckpt), "--device",
+                        "cuda", "--max-tokens", "4", "--max-model-len", "512", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert [a["stage"] for a in d["audit"]] == ["after load", "after graph capture"]
     allocated = next(row for row in d["audit"][1]["rows"] if row["what"] == "torch allocated")
