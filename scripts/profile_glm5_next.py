@@ -85,7 +85,7 @@ def step_inputs(llm: LLM, batch: int):
     step's), else the last eager forward's arguments."""
     graphs = llm.runner.graphs
     if graphs is not None:
-        w = graphs.last_width.get(batch, graphs.width)  # the context bucket the last replay used
+        w = graphs.replayed(batch).width  # the context bucket the last replay used
         return graphs.ids[:batch], graphs._batch(batch, w * llm.kv.page_size, w), llm.kv
     model, seen = llm.model, {}
     inner = model.forward

@@ -121,10 +121,9 @@ def step_graph(llm: LLM, batch: int, whole: bool = False):
     graphs = llm.runner.graphs
     if graphs is None or batch not in graphs.sizes or llm.parallel is not None:
         return None
-    graph, sampler = graphs.replayed(batch)
-    if whole:
-        graph = graphs.whole.get(batch)
-    return None if graph is None else (graph, sampler)
+    at = graphs.replayed(batch)
+    graph = graphs.whole.get(batch) if whole else at.graph
+    return None if graph is None else (graph, at.samplers["greedy"])
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ model keeps state: its slot is zeroed first from host integers (layers/kda.py).
 
 Context buckets: a model whose decode step reads every column of the page table (the DSA and kpool
 indexers score each key of the table's width, whatever the sequences' lengths) gets, per batch size,
-graphs for narrower page tables too (width_buckets: 4,096 tokens times powers of 4, then the whole
+graphs for narrower page tables too (plan/residents.graph_widths: 4,096 tokens times powers of 4, then the whole
 width); a step replays the narrowest that holds its longest context, so the indexers' work follows the
 context instead of the longest request the engine admits. The widest is captured first, so the narrower
 ones reuse its memory pool and the plan's count (at the whole width) holds. Hybrid backends (pieces,
@@ -43,18 +43,18 @@ from moetier.layers.attention import AttnBatch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import add_bias, bias_of, mode_of, sample_rows
 from moetier.models.base import CausalLM
-from moetier.plan.residents import BUCKET_TOKENS, captured_sizes, width_buckets
+from moetier.plan.residents import BUCKET_TOKENS, captured_sizes, graph_widths
 from moetier.plan.residents import GRAPH_SIZES as SIZES
 
 MODES = ("greedy", "sample", "filter")
 
 
-class Narrow:
-    """One batch size's graphs at a narrower page table: the model's, its logits, and per sampling mode
-    the sampler's graph and its tokens."""
+class WidthGraphs:
+    """One batch size's graphs at one page-table width: the model's (a CUDAGraph, or Pieces: both have
+    replay()), its logits [n, V] float32, and per sampling mode the sampler's graph and its tokens."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor):
-        self.graph, self.logits = graph, logits
+    def __init__(self, width: int, graph, logits: torch.Tensor):
+        self.width, self.graph, self.logits = width, graph, logits
         self.samplers: dict[str, torch.cuda.CUDAGraph] = {}
         self.tokens: dict[str, torch.Tensor] = {}
 
@@ -137,15 +137,12 @@ class DecodeGraphs:
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.page_rows = PageRows(self._host_views()[7], scratch_page)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}  # both have replay()
-        self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.tokens: dict[tuple[int, str], torch.Tensor] = {}
         # context buckets (module docstring): only for a model whose decode reads the table's whole width
-        reads_width = bool(getattr(kv, "index_slot", None)) and not piecewise and not self.switching
-        self.buckets = width_buckets(width, kv.page_size, bucket_tokens) if reads_width else (width,)
-        self.narrow: dict[tuple[int, int], Narrow] = {}  # (size, width) for each bucket below `width`
-        self.last_width: dict[int, int] = {}  # per size: the width its last replay used (logits_of)
+        self.buckets = graph_widths(width, kv.page_size, bool(getattr(kv, "index_slot", None)),
+                                    piecewise or self.switching, bucket_tokens)
+        self.by_width: dict[tuple[int, int], WidthGraphs] = {}  # (size, width) for every size and bucket
+        self.graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}  # per size, the whole width's model graph
+        self.last: dict[int, WidthGraphs] = {}  # per size: what its last replay used (logits_of, replayed)
         self._capture()
 
     def _batch(self, n: int, max_ctx: int, width: int | None = None) -> AttnBatch:
@@ -184,9 +181,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        # The attention kernel sizes its key splits from the host lengths: capture for the longest
-        # context a sequence can have, so every replay is covered.
-        max_ctx = self.width * self.kv.page_size
         pool = torch.cuda.graph_pool_handle()
         self._pad_host()
         self._upload()
@@ -194,90 +188,70 @@ class DecodeGraphs:
         # GEMM (32 MiB on Hopper), so a stream per size held 96 MiB more (plan/residents.cublas_workspace)
         side = torch.cuda.Stream()
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
-            batch = self._batch(n, max_ctx)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
-                self.logits[n] = self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
-                for mode in MODES:
-                    self._sampler(self.logits[n], n, mode)
-            torch.cuda.current_stream().wait_stream(side)
-            self.model.reset_experts()
-            def run(n=n, batch=batch):
-                return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
-            if self.piecewise:
-                self.graphs[n], self.logits[n] = capture_pieces(self.model, run, pool)
-            else:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[n] = run()
-                self.graphs[n] = graph
-            if self.switching:
-                self.whole[n] = capture_whole(self.model, run, self.logits[n], pool)
-                with link_only(self.model):  # the host path's own cost, at no misses and no host work
-                    self.overhead_s[n] = replay_overhead_s(self.graphs[n].replay, self.whole[n].replay)
-            for mode in MODES:
-                self.samplers[n, mode], self.tokens[n, mode] = self._capture_sampler(self.logits[n], n, mode, pool)
-            for w in reversed(self.buckets[:-1]):
-                self.narrow[n, w] = self._capture_narrow(n, w, pool, side)
+            for w in reversed(self.buckets):  # widest first, likewise
+                self.by_width[n, w] = self._capture_width(n, w, pool, side)
+            self.graphs[n] = self.by_width[n, self.width].graph
         self.model.reset_experts()  # warm-up and capture ran the cache on padding: serve from empty
         if self.switching:
             self.switch = Switch(switchable(self.model))
 
-    def _capture_sampler(self, logits: torch.Tensor, n: int, mode: str, pool
-                         ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            tokens = self._sampler(logits, n, mode)
-        return graph, tokens
-
-    def _capture_narrow(self, n: int, w: int, pool, side: torch.cuda.Stream) -> Narrow:
+    def _capture_width(self, n: int, w: int, pool, side: torch.cuda.Stream) -> WidthGraphs:
         """Size n's graphs over the first w columns of the page table (a view: the host block and its
-        one upload stay as they are)."""
+        one upload stay as they are). The attention kernel sizes its key splits from the host lengths:
+        captured for the longest context the width holds, so every replay at it is covered."""
         batch = self._batch(n, w * self.kv.page_size, w)
         def run():
             return self.model.logits(self.model.forward(self.ids[:n], batch, self.kv))
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up at this width
-            run()
+        with torch.cuda.stream(side):  # warm-up: compile kernels, size workspaces
+            logits = run()
+            for mode in MODES:
+                self._sampler(logits, n, mode)
         torch.cuda.current_stream().wait_stream(side)
         self.model.reset_experts()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = run()
-        out = Narrow(graph, logits)
+        if self.piecewise:
+            graph, logits = capture_pieces(self.model, run, pool)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+        if self.switching:  # hybrid: one width only (graph_widths)
+            self.whole[n] = capture_whole(self.model, run, logits, pool)
+            with link_only(self.model):  # the host path's own cost, at no misses and no host work
+                self.overhead_s[n] = replay_overhead_s(graph.replay, self.whole[n].replay)
+        out = WidthGraphs(w, graph, logits)
         for mode in MODES:
-            out.samplers[mode], out.tokens[mode] = self._capture_sampler(logits, n, mode, pool)
+            out.samplers[mode] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(out.samplers[mode], pool=pool):
+                out.tokens[mode] = self._sampler(logits, n, mode)
         return out
 
     def width_of(self, seqs: list[SeqStep]) -> int:
         """The narrowest captured page-table width that holds every sequence's context."""
+        if len(self.buckets) == 1:
+            return self.width
         need = max(s.start for s in seqs) // self.kv.page_size + 1
         return next(w for w in self.buckets if w >= need)
 
-    def replayed(self, n: int) -> tuple:
-        """(model graph, greedy sampler graph) that size n's last replay used (the whole width before
-        any): what bench decode times (bench/decode_steps.replay_ms)."""
-        w = self.last_width.get(n, self.width)
-        if w == self.width:
-            return self.graphs[n], self.samplers[n, "greedy"]
-        return self.narrow[n, w].graph, self.narrow[n, w].samplers["greedy"]
+    def replayed(self, n: int) -> WidthGraphs:
+        """What size n's last replay used (the whole width before any): what bench decode times
+        (bench/decode_steps.replay_ms)."""
+        return self.last.get(n) or self.by_width[n, self.width]
 
     def release(self) -> None:
         """Destroy every captured graph now (not whenever the collector gets to them). NOTE: under
         several ranks the graphs hold NCCL work of the process group: they must be gone before the
         group is destroyed, or destroying it waits forever (seen on two H200s)."""
-        narrow = [g for x in self.narrow.values() for g in (x.graph, *x.samplers.values())]
-        for g in [*self.graphs.values(), *self.whole.values(), *self.samplers.values(), *narrow]:
+        every = [g for x in self.by_width.values() for g in (x.graph, *x.samplers.values())]
+        for g in [*every, *self.whole.values()]:
             for graph in (g.graphs if isinstance(g, Pieces) else [g]):
                 graph.reset()
-        self.graphs.clear(), self.whole.clear(), self.samplers.clear(), self.narrow.clear()
+        self.by_width.clear(), self.graphs.clear(), self.whole.clear(), self.last.clear()
         torch.cuda.synchronize(self.model.device)
 
     def logits_of(self, n: int) -> torch.Tensor:
         """The last replay's logits [n, V] float32 (valid until the next replay)."""
-        size = next(s for s in self.sizes if s >= n)
-        w = self.last_width.get(size, self.width)
-        return (self.logits[size] if w == self.width else self.narrow[size, w].logits)[:n]
+        return self.replayed(next(s for s in self.sizes if s >= n)).logits[:n]
 
     def fits(self, seqs: list[SeqStep]) -> bool:
         # a sequence at position 0 of a model with state needs its slot zeroed first: eager (layers/kda.py)
@@ -309,23 +283,17 @@ class DecodeGraphs:
         self._upload()
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
-        w = self.last_width[size] = self.width_of(seqs)
-        if w != self.width:
-            narrow = self.narrow[size, w]
-            graph, logits, sampler, tokens = narrow.graph, narrow.logits, narrow.samplers[mode], narrow.tokens[mode]
-        else:
-            graph, logits, sampler, tokens = (self.graphs[size], self.logits[size], self.samplers[size, mode],
-                                              self.tokens[size, mode])
+        at = self.last[size] = self.by_width[size, self.width_of(seqs)]
+        graph = at.graph
         if self.switch is not None and not self.switch.choose(self.overhead_s[size], size):
             graph = self.whole[size]
         graph.replay()
         if not sample:
             return None
         if bias is not None:  # a batch with logit_bias: its sampler runs eagerly on the biased logits
-            return sample_rows(add_bias(logits[:n], bias), self.temperature[:n], self.top_k[:n],
-                               self.top_p[:n], self.seeds[:n], self.steps[:n], mode)
-        sampler.replay()
-        return tokens[:n]
+            return self._sampler(add_bias(at.logits[:n], bias), n, mode)
+        at.samplers[mode].replay()
+        return at.tokens[mode][:n]
 
 
 def captures(config, model: CausalLM, parallel: bool) -> bool:

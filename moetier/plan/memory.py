@@ -263,9 +263,8 @@ def count(req: PlanRequest) -> Plan:
         gin = r.graph_inputs(b, width)
         dev.append(_item("decode graph inputs", "capture", gin, f"batch {b}, {width} pages per sequence"))
         selection = cfg.decode_selection_activations(b, width * req.page_size, dt)
-        # a model whose decode reads the whole page table keeps each narrower context bucket's logits and
-        # sampled tokens per size too (engine/graphs.py); hybrid's graphs keep the one whole width
-        buckets = len(r.width_buckets(width, req.page_size)) if selection and not kind.host_compute else 1
+        # each context bucket keeps its own logits and sampled tokens per size (engine/graphs.py)
+        buckets = len(r.graph_widths(width, req.page_size, bool(selection), kind.host_compute))
         kept = [n * cfg.vocab_size * 4 for n in sizes for _ in range(buckets)]
         kept += [8 * n for n in sizes for _ in range(3 * buckets)]
         if kind.host_compute:  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]

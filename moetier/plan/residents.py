@@ -176,6 +176,15 @@ def width_buckets(width: int, page_size: int, first_tokens: int = BUCKET_TOKENS)
     return (*out, width)
 
 
+def graph_widths(width: int, page_size: int, reads_width: bool, hybrid: bool,
+                 first_tokens: int = BUCKET_TOKENS) -> tuple[int, ...]:
+    """The page-table widths the decode graphs capture per size (engine/graphs.py) and the plan counts:
+    the context buckets for a model whose decode reads the table's whole width (the DSA and kpool
+    indexers), unless the backend is hybrid (its pieces and whole-step switch keep one graph per size);
+    else the whole width alone."""
+    return width_buckets(width, page_size, first_tokens) if reads_width and not hybrid else (width,)
+
+
 def graph_inputs(max_batch: int, max_pages_per_seq: int) -> list[int]:
     """DecodeGraphs' static device blocks (engine/graphs.py): int64 [6b], int32 [b (3 + width)],
     query_start int32 [b + 1]."""
