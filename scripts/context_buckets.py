@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,24 +53,38 @@ def run(bed, trace: str, batch: int, args, buckets: bool) -> dict:
             walls.append((time.perf_counter() - t0) * 1e3)
             tokens.update({o.request_id: list(o.outputs[0].token_ids) for o in outs})
         graphs = llm.runner.graphs
-        return {"buckets": list(graphs.buckets), "width_used": graphs.last_width.get(batch),
+        return {"buckets": list(graphs.buckets), "width_used": graphs.replayed(batch).width,
                 "step_ms_median": statistics.median(walls), "step_ms": walls,
                 "replay_ms": replay_ms(llm, batch), "tokens": [tokens.get(i) for i in ids]}
     finally:
         llm.close()
 
 
+def positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--preset", default="glm-5.3-flash")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, action="append")
-    ap.add_argument("--model-len", type=int, default=131072)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layers", type=positive, default=4)
+    ap.add_argument("--batch", type=positive, action="append")
+    ap.add_argument("--model-len", type=positive, default=131072)
+    ap.add_argument("--prompt-len", type=positive, default=512)
+    ap.add_argument("--steps", type=positive, default=32)
+    ap.add_argument("--rounds", type=positive, default=2)
     args = ap.parse_args()
+    if not Path(args.out).parent.is_dir() or Path(args.out).is_dir():
+        ap.error(f"OUT {args.out}: not a file path in an existing directory")
+    if args.prompt_len + args.steps + 8 > args.model_len:
+        ap.error(f"--prompt-len {args.prompt_len} + --steps {args.steps} + 8 exceeds --model-len {args.model_len}")
     if not torch.cuda.is_available():
         raise SystemExit("error: context buckets are a property of the CUDA decode graphs; run on a CUDA machine")
     cfg = preset(args.preset, args.layers, "bfloat16")
