@@ -3,13 +3,23 @@
 # on with a host tier; Qwen3-30B-A3B 8 layers and GLM-5.3-Flash 4 layers, slots at 50%), `bench serve`
 # shared-prefix and multi-turn against each, JSON under $OUT and a table last. Run from the repository root
 # with the device wheels (fastapi, uvicorn, fla-core ...) carried in .whl/.
+#
+#   bash scripts/prefix_cache_h200.sh [ROW ...]     (default: every row; rows: q-off q-on q-host q-small-multi
+#                                                   q-host-multi g-off g-on g-host-multi)
+#
+# q-host: a GPU pool of three prefixes' pages, so every shared-prefix hit is the host tier's (TTFT of a
+# host hit against a GPU hit). q-small-multi and q-host-multi: multi-turn over a GPU pool smaller than the
+# conversations, without and with a host tier. g-host-multi: g-on's multi-turn row with a host tier. The device returns 8 files a call: run several rows as
+#   d=$OUT; OUT=/tmp/pc bash scripts/prefix_cache_h200.sh; tar czf $d/pc.tgz -C /tmp/pc .
 set -uo pipefail
+ROWS=" ${*:-q-off q-on q-host q-small-multi q-host-multi g-off g-on g-host-multi} "
 out=/tmp/prefix-stages  # h200_stages.sh's header file; $OUT keeps the records only
 source scripts/h200_stages.sh  # the carried wheels, PYTHONPATH, `mt`
 M="${mt[*]}"
 port=8100
 row() {  # name, server args..., then -- bench lines separated by ';;'
   local name=$1; shift
+  case "$ROWS" in *" $name "*) ;; *) return ;; esac
   local sargs=() ; while [ "$1" != "--" ]; do sargs+=("$1"); shift; done; shift
   local t0=$(date +%s)
   setsid $M serve "${sargs[@]}" --port $port > /tmp/serve-$name.txt 2>&1 &
@@ -33,11 +43,19 @@ HSP="shared --dataset shared-prefix --concurrency 1 --input-len 4160 --prefix-le
 row q-off $Q --kv-tokens 262144 --no-enable-prefix-caching -- "$SP;;$MT"
 row q-on $Q --kv-tokens 262144 -- "$SP;;$MT"
 # a GPU pool of three prefixes' pages: four prefixes in turn evict each other, so every hit is the host tier's
+# (not in the default list) q-on's shared-prefix levels with concurrency 16 twice: whether the first c16
+# level's TTFT is the cache's or a first use (a kernel compiled at its first shape)
+row q-on-again $Q --kv-tokens 262144 -- "${SP/--concurrency 1,16/--concurrency 1,16,16}"
 row q-host $Q --kv-tokens 12800 --kv-host-memory 8GiB -- "$HSP"
+# multi-turn over a GPU pool smaller than the conversations (32,768 tokens against about 74,000), without
+# and with a host tier: what the tier brings back instead of recomputing
+row q-small-multi $Q --kv-tokens 32768 -- "$MT"
+row q-host-multi $Q --kv-tokens 32768 --kv-host-memory 16GiB -- "$MT"
 G="--preset glm-5.3-flash --layers 4 --expert-backend slots --expert-budget 50% --kv-tokens 131072"
 GMT="multi --dataset multi-turn --concurrency 16 --input-len 4608 --prefix-len 4096 --output-len 64 --turns 2 --num-prompts 64 --warmup 2"
 row g-off $G --no-enable-prefix-caching -- "$HSP;;$GMT"
 row g-on $G -- "$HSP;;$GMT"
+row g-host-multi $G --kv-host-memory 16GiB -- "$GMT"
 python3 - <<'PY'
 import json, glob, os
 out = os.environ["OUT"]

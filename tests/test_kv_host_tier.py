@@ -166,3 +166,13 @@ def test_checkpoints_follow_the_page_across_tiers():
 def test_random_operations_over_both_tiers_match_the_reference(seed, checkpoints):
     _, host_hits = random_run(seed, host_capacity=4, checkpoints=checkpoints, ops=200)
     assert host_hits > 0, "the run never hit the host tier: it tests nothing there"
+
+
+def test_page_copy_kernel_matches_the_runs_copy_in_the_interpreter():
+    """layers/page_copy_triton.py (the CUDA path of engine/kv_moves.py) against the CPU's copy along runs."""
+    pytest.importorskip("triton")
+    from tests.interpreter import run_script
+
+    lines = run_script("page_copy_interpreter.py").splitlines()
+    assert [line.split()[0] for line in lines] == ["gqa", "mla", "odd"] and all("equal" in line for line in lines)
+    assert "uint8 int16" in lines[2], "the odd page sizes did not take byte and half-word copies"

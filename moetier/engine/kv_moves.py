@@ -3,12 +3,14 @@ kv_host_tier.py) only plans. Two kinds of moves, both inside one step and none w
 
 - Host KV tier: pinned host memory of `capacity` page slots, one block per page tensor of the device
   pool (GQA K and V; MLA latent and the DSA indexer keys), laid out as the pool is,
-  [rows, capacity, page_size, ...], so that a run of consecutive pages of one layer is one contiguous
-  copy each way. A step's plan runs layer by layer, and per layer in the order the plan requires:
-  every GPU -> host copy (a page the cache evicted, possibly reused by this very step), then every
-  host -> GPU copy (a hit on the host tier), then the step's own KV writes.
-  On CUDA the copies run non_blocking on a side stream that first waits for the work already queued
-  (the pages were written by earlier steps). In an eager step the compute stream waits, before each
+  [rows, capacity, page_size, ...]. A step's plan runs layer by layer, and per layer in the order the
+  plan requires: every GPU -> host copy (a page the cache evicted, possibly reused by this very step),
+  then every host -> GPU copy (a hit on the host tier), then the step's own KV writes.
+  On CUDA each page tensor row moves all of its pages in one Triton launch each way
+  (layers/page_copy_triton.py: the pages a churned pool and tier hand out are scattered, and a copy per
+  run of consecutive pages was tens of thousands of small copies per admission), on a side stream that
+  first waits for the work already queued (the pages were written by earlier steps). On the CPU the
+  copies go along runs of consecutive pages (runs()): the kernel's oracle. In an eager step the compute stream waits, before each
   model layer (a forward pre-hook on model.layers[l]), for that layer's copies only: layer l+1's
   copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
   waits for the whole plan first. After the forward the compute stream joins the copy stream, so no
@@ -62,6 +64,7 @@ class KVMoves:
         self._events: dict[int, torch.cuda.Event] = {}
         self._waiting: set[int] = set()  # layers whose copies the compute stream has yet to wait for
         self._hooked = False
+        self._rows_as_words: list[tuple[int, torch.Tensor, object, int]] = []  # CUDA: see _copy_cuda
         if host_slots:
             dev = self.device_tensors[0].device
             sizes = [host_slots * t[:, 0].numel() * t.element_size() for t in self.device_tensors]
@@ -76,6 +79,23 @@ class KVMoves:
                 shape = (t.shape[0], host_slots, *t.shape[2:])
                 self.host.append(base[at:at + n].view(t.dtype).view(shape))
                 at += n
+            if dev.type == "cuda":
+                self._rows_as_words = self._word_rows()
+
+    def _word_rows(self) -> list[tuple[int, torch.Tensor, object, int]]:
+        """(layer, device row, host row, words per page) per page tensor row, in layer order: the rows
+        as words for the page-copy kernel, the host side as a device pointer (registered memory)."""
+        from moetier.experts.cache.store import DevicePointer
+        from moetier.layers.page_copy_triton import as_words, word_dtype
+
+        out = []
+        for layer, rows in self.rows.items():
+            for t, r in rows:
+                d, h = self.device_tensors[t], self.host[t]
+                dtype = word_dtype(d[0, 0].numel() * d.element_size())
+                dw, hw = as_words(d, dtype), as_words(h, dtype)
+                out.append((layer, dw[r], DevicePointer(hw[r]), dw.shape[1] // d.shape[1]))
+        return out
 
     def attach(self, model: torch.nn.Module) -> None:
         """Per-layer waits: a forward pre-hook on each model.layers[l] that holds pages (CUDA host tier
@@ -102,12 +122,12 @@ class KVMoves:
             if not self.host:
                 raise RuntimeError("the step carries host-tier copies but this runner has no host tier")
             if self.stream is None:
-                self._copy(step, record=False)
+                self._copy(step)
             else:
                 compute = torch.cuda.current_stream(self.stream.device)
                 self.stream.wait_stream(compute)  # the pages it reads were written by earlier steps
                 with torch.cuda.stream(self.stream):
-                    self._copy(step, record=layered and self._hooked)
+                    self._copy_cuda(step, record=layered and self._hooked)
                 if layered and self._hooked:
                     self._waiting = set(self.rows)
                 else:
@@ -141,18 +161,42 @@ class KVMoves:
                 if s.num_draft and len(emitted[s.request_id]) - 1 < s.num_draft:
                     self._state_copy(self.backup_base + s.state_slot, s.state_slot)
 
-    def _copy(self, step: StepInput, record: bool) -> None:
-        blocking = self.stream is None
+    def _copy(self, step: StepInput) -> None:
+        """Along runs of consecutive pages, with torch, in order (the CPU's path; the kernel's oracle)."""
         up, down = runs(step.copies_to_host), runs(step.copies_to_gpu)  # (page, slot, n), (slot, page, n)
-        for layer, rows in self.rows.items():
+        for rows in self.rows.values():
             for t, r in rows:
                 d, h = self.device_tensors[t][r], self.host[t][r]
                 for p, s, n in up:
-                    h[s:s + n].copy_(d[p:p + n], non_blocking=not blocking)
+                    h[s:s + n].copy_(d[p:p + n])
                 for s, p, n in down:
-                    d[p:p + n].copy_(h[s:s + n], non_blocking=not blocking)
-            if record:
-                self._events[layer].record(self.stream)
+                    d[p:p + n].copy_(h[s:s + n])
+
+    def _copy_cuda(self, step: StepInput, record: bool) -> None:
+        """On the copy stream: the pairs' indices to the device (pinned, non_blocking: no host sync),
+        then per page tensor row one kernel to the host and one back, layer by layer."""
+        from moetier.layers.page_copy_triton import copy_pages
+
+        dev = self.stream.device
+
+        def indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            both = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).t().contiguous().pin_memory()
+            both = both.to(dev, non_blocking=True)  # [2, n]: sources, destinations
+            return both[0], both[1]
+
+        up = indices(step.copies_to_host) if step.copies_to_host else None  # device page -> host slot
+        down = indices(step.copies_to_gpu) if step.copies_to_gpu else None  # host slot -> device page
+        last = None
+        for layer, d, h, words in self._rows_as_words:
+            if record and last is not None and layer != last:
+                self._events[last].record(self.stream)
+            if up is not None:
+                copy_pages(d, h, up[0], up[1], words)
+            if down is not None:
+                copy_pages(h, d, down[0], down[1], words)
+            last = layer
+        if record and last is not None:
+            self._events[last].record(self.stream)
 
     def _slot(self, checkpoint: int) -> int:
         if self.checkpoint_base < 0:

@@ -13,8 +13,9 @@ class PagePool:
         if num_pages < 1:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        # a min-heap: the lowest free ids go out first, so a request's pages (and the host tier's copies
-        # of them, engine/kv_moves.py) form runs of consecutive ids however the pool was churned
+        # a min-heap: the lowest free ids go out first, so a request's pages tend to be consecutive (the
+        # CPU's host-tier copies go along runs, engine/kv_moves.py); after churn the runs are short, which
+        # is why CUDA moves a step's pages in one kernel per row instead
         self._free = list(range(num_pages))
         self._owner: dict[int, str] = {}
 
