@@ -59,10 +59,13 @@ row g-host-multi $G --kv-host-memory 16GiB -- "$GMT"
 python3 - <<'PY'
 import json, glob, os
 out = os.environ["OUT"]
-print(f"{'row':16s} {'conc':>4s} {'TTFT med ms':>11s} {'ITL med ms':>10s} {'out tok/s':>9s} {'hit %':>6s} {'host hit tok':>12s} fail")
+print(f"{'row':20s} {'conc':>4s} {'TTFT med ms':>11s} {'engine TTFT':>11s} {'ITL med ms':>10s} {'out tok/s':>9s} {'hit %':>6s} "
+      f"{'host hit tok':>12s} {'steps':>5s} {'large':>5s} {'large ms':>8s} fail")
 for p in sorted(glob.glob(f"{out}/prefix-*.json")):
     d = json.load(open(p)); name = os.path.basename(p)[7:-5]
     for r in d["results"]:
-        print(f"{name:16s} {r['max_concurrency']:>4} {r['median_ttft_ms']:11.1f} {r['median_itl_ms']:10.2f} {r['output_throughput']:9.1f} "
-              f"{100 * r.get('prefix_cache_hit_rate', 0):6.1f} {r.get('kv_host_hit_tokens', 0):12.0f} {r['failed'] + r['cancelled']}")
+        print(f"{name:20s} {r['max_concurrency']:>4} {r['median_ttft_ms']:11.1f} {r.get('server_ttft_ms_mean') or 0:11.1f} "
+              f"{r['median_itl_ms']:10.2f} {r['output_throughput']:9.1f} {100 * r.get('prefix_cache_hit_rate', 0):6.1f} "
+              f"{r.get('kv_host_hit_tokens', 0):12.0f} {r.get('engine_steps', 0):5.0f} {r.get('large_steps', 0):5.0f} "
+              f"{1e3 * r.get('large_step_seconds', 0):8.1f} {r['failed'] + r['cancelled']}")
 PY

@@ -137,4 +137,5 @@ def test_large_steps_are_counted():
     llm.generate([list(range(5, 105))], SamplingParams(max_tokens=5, ignore_eos=True))
     m = llm.metrics()
     assert (m["large_steps"], m["large_step_tokens"]) == (2, 96), m
+    assert 0 < m["large_step_seconds"] < m["step_seconds"]  # the decode steps took time too
     assert m["steps"] == 3 + 4

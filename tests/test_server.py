@@ -354,8 +354,10 @@ def test_metrics_have_vllm_names_and_expert_tiers(live, client):
                  "request_success_total", "expert_hits_total", "expert_misses_total", "expert_overflow_total",
                  "expert_link_bytes_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "kv_cache_cached_pages", "engine_steps_total", "engine_large_steps_total",
-                 "engine_large_step_tokens_total"):
+                 "engine_large_step_tokens_total", "engine_step_seconds_total", "engine_large_step_seconds_total"):
         assert f"moetier:{name}" in text, name
+    step_s = [line for line in text.splitlines() if line.startswith("moetier:engine_step_seconds_total")]
+    assert float(step_s[0].split()[-1]) > 0
     assert 'moetier:expert_hits_total{layer="total",model_name="tiny-stdlib"}' in text
     assert 'moetier:expert_hits_total{layer="0",model_name="tiny-stdlib"}' in text
     assert 'moetier:expert_rank_misses_total{model_name="tiny-stdlib",rank="0"}' in text  # one process: rank 0

@@ -121,8 +121,11 @@ def test_bench_serve_against_a_live_server(tmp_path: Path):
             assert row["completed"] == 8 and row["failed"] == row["cancelled"] == 0
             assert row["total_input_tokens"] == 8 * 12 and row["total_output_tokens"] == 8 * 6
             for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
-                        "median_tpot_ms", "p99_itl_ms", "p90_e2el_ms"):
+                        "median_tpot_ms", "p99_itl_ms", "p90_e2el_ms", "engine_steps", "step_seconds",
+                        "server_ttft_ms_mean"):
                 assert row[key] > 0, key
+            # the engine's own TTFT starts when the request reaches it: never after the client's
+            assert row["queue_ms_mean"] <= row["server_ttft_ms_mean"] <= row["mean_ttft_ms"] * 1.05
         assert png.stat().st_size > 1000
         code, stdout, err = cli("bench", "serve", "--url", server.url, "--request-rate", "50", "--num-prompts", "6",
                                 "--input-len", "8", "--output-len", "4", "--dataset", "sharegpt-like")

@@ -195,7 +195,11 @@ async def level(client, url: str, model: str, work: list[list[tuple[list[int], i
     after, spec1, steps1 = (await prefix_counters(client, url), await spec_counters(client, url),
                             await step_counters(client, url))
     if steps0 is not None and steps1 is not None:  # the level's steps, and how many took the large path
-        out |= {k: steps1[k] - steps0[k] for k in steps1}
+        d = {k: steps1[k] - steps0[k] for k in steps1}
+        for key in ("server_ttft", "queue"):  # engine-side means over the requests that ended in the level
+            n, total = d.pop(f"{key}_count"), d.pop(f"{key}_sum")
+            d[f"{key}_ms_mean"] = 1e3 * total / n if n else None
+        out |= d
     if spec0 is not None and spec1 is not None:
         d = {k: spec1[k] - spec0[k] for k in spec1}
         drafts, tokens, kept = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
@@ -235,10 +239,17 @@ async def prefix_counters(client, url: str) -> dict[str, float] | None:
 
 
 async def step_counters(client, url: str) -> dict[str, float] | None:
-    """moetier's engine step counters (server/metrics.py STEP_COUNTERS); None from another server."""
+    """moetier's engine step counters (server/metrics.py STEP_COUNTERS) and its own latency histograms'
+    sums (engine-side TTFT and queue time, from the request's arrival in the engine: beside the
+    client's TTFT they show the time spent before the engine); None from another server."""
     return await counters(client, url, {"moetier:engine_steps_total": "engine_steps",
                                         "moetier:engine_large_steps_total": "large_steps",
-                                        "moetier:engine_large_step_tokens_total": "large_step_tokens"}, {})
+                                        "moetier:engine_large_step_tokens_total": "large_step_tokens",
+                                        "moetier:engine_step_seconds_total": "step_seconds",
+                                        "moetier:engine_large_step_seconds_total": "large_step_seconds",
+                                        **{f"moetier:{m}_seconds_{x}": f"{key}_{x}" for m, key in
+                                           (("time_to_first_token", "server_ttft"), ("request_queue_time", "queue"))
+                                           for x in ("sum", "count")}}, {})
 
 
 async def spec_counters(client, url: str) -> dict[str, float] | None:

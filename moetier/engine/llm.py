@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -254,6 +255,7 @@ class LLM:
         # large steps: above decode_tokens, the large-step expert path (with slots each streams every
         # missing expert of a layer once, however few its tokens; docs/prefix-cache.md)
         self._ids, self.steps, self.large_steps, self.large_step_tokens = itertools.count(), 0, 0, 0
+        self.step_seconds = self.large_step_seconds = 0.0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
@@ -295,6 +297,7 @@ class LLM:
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, sample, detokenize: one step. Returns an output per request that changed."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         step = plan.step()
         result = self.runner.execute(step)
@@ -302,9 +305,12 @@ class LLM:
             self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
-        self.steps += 1
+        # wall time to the sampled tokens on the host (update() reads them: the step's one sync)
+        seconds = time.perf_counter() - t0
+        self.steps, self.step_seconds = self.steps + 1, self.step_seconds + seconds
         if step.num_tokens > self.config.decode_tokens:
             self.large_steps, self.large_step_tokens = self.large_steps + 1, self.large_step_tokens + step.num_tokens
+            self.large_step_seconds += seconds
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
@@ -376,7 +382,8 @@ class LLM:
             "kv_pages_total": s.pages.num_pages,
             "kv_usage": s.cache.num_in_use / s.pages.num_pages,
             **s.cache.metrics_dict(self.kv_page_bytes),
-            **{k: getattr(self, k) for k in ("steps", "large_steps", "large_step_tokens")},
+            **{k: getattr(self, k) for k in ("steps", "large_steps", "large_step_tokens", "step_seconds",
+                                             "large_step_seconds")},
             "expert_hit_rate": stats["hits"] / looked if looked else None,
             "expert_stats": stats,
             "expert_stats_per_rank": per_rank,

@@ -27,6 +27,9 @@ STEP_COUNTERS = (
     ("engine_large_steps", "large_steps", "Engine steps of more than decode_tokens tokens (the large-step expert "
      "path: with slots, each streams every missing expert of a layer once)."),
     ("engine_large_step_tokens", "large_step_tokens", "Tokens of the engine's large steps."),
+    ("engine_step_seconds", "step_seconds", "Seconds in engine steps, from scheduling to the sampled tokens on "
+     "the host."),
+    ("engine_large_step_seconds", "large_step_seconds", "Seconds in the engine's large steps."),
 )
 PREFIX_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens of the admitted prompts."),
