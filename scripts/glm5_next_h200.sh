@@ -4,7 +4,9 @@
 # bf16 weights, routing replayed from a glm-5.3-like trace. Run from the repository root with the
 # device wheels in .whl/ (fla-core 0.6.0 and einops: glm5_next's KDA on CUDA); records under $OUT,
 # a table last. The device returns few files: run as
-#   d=$OUT; OUT=/tmp/g29 bash scripts/glm5_next_h200.sh; tar czf $d/g29.tgz -C /tmp/g29 --exclude '*.mtrace' .
+#   d=$OUT; OUT=/tmp/g29 bash scripts/glm5_next_h200.sh [STAGE ...]; tar czf $d/g29.tgz -C /tmp/g29 --exclude '*.mtrace' .
+# STAGE: any of decode profile prefill profile-prefill (default all; the trace always runs, the table last).
+# A cold machine's decode took 306 s (Triton compiling), a warm one 241 s: alone in a call, or with prefill.
 #
 # Stages (records in $OUT):
 #   trace    trace synth --preset glm-5.3-like --experts 288 --layers 5               -> glm53-5.mtrace
@@ -14,6 +16,9 @@
 #            mHC, routed experts, LM head, the rest), each part's bytes and time at HBM speed
 #                                                                                      -> profile-b*.json
 #   prefill  bench prefill --layers 8 resident, 512 and 8,192 tokens, batch 1            -> prefill.json
+#   profile-prefill  scripts/profile_prefill.py, resident, 512 and 8,192 tokens (chunks of 2,048): the
+#            prefill's GPU time by part (attention, indexer, MoE, MLP, mHC) and its kernels
+#                                                                                      -> prefill-profile-*.json
 #   table    the issue's targets: resident batch 1 at least 60% of its HBM roofline; KDA decode per
 #            layer within 1.5x of its bytes at HBM speed; prefill of 8,192 tokens at least 50,000 tok/s
 set -uo pipefail
@@ -24,15 +29,23 @@ M=(--preset glm-5.3-flash --layers 8)
 trace=$out/glm53-5.mtrace
 
 python3 -c "import fla" 2>/dev/null || echo "error: fla-core is missing: glm5_next cannot run on CUDA (carry it and einops in .whl/)"
+STAGES=" ${*:-decode profile prefill profile-prefill} "
+on() { case "$STAGES" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage trace 30 "${mt[@]}" trace synth --preset glm-5.3-like --experts 288 --layers 5 --tokens 8192 --out "$trace"
-stage decode 300 "${mt[@]}" bench decode "${M[@]}" --trace "$trace" --backends resident,slots --expert-budget 50% \
+on decode && stage decode 400 "${mt[@]}" bench decode "${M[@]}" --trace "$trace" --backends resident,slots --expert-budget 50% \
   --expert-budget 25% --batch 1 --batch 8 --batch 32 --tokens 32 --warmup 8 --repeats 3 --out "$out/decode.json"
 for b in 1 8; do
+  on profile || break
   stage profile-b$b 60 python3 scripts/profile_glm5_next.py --layers 8 --batch "$b" --trace "$trace" \
     --out "$out/profile-b$b.json"
 done
-stage prefill 100 "${mt[@]}" bench prefill "${M[@]}" --trace "$trace" --backends resident --prompt-len 512 \
+on prefill && stage prefill 100 "${mt[@]}" bench prefill "${M[@]}" --trace "$trace" --backends resident --prompt-len 512 \
   --prompt-len 8192 --batch 1 --out "$out/prefill.json"
+for n in 512 8192; do
+  on profile-prefill || break
+  stage prefill-profile-$n 90 python3 scripts/profile_prefill.py --preset glm-5.3-flash --layers 8 --prompt-len $n \
+    --trace "$trace" --out "$out/prefill-profile-$n.json"
+done
 
 python3 - "$out" <<'EOF' | tee "$out/table.txt"
 import json, sys
@@ -83,6 +96,11 @@ if f:
         targets["prefill_8192_at_least_50000_tok_s"] = big[0]["tok_s"] >= 50000
 else:
     print("prefill: no record (prefill.log)")
+for n in (512, 8192):
+    p = load(f"prefill-profile-{n}.json")
+    if p:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["parts_ms"].items(), key=lambda x: -x[1]))
+        print(f"prefill profile {n} tokens: {p['ms']:.1f} ms; GPU ms by part: {parts}")
 print("targets:", targets)
 (out / "summary.json").write_text(json.dumps({"targets": targets}, indent=1))
 EOF

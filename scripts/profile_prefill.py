@@ -1,48 +1,159 @@
-"""Where the time of one prefill step goes: the Qwen3-30B shape cut to a few layers, resident experts,
-replayed routing, one prompt of N tokens through the engine's step under torch.profiler (CPU and CUDA).
-Prints the wall time of the step, the ops by CPU time and by CUDA time.
+"""Where the time of a prefill goes: a preset cut to a few layers, random weights, resident experts
+(or slots), replayed routing, one prompt of N tokens through the engine's steps under torch.profiler.
 
-    python scripts/profile_prefill.py [layers] [prompt_len]
+Each model part is a profiler range (forward hooks on the part's modules), so the kernels it launches
+are summed under its name:
+
+    attention     GQA / MLA attention (the DSA or kpool indexer inside it), KDA linear attention
+    indexer       the DSA / kpool indexer alone (also inside attention)
+    MoE           router, routed experts, shared experts (MoEBlock)
+    MLP           SwiGLU MLPs: the dense layers' and the shared experts (also inside MoE)
+    mHC           the hyper-connections' weights and expands (glm5_next)
+
+Prints the wall time of the prefill (all its chunks), each part's GPU (or, on the CPU, wall) time,
+the kernels by GPU time with their launches, and writes it all as JSON (--out).
+
+    python scripts/profile_prefill.py [--preset qwen3-30b-a3b] [--layers 8] [--prompt-len 512]
+        [--chunk 2048] [--backend resident|slots] [--budget 0.5] [--trace FILE] [--out FILE]
+
+Without --trace: data/traces/qwen3-30b-like.mtrace for qwen3-30b-a3b, else a synthetic trace for the
+preset's experts (the glm-5.3-like parameters, as scripts/profile_glm5_next.py makes).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_glm5_next import synthetic_trace  # noqa: E402
 
-def main(layers: int = 8, n: int = 512) -> None:
-    cfg = preset("qwen3-30b-a3b", layers, "bfloat16")
-    bed = random_bed(cfg)
-    use_backend(bed, "resident")
-    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace",
-                                                                max_num_tokens=2048, cuda_graphs=False,
-                                                                kv_tokens=4096))
-    prompt = torch.randint(0, 400, (n,)).tolist()
+# module class name -> part (nested parts count in both)
+PARTS = {"KdaAttention": "attention", "MlaAttention": "attention", "GqaAttention": "attention",
+         "KpoolIndexer": "indexer", "DsaIndexer": "indexer", "MoEBlock": "MoE", "SwigluMLP": "MLP"}
 
-    def once() -> float:
+
+def ranged(fn, part: str):
+    def call(*args, **kwargs):
+        with record_function(f"part: {part}"):
+            return fn(*args, **kwargs)
+    return call
+
+
+def annotate(model: torch.nn.Module) -> list:
+    """A profiler range around every module whose class is in PARTS, and around mHC's weights and
+    expand (methods and a function, not modules' forwards) -> undo callables."""
+    undo = []
+    glm5_next = sys.modules.get("moetier.models.glm5_next")
+    if glm5_next is not None and hasattr(glm5_next, "expand"):
+        inner = glm5_next.expand
+        glm5_next.expand = ranged(inner, "mHC")
+        undo.append(lambda: setattr(glm5_next, "expand", inner))
+    for mod in model.modules():
+        if type(mod).__name__ == "HyperConnection":
+            mod.weights = ranged(mod.weights, "mHC")
+            undo.append(lambda mod=mod: delattr(mod, "weights"))
+        part = PARTS.get(type(mod).__name__)
+        if part is None:
+            continue
+        ranges: list = []
+
+        def enter(m, args, part=part, ranges=ranges):
+            r = record_function(f"part: {part}")
+            r.__enter__()
+            ranges.append(r)
+
+        def leave(m, args, out, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        undo += [mod.register_forward_pre_hook(enter).remove, mod.register_forward_hook(leave).remove]
+    return undo
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens a prefill step takes (max_num_tokens)")
+    ap.add_argument("--backend", default="resident", choices=("resident", "slots"))
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--trace", type=Path)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    cfg = preset(a.preset, a.layers, "bfloat16" if cuda else "float32")
+    trace = a.trace or (Path("data/traces/qwen3-30b-like.mtrace") if a.preset == "qwen3-30b-a3b"
+                        else synthetic_trace(cfg, Path(tempfile.mkdtemp()) / "routing.mtrace"))
+    bed = random_bed(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    use_backend(bed, a.backend, a.budget if a.backend == "slots" else 1.0)
+    llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(
+        replay_trace=trace, max_num_tokens=a.chunk, cuda_graphs=False, kv_tokens=a.prompt_len + 64))
+    prompt = torch.randint(0, 400, (a.prompt_len,)).tolist()
+
+    def once() -> float:  # ms: the prompt's prefill steps and the step sampling its first token
         llm.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         while llm.has_unfinished():
             llm.step()
+        if cuda:
+            torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
-    print("warm-up steps (ms):", [round(once(), 2) for _ in range(3)])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    warm = [round(once(), 2) for _ in range(3)]
+    undo = annotate(bed.model)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
         ms = once()
-    print(f"{layers} layers, one prompt of {n} tokens: {ms:.2f} ms wall")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    for u in undo:
+        u()
+    timed = sorted(once() for _ in range(3))  # without the profiler and its ranges
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    parts: dict[str, float] = {}  # ms: the kernels launched inside each part's ranges (CPU: the ranges' wall)
+    kernels_by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.name.startswith("part: ") and e.device_type == cpu:
+            part = e.name.removeprefix("part: ")
+            parts[part] = parts.get(part, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+        elif e.device_type == gpu and not e.name.startswith("part: "):  # kernels and copies, not the ranges
+            k = kernels_by_name.setdefault(e.name, [e.name, 0, 0.0])
+            k[1], k[2] = k[1] + 1, k[2] + e.device_time
+    kernels = sorted(kernels_by_name.values(), key=lambda k: -k[2])  # [name, launches, us]
+    mode = "CUDA, eager steps" if cuda else "eager on the CPU (a dry run: not a measurement of the GPU)"
+    print(f"{a.preset} cut to {a.layers} layers, {a.backend}, one prompt of {a.prompt_len} tokens in chunks of "
+          f"{a.chunk}, {mode}: {timed[1]:.2f} ms (median of 3 after warm-up {warm}; {ms:.2f} ms profiled)")
+    for p, t in sorted(parts.items(), key=lambda x: -x[1]):
+        print(f"  {p:<10} {t:9.3f} ms {'GPU' if cuda else 'wall'}")
+    if cuda:
+        total = sum(k[2] for k in kernels) / 1e3
+        print(f"kernels: {sum(k[1] for k in kernels)} launches, {total:.3f} ms of GPU time")
+        for name, n, us in kernels[:30]:
+            print(f"  {us / 1e3:8.3f} ms {n:5d}x  {name[:100]}")
+    else:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({
+            "command": " ".join(["python", "scripts/profile_prefill.py", *argv]), "mode": mode,
+            "preset": a.preset, "layers": a.layers, "prompt_len": a.prompt_len, "chunk": a.chunk,
+            "backend": a.backend, "budget": a.budget if a.backend == "slots" else None, "trace": str(trace),
+            "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms, "parts_ms": parts,
+            "kernels": kernels}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main(sys.argv[1:])
