@@ -1,15 +1,20 @@
 """Kimi Delta Attention (KDA), GLM-5.3-Flash's linear-attention layer, over the per-sequence state
 pool (layers/state_cache.py) instead of KV pages.
 
-    x [N, H] -> [q | k | v] = x W_qkv^T                                [N, 3D]   (D = heads * head_dim)
-             -> causal depthwise conv (width W, float32 weights, its state: the last W - 1 inputs), silu
-             -> q, k, v [N, heads, head_dim]
+    x [N, H] -> [q | k | v | f_a(x) | g_a(x) | b_proj(x)] = x W_in^T   [N, 3D + 2d + heads]
+                (D = heads * head_dim = heads * d; every projection of x in one GEMM)
+    [q | k | v] -> causal depthwise conv (width W, float32 weights, its state: the last W - 1 inputs),
+             silu -> q, k, v [N, heads, d]
+    [f_b(f_a(x)), g_b(g_a(x))] = one batched GEMM over the stacked up-projections [2, D, d]
     forget gate g = f_b(f_a(x)) + dt_bias (float32), per head and channel:
              lower_bound * sigmoid(exp(A_log) g)   (a lower bound given: g in (lower_bound, 0))
              -exp(A_log) softplus(g)               (none)
     beta = sigmoid(b_proj(x))                                          [N, heads]
     o = the delta-rule recurrence (layers/kda_reference.py) from the sequence's carried state
     out = o_proj(rms_norm(o) * o_norm * sigmoid(g_b(g_a(x))))         (the gated norm per head, float32)
+
+The fused projections replace seven GEMMs a layer by three (in, up, o_proj): at one token each
+small GEMM was a launch (and a split-K reduce) for well under a megabyte (docs/models.md).
 
 A step's sequences each read and write their state slot (batch.state_slots; a step starting at
 position 0 starts from zeros). Decode steps (one token per sequence) run one batched recurrent step
@@ -69,34 +74,41 @@ class KdaAttention(nn.Module):
         self.layer, self.heads, self.d, self.eps, self.lower_bound = layer, heads, head_dim, norm_eps, lower_bound
         inner = heads * head_dim
         self.inner = inner
-        self.qkv = param(3 * inner, hidden, dtype=dtype, device=device)  # [q; k; v]
+        # rows [q; k; v; f_a; g_a; b_proj]: every projection of x (the checkpoint's tensors are row blocks)
+        self.in_proj = param(3 * inner + 2 * head_dim + heads, hidden, dtype=dtype, device=device)
+        self.up_proj = param(2, inner, head_dim, dtype=dtype, device=device)  # [f_b, g_b]
         self.conv = param(3 * inner, 1, conv_width, dtype=torch.float32, device=device)  # [q; k; v] channels
-        self.f_a = param(head_dim, hidden, dtype=dtype, device=device)
-        self.f_b = param(inner, head_dim, dtype=dtype, device=device)
         self.dt_bias = param(inner, dtype=torch.float32, device=device)
         self.A_log = param(heads, dtype=torch.float32, device=device)
-        self.b_proj = param(heads, hidden, dtype=dtype, device=device)
-        self.g_a = param(head_dim, hidden, dtype=dtype, device=device)
-        self.g_b = param(inner, head_dim, dtype=dtype, device=device)
         self.o_norm = param(head_dim, dtype=dtype, device=device)
         self.o_proj = param(hidden, inner, dtype=dtype, device=device)
 
     def part(self, name: str) -> torch.Tensor | None:
         """Where checkpoint tensor self_attn.<name> goes (q/k/v projections and convs are row blocks)."""
-        i = self.inner
-        blocks = {"q": slice(0, i), "k": slice(i, 2 * i), "v": slice(2 * i, 3 * i)}
-        if name.endswith("_proj.weight") and name[0] in blocks and len(name) == len("q_proj.weight"):
-            return self.qkv[blocks[name[0]]]
-        if name.endswith("_conv1d.weight") and name[0] in blocks:
-            return self.conv[blocks[name[0]]]
-        return {"f_a_proj.weight": self.f_a, "f_b_proj.weight": self.f_b, "dt_bias": self.dt_bias,
-                "A_log": self.A_log, "b_proj.weight": self.b_proj, "g_a_proj.weight": self.g_a,
-                "g_b_proj.weight": self.g_b, "o_norm.weight": self.o_norm, "o_proj.weight": self.o_proj}.get(name)
+        i, d = self.inner, self.d
+        rows = {"q_proj": (0, i), "k_proj": (i, 2 * i), "v_proj": (2 * i, 3 * i), "f_a_proj": (3 * i, 3 * i + d),
+                "g_a_proj": (3 * i + d, 3 * i + 2 * d), "b_proj": (3 * i + 2 * d, 3 * i + 2 * d + self.heads)}
+        stem = name.removesuffix(".weight")
+        if name.endswith(".weight") and stem in rows:
+            a, b = rows[stem]
+            return self.in_proj[a:b]
+        if name.endswith("_conv1d.weight") and name[0] in "qkv":
+            a = "qkv".index(name[0]) * i
+            return self.conv[a:a + i]
+        return {"f_b_proj.weight": self.up_proj[0], "g_b_proj.weight": self.up_proj[1], "dt_bias": self.dt_bias,
+                "A_log": self.A_log, "o_norm.weight": self.o_norm, "o_proj.weight": self.o_proj}.get(name)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, H] -> g [N, heads, head_dim] float32, the log of each channel's decay (<= 0)
-        low = F.linear(F.linear(x, self.f_a), self.f_b)
-        if x.is_cuda:
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (qkv [N, 3D] (strided rows), f_b(f_a(x)) [N, D], g_b(g_a(x)) [N, D], b_proj(x) [N, heads])."""
+        n, i, d = x.shape[0], self.inner, self.d
+        proj = F.linear(x, self.in_proj)
+        low = proj[:, 3 * i: 3 * i + 2 * d].reshape(n, 2, d).transpose(0, 1)  # [2, N, d]: f_a(x), g_a(x)
+        up = torch.bmm(low, self.up_proj.transpose(1, 2))  # [2, N, D]
+        return proj[:, : 3 * i], up[0], up[1], proj[:, 3 * i + 2 * d:]
+
+    def forget_gate(self, low: torch.Tensor) -> torch.Tensor:
+        # low [N, D] (f_b(f_a(x))) -> g [N, heads, head_dim] float32, the log of each channel's decay (<= 0)
+        if low.is_cuda:
             from moetier.layers import fused  # one launch for everything after the projections
 
             return fused.kda_forget_gate(low, self.dt_bias, self.A_log, self.lower_bound)
@@ -105,9 +117,9 @@ class KdaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: AttnBatch, state: KdaStateCache) -> torch.Tensor:
         """x: [N, H] -> [N, H]; reads and writes the sequences' state slots of this layer."""
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(F.linear(x, self.b_proj))
+        qkv, low, gate, b = self.projections(x)
+        g = self.forget_gate(low)
+        beta = torch.sigmoid(b)
         row = state.state_slot[self.layer]
         conv, rec = state.conv[row], state.recurrent[row]
         slots = batch.state_slots if batch.state_slots is not None else torch.arange(
@@ -116,7 +128,7 @@ class KdaAttention(nn.Module):
             o = self._decode(qkv, g, beta, conv, rec, slots.long(), batch)
         else:
             o = self._prefill(qkv, g, beta, conv, rec, batch)
-        gate = F.linear(F.linear(x, self.g_a), self.g_b).view(n, self.heads, self.d)
+        gate = gate.view(n, self.heads, self.d)
         if o.is_cuda:
             from moetier.layers import fused  # one launch for the gated norm
 
