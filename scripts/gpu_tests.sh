@@ -6,14 +6,14 @@
 #
 # --part: every other GPU test file (sorted), so the suite splits over two calls of the device's
 #   10-minute limit; without it, every file. --workers N: pytest-xdist processes sharing the one
-#   GPU, whole files per process (default 4; 1: in order), beside one process for the slowest files;
+#   GPU, whole files per process (default 6; 1: in order), beside one process for each slow group;
 #   -v names each test as it ends, so a run cut short by the time limit still says which failed. --log: default
 #   $OUT/h200-gpu-tests.log when $OUT is set, else gpu-tests.log. The wheels the GPU image lacks
 #   (fastapi, uvicorn, pydantic, openai: ../shared/tools/device-wheels.sh puts them in .whl/, carried
 #   with the call) are installed into /tmp/site first, so that every test file collects.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="" workers=4 log="${OUT:+$OUT/h200-gpu-tests.log}"
+part="" workers=6 log="${OUT:+$OUT/h200-gpu-tests.log}"
 log=${log:-gpu-tests.log}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,10 +34,19 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, 
 # the slowest files (durations of the last H200 runs: fla's compile and autotune in the first KDA
 # prefill of a process, the 4-bit engine rows) run in pytest processes of their own, one per group,
 # started beside the rest: xdist hands whole files out in its own order, so named first they still
-# started late and the suite ran past the call limit. A group's files run in order in one process.
-SLOW_GROUPS=("tests/test_kda_gpu.py" "tests/test_quant4_gpu.py" "tests/test_swiglu_clamp.py tests/test_glm5_next_gpu.py")
+# started late and the suite ran past the call limit. A group is pytest's arguments (files and a -k
+# selection); its files leave the xdist run. At c471bf3 (4 workers, three groups: kda, quant4, and
+# swiglu_clamp with glm5_next) the groups took 315, 354 and 272 s beside the xdist run's 310 s, each
+# led by one or two tests of 120-165 s: split so that those run side by side.
+SLOW_GROUPS=("tests/test_kda_gpu.py -k 'prefill_varlen and dtype0'"
+             "tests/test_kda_gpu.py -k 'not (prefill_varlen and dtype0)'"
+             "tests/test_quant4_gpu.py -k glm5-next" "tests/test_quant4_gpu.py -k 'not glm5-next'"
+             "tests/test_glm5_next_gpu.py" "tests/test_swiglu_clamp.py")
 SLOW=()
-for g in "${SLOW_GROUPS[@]}"; do SLOW+=($g); done
+for g in "${SLOW_GROUPS[@]}"; do
+  eval "args=($g)"
+  for a in "${args[@]}"; do case "$a" in tests/*.py) SLOW+=("$a") ;; esac; done
+done
 files=(tests/)
 if [ -n "$part" ]; then  # the files that hold gpu tests; every file is still collected below
   n=${part%/2}
@@ -61,8 +70,8 @@ slow_rc=0 slow_pids=()
 if [ ${#SLOW[@]} -gt 0 ]; then
   # each group's log beside the main one (a run cut by the call limit keeps them), appended at the end
   for i in "${!SLOW_GROUPS[@]}"; do
-    # shellcheck disable=SC2086  # a group is a space-separated list of files
-    python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 ${SLOW_GROUPS[$i]} > "$log.slow$i" 2>&1 &
+    eval "args=(${SLOW_GROUPS[$i]})"
+    python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=10 "${args[@]}" > "$log.slow$i" 2>&1 &
     slow_pids+=($!)
   done
   ignore=()
