@@ -22,10 +22,10 @@ class GemmConfig:
     gate_up: tuple[int, int, int] = (64, 128, 4)
     down: tuple[int, int, int] = (64, 128, 4)
     # Large steps (prefill, grouped_expert_mlp_large): pairs of one row per chunk, and the blocks of
-    # the two kernels for them.
+    # the two kernels for them; a fourth entry, where given, is num_stages (else Triton's default).
     large_block_m: int = 64
-    large_gate_up: tuple[int, int, int] = (128, 64, 4)
-    large_down: tuple[int, int, int] = (128, 64, 4)
+    large_gate_up: tuple[int, ...] = (128, 64, 4)
+    large_down: tuple[int, ...] = (128, 64, 4)
     # FP8 rows at decode: half the bytes per tile, so other blocks win. BLOCK_K must divide 128 here:
     # wider K tiles gather a scale per element.
     fp8_gate_up: tuple[int, int, int] = (32, 128, 4)

@@ -362,16 +362,16 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
     dot, precision, emulate = _dot_type(x.dtype if quant is not None else dev_rows.dtype)
-    bn, bk, nw = gate_up
+    bn, bk, nw, *stages = gate_up  # a fourth entry: num_stages (GemmConfig), else Triton's default
     _gate_up[(programs, triton.cdiv(inter, bn))](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
         row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw, **q,
-        **limit_args(limit))
-    bn, bk, nw = down
+        **limit_args(limit), **({"num_stages": stages[0]} if stages else {}))
+    bn, bk, nw, *stages = down
     _down[(programs, triton.cdiv(hidden, bn))](
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
         RowLayout(hidden, inter, quant).w13_numel, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
-        num_warps=nw, **q)
+        num_warps=nw, **q, **({"num_stages": stages[0]} if stages else {}))
     if combine:
         combine_pairs(y, topk_weights, topk_ids, out)
 
