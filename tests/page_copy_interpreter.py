@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from moetier.engine.kv_moves import KVMoves  # noqa: E402
 from moetier.engine.step import StepInput  # noqa: E402
-from moetier.layers.page_copy_triton import as_words, copy_pages, word_dtype  # noqa: E402
+from moetier.layers.page_copy_triton import copy_pages, word_dtype, word_rows  # noqa: E402
 
 
 class Pages:
@@ -35,14 +35,10 @@ def kernel_copy(moves: KVMoves, step: StepInput) -> None:
     """What KVMoves._copy_cuda launches, on CPU tensors: per row one kernel up, one down."""
     up = torch.tensor(step.copies_to_host, dtype=torch.int32).reshape(-1, 2).t().contiguous()
     down = torch.tensor(step.copies_to_gpu, dtype=torch.int32).reshape(-1, 2).t().contiguous()
-    for rows in moves.rows.values():
-        for t, r in rows:
-            d, h = moves.device_tensors[t], moves.host[t]
-            dtype = word_dtype(d[0, 0].numel() * d.element_size())
-            dw, hw = as_words(d, dtype), as_words(h, dtype)
-            words = dw.shape[1] // d.shape[1]
-            copy_pages(dw[r], hw[r], up[0], up[1], words)
-            copy_pages(hw[r], dw[r], down[0], down[1], words)
+    for rows in word_rows(moves.device_tensors, moves.host, moves.rows).values():
+        for d, h, words in rows:
+            copy_pages(d, h, up[0], up[1], words)
+            copy_pages(h, d, down[0], down[1], words)
 
 
 def case(shapes: list[tuple[tuple[int, ...], torch.dtype]], pages: int, slots: int, seed: int) -> str:

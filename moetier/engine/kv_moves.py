@@ -10,8 +10,9 @@ kv_host_tier.py) only plans. Two kinds of moves, both inside one step and none w
   (layers/page_copy_triton.py: the pages a churned pool and tier hand out are scattered, and a copy per
   run of consecutive pages was tens of thousands of small copies per admission), on a side stream that
   first waits for the work already queued (the pages were written by earlier steps). On the CPU the
-  copies go along runs of consecutive pages (runs()): the kernel's oracle. In an eager step the compute stream waits, before each
-  model layer (a forward pre-hook on model.layers[l]), for that layer's copies only: layer l+1's
+  copies go along runs of consecutive pages (runs()): the kernel's oracle. In an eager step the
+  compute stream waits, before each model layer (a forward pre-hook on model.layers[l]), for that
+  layer's copies only: layer l+1's
   copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
   waits for the whole plan first. After the forward the compute stream joins the copy stream, so no
   copy is still reading a page the next step writes. Plans come with admissions only, so decode
@@ -64,7 +65,7 @@ class KVMoves:
         self._events: dict[int, torch.cuda.Event] = {}
         self._waiting: set[int] = set()  # layers whose copies the compute stream has yet to wait for
         self._hooked = False
-        self._rows_as_words: list[tuple[int, torch.Tensor, object, int]] = []  # CUDA: see _copy_cuda
+        self._word_rows: dict[int, list[tuple]] = {}  # CUDA: per layer (device row, host pointer, words)
         if host_slots:
             dev = self.device_tensors[0].device
             sizes = [host_slots * t[:, 0].numel() * t.element_size() for t in self.device_tensors]
@@ -79,23 +80,12 @@ class KVMoves:
                 shape = (t.shape[0], host_slots, *t.shape[2:])
                 self.host.append(base[at:at + n].view(t.dtype).view(shape))
                 at += n
-            if dev.type == "cuda":
-                self._rows_as_words = self._word_rows()
+            if dev.type == "cuda":  # the kernel reads and writes the host rows by their device address
+                from moetier.experts.cache.store import DevicePointer
+                from moetier.layers.page_copy_triton import word_rows
 
-    def _word_rows(self) -> list[tuple[int, torch.Tensor, object, int]]:
-        """(layer, device row, host row, words per page) per page tensor row, in layer order: the rows
-        as words for the page-copy kernel, the host side as a device pointer (registered memory)."""
-        from moetier.experts.cache.store import DevicePointer
-        from moetier.layers.page_copy_triton import as_words, word_dtype
-
-        out = []
-        for layer, rows in self.rows.items():
-            for t, r in rows:
-                d, h = self.device_tensors[t], self.host[t]
-                dtype = word_dtype(d[0, 0].numel() * d.element_size())
-                dw, hw = as_words(d, dtype), as_words(h, dtype)
-                out.append((layer, dw[r], DevicePointer(hw[r]), dw.shape[1] // d.shape[1]))
-        return out
+                self._word_rows = {layer: [(d, DevicePointer(h), w) for d, h, w in rows] for layer, rows in
+                                   word_rows(self.device_tensors, self.host, self.rows).items()}
 
     def attach(self, model: torch.nn.Module) -> None:
         """Per-layer waits: a forward pre-hook on each model.layers[l] that holds pages (CUDA host tier
@@ -186,17 +176,14 @@ class KVMoves:
 
         up = indices(step.copies_to_host) if step.copies_to_host else None  # device page -> host slot
         down = indices(step.copies_to_gpu) if step.copies_to_gpu else None  # host slot -> device page
-        last = None
-        for layer, d, h, words in self._rows_as_words:
-            if record and last is not None and layer != last:
-                self._events[last].record(self.stream)
-            if up is not None:
-                copy_pages(d, h, up[0], up[1], words)
-            if down is not None:
-                copy_pages(h, d, down[0], down[1], words)
-            last = layer
-        if record and last is not None:
-            self._events[last].record(self.stream)
+        for layer, rows in self._word_rows.items():
+            for d, h, words in rows:
+                if up is not None:
+                    copy_pages(d, h, up[0], up[1], words)
+                if down is not None:
+                    copy_pages(h, d, down[0], down[1], words)
+            if record:
+                self._events[layer].record(self.stream)
 
     def _slot(self, checkpoint: int) -> int:
         if self.checkpoint_base < 0:

@@ -50,6 +50,21 @@ def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8).reshape(t.shape[0], -1).view(dtype)
 
 
+def word_rows(device: list[torch.Tensor], host: list[torch.Tensor], layer_rows: dict[int, list[tuple[int, int]]]
+              ) -> dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    """Per model layer, its page tensor rows as copy_pages takes them: (device row, host row, words per
+    page), the rows as words of the widest type that divides a page. device, host: the pool's page
+    tensors [rows, pages, ...] and the tier's [rows, capacity, ...]; layer_rows: KVCache.layer_rows()."""
+    out: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+    for layer, rows in layer_rows.items():
+        for t, r in rows:
+            d, h = device[t], host[t]
+            dtype = word_dtype(d[0, 0].numel() * d.element_size())
+            dw = as_words(d, dtype)
+            out.setdefault(layer, []).append((dw[r], as_words(h, dtype)[r], dw.shape[1] // d.shape[1]))
+    return out
+
+
 def copy_pages(src, dst, src_idx: torch.Tensor, dst_idx: torch.Tensor, words: int) -> None:
     """dst page dst_idx[i] <- src page src_idx[i] for every i (int32 index tensors on the device).
 
