@@ -93,8 +93,20 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--trace", type=Path)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    for name, value in (("--layers", a.layers), ("--prompt-len", a.prompt_len), ("--chunk", a.chunk)):
+        if value < 1:
+            ap.error(f"{name} {value}: must be at least 1")
+    if not 0 < a.budget <= 1:  # also refuses nan
+        ap.error(f"--budget {a.budget}: a fraction of the expert bytes, above 0 and at most 1")
+    if a.trace is not None and not a.trace.is_file():
+        ap.error(f"--trace {a.trace}: no such trace file")
+    if a.out is not None and not a.out.parent.is_dir():
+        ap.error(f"--out {a.out}: not a file path in an existing directory")
     cuda = torch.cuda.is_available()
-    cfg = preset(a.preset, a.layers, "bfloat16" if cuda else "float32")
+    try:
+        cfg = preset(a.preset, a.layers, "bfloat16" if cuda else "float32")
+    except Exception as exc:  # an unknown preset or a layer count it cannot take: its own message
+        ap.error(f"--preset {a.preset} --layers {a.layers}: {exc}")
     trace = a.trace or (Path("data/traces/qwen3-30b-like.mtrace") if a.preset == "qwen3-30b-a3b"
                         else synthetic_trace(cfg, Path(tempfile.mkdtemp()) / "routing.mtrace"))
     bed = random_bed(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)

@@ -23,7 +23,7 @@ from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
 from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 from moetier.traces.format import read_trace
-from moetier.traces.synth import SynthParams, synthesize
+from moetier.traces.synth import preset_params, synthesize
 
 # (large_block_m, BLOCK_N, BLOCK_K, warps, stages) for both kernels; stages None: Triton's default
 SWEEP = [(64, 64, 64, 4, None), (64, 128, 64, 4, None), (64, 64, 128, 4, None), (64, 128, 64, 8, None),
@@ -35,8 +35,7 @@ SWEEP = [(64, 64, 64, 4, None), (64, 128, 64, 4, None), (64, 64, 128, 4, None), 
 def routing(preset: str, experts: int, top_k: int, tokens: int):
     if preset == "qwen3-30b-a3b":
         return read_trace(Path(__file__).parents[1] / "data" / "traces" / "qwen3-30b-like.mtrace").ids[:tokens, 0]
-    p = SynthParams(experts=experts, top_k=top_k, layers=1, tokens=tokens, skew=0.6, reuse=0.368, window=2, seed=0)
-    return synthesize(p)[:, 0]
+    return synthesize(preset_params("glm-5.3-like", experts=experts, top_k=top_k, layers=1, tokens=tokens))[:, 0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,8 +44,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="512,2048", help="comma list of step sizes")
     a = ap.parse_args(argv)
-    out, sizes = a.out, [int(t) for t in a.tokens.split(",")]
-    s = moe_shape(a.preset)
+    try:
+        sizes = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens {a.tokens!r}: give a comma list of whole token counts, e.g. 512,2048")
+    if any(t < 1 for t in sizes):
+        ap.error(f"--tokens {a.tokens}: every step size must be at least 1 token")
+    if a.out and not Path(a.out).parent.is_dir():
+        ap.error(f"OUT {a.out}: not a file path in an existing directory")
+    try:
+        s = moe_shape(a.preset)
+    except Exception as exc:  # an unknown preset: the presets' own message
+        ap.error(f"--preset {a.preset}: {exc}")
+    out = a.out
     h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
     layout = RowLayout(h, i)
     rows = (torch.randn(e, layout.numel, device="cuda") * 0.02).to(torch.bfloat16)
