@@ -81,9 +81,7 @@ def test_page_copy_kernel_equals_the_runs_copy_on_cuda():
     down = list(zip(rng.sample([s for s in range(40) if s not in used], 9), evicted[:5] + kept[:4]))
     step = StepInput(seqs=[], copies_to_host=up, copies_to_gpu=down)
     want, got = moves
-    stream, want.stream = want.stream, None
-    want.before(step)  # the torch copy along runs
-    want.stream = stream
+    want._copy(step)  # the torch copy along runs (the CPU's path)
     got.before(step)  # the kernels on the copy stream, the compute stream joined after them
     torch.cuda.synchronize()
     for a, b in zip(want.device_tensors + want.host, got.device_tensors + got.host, strict=True):
