@@ -41,6 +41,7 @@ SHAPES = {"shared-prefix": dict(n=16, input_len=4160, output_len=32, shape=Prefi
 
 COMPILES: list[dict] = []  # every Triton compile: kernel, where (level, step), ms
 WHERE = {"at": "startup"}
+PROBE: dict = {}  # what the step now running carried (main's wrapper of runner.execute writes it)
 
 
 def log_compiles() -> None:
@@ -78,7 +79,7 @@ def run_level(llm: LLM, level: list[list[tuple[list[int], int]]], concurrency: i
         WHERE["at"] = f"{label} step {len(steps)}"
         t = time.perf_counter()
         outs = llm.step()
-        rec = dict(llm._probe, ms=(time.perf_counter() - t) * 1e3)
+        rec = dict(PROBE, ms=(time.perf_counter() - t) * 1e3)
         steps.append(rec)
         for o in outs:
             if o.finished:
@@ -126,8 +127,8 @@ def main() -> None:
     execute = llm.runner.execute
 
     def probed(step):  # what the step carried, read before it runs
-        llm._probe = dict(tokens=step.num_tokens, seqs=len(step.seqs), up=len(step.copies_to_host),
-                          down=len(step.copies_to_gpu))
+        PROBE.update(tokens=step.num_tokens, seqs=len(step.seqs), up=len(step.copies_to_host),
+                     down=len(step.copies_to_gpu))
         return execute(step)
 
     llm.runner.execute = probed
