@@ -35,6 +35,7 @@ from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
 from moetier.experts.prefetch import attach_prefetch
+from moetier.layers.gqa_attention import compile_attention
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
@@ -247,6 +248,7 @@ class LLM:
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
+        compile_attention(model, self.kv)
         self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner
