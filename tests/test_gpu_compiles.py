@@ -1,7 +1,7 @@
 """No Triton compile in the middle of serving, for the kernels whose specializations once followed the
 step's shape (docs/prefix-cache.md: a compile there stalled every running request for a second or
-so): the paged attention's (compiled for every chunk shape at startup, paged_attention_triton.
-compile_variants), the slot cache's bookkeeping, the decode plan, the large-step plan and the host
+so): the paged and the latent (MLA) attention's (compiled for every chunk shape at startup,
+layers/precompile.py), the slot cache's bookkeeping, the decode plan, the large-step plan and the host
 tier's page copy (their per-step ints are not specialized). Skipped without CUDA."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from moetier.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-WATCHED = ("_attn", "_combine", "_bookkeeping", "_bookkeeping_regs", "_plan", "_plan_sorted", "_copy_pages")
+WATCHED = ("_attn", "_mla", "_combine", "_bookkeeping", "_bookkeeping_regs", "_plan", "_plan_sorted", "_copy_pages")
 
 
 @pytest.fixture
@@ -57,6 +57,27 @@ def test_attention_variants_cover_every_chunk_shape(compiles):
         pages = -(-(new + done) // ps)
         batch = make_batch([(done, new, rng.sample(range(400), pages)) for _ in range(seqs)], ps, dev)
         paged_attention_triton(torch.randn(seqs * new, hq, d, dtype=torch.bfloat16, device=dev), cache, cache, batch)
+    torch.cuda.synchronize()
+    assert [n for n in compiles if n in WATCHED] == []
+
+
+@pytest.mark.parametrize("dsa", [False, True])
+def test_latent_attention_variants_cover_every_chunk_shape(compiles, dsa):
+    from moetier.layers.attention import make_batch
+    from moetier.layers.latent_attention_triton import compile_variants, latent_attention_triton
+
+    hq, r, p, ps, k, dev = 16, 512, 64, 16, 64, torch.device("cuda")
+    compile_variants(hq, r, p, ps, torch.bfloat16, dev, dsa)
+    compiles.clear()
+    rng = random.Random(1)
+    latent = torch.randn(300, ps, r + p, dtype=torch.bfloat16, device=dev)
+    for seqs, new, done in ((16, 16, 2000), (3, 45, 700), (1, 7, 33), (30, 1, 100), (5, 130, 300), (1, 1, 5)):
+        pages = -(-(new + done) // ps)
+        batch = make_batch([(done, new, rng.sample(range(300), pages)) for _ in range(seqs)], ps, dev)
+        rows = seqs * new
+        topk = torch.randint(0, max(1, done), (rows, k), dtype=torch.int32, device=dev) if dsa else None
+        latent_attention_triton(torch.randn(rows, hq, r + p, dtype=torch.bfloat16, device=dev), latent, batch,
+                                0.1, r, topk)
     torch.cuda.synchronize()
     assert [n for n in compiles if n in WATCHED] == []
 

@@ -35,7 +35,7 @@ from moetier.engine.step import RankQuery
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
 from moetier.experts.prefetch import attach_prefetch
-from moetier.layers.gqa_attention import compile_attention
+from moetier.layers.precompile import compile_attention
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer

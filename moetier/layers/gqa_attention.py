@@ -98,15 +98,3 @@ class GqaAttention(nn.Module):
         part = self.par.all_reduce(linear(out.reshape(t, self.hq * self.d), self.o), "tp")
         return part if self.o_bias is None else part + self.o_bias
 
-
-def compile_attention(model: torch.nn.Module, kv) -> int:
-    """On CUDA, the paged attention kernel's specializations for this model's GQA layers, compiled
-    before serving (paged_attention_triton.compile_variants). Returns the launches made (0: no GQA
-    layer, or not on CUDA)."""
-    attn = next((m for m in model.modules() if isinstance(m, GqaAttention)), None)
-    cache = getattr(kv, "k", None)
-    if attn is None or cache is None or not cache.is_cuda:
-        return 0
-    from moetier.layers.paged_attention_triton import compile_variants
-
-    return compile_variants(attn.hq, attn.hkv, attn.d, kv.page_size, cache.dtype, cache.device)

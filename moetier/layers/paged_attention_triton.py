@@ -52,8 +52,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 # Ints that change from step to step are not specialized (Triton would compile a kernel for each
 # value of "== 1" and "% 16 == 0" it meets, a second or so each, in the middle of serving): the query
-# blocks, the page table's width, the partials' strides (they scale with the step's tokens).
-@triton.jit(do_not_specialize=["num_q_blocks", "stride_os", "stride_ls", "stride_pt"])
+# blocks and the page table's width. The partials' strides follow the step's tokens too, but their
+# rows are padded to a multiple of 16 (below): always "% 16", and their stores stay aligned.
+@triton.jit(do_not_specialize=["num_q_blocks", "stride_pt"])
 def _attn(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
           qk_scale, num_q_blocks, stride_qn, stride_qh, stride_kp, stride_ks, stride_kh,
           stride_vp, stride_vs, stride_vh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
@@ -246,8 +247,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits == 1:
         o, lse, o_strides, lse_strides = out, out, (0, out.stride(0), out.stride(1)), (0, 0)
     else:  # partials [S, N, Hq, D] and their log-sum-exp [S, N, Hq], sized by host ints only
-        o = torch.empty((num_splits, n, hq, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_splits, n, hq), dtype=torch.float32, device=q.device)
+        # rows padded to a multiple of 16, so that the split strides are always "% 16" (one
+        # specialization, and the partials' stores keep their alignment)
+        o = torch.empty((num_splits, -(-n // 16) * 16, hq, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, -(-n // 16) * 16, hq), dtype=torch.float32, device=q.device)
         o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
     _attn[(num_seqs * num_q_blocks, hkv, num_splits)](
         q, k_cache, v_cache, o, lse, batch.query_start, batch.seq_lens, batch.page_table,
