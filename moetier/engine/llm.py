@@ -32,10 +32,10 @@ from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
+from moetier.engine.warmup import warm_up
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
 from moetier.experts.prefetch import attach_prefetch
-from moetier.layers.precompile import compile_attention
 from moetier.models.base import CausalLM
 from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
@@ -248,7 +248,7 @@ class LLM:
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
-        compile_attention(model, self.kv)
+        warm_up(model, self.kv, config, self.replayer, parallel=self._workers is not None)
         self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner

@@ -2,7 +2,7 @@
 
 Triton compiles a kernel for each constexpr value, and each "== 1", "% 16 == 0" and pointer alignment
 of its arguments, that a launch brings; the first launch of each on a machine costs 0.3-1.4 s on an
-H200 and stalls every running request (docs/prefix-cache.md, "Compiles in the middle of serving").
+H200 and stalls every running request (docs/prefix-cache.md, "Compiles before serving").
 The attention kernels' per-step ints are left unspecialized, which leaves a few variants that follow
 the step's shape (the longest chunk's tiles, split or not, the top-k walk, the combine's split
 padding); this compiles those at engine startup, once per distinct attention layout, by launches on
