@@ -82,9 +82,11 @@ def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, 
 
 # as paged_attention_triton._attn: no specialization on ints that change from step to step (each new
 # "== 1" or "% 16 == 0" of them was a compile in the middle of serving): the query blocks and the page
-# table's width. The partials' strides stay specialized: their rows are padded to a multiple of 16,
-# so they are always "% 16" (without that, the 64 x 32 tile's stores cost registers it lacks).
-@triton.jit(do_not_specialize=["num_q_blocks", "stride_pt"])
+# table's width, and the top-k rows' width (kpool's index_topk + kpool - 1 is rarely "% 16", so the
+# startup's launches could not meet its specialization). The partials' strides stay specialized:
+# their rows are padded to a multiple of 16, so they are always "% 16" (without that, the 64 x 32
+# tile's stores cost registers it lacks).
+@triton.jit(do_not_specialize=["num_q_blocks", "num_entries", "stride_tk", "stride_pt"])
 def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
          qk_scale, num_q_blocks, num_entries, stride_qn, stride_qh, stride_lp, stride_ls, stride_tk,
          stride_os, stride_on, stride_oh, stride_lses, stride_lsen, stride_pt,
