@@ -1,6 +1,6 @@
 """No Triton compile in the middle of serving (docs/prefix-cache.md: one stalled every running
 request for a second or so). Covered: the paged and the latent (MLA) attention (their shape-following
-variants compiled at startup, layers/precompile.py), the slot cache's bookkeeping, the decode plan,
+variants compiled at startup, engine/warmup.py), the slot cache's bookkeeping, the decode plan,
 the large-step plan and the host tier's page copy (their per-step ints are not specialized), and the
 large-step path (engine/warmup.py runs one large step at startup). Skipped without CUDA."""
 

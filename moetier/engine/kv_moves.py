@@ -12,8 +12,7 @@ kv_host_tier.py) only plans. Two kinds of moves, both inside one step and none w
   first waits for the work already queued (the pages were written by earlier steps). On the CPU the
   copies go along runs of consecutive pages (runs()): the kernel's oracle. In an eager step the
   compute stream waits, before each model layer (a forward pre-hook on model.layers[l]), for that
-  layer's copies only: layer l+1's
-  copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
+  layer's copies only: layer l+1's copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
   waits for the whole plan first. After the forward the compute stream joins the copy stream, so no
   copy is still reading a page the next step writes. Plans come with admissions only, so decode
   steps have none.

@@ -5,7 +5,10 @@ machine that has never run it that costs 0.3-1.4 s, and it stalls every request 
 (docs/prefix-cache.md, "Compiles before serving"). The decode graphs' capture compiles the
 decode-size steps. Before serving, on CUDA, this adds:
 
-- the attention kernels' shape-following specializations (layers/precompile.compile_attention);
+- the attention kernels' specializations that follow a step's shape (compile_attention: their per-step
+  ints are left unspecialized, which leaves the longest chunk's tiles, split or not, the top-k walk
+  and the combine's split padding; paged_attention_triton and latent_attention_triton compile them by
+  launches on tiny dummy tensors);
 - one large step (a prefill chunk above decode_tokens) on dummy tokens: the large-step expert path
   (its GEMM, plan, the prefill stream of the backend), and, for models that have them, the linear
   attention's chunked kernels (fla-core also autotunes there) and the indexer's prefill.
@@ -22,7 +25,28 @@ from __future__ import annotations
 import torch
 
 from moetier.layers.attention import make_batch
-from moetier.layers.precompile import compile_attention
+from moetier.layers.gqa_attention import GqaAttention
+from moetier.layers.mla_attention import MlaAttention
+
+
+def compile_attention(model: torch.nn.Module, kv) -> int:
+    """On CUDA, the attention kernels' shape-following specializations for this model's GQA and MLA
+    layers. Returns the launches made (0 off CUDA, or for a model with neither)."""
+    gqa = next((m for m in model.modules() if isinstance(m, GqaAttention)), None)
+    mla = [m for m in model.modules() if isinstance(m, MlaAttention)]
+    launches = 0
+    cache = getattr(kv, "k", None)
+    if gqa is not None and cache is not None and cache.is_cuda:
+        from moetier.layers.paged_attention_triton import compile_variants
+
+        launches += compile_variants(gqa.hq, gqa.hkv, gqa.d, kv.page_size, cache.dtype, cache.device)
+    latent = getattr(kv, "latent", None)
+    if mla and latent is not None and latent.is_cuda:
+        from moetier.layers.latent_attention_triton import compile_variants
+
+        m, dsa = mla[0], any(x.indexer is not None for x in mla)
+        launches += compile_variants(m.hq, m.r, m.rope, kv.page_size, latent.dtype, latent.device, dsa)
+    return launches
 
 
 def large_step_tokens(decode_tokens: int, max_num_tokens: int) -> int:

@@ -97,4 +97,3 @@ class GqaAttention(nn.Module):
         # a partial sum over this rank's heads [N, H]; the bias joins once, after the sum
         part = self.par.all_reduce(linear(out.reshape(t, self.hq * self.d), self.o), "tp")
         return part if self.o_bias is None else part + self.o_bias
-
