@@ -77,24 +77,26 @@ def test_default_tiles_compile_for_h200_without_spills(hq, max_q, dsa, dtype):
     elem = "bf16" if dtype == torch.bfloat16 else "fp32"
     splits = 16
     consts = dict(HQ=hq, R=R, P=P, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=R, BLOCK_P=P,
-                  PAGE_SIZE=64, NUM_SPLITS=splits, TOPK=dsa, INTERPRET=False,
+                  PAGE_SIZE=64, SPLIT=splits > 1, TOPK=dsa, INTERPRET=False,
                   PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)
     ptr = {"q_ptr": elem, "latent_ptr": elem, "o_ptr": "fp32", "lse_ptr": "fp32"}
     fn = lat._mla
     runtime = [a for i, a in enumerate(fn.arg_names) if i not in fn.constexprs]
     sig = {a: f"*{ptr.get(a, 'i32')}" if a.endswith("_ptr") else "fp32" if a == "qk_scale" else "i32"
            for a in runtime}
-    # what the launcher sees divisible by 16: the pointers and the strides of 16-aligned rows
-    aligned = [a for a in runtime if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_pt")]
+    # what the launcher sees divisible by 16: the pointers and the strides of 16-aligned rows (not the
+    # strides it leaves unspecialized: they follow the step)
+    unspecialized = {"stride_pt", "stride_tk"}
+    aligned = [a for a in runtime if a.endswith("_ptr") or (a.startswith("stride_") and a not in unspecialized)]
     got = compile_sm90(fn, sig, consts, aligned, warps, stages)
     spill_ok = 512 if dsa and (block_h, block_n) == (64, 32) else 0
     assert got.spill_bytes <= spill_ok and got.shared <= 227 * 1024, (block_h, block_t, block_n, warps, got)
     for num_splits in (5, 64):
         pad, block_c, cwarps = lat.combine_config(num_splits, R)
-        sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{elem}", "stride_ps": "i32",
-               "stride_lses": "i32", "stride_on": "i32", "stride_oh": "i32"}
-        got = compile_sm90(lat._combine, sig, dict(HQ=hq, R=R, NUM_SPLITS=num_splits, SPLITS_PAD=pad,
-                                                   BLOCK_C=block_c), list(sig), cwarps, 1)
+        sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{elem}", "num_splits": "i32",
+               "stride_ps": "i32", "stride_lses": "i32", "stride_on": "i32", "stride_oh": "i32"}
+        got = compile_sm90(lat._combine, sig, dict(HQ=hq, R=R, SPLITS_PAD=pad, BLOCK_C=block_c),
+                           [a for a in sig if a != "num_splits"], cwarps, 1)
         assert got.spill_bytes == 0, (num_splits, got)
 
 
@@ -252,3 +254,24 @@ def test_bench_refuses_without_cuda(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=root)
     assert p.returncode == 2 and "needs a CUDA device" in p.stderr, p.stdout + p.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("hq", [16, 32, 64, 128])
+@pytest.mark.parametrize("dsa", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_variant_runs_cover_every_step(hq, dsa, dtype):
+    """compile_variants' launches reach every specialization a step can: _mla's (its tiles, the
+    top-k walk or not, split or not) for any longest chunk, _combine's for any default split count."""
+    from moetier.layers import latent_attention_triton as lat
+
+    def spec(q_len: int, topk: bool, splits: int) -> tuple:
+        return lat.tile_config(hq, R, q_len, topk, dtype), topk, splits > 1
+
+    runs = lat.variant_runs(hq, R, dtype, dsa)
+    warmed = {spec(*run) for run in runs}
+    combines = {lat.combine_config(s, R) for _, _, s in runs if s > 1}
+    for q_len in range(1, 400):
+        for topk in (False, True) if dsa else (False,):
+            for splits in (1, 2, 3, 7, 64):
+                assert spec(q_len, topk, splits) in warmed, (q_len, topk, splits)
+    assert {lat.combine_config(s, R) for s in range(2, lat.MAX_SPLITS + 1)} <= combines

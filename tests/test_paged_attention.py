@@ -104,3 +104,27 @@ def test_gpu_decode_replays_in_a_cuda_graph():
     assert torch.equal(static_out, want)
     err = h.rel_err(static_out, paged_attention_reference(q, k_cache, v_cache, now))
     assert err <= h.TOL[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("hq,hkv,dim", [(HQ, HKV, D), (16, 16, 64), (64, 4, 256), (12, 2, 96)])
+def test_variant_runs_cover_every_step(hq, hkv, dim):
+    """compile_variants' launches reach every specialization a step can: _attn's (its blocks, split
+    or not) for any longest chunk, and _combine's split count for any grid."""
+    from moetier.layers.paged_attention_triton import MAX_SPLITS, _blocks, default_num_splits, variant_runs
+
+    import triton
+
+    gp, bd = triton.next_power_of_2(hq // hkv), max(16, triton.next_power_of_2(dim))
+
+    def spec(q_len: int, splits: int) -> tuple:
+        return (*_blocks(q_len, gp, bd), splits > 1)
+
+    runs = variant_runs(hq, hkv, dim)
+    warmed = {spec(q, s) for q, s in runs}
+    combines = {s for _, s in runs if s > 1}
+    counts = {default_num_splits(p, torch.device("cpu")) for p in range(1, 600)} | {1 << i for i in range(7)}
+    assert max(counts) <= MAX_SPLITS
+    for q_len in range(1, 700):
+        for s in counts:
+            assert spec(q_len, s) in warmed, (q_len, s)
+            assert s == 1 or s in combines, s

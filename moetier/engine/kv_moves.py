@@ -12,8 +12,7 @@ kv_host_tier.py) only plans. Two kinds of moves, both inside one step and none w
   first waits for the work already queued (the pages were written by earlier steps). On the CPU the
   copies go along runs of consecutive pages (runs()): the kernel's oracle. In an eager step the
   compute stream waits, before each model layer (a forward pre-hook on model.layers[l]), for that
-  layer's copies only: layer l+1's
-  copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
+  layer's copies only: layer l+1's copies overlap layer l's compute. A graph-replayed step, or a model without per-layer modules,
   waits for the whole plan first. After the forward the compute stream joins the copy stream, so no
   copy is still reading a page the next step writes. Plans come with admissions only, so decode
   steps have none.
@@ -51,6 +50,15 @@ def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
+def aligned_indices(both: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, n] int32 (sources, destinations) on the host -> its two rows on the device (pinned,
+    non_blocking: no host sync), each row starting 16-byte aligned: Triton compiles a kernel per
+    alignment of its pointers, so an unaligned second row (n not a multiple of 4) was a second compile."""
+    n = both.shape[1]
+    both = torch.nn.functional.pad(both, (0, -n % 4)).contiguous().pin_memory().to(device, non_blocking=True)
+    return both[0, :n], both[1, :n]
+
+
 class KVMoves:
     """The page copies and state checkpoints of each step (see the module's docstring)."""
 
@@ -86,6 +94,20 @@ class KVMoves:
 
                 self._word_rows = {layer: [(d, DevicePointer(h), w) for d, h, w in rows] for layer, rows in
                                    word_rows(self.device_tensors, self.host, self.rows).items()}
+                self._compile()
+
+    def _compile(self) -> None:
+        """The copy kernel compiled now, not at the first admission that hits the host tier: page 0
+        of each row onto itself (nothing changes), one launch per word type and page size."""
+        from moetier.layers.page_copy_triton import copy_pages
+
+        src, dst = aligned_indices(torch.zeros((2, 1), dtype=torch.int32), self.stream.device)
+        seen = set()
+        for rows in self._word_rows.values():
+            for d, _, words in rows:
+                if (d.dtype, words) not in seen:
+                    seen.add((d.dtype, words))
+                    copy_pages(d, d, src, dst, words)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Per-layer waits: a forward pre-hook on each model.layers[l] that holds pages (CUDA host tier
@@ -170,9 +192,7 @@ class KVMoves:
         dev = self.stream.device
 
         def indices(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            both = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).t().contiguous().pin_memory()
-            both = both.to(dev, non_blocking=True)  # [2, n]: sources, destinations
-            return both[0], both[1]
+            return aligned_indices(torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).t(), dev)
 
         up = indices(step.copies_to_host) if step.copies_to_host else None  # device page -> host slot
         down = indices(step.copies_to_gpu) if step.copies_to_gpu else None  # host slot -> device page

@@ -32,6 +32,7 @@ from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.spec_k import attach_chooser
 from moetier.engine.step import RankQuery
+from moetier.engine.warmup import warm_up
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
 from moetier.experts.prefetch import attach_prefetch
@@ -119,8 +120,8 @@ class LLM:
         for note in self.load_report.notes if on_audit else ():  # once each (4-bit: W4A16, input scales unread)
             on_audit(f"load: {note}")
         self._audit("after load", baseline)
-        self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config)
-        self._audit("after graph capture", baseline)
+        self._setup(net, tokenizer, eos_ids_of(model_dir, cfg.eos_token_ids, tokenizer), model_dir, config,
+                    baseline)
 
     def _start_workers(self, source: Any, dtype: str, device: str, config: EngineConfig, cfg: Any,
                        rank_plans: Any) -> str:
@@ -209,7 +210,8 @@ class LLM:
         return self
 
     def _setup(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: set[int], model_dir: Path | None,
-               config: EngineConfig) -> None:
+               config: EngineConfig, baseline: dict | None = None) -> None:
+        """baseline: the memory measured before loading (the plan's audits; None: no audit)."""
         if config.max_num_tokens is None:  # no memory plan made it: the same rule (plan/chunk.py)
             tokens, self.chunk_reason = auto_chunk(model)
             config = EngineConfig.of(config, max_num_tokens=tokens)
@@ -247,6 +249,10 @@ class LLM:
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
+        # the plan's "capture" stage ends here: the warm-up's large step brings runtime items (the
+        # default stream's cuBLAS workspace, a prefill ring) that the plan counts as runtime
+        self._audit("after graph capture", baseline)
+        warm_up(model, self.kv, config, self.replayer, parallel=self._workers is not None)
         self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner

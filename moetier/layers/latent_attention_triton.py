@@ -13,8 +13,9 @@ R and P are padded to powers of two (>= 16, for tl.dot) with masks; P = 0 drops 
 Program (seq * num_q_blocks + qb, head block, split); tile_config picks the tiles. Decode
 (max_query_len 1): BLOCK_T 1, BLOCK_H 32 at Hq >= 32, else 16 (Hq < 16 padded with idle rows).
 Prefill chunks without DSA: BLOCK_T tokens share the key tiles, so that the float32 accumulator
-stays at 32 x 512. Keys are split over NUM_SPLITS programs (flash-decoding) so that decode at batch
-1 fills the GPU; _combine merges the partials by log-sum-exp.
+stays at 32 x 512. Keys are split over the grid's third axis (flash-decoding) so that decode at batch
+1 fills the GPU; _combine merges the partials by log-sum-exp. compile_variants compiles every
+specialization a step can reach at startup, so no step of a new shape waits for Triton.
 
 DSA (topk [N, K], token positions, -1 unused): BLOCK_T is 1 (each token has its own list) and the
 program walks the K entries of its token's row instead of the positions 0 .. kv_end, gathering each
@@ -79,15 +80,24 @@ def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# as paged_attention_triton._attn: no specialization on ints that change from step to step (each new
+# "== 1" or "% 16 == 0" of them was a compile in the middle of serving): the query blocks and the page
+# table's width, and the top-k rows' width (kpool's index_topk + kpool - 1 is rarely "% 16", so the
+# startup's launches could not meet its specialization). The partials' strides stay specialized:
+# their rows are padded to a multiple of 16, so they are always "% 16" (without that, the 64 x 32
+# tile's stores cost registers it lacks).
+@triton.jit(do_not_specialize=["num_q_blocks", "num_entries", "stride_tk", "stride_pt"])
 def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
          qk_scale, num_q_blocks, num_entries, stride_qn, stride_qh, stride_lp, stride_ls, stride_tk,
          stride_os, stride_on, stride_oh, stride_lses, stride_lsen, stride_pt,
          HQ: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGE_SIZE: tl.constexpr,
-         NUM_SPLITS: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+         SPLIT: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
          UPCAST: tl.constexpr):
+    # SPLIT: the grid's third axis splits the keys (partials and their log-sum-exp out); the count is
+    # the grid's, so one kernel serves every count
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_H
+    num_splits = tl.num_programs(2)
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
     split = tl.program_id(2)
@@ -122,7 +132,7 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
         kv_end = tl.where(live_block, tl.minimum(ctx, ctx - q_len + (q_block + 1) * BLOCK_T), 0)
         topk_row = topk_ptr
         pos_max = kv_end - 1
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
@@ -148,15 +158,14 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     o_ptrs = o_ptr + split.to(tl.int64) * stride_os + n_tok[:, None] * stride_on + head[:, None] * stride_oh
     tl.store(o_ptrs + r[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (r < R)[None, :])
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(live, m_i + tl.log2(tl.where(live, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + split.to(tl.int64) * stride_lses + n_tok * stride_lsen + head, lse, mask=row_ok)
 
 
-@triton.jit
-def _combine(o_part_ptr, lse_ptr, out_ptr, stride_ps, stride_lses, stride_on, stride_oh,
-             HQ: tl.constexpr, R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-             BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine(o_part_ptr, lse_ptr, out_ptr, num_splits, stride_ps, stride_lses, stride_on, stride_oh,
+             HQ: tl.constexpr, R: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
     # program = (token * HQ + head, chunk of BLOCK_C latent columns); partials o_part [S, N, Hq, R]
     # float32, lse [S, N, Hq] (base 2). All splits of the chunk load at once (SPLITS_PAD * BLOCK_C
     # <= 4096 values): no serial chain of loads, which at S 64 would be 64 memory latencies.
@@ -164,7 +173,7 @@ def _combine(o_part_ptr, lse_ptr, out_ptr, stride_ps, stride_lses, stride_on, st
     tok = row // HQ
     head = row % HQ
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < R
     lse = tl.load(lse_ptr + s * stride_lses + row, mask=s_ok, other=float("-inf"))
@@ -227,6 +236,41 @@ def combine_config(num_splits: int, r: int) -> tuple[int, int, int]:
     return splits_pad, block_c, 4 if splits_pad * block_c >= 2048 else 1
 
 
+def variant_runs(hq: int, r: int, dtype: torch.dtype, dsa: bool) -> list[tuple[int, bool, int]]:
+    """(chunk tokens, with a top-k list, key splits) of one launch per specialization: _mla's are
+    (tile_config, TOPK, split or not), the tiles a function of the longest chunk; _combine's its
+    combine_config, a function of the split count (up to MAX_SPLITS, the default's bound)."""
+    tiles: dict[tuple, int] = {}  # (tiles, TOPK) -> the shortest chunk that takes them
+    for topk in (False, True) if dsa else (False,):
+        for q_len in (1 << i for i in range(8)):  # block_t stops growing at 64 // block_h <= 4 tokens
+            tiles.setdefault((tile_config(hq, r, q_len, topk, dtype), topk), q_len)
+    runs = [(q_len, topk, splits) for (_, topk), q_len in tiles.items() for splits in (1, 2)]
+    pads: dict[tuple, int] = {combine_config(2, r): 2}
+    for splits in range(3, MAX_SPLITS + 1):
+        pads.setdefault(combine_config(splits, r), splits)
+    return runs + [(1, False, splits) for splits in pads.values() if splits != 2]
+
+
+def compile_variants(hq: int, r: int, p: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                     dsa: bool) -> int:
+    """Compile, before serving, every specialization of _mla and _combine that a step of this
+    attention can reach (variant_runs; dsa: with the DSA top-k walk too), by launches on tiny dummy
+    tensors of the model's layout (q [T, Hq, R + P], a latent [pages, page_size, R + P], int32 top-k
+    rows). Otherwise the first step of a new shape compiles one in the middle of serving
+    (docs/prefix-cache.md). Returns the launches made."""
+    from moetier.layers.attention import make_batch
+
+    runs = variant_runs(hq, r, dtype, dsa)
+    for q_len, topk, splits in runs:
+        pages = -(-q_len // page_size)
+        latent = torch.zeros((pages, page_size, r + p), dtype=dtype, device=device)
+        q = torch.zeros((q_len, hq, r + p), dtype=dtype, device=device)
+        rows = torch.zeros((q_len, 16), dtype=torch.int32, device=device) if topk else None
+        latent_attention_triton(q, latent, make_batch([(0, q_len, list(range(pages)))], page_size, device), 1.0,
+                                r, rows, num_splits=splits)
+    return len(runs)
+
+
 def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale: float, kv_lora_rank: int,
                             topk: torch.Tensor | None = None, out: torch.Tensor | None = None,
                             num_splits: int | None = None, *, block_h: int | None = None,
@@ -282,8 +326,10 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
     if num_splits == 1:
         o, lse, o_strides, lse_strides = out, out, (0, out.stride(0), out.stride(1)), (0, 0)
     else:  # partials [S, N, Hq, R] and their log-sum-exp [S, N, Hq], sized by host ints only
-        o = torch.empty((num_splits, n, hq, r), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_splits, n, hq), dtype=torch.float32, device=q.device)
+        # rows padded to a multiple of 16, so that the split strides are always "% 16" (one
+        # specialization, and the partials' stores keep their alignment)
+        o = torch.empty((num_splits, -(-n // 16) * 16, hq, r), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, -(-n // 16) * 16, hq), dtype=torch.float32, device=q.device)
         o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
     topk_arg = topk if topk is not None else batch.query_start  # any device pointer: never read
     _mla[(num_seqs * num_q_blocks, head_blocks, num_splits)](
@@ -292,11 +338,11 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         latent.stride(0), latent.stride(1), topk.stride(0) if topk is not None else 0,
         *o_strides, *lse_strides, batch.page_table.stride(0),
         HQ=hq, R=r, P=p, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        PAGE_SIZE=page_size, NUM_SPLITS=num_splits, TOPK=topk is not None, INTERPRET=interpret,
+        PAGE_SIZE=page_size, SPLIT=num_splits > 1, TOPK=topk is not None, INTERPRET=interpret,
         PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         splits_pad, block_c, warps = combine_config(num_splits, r)
         _combine[(num_tokens * hq, triton.cdiv(r, block_c))](
-            o, lse, out, o.stride(0), lse.stride(0), out.stride(0), out.stride(1), HQ=hq, R=r,
-            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, BLOCK_C=block_c, num_warps=warps)
+            o, lse, out, num_splits, o.stride(0), lse.stride(0), out.stride(0), out.stride(1), HQ=hq, R=r,
+            SPLITS_PAD=splits_pad, BLOCK_C=block_c, num_warps=warps)
     return out

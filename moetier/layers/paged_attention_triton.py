@@ -14,7 +14,9 @@ registers (64K values for 8 x 64 x 128) and spills, while padded rows only idle 
 decode is bound by K/V bytes, which padding does not change. Prefill chunks: BLOCK_T up to
 128 // GROUP_PAD tokens per program, same code; a decode token in a mixed step takes one block.
 When the grid has fewer programs than SMs (small decode batches at long context), the keys are
-split over NUM_SPLITS programs (flash-decoding) and _combine merges the partials by log-sum-exp.
+split over the grid's third axis (flash-decoding; the count is the grid's, not a constexpr) and
+_combine merges the partials by log-sum-exp. compile_variants compiles, at startup, every
+specialization a step can reach, so no step of a new shape waits for Triton.
 
 Online softmax in float32 in base 2 (scores pre-multiplied by log2(e)); no [q_len, ctx] matrix
 exists anywhere. Keys are walked through the page table, BLOCK_N at a time across pages, so any
@@ -48,15 +50,22 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# Ints that change from step to step are not specialized (Triton would compile a kernel for each
+# value of "== 1" and "% 16 == 0" it meets, a second or so each, in the middle of serving): the query
+# blocks and the page table's width. The partials' strides follow the step's tokens too, but their
+# rows are padded to a multiple of 16 (below): always "% 16", and their stores stay aligned.
+@triton.jit(do_not_specialize=["num_q_blocks", "stride_pt"])
 def _attn(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
           qk_scale, num_q_blocks, stride_qn, stride_qh, stride_kp, stride_ks, stride_kh,
           stride_vp, stride_vs, stride_vh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
           stride_pt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-          PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+          PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
           UPCAST: tl.constexpr):
+    # SPLIT: the grid's third axis splits the keys (partials and their log-sum-exp out); the split
+    # count is the grid's, not a constexpr, so one kernel serves every count
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_PAD
+    num_splits = tl.num_programs(2)
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
     kv_head = tl.program_id(1)
@@ -82,7 +91,7 @@ def _attn(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, pa
     # holds key 0 and every live row ends with l > 0.
     kv_end = tl.minimum(ctx, ctx - q_len + (q_block + 1) * BLOCK_T)
     kv_end = tl.where(q_block * BLOCK_T < q_len, kv_end, 0)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
@@ -117,7 +126,7 @@ def _attn(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_ptr, pa
     o_ptrs = (o_ptr + split.to(tl.int64) * stride_os + n_tok[:, None] * stride_on + head[:, None] * stride_oh
               + d[None, :])
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(live, m_i + tl.log2(tl.where(live, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + split.to(tl.int64) * stride_ls + n_tok * stride_ln + head, lse, mask=row_ok)
 
@@ -163,6 +172,47 @@ def default_num_splits(programs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * sms, programs)))
 
 
+def _blocks(max_q: int, group_pad: int, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_N, num_warps) of a step whose longest chunk is max_q tokens."""
+    if max_q == 1:  # decode: the head group padded to 16 rows, long key tiles
+        block_t = max(1, 16 // group_pad)
+        block_n = 128 if block_d <= 128 else 64
+    else:  # prefill chunks (decode tokens in the same step take one mostly idle block each)
+        block_t = max(1, min(triton.next_power_of_2(max_q), 128 // group_pad), 16 // group_pad)
+        block_n = 64
+    return block_t, block_n, 8 if block_t * group_pad * block_d >= 128 * 128 else 4
+
+
+def variant_runs(hq: int, hkv: int, dim: int) -> list[tuple[int, int]]:
+    """(chunk tokens, key splits) of one launch per specialization: _attn's are (BLOCK_T, split or
+    not), BLOCK_T a function of the longest chunk (_blocks); _combine's the split count."""
+    group_pad = triton.next_power_of_2(hq // hkv)
+    block_d = max(16, triton.next_power_of_2(dim))
+    lengths: dict[tuple[int, int], int] = {}  # (BLOCK_T, decode or not) -> the shortest chunk that takes it
+    for q_len in (1 << i for i in range(0, 8)):  # BLOCK_T stops growing at 128 // GROUP_PAD <= 128 tokens
+        lengths.setdefault((_blocks(q_len, group_pad, block_d)[0], q_len == 1), q_len)
+    runs = [(q_len, splits) for q_len in lengths.values() for splits in (1, 2)]
+    return runs + [(2, 1 << i) for i in range(2, MAX_SPLITS.bit_length())]  # the other counts' _combine
+
+
+def compile_variants(hq: int, hkv: int, dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile, before serving, every specialization of the kernels that a step of this attention can
+    reach: _attn at each BLOCK_T a chunk takes, split and unsplit, and _combine at each split count.
+    Otherwise the first step of a new shape (a few tokens over a cached prefix, say) compiles one, a
+    second or so on a machine that has not run it yet (docs/prefix-cache.md). Launches on tiny dummy
+    tensors of the model's strides (q [T, Hq, D], a cache [P, page_size, Hkv, D]); returns how many."""
+    from moetier.layers.attention import make_batch
+
+    runs = variant_runs(hq, hkv, dim)
+    for q_len, splits in runs:
+        pages = -(-q_len // page_size)
+        cache = torch.zeros((pages, page_size, hkv, dim), dtype=dtype, device=device)
+        q = torch.zeros((q_len, hq, dim), dtype=dtype, device=device)
+        paged_attention_triton(q, cache, cache, make_batch([(0, q_len, list(range(pages)))], page_size, device),
+                               num_splits=splits)
+    return len(runs)
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
                            num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [N, Hq, D]; k_cache, v_cache: [P, page_size, Hkv, D] (this step's keys already written);
@@ -187,14 +237,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = hq // hkv
     group_pad = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(dim))
-    if max_q == 1:  # decode: the head group padded to 16 rows, long key tiles
-        block_t = max(1, 16 // group_pad)
-        block_n = 128 if block_d <= 128 else 64
-    else:  # prefill chunks (decode tokens in the same step take one mostly idle block each)
-        block_t = max(1, min(triton.next_power_of_2(max_q), 128 // group_pad), 16 // group_pad)
-        block_n = 64
-    block_m = block_t * group_pad
-    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+    block_t, block_n, num_warps = _blocks(max_q, group_pad, block_d)
     num_q_blocks = triton.cdiv(max_q, block_t)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs * num_q_blocks * hkv, q.device)
@@ -204,8 +247,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits == 1:
         o, lse, o_strides, lse_strides = out, out, (0, out.stride(0), out.stride(1)), (0, 0)
     else:  # partials [S, N, Hq, D] and their log-sum-exp [S, N, Hq], sized by host ints only
-        o = torch.empty((num_splits, n, hq, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_splits, n, hq), dtype=torch.float32, device=q.device)
+        # rows padded to a multiple of 16, so that the split strides are always "% 16" (one
+        # specialization, and the partials' stores keep their alignment)
+        o = torch.empty((num_splits, -(-n // 16) * 16, hq, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, -(-n // 16) * 16, hq), dtype=torch.float32, device=q.device)
         o_strides, lse_strides = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
     _attn[(num_seqs * num_q_blocks, hkv, num_splits)](
         q, k_cache, v_cache, o, lse, batch.query_start, batch.seq_lens, batch.page_table,
@@ -214,7 +259,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *o_strides, *lse_strides, batch.page_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
-        HEAD_DIM=dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, PRECISION=precision,
+        HEAD_DIM=dim, PAGE_SIZE=page_size, SPLIT=num_splits > 1, PRECISION=precision,
         UPCAST=upcast, num_warps=num_warps)
     if num_splits > 1:
         _combine[(num_tokens * hq,)](

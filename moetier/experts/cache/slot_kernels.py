@@ -75,7 +75,8 @@ def _stats_step(i, hit, pin, n_miss, n_fill):
                                       tl.where(i == 3, 1, tl.sum(pin.to(tl.int64), axis=0)))))
 
 
-@triton.jit
+# n, the pair count, changes every step: unspecialized (docs/prefix-cache.md, "Compiles before serving")
+@triton.jit(do_not_specialize=["n"])
 def _bookkeeping(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                  first_ptr, used_ptr, victim_ptr, slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr,
                  num_slots, freq_ptr, fepoch_ptr, weight, half_life,
@@ -211,7 +212,8 @@ def _step_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_pt
     tl.store(stats_ptr + five, stats + _stats_step(five, hit, pin, n_miss, n_fill), mask=m5)
 
 
-@triton.jit
+# n, the pair count, changes every step: unspecialized (docs/prefix-cache.md, "Compiles before serving")
+@triton.jit(do_not_specialize=["n"])
 def _bookkeeping_regs(ids_ptr, n, expert_slot_ptr, slot_expert_ptr, stamp_ptr, clock_ptr, stats_ptr,
                       slots_out_ptr, miss_expert_ptr, miss_slot_ptr, miss_count_ptr, num_slots,
                       freq_ptr, fepoch_ptr, weight, half_life,

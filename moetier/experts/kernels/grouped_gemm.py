@@ -64,9 +64,8 @@ def _keys(slot_ptr, expert_ptr, p, mask):
     return tl.where(expert < 0, 2147483647, tl.where(slot >= 0, slot, -1 - expert))
 
 
-@triton.jit
-def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n_pairs"])  # one kernel for every step's pair count (a compile each, else)
+def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     # program a: pairs [a * BLOCK, +BLOCK) against all pairs. A pair's sorted position is
     # #(keys below) + #(same key, lower pair id): a stable sort without sorting, programs independent.
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -75,14 +74,16 @@ def _plan(slot_ptr, expert_ptr, order_ptr, chunk_end_ptr, n_pairs, N_BLOCKS: tl.
     below = tl.zeros([BLOCK], dtype=tl.int32)
     before = tl.zeros([BLOCK], dtype=tl.int32)
     same = tl.zeros([BLOCK], dtype=tl.int32)
-    for bb in range(0, N_BLOCKS):  # NOTE: a constexpr bound (the interpreter cannot loop to an argument)
-        b = bb * BLOCK + tl.arange(0, BLOCK)
+    b0 = tl.full([], 0, tl.int32)
+    while b0 < n_pairs:  # NOTE: a while loop: the interpreter takes no argument as a range bound
+        b = b0 + tl.arange(0, BLOCK)
         bm = (b < n_pairs)[None, :]
         kb = _keys(slot_ptr, expert_ptr, b, b < n_pairs)
         eq = (kb[None, :] == ka[:, None]) & bm
         below += tl.sum(((kb[None, :] < ka[:, None]) & bm).to(tl.int32), axis=1)
         before += tl.sum((eq & (b[None, :] < a[:, None])).to(tl.int32), axis=1)
         same += tl.sum(eq.to(tl.int32), axis=1)
+        b0 += BLOCK
     pos = below + before
     tl.store(order_ptr + pos, a, mask=am)
     # every BLOCK_M-th pair of a group starts a chunk that runs to BLOCK_M on or the group's end;
@@ -325,7 +326,7 @@ def grouped_expert_mlp(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.
     else:
         order, chunk_end = scratch.order, scratch.chunk_end
         blocks = triton.cdiv(n_pairs, PLAN_BLOCK)
-        _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, blocks, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
+        _plan[(blocks,)](slot_ids, topk_ids, order, chunk_end, n_pairs, BLOCK_M=BLOCK_M, BLOCK=PLAN_BLOCK)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, order,
              n_pairs, scratch.h, scratch.y, out, BLOCK_M, *config.decode_blocks(quant), listed=False, quant=quant,
              limit=limit)

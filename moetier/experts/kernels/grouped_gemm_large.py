@@ -22,7 +22,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "shift"])  # values that change per step and per layer
 def _plan_sorted(keys_ptr, order_ptr, counts_ptr, chunk_end_ptr, starts_ptr, n, shift,
                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     # One program walks the sorted positions BLOCK at a time, carrying the open row's first position
