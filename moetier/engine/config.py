@@ -123,9 +123,6 @@ class EngineConfig:
                        f"makes one from JSON), got {type(spec).__name__}")
         elif spec is not None and self.world_size > 1:
             out.append("speculative_config with several ranks is not supported yet: run one process")
-        elif spec is not None and self.record_trace is not None:
-            out.append("speculative_config with record_trace is not supported yet: a verify step routes rejected "
-                       "drafts too, which the trace would record as decoded tokens; record without speculation")
         if not isinstance(self.experts, ExpertOptions):
             out.append(f"experts must be an ExpertOptions (experts/placement.py), got {type(self.experts).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -307,10 +307,10 @@ class LLM:
         plan = self.scheduler.schedule()
         step = plan.step()
         result = self.runner.execute(step)
-        if self.recorder is not None:
-            self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs])
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
+        if self.recorder is not None:  # after update: the positions each request's step made valid
+            self._record(plan, step)
         # wall time to the sampled tokens on the host (update() reads them: the step's one sync)
         seconds = time.perf_counter() - t0
         self.steps, self.step_seconds = self.steps + 1, self.step_seconds + seconds
@@ -318,6 +318,15 @@ class LLM:
             self.large_steps, self.large_step_tokens = self.large_steps + 1, self.large_step_tokens + step.num_tokens
             self.large_step_seconds += seconds
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
+
+    def _record(self, plan, step) -> None:
+        """Write the step's routing to the recorded trace: per request the rows of the positions whose KV
+        the step made valid (update() moved num_computed past them): its own tokens and the kept drafts up
+        to a stop, none where a rejection rolled its recurrent state back (the next step recomputes them)."""
+        seqs = step.seqs
+        kept = [max(0, min(p.request.num_computed - s.start, s.num_tokens)) for p, s in zip(plan.seqs, seqs)]
+        self.recorder.end_step([s.request_id for s in seqs], [s.num_tokens for s in seqs], kept,
+                               prefill=any(s.num_tokens - s.num_draft > 1 for s in seqs))
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
                  | None = None) -> list[RequestOutput]:

@@ -8,9 +8,16 @@ reads ids back to the host once per step (recording is a measurement mode; the e
 without CUDA graphs). The replayer is device-side only (a cursor tensor advanced in place), so it
 replays inside the decode graph too.
 
-Loaded MTP layers (models/mtp.py, layers num_layers and on) run in draft steps of their own, not in
-the target's: the recorder leaves them out of the trace (NOTE: their routing is not recorded yet),
-and the replayer routes them from the cursor without moving it (the target's layers move it).
+With speculative decoding a step routes drafts that the verify may reject: the recorder writes, per
+sequence, only the rows of the tokens the step made valid (its own tokens and the kept drafts; none
+where a rejection rolled recurrent state back, since the next step recomputes those tokens), so every
+position of a stream is written once, as without speculation. Loaded MTP layers (models/mtp.py,
+layers num_layers and on) route in draft passes after the target's forward: the first of them in a
+step, the catch-up, routes exactly the positions the step made valid, in the same order (engine/
+spec_step.MtpDrafter), and that is what the recorder writes as the MTP layers' columns; the chained
+drafts' passes route positions not verified yet and are left out. The replayer routes MTP layers
+from the cursor without moving it (the target's layers move it): a trace with MTP columns gives them
+their own, one without takes the layers' columns modulo its count.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ class Recorder:
     def __init__(self, net, path, **meta):  # meta: model name, source, ... for the header
         cfg = net.cfg
         self.blocks = net.moe_blocks()
-        self.layers = [b.layer for b in self.blocks if b.layer < cfg.num_layers]  # the target's, not MTP
+        self.layers = [b.layer for b in self.blocks]  # the target's MoE layers, then any loaded MTP layers
         self.writer = TraceWriter(path, cfg.num_experts, cfg.top_k, self.layers, weights=True, **meta)
         self.num_layers = cfg.num_layers
+        self.mtp_layers = [layer for layer in self.layers if layer >= cfg.num_layers]
         self._ids: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
         self._streams: dict[str, int] = {}
@@ -39,18 +47,39 @@ class Recorder:
             b.route_hook = self._hook
 
     def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor):
-        if layer < self.num_layers:  # the router's order, largest weight first: the replayer pairs by it
+        # the router's order, largest weight first: the replayer pairs by it. An MTP layer keeps its first
+        # pass of the step (the catch-up); the chained drafts' passes route unverified positions
+        if layer < self.num_layers or layer not in self._ids:
             self._ids[layer], self._weights[layer] = ids, weights
         return ids, weights
 
-    def end_step(self, request_ids: list[str], counts: list[int]) -> None:
-        """Write the step just run: `counts[i]` tokens of request `request_ids[i]`, in token order."""
+    def end_step(self, request_ids: list[str], counts: list[int], kept: list[int] | None = None,
+                 prefill: bool | None = None) -> None:
+        """Write the step just run: request_ids[i] computed counts[i] rows, in token order, of which its
+        first kept[i] are written (default: all; fewer where drafts were rejected). prefill: the
+        record's flag (default: a request computed several rows)."""
         if not self._ids:
             return
-        ids = torch.stack([self._ids[layer] for layer in self.layers]).cpu().numpy()
-        weights = torch.stack([self._weights[layer].float() for layer in self.layers]).cpu().numpy()
-        seq = np.repeat([self._streams.setdefault(r, len(self._streams)) for r in request_ids], counts)
-        self.writer.write(ids, weights, seq, prefill=max(counts) > 1)
+        kept = list(counts) if kept is None else kept
+        n = sum(kept)
+        if n:
+            take = None
+            if n != sum(counts):  # [n] the written rows' indices among the step's
+                starts = np.cumsum([0] + list(counts[:-1]))
+                take = torch.from_numpy(np.concatenate([np.arange(a, a + c) for a, c in zip(starts, kept)]))
+            ids, weights = [], []
+            for layer in self.layers:
+                i, w = self._ids[layer], self._weights[layer]
+                if layer < self.num_layers and take is not None:
+                    i, w = i[take.to(i.device)], w[take.to(w.device)]
+                if i.shape[0] != n:
+                    raise MoetierError(f"trace recording: layer {layer} routed {i.shape[0]} rows where the step "
+                                       f"made {n} positions valid")
+                ids.append(i)
+                weights.append(w.float())
+            seq = np.repeat([self._streams.setdefault(r, len(self._streams)) for r in request_ids], kept)
+            self.writer.write(torch.stack(ids).cpu().numpy(), torch.stack(weights).cpu().numpy(), seq,
+                              prefill=max(counts) > 1 if prefill is None else prefill)
         self._ids.clear()
         self._weights.clear()
 
