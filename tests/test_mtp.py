@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -201,21 +202,28 @@ def test_mtp_layers_split_under_tensor_and_expert_parallelism():
 
 
 def test_trace_hooks_with_mtp_layers_loaded(tmp_path):
-    """A draft step runs the MTP layer alone: the recorder keeps the target's layers only (the MTP
-    layer's routing is not recorded yet), the replayer routes the MTP layer from its cursor without
-    moving it, and the target's steps move it as before."""
+    """A draft step runs the MTP layer alone: the recorder writes its first pass of the step (the
+    catch-up over the positions the step made valid) as the MTP layer's own column, the replayer
+    routes the MTP layer from that column at its cursor without moving it, and the target's steps
+    move it as before."""
     from moetier.traces.format import read_trace
     from moetier.traces.hooks import Recorder, Replayer
 
     path, _, _ = hf_mtp_checkpoint(tmp_path / "m", "tiny-dsv3", 7)
     model = _ours(path)
+    mtp = model.cfg.num_layers
     ids = torch.randint(0, 512, (10,), generator=torch.Generator().manual_seed(7))
     rec = Recorder(model, tmp_path / "t.mtrace")
-    _run(model, ids, 1)  # target step, then a draft step
-    rec.end_step(["a"], [10])
+    seen = {}
+    hook = model.mtp[0].block.mlp.route_hook
+    model.mtp[0].block.mlp.route_hook = lambda layer, i, w: seen.setdefault(layer, hook(layer, i, w))
+    _run(model, ids, 1)  # target step over 10 tokens, then a draft pass over the first 9
+    model.mtp[0].block.mlp.route_hook = hook
+    rec.end_step(["a"], [10], kept=[9])  # the harness's MTP pass covers 9 positions: write those
     rec.close()
     trace = read_trace(tmp_path / "t.mtrace")
-    assert trace.layers == [1, 2] and trace.num_tokens == 10
+    assert trace.layers == [1, 2, mtp] and trace.num_tokens == 9
+    assert np.array_equal(trace.ids[:, 2], seen[mtp][0].numpy())
     rep = Replayer(model, trace)
     routed = {}
     block = model.mtp[0].block.mlp
@@ -224,4 +232,5 @@ def test_trace_hooks_with_mtp_layers_loaded(tmp_path):
     _run(model, ids, 1)
     rep.close()
     assert int(rep.cursor) == 10  # the target's 10 tokens; the MTP step kept it
-    assert routed[model.cfg.num_layers][0].shape == (9, model.cfg.top_k)
+    # the MTP layer replays its own column, from the cursor the target's step left
+    assert np.array_equal(routed[mtp][0].numpy(), trace.ids[(10 + np.arange(9)) % 9, 2])

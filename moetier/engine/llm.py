@@ -27,11 +27,11 @@ from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
+from moetier.engine.metrics import engine_metrics, expert_stats_per_rank, last_stats
 from moetier.engine.kv_setup import auto_chunk, engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.spec_k import attach_chooser
-from moetier.engine.step import RankQuery
 from moetier.engine.warmup import warm_up
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
@@ -348,7 +348,7 @@ class LLM:
         """Finish a recorded trace (complete only after this), unhook a replayed one, stop the workers."""
         if self._workers is not None:
             if not self._workers.stopped and hasattr(self, "runner"):
-                self._closed_stats = self._last_stats()
+                self._closed_stats = last_stats(self)
                 self.runner.release()  # graphs before the group (graphs.release)
             self._workers.stop()
         for hook in (self.recorder, self.replayer):
@@ -356,52 +356,11 @@ class LLM:
                 hook.close()
         self.recorder = self.replayer = None
 
-    def _last_stats(self) -> list[dict] | None:
-        """Every rank's expert statistics as the engine closes, for metrics() after close(); None when a
-        worker is already dead: close() never raises."""
-        if self._workers.dead():
-            return None
-        try:
-            return self.runner.ask(RankQuery("expert_stats"))
-        except MoetierError:
-            return None
-
     def expert_stats_per_rank(self) -> list[dict]:
-        """Each rank's expert statistics (CausalLM.expert_stats over its own MoE layers), in rank order:
-        one process gives a list of one. A parallel engine asks its workers between steps (a query on
-        the step records' channel: engine/step.RankQuery); a dead worker raises MoetierError naming it.
-        After close() the ranks' statistics taken at close."""
-        if self._workers is not None and self._workers.stopped:
-            closed = getattr(self, "_closed_stats", None)
-            if closed is None:
-                raise MoetierError("this parallel engine failed before it closed: its workers' expert statistics "
-                                   "are gone; start a new LLM")
-            return closed
-        return self.runner.ask(RankQuery("expert_stats"))
+        """Each rank's expert statistics, rank 0's first (engine/metrics.py)."""
+        return expert_stats_per_rank(self)
 
     def metrics(self) -> dict:
-        """expert_stats: rank 0's (compatibility); expert_stats_per_rank: every rank's, rank 0's first.
-        NOTE: no sum over the ranks: under EP each (token, expert) pair is counted on its owner only, so
-        the sum is the model's lookups, but under TP every rank looks up every pair (over its columns
-        of it under the columns split) and a sum would count each pair once per rank."""
-        s = self.scheduler
-        per_rank = self.expert_stats_per_rank()
-        stats = per_rank[0]
-        looked = stats["hits"] + stats["misses"] + stats["overflow"] + stats.get("host", 0)
-        return {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            # pages held by requests; cached pages no request holds are free to take (as vLLM counts)
-            "kv_pages_used": s.cache.num_in_use,
-            "kv_pages_cached": s.cache.num_evictable,
-            "kv_pages_total": s.pages.num_pages,
-            "kv_usage": s.cache.num_in_use / s.pages.num_pages,
-            **s.cache.metrics_dict(self.kv_page_bytes),
-            **{k: getattr(self, k) for k in ("steps", "large_steps", "large_step_tokens", "step_seconds",
-                                             "large_step_seconds")},
-            "expert_hit_rate": stats["hits"] / looked if looked else None,
-            "expert_stats": stats,
-            "expert_stats_per_rank": per_rank,
-            # speculative decoding, vLLM's names (engine/speculation.py); absent without it
-            **({} if s.spec is None else s.spec.counters.as_dict()),
-        }
+        """Queues, KV pages, prefix cache, step counts, expert statistics, speculation counters
+        (engine/metrics.py)."""
+        return engine_metrics(self)

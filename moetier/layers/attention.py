@@ -143,11 +143,3 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v_cache[pages].flatten(0, 1)[:ctx]
         out[qs[i]:qs[i + 1]] = causal_attention(q[qs[i]:qs[i + 1]], k, v, ctx - q_len)
     return out
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-    if q.is_cuda:
-        from moetier.layers.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, batch)
-    return paged_attention_reference(q, k_cache, v_cache, batch)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetier.layers.attention import AttnBatch, paged_attention, write_kv
+from moetier.layers.attention import AttnBatch, paged_attention_reference, write_kv
 from moetier.layers.quant_linear import dense_weight, linear, rows_of
 from moetier.layers.kv_cache import GqaKVCache
 from moetier.layers.norm import rms_norm
@@ -91,7 +91,12 @@ class GqaAttention(nn.Module):
             q = fused.qk_norm_rope_kv(*args)
         else:
             q = qk_norm_rope_kv_reference(*args)
-        out = paged_attention(q, k_cache, v_cache, batch)  # [N, Hq, D]
+        if q.is_cuda:
+            from moetier.layers.paged_attention_triton import paged_attention_triton
+
+            out = paged_attention_triton(q, k_cache, v_cache, batch)  # [N, Hq, D]
+        else:
+            out = paged_attention_reference(q, k_cache, v_cache, batch)
         if self.par.tp == 1:
             return linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
         # a partial sum over this rank's heads [N, H]; the bias joins once, after the sum
