@@ -70,7 +70,7 @@ def runner(graphs) -> ModelRunner:
     model = SimpleNamespace(device=torch.device("cpu"), expert_stats=lambda: {"hits": 0})
     # no KV pool: the steps here carry no host-tier copies or state checkpoints
     moves = SimpleNamespace(attach=lambda model: None, before=lambda step, layered=False: None,
-                            after=lambda seqs: None)
+                            after=lambda seqs: None, back_up=lambda seqs: None, backup_base=-1)
     r = ModelRunner(model, kv=None, graphs=graphs, moves=moves)
     r._forward = lambda seqs: (r.eager.append(len(seqs)), None, None)  # the eager forward, recorded
     r.eager = []

@@ -55,8 +55,7 @@ def test_the_python_api_takes_text_dicts_and_records():
         EngineConfig.of(speculative_config={"method": "mtp"})
     with pytest.raises(MoetierError, match="must be a JSON object"):
         EngineConfig.of(speculative_config=3)
-    with pytest.raises(MoetierError, match="with several ranks is not supported yet"):
-        EngineConfig.of(speculative_config=want, tensor_parallel_size=2)
+    assert EngineConfig.of(speculative_config=want, tensor_parallel_size=2).world_size == 2
     assert EngineConfig.of(speculative_config=want, record_trace="t.trace").record_trace == "t.trace"
 
 

@@ -65,9 +65,10 @@ def oracle(llm: LLM, want: dict[tuple, list[int]], spoil: dict[tuple, int]) -> l
         return d
 
     spec.drafts = drafts
-    if llm.runner.mtp is not None:  # the MTP passes still run (their KV rows), their drafts replaced
-        run = llm.runner.mtp.run
-        llm.runner.mtp.run = lambda *a: {r: [0] for r in run(*a)}
+    runner = getattr(llm.runner, "inner", llm.runner)  # rank 0's own under several ranks
+    if runner.mtp is not None:  # the MTP passes still run (their KV rows), their drafts replaced
+        run = runner.mtp.run
+        runner.mtp.run = lambda *a: {r: [0] for r in run(*a)}
     seen = []
     execute = llm.runner.execute
 

@@ -61,7 +61,7 @@ class Recorder:
     def __init__(self):
         self.ran, self.model = [], self
 
-    def run_worker_step(self, step):
+    def run_worker_step(self, step, verdict):
         self.ran.append(step)
 
     def expert_stats(self):

@@ -1,5 +1,5 @@
-"""The step records' channel: how rank 0's StepInput / RankQuery / None reaches the workers, and how
-the workers' answers to a RankQuery come back (EngineConfig.step_record_group).
+"""The step records' channel: how rank 0's StepInput / StepVerdict / RankQuery / None reaches the
+workers, and how the workers' answers to a RankQuery come back (EngineConfig.step_record_group).
 
     world, gloo  broadcast_object_list / all_gather_object on a torch.distributed group (the world
                  group, or the gloo group of group.record_group): GroupSender on rank 0,

@@ -114,6 +114,7 @@ class DistributedRunner:
     def __init__(self, inner: ModelRunner, workers: Workers):
         self.inner, self.workers = inner, workers
         self.broadcast_s, self.broadcasts = 0.0, 0  # rank 0's time in the record broadcast (benchmarks)
+        inner.on_verdict = workers.broadcast  # inside a speculative step (worker.serve: mid-step)
 
     @property
     def graph_steps(self) -> int:

@@ -9,6 +9,10 @@ The step protocol (rank 0's side: dist/executor.py), per step with at least one 
     workers: receive it on the same channel, ModelRunner.run_worker_step(step): the decode
              graph replayed when step.replay says rank 0 replays its own (every rank captured the same
              sizes at start, in lockstep), else the eager forward
+    speculative steps (engine/spec_step.py): rank 0 verifies, then sends the verdict (engine/step.
+             StepVerdict: the kept tokens) on the same channel inside the step, where the workers need
+             it (ModelRunner.shares_verdict: every rank decides alike from the StepInput): they roll
+             recurrent state back where a draft was rejected and run the MTP passes with rank 0
     between steps, a query (engine/step.RankQuery, LLM.metrics): rank 0 sends it on the same
              channel, then every rank answers on it (all_gather_object on the group, or its pipe)
     shutdown: rank 0 sends None; workers leave the group and exit. Under "pipe" a worker whose pipe
@@ -95,7 +99,7 @@ def run_rank(rank: int, spec: WorkerSpec, gpu: int, pipe=None) -> None:
 
 
 def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, decode_tokens: int, par,
-               progress=None, dense_weights: str = "dequantize"):
+               progress=None, dense_weights: str = "dequantize", mtp: bool = False):
     """-> (config, model with its experts attached) of this rank's share: read from a checkpoint, or
     made (random weights). Rank 0 (engine/llm.py) and the workers load through here alike."""
     if isinstance(spec_model, RandomModel):
@@ -110,7 +114,7 @@ def load_share(spec_model, dtype: str, device: str, experts: ExpertOptions, deco
 
     cfg, model, report = load_model(spec_model, dtype=dtype, device=device, experts=experts,
                                     decode_tokens=decode_tokens, progress=progress, parallel=par,
-                                    dense_weights=dense_weights)
+                                    dense_weights=dense_weights, mtp=mtp)
     return cfg, model, report
 
 
@@ -121,7 +125,7 @@ def build_runner(spec: WorkerSpec, device: str, par):
 
     config = spec.config
     _, model, _ = load_share(spec.model, spec.dtype, device, config.experts, config.decode_tokens, par,
-                             dense_weights=config.dense_weights)
+                             dense_weights=config.dense_weights, mtp=config.drafts_with_mtp)
     if config.replay_trace is not None:
         from moetier.traces.format import read_trace
         from moetier.traces.hooks import Replayer
@@ -135,7 +139,8 @@ def build_runner(spec: WorkerSpec, device: str, par):
         graphs = decode_graphs(model, kv, config, config.model_len(model.cfg.max_position_embeddings))
         if config.replay_trace is not None:
             replayer.cursor.zero_()  # as rank 0 (engine/llm.py): the capture's warm-up steps moved it
-    return ModelRunner(model, kv, graphs, engine_moves(kv, config, model.kv_spec(), model.dtype))
+    return ModelRunner(model, kv, graphs, engine_moves(kv, config, model.kv_spec(), model.dtype),
+                       mtp=config.drafts_with_mtp)
 
 
 def serve(runner, channel) -> None:
@@ -150,4 +155,4 @@ def serve(runner, channel) -> None:
         if isinstance(record, RankQuery):
             channel.answer(record.answer(runner.model))
             continue
-        runner.run_worker_step(record)
+        runner.run_worker_step(record, channel.recv)  # a speculative step's verdict comes mid-step

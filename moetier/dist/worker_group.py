@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from moetier.dist.channel import GroupSender
 from moetier.dist.group import Rendezvous, leave
-from moetier.engine.step import RankQuery, StepInput
+from moetier.engine.step import RankQuery, StepInput, StepVerdict
 from moetier.errors import MoetierError
 
 
@@ -59,7 +59,7 @@ class WorkerGroup:
         except RuntimeError as e:
             self.failed(e)
 
-    def broadcast(self, step: StepInput | RankQuery | None) -> None:
+    def broadcast(self, step: StepInput | StepVerdict | RankQuery | None) -> None:
         self.channel.send(step)
 
     def gather(self, query: RankQuery, mine) -> list:

@@ -121,8 +121,6 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             out.append("speculative_config must be a spec.config.SpeculativeConfig (parse_speculative_config "
                        f"makes one from JSON), got {type(spec).__name__}")
-        elif spec is not None and self.world_size > 1:
-            out.append("speculative_config with several ranks is not supported yet: run one process")
         if not isinstance(self.experts, ExpertOptions):
             out.append(f"experts must be an ExpertOptions (experts/placement.py), got {type(self.experts).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -5,6 +5,7 @@ verify drafts, and every step of an engine that drafts with MTP layers, run eage
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 
 import numpy as np
@@ -14,7 +15,7 @@ from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_moves import KVMoves
 from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.spec_step import MtpDrafter, verify
-from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput
+from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput, StepVerdict
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import sample, token_logprobs
@@ -37,6 +38,14 @@ class ModelRunner:
         # (request ids, [n, V] float32); 0 (the product): off
         self.keep_logits = 0
         self.kept_logits: list[tuple[list[str], torch.Tensor]] = []
+        # rank 0 of a parallel engine (dist/executor.DistributedRunner): sends the step's verdict to the
+        # workers where shares_verdict() holds, after verifying and before the MTP passes
+        self.on_verdict: Callable[[StepVerdict], None] | None = None
+
+    def shares_verdict(self, seqs: list[SeqStep]) -> bool:
+        """Whether the workers of a parallel engine need this step's verdict (step.StepVerdict): to run
+        the MTP passes with rank 0, or to roll recurrent state back where a draft may be rejected."""
+        return self.mtp is not None or (self.moves.backup_base >= 0 and any(s.num_draft for s in seqs))
 
     def replays(self, seqs: list[SeqStep]) -> bool:
         """Whether execute() replays the decode graph for these sequences."""
@@ -77,6 +86,8 @@ class ModelRunner:
             out.emitted, out.emitted_logprobs = verify(self.model, hidden, batch.query_start_host, drafting)
             self.moves.roll_back(seqs, out.emitted)
             out.sampled.update({r: toks[-1] for r, toks in out.emitted.items()})
+        if self.on_verdict is not None and self.shares_verdict(seqs):
+            self.on_verdict(StepVerdict(out.sampled, out.emitted))
         if self.mtp is not None:
             out.drafts = self.mtp.run(seqs, hidden, batch, out.sampled, out.emitted)
         return out
@@ -94,9 +105,11 @@ class ModelRunner:
         return self._forward(step.seqs)[0]
 
     @torch.inference_mode()
-    def run_worker_step(self, step: StepInput) -> None:
+    def run_worker_step(self, step: StepInput, verdict: Callable[[], StepVerdict] | None = None) -> None:
         """A worker rank's step (dist/worker.py): the forward rank 0 runs, without sampling, graph-replayed
-        when rank 0's is (step.replay: rank 0 decided). Waits for the GPU before returning."""
+        when rank 0's is (step.replay: rank 0 decided). Waits for the GPU before returning. A speculative
+        step: the state backups before the forward; after it, where shares_verdict() holds, rank 0's
+        verdict (verdict(): the next record on the channel) rolls state back and feeds the MTP passes."""
         self.moves.before(step)
         if step.replay:
             self.graphs.run(step.seqs, sample=False)
@@ -106,7 +119,14 @@ class ModelRunner:
                 torch.cuda.current_stream(self.model.device).synchronize()
             self.graph_steps += 1
             return
-        self._forward(step.seqs)
+        seqs = step.seqs
+        self.moves.back_up(seqs)
+        hidden, batch, _ = self._forward(seqs)
+        if self.shares_verdict(seqs):
+            v = verdict()
+            self.moves.roll_back(seqs, v.emitted)
+            if self.mtp is not None:  # drafts made here too (the same logits): only rank 0's are used
+                self.mtp.run(seqs, hidden, batch, v.sampled, v.emitted)
 
     def ask(self, query: RankQuery) -> list:
         """Every rank's answer, in rank order: this one process's alone (DistributedRunner.ask gathers

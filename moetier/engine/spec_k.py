@@ -6,7 +6,9 @@ second, from what it measured:
     routing [L, E]   each target MoE layer's expert shares, a moving average of the experts its router
                      chose (counted on the device by a route hook, read between steps)
     resident [L, E]  where each expert sits now: every one under resident, none under uva, the slot
-                     cache's mapped experts under slots and hybrid (expert_slot >= 0: pinned ones too)
+                     cache's mapped experts under slots and hybrid (expert_slot >= 0: pinned ones too);
+                     under expert parallelism rank 0's own experts only (E / ep columns of the routing:
+                     each rank fills its own misses, alongside the others)
     StepCosts        the dense bytes over the HBM rate (fixed), one expert row from HBM and over the
                      link, the rates timed at start (copies of an expert-row-sized buffer, HBM to HBM
                      and pinned host to device; on the CPU both are one memcpy)
@@ -23,6 +25,7 @@ import time
 import torch
 
 from moetier.experts.backends import UvaExperts
+from moetier.experts.parallel.ep import owned_experts
 from moetier.spec.expert_k import AcceptanceMeter, StepCosts, choose_k
 
 DECAY = 0.9  # the routing shares' moving average per step: recent steps weigh most
@@ -62,7 +65,8 @@ def measured_costs(model, row_bytes: int, dense_bytes: int) -> StepCosts:
 
 
 def resident_mask(block, e: int) -> torch.Tensor:
-    """[E] bool: the experts of this MoE block in device memory now (one host read for a cache)."""
+    """[e] bool: the experts of this MoE block (this rank's e under expert parallelism, by local id) in
+    device memory now (one host read for a cache)."""
     ex = getattr(block.experts, "inner", block.experts)  # experts/parallel/ep.ShardedExperts
     cache = getattr(ex, "cache", None)
     if cache is not None:
@@ -94,6 +98,10 @@ class KChooser:
             row = self.blocks[0].experts.layout.row_bytes(model.dtype)
             costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
         self.costs, self.num_experts = costs, e
+        # expert parallelism: this rank prices its own experts (each rank fills its own misses, in
+        # parallel with the others), the routing shares' columns it owns against its local residency
+        ex = self.blocks[0].experts
+        self.own = (torch.tensor(owned_experts(e, ex.rank, ex.ep)) if getattr(ex, "over", None) == "ep" else None)
 
     def _hook(self, i: int, inner):
         def hook(layer: int, ids: torch.Tensor, weights: torch.Tensor):
@@ -125,6 +133,7 @@ class KChooser:
         """The k for the next step of `batch` decoding sequences (0 when none decodes)."""
         if batch == 0:
             return self.max_k
-        resident = torch.stack([resident_mask(b, self.num_experts) for b in self.blocks])
-        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, self.routing, resident, self.top_k, self.costs)
+        routing = self.routing if self.own is None else self.routing[:, self.own]
+        resident = torch.stack([resident_mask(b, routing.shape[1]) for b in self.blocks])
+        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, routing, resident, self.top_k, self.costs)
         return k

@@ -10,6 +10,7 @@ worker in another process can receive the same record (multi-GPU) and tests can 
                speculative decoding the tokens each verifying request kept, and the next drafts
     RankQuery  a control record of a parallel engine, sent between steps on the same channel as
                StepInput: every rank answers with its own data (RankQuery.answer)
+    StepVerdict what rank 0's verify kept, sent to the workers inside a speculative step
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ class StepOutput:
     emitted: dict[str, list[int]] = field(default_factory=dict)
     emitted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per emitted token
     drafts: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class StepVerdict:
+    """Sent by rank 0 of a parallel engine inside a step, after it verified the step's drafts (its
+    workers cannot: only rank 0 samples): each worker then rolls recurrent state back where a draft was
+    rejected and runs the MTP passes over the kept tokens, in step with rank 0 (their collectives pair
+    up). Sent exactly when ModelRunner.shares_verdict(step) holds, which every rank computes alike."""
+
+    sampled: dict[str, int]  # StepOutput.sampled: request id -> the step's last token for it
+    emitted: dict[str, list[int]]  # StepOutput.emitted: the kept drafts and one more token
 
 
 # what a RankQuery may ask for -> how a rank's model answers it (plain data, picklable)
