@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -66,6 +68,22 @@ def test_low_acceptance_and_draft_cost_choose_zero_and_hybrid_caps_a_miss():
     assert step_seconds(1, 1, UNIFORM, none, TOP, host) < step_seconds(1, 1, UNIFORM, none, TOP, link) / 4
     with pytest.raises(ValueError, match="fewer than max_k"):
         choose_k(3, 1, acc, UNIFORM, none, TOP, costs)
+
+
+def test_an_eager_verify_against_a_replayed_decode():
+    """A verify step runs eagerly, a k = 0 step replays a graph: the launches the graph saves are
+    charged to every k > 0 once per step. Resident at good acceptance k = 2 wins; with an eager
+    step costing twice the whole replayed step, k = 0 does."""
+    acc = torch.tensor([0.8, 0.7, 0.6])
+    costs = StepCosts.from_rates(2 * 2**30, 9_400_000, 4.2e12, 55e9, per_token_s=1e-5)
+    all_in = torch.ones(L, E, dtype=torch.bool)
+    assert choose_k(3, 1, acc, UNIFORM, all_in, TOP, costs)[0] >= 2
+    t0 = step_seconds(0, 1, UNIFORM, all_in, TOP, costs)
+    eager = replace(costs, eager_s=2 * t0)
+    assert step_seconds(0, 1, UNIFORM, all_in, TOP, eager) == t0
+    assert step_seconds(1, 1, UNIFORM, all_in, TOP, eager) == pytest.approx(
+        step_seconds(1, 1, UNIFORM, all_in, TOP, costs) + 2 * t0)
+    assert choose_k(3, 1, acc, UNIFORM, all_in, TOP, eager)[0] == 0
 
 
 def test_acceptance_meter_counts_each_position_where_it_was_tried():

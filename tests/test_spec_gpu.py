@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA (docs/speculative.md): the eager verify steps against the same engine
 without speculation (decode steps replayed from CUDA graphs), greedy, float32, for n-gram drafts on
 the embedded model and MTP drafts on a tiny DeepSeek-V3 with its MTP layer (every step eager there),
-resident and slots backends; expert-aware k's timed costs on the GPU (the link slower than HBM).
+resident and slots backends; expert-aware k's timed costs on the GPU (the link slower than HBM, an
+eager step dearer than a graph replay).
 
 NOTE: the verify step runs k + 1 tokens per sequence through kernels that may round differently from
 the one-token decode graph's; float32 on these tiny models leaves no near-tie, so the tokens must be
@@ -58,8 +59,11 @@ def test_mtp_on_cuda_equals_plain(tmp_path):
 def test_expert_aware_k_prices_the_link_above_hbm():
     llm = LLM(None, device="cuda", dtype="bfloat16", experts=ExpertOptions("slots", slots=8),
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    c = llm.scheduler.spec.chooser.costs
+    chooser = llm.scheduler.spec.chooser
+    c = chooser.costs
     assert c.link_expert_s > c.hbm_expert_s > 0
+    # timed on the decode graphs after capture: an eager step's launches cost more than a replay's
+    assert chooser.eager_s > 0 and chooser.replay_batch == llm.runner.graphs.max_batch and c.per_token_s >= 0
     p = llm.encode(CODE[0])
     llm.generate([p], SamplingParams(max_tokens=32, ignore_eos=True))
     assert sum(llm.metrics()["spec_decode_k_chosen"].values()) == llm.steps

@@ -60,6 +60,30 @@ def test_slots_mask_and_prices_decide_k(tiny_ckpt):
     assert chooser.choose(1) == 0
 
 
+def test_the_eager_term_applies_where_a_k_of_zero_replays(tiny_ckpt):
+    """time_graphs gives the chooser the graphs' timed eager cost and per-row cost; the eager cost is
+    charged only at batches the decode graphs hold (above them a k = 0 step runs eagerly too)."""
+    from moetier.engine.spec_k import time_graphs
+
+    llm = LLM(tiny_ckpt, device="cpu", dtype="float32", speculative_config=NGRAM)
+    chooser = llm.scheduler.spec.chooser
+    assert chooser.eager_s == 0.0 and chooser.replay_batch == 0  # the CPU captures no graphs
+    chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.001, link_expert_s=0.001)
+    assert chooser.choose(4) == 3
+
+    class Graphs:  # DecodeGraphs' two timings: an eager step 9 s over its replay, 1 us a row
+        max_batch = 4
+
+        def step_costs(self, timer):
+            assert timer(lambda: None) >= 0.0
+            return 9.0, 1e-6
+
+    time_graphs(llm.scheduler.spec, Graphs())
+    assert (chooser.eager_s, chooser.replay_batch, chooser.costs.per_token_s) == (9.0, 4, 1e-6)
+    assert chooser.choose(4) == 0  # 9 s per eager step outweighs 3 drafts on a 1 s step
+    assert chooser.choose(5) == 3  # 5 sequences: no graph holds them, every step eager alike
+
+
 def test_a_k_of_zero_is_tried_again():
     from moetier.engine.spec_k import PRIOR, RETRY
 

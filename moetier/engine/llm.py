@@ -31,7 +31,7 @@ from moetier.engine.metrics import engine_metrics, expert_stats_per_rank, last_s
 from moetier.engine.kv_setup import auto_chunk, engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
-from moetier.engine.spec_k import attach_chooser
+from moetier.engine.spec_k import attach_chooser, time_graphs
 from moetier.engine.warmup import warm_up
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
@@ -247,6 +247,8 @@ class LLM:
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
+            if self._workers is None:
+                time_graphs(self.scheduler.spec, graphs)  # expert-aware k: an eager step's cost over a replay
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         # the plan's "capture" stage ends here: the warm-up's large step brings runtime items (the

@@ -11,16 +11,20 @@ second, from what it measured:
                      each rank fills its own misses, alongside the others)
     StepCosts        the dense bytes over the HBM rate (fixed), one expert row from HBM and over the
                      link, the rates timed at start (copies of an expert-row-sized buffer, HBM to HBM
-                     and pinned host to device; on the CPU both are one memcpy)
+                     and pinned host to device; on the CPU both are one memcpy); with decode graphs,
+                     the eager step's cost over a replay and each row's cost, timed on the graphs'
+                     dummy rows after capture (graphs.DecodeGraphs.step_costs), the eager term charged
+                     at the batches a k = 0 step replays
 
-NOTE: not modelled yet: the per-token cost (attention over the context, activations), the MTP layer's
-own cost per draft, and the hybrid host's cheaper misses (a hybrid layer is priced as slots). The
-reads (routing, resident mask) are two small host reads between steps, never inside one.
+NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none), the
+MTP layer's own cost per draft, and the hybrid host's cheaper misses (a hybrid layer is priced as
+slots). The reads (routing, resident mask) are two small host reads between steps, never inside one.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -81,6 +85,17 @@ def attach_chooser(spec, model) -> None:
         spec.chooser = KChooser(model, spec.config.num_speculative_tokens)
 
 
+def time_graphs(spec, graphs) -> None:
+    """After the decode graphs' capture (one process: a worker rank would not replay with rank 0 here),
+    give the chooser the eager step's cost over a replay and each row's cost (DecodeGraphs.step_costs)."""
+    chooser = getattr(spec, "chooser", None)
+    if chooser is not None and graphs is not None:
+        dev = chooser.device
+        eager_s, per_token_s = graphs.step_costs(lambda fn: _seconds(fn, dev))
+        chooser.costs = replace(chooser.costs, per_token_s=per_token_s)
+        chooser.eager_s, chooser.replay_batch = eager_s, graphs.max_batch
+
+
 class KChooser:
     def __init__(self, model, max_k: int, costs: StepCosts | None = None):
         cfg = model.cfg
@@ -97,7 +112,10 @@ class KChooser:
         if costs is None:  # the routed experts are the backends' tensors, not the model's parameters
             row = self.blocks[0].experts.layout.row_bytes(model.dtype)
             costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
-        self.costs, self.num_experts = costs, e
+        self.costs, self.num_experts, self.device = costs, e, model.device
+        # a k = 0 step of up to replay_batch sequences replays a decode graph; a verify step runs eagerly
+        # and pays eager_s more (time_graphs; 0 without graphs: every step eager alike)
+        self.eager_s, self.replay_batch = 0.0, 0
         # expert parallelism: this rank prices its own experts (each rank fills its own misses, in
         # parallel with the others), the routing shares' columns it owns against its local residency
         ex = self.blocks[0].experts
@@ -135,5 +153,6 @@ class KChooser:
             return self.max_k
         routing = self.routing if self.own is None else self.routing[:, self.own]
         resident = torch.stack([resident_mask(b, routing.shape[1]) for b in self.blocks])
-        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, routing, resident, self.top_k, self.costs)
+        costs = replace(self.costs, eager_s=self.eager_s if batch <= self.replay_batch else 0.0)
+        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, routing, resident, self.top_k, costs)
         return k

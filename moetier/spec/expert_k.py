@@ -7,8 +7,8 @@ verify step would touch. Plain CPU arithmetic between steps (float64 torch on th
     resident [L, E]  bool, whether the expert sits in HBM now (pinned, in a slot, or all resident)
     StepCosts        the seconds the device pays once per step (the dense weights read: a decode
                      step is memory-bound), per token, per expert read from HBM, per expert brought
-                     over the link (or computed by the host, hybrid: the cheaper of the two), and per
-                     draft token
+                     over the link (or computed by the host, hybrid: the cheaper of the two), per
+                     draft token, and what an eager step pays over a CUDA-graph replay
 
 With B sequences verifying k + 1 tokens each, a layer's n = B (k + 1) tokens each pick top_k
 experts; expert e is used by one token with probability p_e = min(1, top_k * routing[l, e]), so by
@@ -16,6 +16,10 @@ the step with probability 1 - (1 - p_e)^n (tokens independent). The step's expec
 
     t(k) = fixed + n * per_token + sum over layers and experts of
                P(e used) * (hbm_expert if resident[e] else miss_expert) + B * k * per_draft_token
+               + (eager if k > 0)
+
+where `eager` is the launches a graph saves: a step that verifies drafts runs eagerly, a k = 0 step
+of a batch the decode graphs hold replays one (0 where neither replays: the caller's choice).
 
 and each sequence emits E(k) = 1 + sum_{i=1..k} prod_{j<i} acceptance[j] tokens (the kept run plus
 the correction or bonus token). choose_k returns the k in 0 .. max_k with the most tokens per second
@@ -38,6 +42,7 @@ class StepCosts:
     link_expert_s: float  # one expert's weights brought over the link (expert bytes / link bandwidth)
     per_draft_token_s: float = 0.0  # one draft token (an MTP layer forward; ~0 for n-gram)
     host_expert_s: float | None = None  # hybrid: one miss computed by the host cores instead
+    eager_s: float = 0.0  # what a step of k > 0 (eager) pays over a k = 0 step that replays a CUDA graph
 
     @property
     def miss_expert_s(self) -> float:
@@ -71,7 +76,7 @@ def step_seconds(k: int, batch: int, routing: torch.Tensor, resident: torch.Tens
     res = resident.to(torch.bool)
     hits, misses = float(used[res].sum()), float(used[~res].sum())
     return costs.fixed_s + n * costs.per_token_s + hits * costs.hbm_expert_s + misses * costs.miss_expert_s \
-        + batch * k * costs.per_draft_token_s
+        + batch * k * costs.per_draft_token_s + (costs.eager_s if k else 0.0)
 
 
 def choose_k(max_k: int, batch: int, acceptance: torch.Tensor, routing: torch.Tensor, resident: torch.Tensor,
