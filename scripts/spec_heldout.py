@@ -1,11 +1,17 @@
 """Acceptance of speculative decoding on the embedded model's held-out text, on the CPU (issue 35's
 CPU measure): n-gram drafting, or the MTP layer tiny-stdlib ships (scripts/train_mtp.py). The
 held-out files (held_out.txt names them, docs/tiny-stdlib.md) are read from this Python's standard
-library; each prompt is the start of one file, decoded greedily alone with --speculative-config
-(the method, k fixed) and without; the outputs must be equal, and the record gives the tokens per
-target step after the prefill.
+library; each prompt is the start of one file, decoded alone with --speculative-config (the method,
+k fixed) and without.
+
+Greedy (the default): the outputs must be equal, and the record gives the tokens per target step
+after the prefill. --temperature T > 0: sampled decoding (seed = the file's index), whose outputs
+follow the target's distribution but are not the plain run's tokens, so only the acceptance is
+recorded; with --method mtp, --argmax-drafts drafts the MTP layer's argmax instead of a draw from its
+distribution (what the engine did before drafts from q: the comparison's baseline, this script only).
 
     python scripts/spec_heldout.py --method mtp --k 2 --prompts 8 --prompt-len 256 --tokens 64
+    python scripts/spec_heldout.py --method mtp --k 2 --temperature 1.0 [--argmax-drafts]
 """
 
 from __future__ import annotations
@@ -17,7 +23,20 @@ from pathlib import Path
 
 from moetier.default_model import ASSET
 from moetier.engine.llm import LLM
+from moetier.engine.spec_step import MtpDrafter
 from moetier.sampling_params import SamplingParams
+
+
+def argmax_drafts() -> None:
+    """Every MTP draft the argmax, sampled requests too, its q one-hot (a deterministic draft: kept
+    with probability p(x)): the baseline of --argmax-drafts."""
+    import torch
+
+    def pick(logits, chains, live, depth, probs):
+        best = logits.argmax(dim=-1)
+        probs.append((live, torch.nn.functional.one_hot(best, logits.shape[-1]).float()))
+        return best
+    MtpDrafter._pick = staticmethod(pick)
 
 
 def main() -> None:
@@ -27,25 +46,32 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=11, help="held-out files to use (11 in all)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--argmax-drafts", action="store_true")
     args = ap.parse_args()
+    if args.argmax_drafts:
+        argmax_drafts()
     spec = {"method": args.method, "num_speculative_tokens": args.k, "expert_aware_k": False}
     plain, llm = LLM(None, device="cpu"), LLM(None, device="cpu", speculative_config=spec)
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = [lib / name for name in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
     files = [f for f in files if f.is_file()][:args.prompts]
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    rows, equal = [], True
+    sampled = args.temperature > 0
+    rows, equal = [], None if sampled else True
     for i, f in enumerate(files):
+        params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=i)
         prompt = plain.tokenizer.encode(f.read_text(encoding="utf-8"))[:args.prompt_len]
-        want = plain.generate([prompt], params)[0].outputs[0].token_ids
         steps0 = llm.steps
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
-        equal &= got == want
+        if not sampled:
+            equal &= got == plain.generate([prompt], params)[0].outputs[0].token_ids
         decode_steps = llm.steps - steps0 - 1  # the prefill samples the first token
         rows.append({"file": f.name, "tokens_per_target_step": (len(got) - 1) / decode_steps})
     m = llm.metrics()
     mean = sum(r["tokens_per_target_step"] for r in rows) / len(rows)
-    print(json.dumps({"method": args.method, "k": args.k, "stdlib": str(lib), "files": len(files), "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
+    print(json.dumps({"method": args.method, "k": args.k, "temperature": args.temperature,
+                      "argmax_drafts": args.argmax_drafts, "stdlib": str(lib), "files": len(files),
+                      "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
                       "acceptance_rate": m["spec_decode_acceptance_rate"],
                       "mean_acceptance_length": m["spec_decode_mean_acceptance_length"],
                       "accepted_per_pos": m["spec_decode_num_accepted_tokens_per_pos"], "rows": rows}, indent=1))

@@ -15,7 +15,7 @@ import torch
 
 from moetier.checkpoint.writer import make_checkpoint
 from moetier.engine.llm import LLM
-from moetier.engine.spec_step import target_probs
+from moetier.engine.spec_step import draft_probs, target_probs
 from moetier.engine.step import SeqStep
 from moetier.errors import MoetierError
 from moetier.sampling_params import SamplingParams
@@ -239,6 +239,59 @@ def test_target_probs_are_the_samplers_distribution():
     torch.testing.assert_close(p[2], want)
 
 
+def test_sampled_requests_draft_from_the_mtp_distribution(monkeypatch):
+    """tiny-stdlib's MTP layer: a sampled request's drafts are draws from q (the sampler's distribution
+    over the MTP logits), kept with their q for the next step's verify, which tests them against it; a
+    greedy request's are the argmax, kept without. Runs are reproducible and equal alone and batched,
+    and drafts are kept."""
+    from moetier.engine import spec_step
+
+    given = []
+    accept = spec_step.rejection_accept
+    monkeypatch.setattr(spec_step, "rejection_accept",
+                        lambda d, n, p, q, **kw: given.append(q) or accept(d, n, p, q, **kw))
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "expert_aware_k": False}
+    llm = LLM(None, device="cpu", dtype="float32", speculative_config=mtp)
+    ps = [llm.encode(p) for p in CODE]
+    params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+              for t, k, p, s in ((0.8, 0, 1.0, 1), (1.0, 20, 0.9, 2), (0.0, 0, 1.0, 3))]
+    for p, sp in zip(ps, params):
+        llm.add_request(p, sp)
+    llm.step()  # the prefills: each request's first drafts
+    q = llm.runner.mtp.q
+    reqs = list(llm.scheduler.running)
+    assert {r.id for r in reqs if r.params.temperature > 0} == set(q)
+    for r in reqs:
+        if r.id in q:
+            drafts, dist = q[r.id]
+            assert drafts == r.draft_ids and dist.shape == (2, llm.cfg.vocab_size)
+            torch.testing.assert_close(dist.sum(-1), torch.ones(2))
+            assert all(float(dist[j, t]) > 0 for j, t in enumerate(drafts))
+    while llm.has_unfinished():
+        llm.step()
+    batch = tokens(llm.generate(ps, params))
+    assert batch == [tokens(llm.generate([p], sp))[0] for p, sp in zip(ps, params)]
+    assert batch == tokens(llm.generate(ps, params))
+    assert llm.metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert given and all(q is not None for q in given)  # every sampled verify had its drafts' q
+
+
+def test_draft_probs_are_q_where_the_drafter_kept_it_and_one_hot_elsewhere():
+    v = 6
+    q = torch.softmax(torch.arange(12.0).reshape(2, v), -1)
+    hot = SamplingParams(temperature=1.0)
+    seqs = [(0, SeqStep("a", 0, [1, 2, 3], [0], True, hot, 0, 0, num_draft=2)),  # q kept for 2, 3
+            (1, SeqStep("b", 0, [1, 4], [0], True, hot, 0, 0, num_draft=1)),  # q kept for other drafts
+            (2, SeqStep("c", 0, [1, 5], [0], True, SamplingParams(temperature=0.0), 0, 0, num_draft=1))]
+    draft = torch.tensor([[2, 3], [4, -1], [5, -1]])
+    kept = {"a": ([2, 3], q), "b": ([1], q), "c": ([5], q)}
+    out = draft_probs(draft, seqs, kept, v)
+    torch.testing.assert_close(out[0], q)
+    onehot = torch.nn.functional.one_hot(draft.clamp_min(0), v).float()
+    assert torch.equal(out[1], onehot[1]) and torch.equal(out[2], onehot[2])  # b's q is not its drafts'; c greedy
+    assert draft_probs(draft, seqs, {"b": ([1], q)}, v) is None and draft_probs(draft, seqs, None, v) is None
+
+
 def test_refusals(tiny_ckpt):
     # a qwen3_moe checkpoint without MTP layers (the default model ships one: test_mtp_tiny_stdlib.py)
     with pytest.raises(MoetierError, match="use method ngram"):
@@ -253,11 +306,19 @@ def test_the_plan_counts_the_mtp_layer_when_it_drafts(mtp_ckpt):
 
     cfg = config_from_dir(mtp_ckpt)
     reqs = [request_for(cfg, torch.float32, "cpu", EngineConfig.of(speculative_config=spec, kv_tokens=256,
-                                                                   max_num_tokens=64)) for spec in (None, NGRAM, MTP)]
+                                                                   max_num_tokens=64, max_num_seqs=4))
+            for spec in (None, NGRAM, MTP)]
     plans = [count(r) for r in reqs]
     layers = [p.request["moe_layers"] for p in plans]
     assert layers[0] == layers[1] == len(cfg.moe_layers) and layers[2] == layers[0] + 1
-    assert plans[2].as_dict() != plans[1].as_dict() and plans[0].as_dict() == plans[1].as_dict()
+    items = [{i["name"]: i for i in p.as_dict()["host"]} for p in plans]
+    # a verify step's logits: 4 sequences' last token and 3 drafts each, 16 rows against 4
+    act = "activations at the largest step (in host memory)"
+    assert "16 logit rows" in items[1][act]["note"] and "4 logit rows" in items[0][act]["note"]
+    assert {n: i for n, i in items[0].items() if n != act} == {n: i for n, i in items[1].items() if n != act}
+    # MTP: the sampled drafts' distributions, kept for the next step's verify
+    q = items[2]["MTP draft distributions (in host memory)"]
+    assert q["bytes"] >= 4 * 3 * cfg.vocab_size * 4 and "MTP draft distributions (in host memory)" not in items[1]
     # an engine drafting with MTP runs every step eagerly: no decode graphs planned
     assert reqs[1].cuda_graphs and not reqs[2].cuda_graphs
 

@@ -1,7 +1,8 @@
 """The scheduler's side of speculative decoding with fake runner outputs (no model, no torch): what a
 decoding request drafts (capped by max_tokens, the step's budget, requests it cannot verify), the
 positions reserved, how far a request advances by what was kept, which pages are hashed (accepted
-tokens only), MTP drafts carried from one step to the next, and stops inside the kept run."""
+tokens only), MTP drafts carried from one step to the next (and only to the next), and stops inside
+the kept run."""
 
 from __future__ import annotations
 
@@ -80,6 +81,23 @@ def test_mtp_drafts_are_carried_to_the_next_step_and_cut_to_its_k():
     [rec] = step(s, emitted={"a": [4, 7]}, drafts={"a": [8, 9, 1]})
     assert rec.token_ids == [3, 4, 5] and rec.num_draft == 2  # max_tokens 4, one out: two drafts
     assert req.output_ids == [3, 4, 7] and req.draft_ids == [8, 9, 1]
+
+
+def test_mtp_drafts_are_verified_only_in_the_next_step():
+    """Drafts of a step that left the request out (its token budget spent) are not verified: the
+    runner keeps sampled drafts' distributions for one step only."""
+    s, spec = make("mtp", k=2, max_num_tokens=2)
+    a, b = add(s, "a", [1]), add(s, "b", [2])
+    step(s, sampled={"a": 3, "b": 3}, drafts={"a": [4, 5], "b": [6, 7]})  # both prefills, step 0
+    assert (a.draft_ids, a.draft_step, b.draft_ids, b.draft_step) == ([4, 5], 0, [6, 7], 0)
+    s.max_num_tokens = 1  # a's last token alone: no room for its drafts, none for b
+    [rec] = step(s, sampled={"a": 6}, drafts={"a": [7, 8]})
+    assert rec.request_id == "a" and rec.num_draft == 0 and a.draft_step == 1
+    s.max_num_tokens = 8
+    recs = {r.request_id: r for r in step(s, sampled={"b": 5}, emitted={"a": [7, 9]})}
+    assert recs["a"].num_draft == 2 and recs["a"].token_ids == [6, 7, 8]  # made in the step just before
+    assert recs["b"].num_draft == 0 and recs["b"].token_ids == [3]  # b's are from two steps ago
+    assert a.output_ids == [3, 6, 7, 9] and b.output_ids == [3, 5]
 
 
 def test_a_stop_inside_the_kept_run_ends_the_request_there():

@@ -42,8 +42,11 @@ class Request:
     # when params.prompt_logprobs is set: per prompt token its (logprob, rank, [(alternative id, logprob)]),
     # None for the first (nothing predicts it); filled chunk by chunk as the prefill computes them
     prompt_logprobs: list[tuple | None] = field(default_factory=lambda: [None])
-    # speculative method mtp: the drafts its MTP layer made for its next step (engine/speculation.py)
+    # speculative method mtp: the drafts its MTP layer made for its next step (engine/speculation.py),
+    # in the step numbered draft_step: they are verified only in the step right after it, where the
+    # runner still holds the distributions sampled drafts were drawn from (engine/spec_step.py)
     draft_ids: list[int] = field(default_factory=list)
+    draft_step: int = -1
 
     @property
     def total_tokens(self) -> int:

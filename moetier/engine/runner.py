@@ -83,7 +83,8 @@ class ModelRunner:
             out = self._output(picked, tokens, logits if _wants_logprobs(picked) else None, len(ids))
             out.prompt_logprobs = scored
         if drafting:
-            out.emitted, out.emitted_logprobs = verify(self.model, hidden, batch.query_start_host, drafting)
+            out.emitted, out.emitted_logprobs = verify(self.model, hidden, batch.query_start_host, drafting,
+                                                       None if self.mtp is None else self.mtp.q)
             self.moves.roll_back(seqs, out.emitted)
             out.sampled.update({r: toks[-1] for r, toks in out.emitted.items()})
         if self.on_verdict is not None and self.shares_verdict(seqs):

@@ -304,7 +304,7 @@ class Scheduler:
             if prompt_logprobs and req.id in prompt_logprobs:
                 req.score_prompt(*prompt_logprobs[req.id])
             if self.spec is not None and self.spec.mtp and s.sample:  # this step's drafts, or none: never stale
-                req.draft_ids = (drafts or {}).get(req.id, [])
+                req.draft_ids, req.draft_step = (drafts or {}).get(req.id, []), self.spec.steps
             if not s.sample:
                 continue
             if s.draft and emitted_logprobs and req.id in emitted_logprobs:

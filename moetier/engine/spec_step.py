@@ -10,20 +10,26 @@ its last row):
     greedy rows            spec/verify.greedy_accept (every row greedy), else rejection_accept with
                            greedy rows as one-hot distributions (exact: a one-hot keeps its argmax only)
     sampled rows           p = softmax(top-k / top-p filtered logits / temperature), the sampler's own
-                           distribution; the drafts are deterministic (n-gram, or the MTP layer's argmax),
-                           so a draft x is kept with probability p(x); the random numbers are hashes of
-                           the request's seed and output index (layers/sampler.uniform_noise), never of
-                           the batch
+                           distribution; an MTP draft of a sampled request was drawn from q, the same
+                           sampler's distribution over the MTP layer's logits, and is kept with
+                           probability min(1, p(x) / q(x)) (q: the drafter's, kept from the step before);
+                           an n-gram draft is deterministic and kept with probability p(x); the random
+                           numbers are hashes of the request's seed and output index
+                           (layers/sampler.uniform_noise), never of the batch
 
 MTP drafting, per sequence of the step (models/mtp.py: the row of position i pairs token i + 1 with
 the target's hidden state h_i): the catch-up pass runs the MTP layer over the positions whose KV the
 step made valid (a prefill chunk's tokens, a decode token, or a verified token and its kept drafts),
 each with the token after it (the next prompt token, the sampled token, the kept tokens); its last
-row's argmax is draft 1, and draft j > 1 runs the layer again one position on, on (draft j - 1, the
-previous h'). Rows written past the kept tokens are rewritten by the next catch-up before any read.
-The chain uses the first MTP layer at every depth (the catch-up keeps only its KV rows) and stops at
-the sequence's last reserved page. Both host reads (the verified tokens, then the drafts) are
-between the model's passes: these eager steps synchronise twice.
+row gives draft 1, and draft j > 1 runs the layer again one position on, on (draft j - 1, the
+previous h'). A greedy request's draft is the argmax; a sampled request's is drawn from q (above),
+its noise a hash of the request's seed and the draft's output index salted apart from the verify's,
+and q [drafts, V] float32 is kept until the next step's verify (MtpDrafter.q: the last step's
+only, so a request's drafts are verified in the step right after they were made: Request.draft_step).
+Rows written past the kept tokens are rewritten by the next catch-up before any read. The chain uses
+the first MTP layer at every depth (the catch-up keeps only its KV rows) and stops at the sequence's
+last reserved page. Both host reads (the verified tokens, then the drafts) are between the model's
+passes: these eager steps synchronise twice.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from moetier.engine.step import SeqStep, TokenLogprob
 from moetier.errors import MoetierError
 from moetier.layers.attention import AttnBatch, make_batch
 from moetier.layers.sampler import filter_top_k_top_p, token_logprobs, uniform_noise
-from moetier.spec.verify import PAD, greedy_accept, rejection_accept
+from moetier.spec.verify import PAD, greedy_accept, rejection_accept, sample_from
 
 ACCEPT_SALT = 0x5DEECE66D  # the accept tests' noise differs from the last token's (same seed and index)
+DRAFT_SALT = 0x2545F4914F6CDD1D  # a sampled draft's noise differs from both
 
 
 def verify_index(seqs: list[tuple[int, SeqStep]], query_start: list[int], k: int, device) -> torch.Tensor:
@@ -64,9 +71,29 @@ def target_probs(logits: torch.Tensor, seqs: list[tuple[int, SeqStep]]) -> torch
     return torch.where(hot[:, None, None], probs, onehot)
 
 
-def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple[int, SeqStep]]
-           ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
-    """seqs: (index in the step, record) of the sequences with drafts -> (request id -> the kept drafts
+def draft_probs(draft: torch.Tensor, seqs: list[tuple[int, SeqStep]], draft_q: dict | None, vocab: int
+                ) -> torch.Tensor | None:
+    """[B, K, V] the distributions the drafts were drawn from: a sampled request's q where the drafter
+    kept one for exactly these drafts (MtpDrafter.q), one-hot (a deterministic draft) elsewhere; None
+    when no row has a q (rejection_accept's deterministic case)."""
+    kept = [(draft_q or {}).get(s.request_id) for _, s in seqs]
+    use = [q is not None and s.params.temperature > 0 and q[0][:s.num_draft] == s.token_ids[1:]
+           for q, (_, s) in zip(kept, seqs)]
+    if not any(use):
+        return None
+    b, k = draft.shape
+    out = torch.zeros(b, k, vocab, dtype=torch.float32, device=draft.device)
+    out.scatter_(2, draft.clamp_min(0)[:, :, None], 1.0)
+    for i, (q, ok, (_, s)) in enumerate(zip(kept, use, seqs)):
+        if ok:
+            out[i, :s.num_draft] = q[1][:s.num_draft]
+    return out
+
+
+def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple[int, SeqStep]],
+           draft_q: dict | None = None) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]]:
+    """seqs: (index in the step, record) of the sequences with drafts; draft_q: the MTP drafter's kept
+    distributions (MtpDrafter.q; None: every draft deterministic) -> (request id -> the kept drafts
     and one more token; request id -> each of those tokens' logprob and alternatives, for the requests
     that asked: from the raw logits at its position, as the sampler's step reports them). One host read."""
     dev = hidden.device
@@ -84,7 +111,8 @@ def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple
         steps = torch.tensor([s.sample_index for _, s in seqs], dtype=torch.int64, device=dev)
         u = uniform_noise(seeds ^ ACCEPT_SALT, steps, k)
         e = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
-        accepted, tokens = rejection_accept(draft, lens, target_probs(logits, seqs), uniforms=u, exponentials=e)
+        q = draft_probs(draft, seqs, draft_q, logits.shape[-1])
+        accepted, tokens = rejection_accept(draft, lens, target_probs(logits, seqs), q, uniforms=u, exponentials=e)
     n = max(s.params.logprobs or 0 for _, s in seqs)
     asked = any(s.params.logprobs is not None for _, s in seqs)
     parts = [accepted[:, None].double(), tokens.double()]
@@ -113,6 +141,9 @@ class MtpDrafter:
             raise MoetierError("speculative method mtp: this model was built without its MTP layers (load it with "
                                "mtp=True, or give the engine the checkpoint directory)")
         self.model, self.kv, self.page_size = model, kv, page_size
+        # the last run's sampled drafts: request id -> (its drafts, q [drafts, V] float32 they were drawn
+        # from), for the next step's verify; replaced every run, so it holds one step's requests at most
+        self.q: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqStep], hidden: torch.Tensor, batch: AttnBatch, sampled: dict[str, int],
@@ -134,28 +165,52 @@ class MtpDrafter:
             parts.append((s.start, len(after), s.pages))
             ends.append(len(ids) - 1)
         dev_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-        # chains: (record, position of its last caught-up row, its row in the catch-up, drafts to make)
+        # chains: (record, position of its last caught-up row, its row in the catch-up, drafts to make,
+        # the output index of its first draft)
         chains = []
         for (i, s), end in zip(enumerate(seqs), ends):
             if s.sample and s.draft_next:
                 last = parts[i][0] + parts[i][1] - 1
                 room = len(s.pages) * self.page_size - 1 - last  # positions the chain may write
-                chains.append((s, last, end, min(s.draft_next, 1 + room)))
-        at = torch.tensor([end for _, _, end, _ in chains], dtype=torch.int64, device=dev)
+                first = s.sample_index + (len(emitted[s.request_id]) if s.num_draft else 1)
+                chains.append((s, last, end, min(s.draft_next, 1 + room), first))
+        at = torch.tensor([c[2] for c in chains], dtype=torch.int64, device=dev)
         logits, h = self.model.draft(torch.tensor(ids, dtype=torch.int64, device=dev), hidden[dev_rows],
                                      make_batch(parts, self.page_size, dev), self.kv, rows=at)
+        self.q = {}
         if not chains:
             return {}
-        out = [logits.argmax(dim=-1)]
         live = list(range(len(chains)))
-        for j in range(1, max(n for *_, n in chains)):
+        probs = []  # per depth: (the chains drafting there, q [len(live), V] or None when all greedy)
+        out = [self._pick(logits, chains, live, 0, probs)]
+        for j in range(1, max(c[3] for c in chains)):
             live = [c for c in live if chains[c][3] > j]
             pick = torch.tensor(live, dtype=torch.int64, device=dev)
             step = make_batch([(chains[c][1] + j, 1, chains[c][0].pages) for c in live], self.page_size, dev)
             lg, hh = self.model.draft(out[-1][pick], h[pick], step, self.kv)
             nxt = torch.full((len(chains),), PAD, dtype=torch.int64, device=dev)
             h = h.clone()
-            nxt[pick], h[pick] = lg.argmax(dim=-1), hh
+            nxt[pick], h[pick] = self._pick(lg, chains, live, j, probs), hh
             out.append(nxt)
         host = torch.stack(out, dim=1).tolist()
-        return {s.request_id: row[:n] for (s, _, _, n), row in zip(chains, host)}
+        drafts = {c[0].request_id: row[:c[3]] for c, row in zip(chains, host)}
+        for c, (s, *_) in enumerate(chains):
+            if s.params.temperature > 0:
+                rows = [q[at.index(c)] for at, q in probs if q is not None and c in at]
+                self.q[s.request_id] = (drafts[s.request_id], torch.stack(rows))
+        return drafts
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, chains: list, live: list[int], depth: int, probs: list) -> torch.Tensor:
+        """Drafts [len(live)] for the chains `live` at `depth` from the MTP logits [len(live), V]: the
+        argmax for greedy requests, a draw from q for sampled ones (q appended to probs)."""
+        recs = [(i, chains[c][0]) for i, c in enumerate(live)]
+        if all(s.params.temperature == 0 for _, s in recs):
+            probs.append((live, None))
+            return logits.argmax(dim=-1)
+        q = target_probs(logits.float()[:, None], recs)[:, 0]  # greedy rows one-hot: their argmax
+        dev = logits.device
+        seeds = torch.tensor([s.seed for _, s in recs], dtype=torch.int64, device=dev) ^ DRAFT_SALT
+        steps = torch.tensor([chains[c][4] + depth for c in live], dtype=torch.int64, device=dev)
+        probs.append((live, q))
+        return sample_from(q, -torch.log(uniform_noise(seeds, steps, q.shape[-1])))

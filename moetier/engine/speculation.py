@@ -6,8 +6,10 @@ Per decoding request and step: k = min(the step's k, max_tokens - output - 1, bu
 a request this engine cannot verify exactly (it asked for a logit_bias: it is not added per verified
 position). Method "ngram" looks the drafts up in the request's tokens
 (spec/ngram.py) at schedule time; method "mtp" takes the up to k drafts the runner's MTP layer made
-at the end of the request's previous step (Request.draft_ids). The step then computes the request's
-last token and its drafts, k + 1 positions; the runner keeps accepted drafts plus one token.
+at the end of the request's previous step (Request.draft_ids), if that was the step just before this
+one (a request the last step left out, its token budget spent, drafts again first: the runner keeps
+the distributions of sampled drafts for one step only). The step then computes the request's last
+token and its drafts, k + 1 positions; the runner keeps accepted drafts plus one token.
 
 Expert-aware k: an attached chooser (engine/spec_k.KChooser) sets the step's k before the scheduler
 drafts (begin_step) and hears every verify row's outcome after the update (end_step).
@@ -70,6 +72,7 @@ class Speculation:
         # step, observe([(drafted, kept)]) after it; None: always the configured k
         self.chooser = None
         self._outcomes: list[tuple[int, int]] = []
+        self.steps = 0  # steps ended: the number of the step in flight
 
     def begin_step(self, batch: int) -> None:
         if self.chooser is not None:
@@ -83,6 +86,7 @@ class Speculation:
         if self.chooser is not None:
             self.chooser.observe(self._outcomes)
         self._outcomes = []
+        self.steps += 1
 
     @property
     def mtp(self) -> bool:
@@ -104,8 +108,8 @@ class Speculation:
         k = self.k_for(req, budget)
         if k == 0:
             return []
-        if self.mtp:
-            return req.draft_ids[:k]
+        if self.mtp:  # made by the step just before this one, or none
+            return req.draft_ids[:k] if req.draft_step == self.steps - 1 else []
         c = self.config
         return propose(req.prompt_ids + req.output_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 

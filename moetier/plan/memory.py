@@ -66,9 +66,12 @@ class PlanRequest:
     # and the host KV tier's pinned bytes (--kv-host-memory; whole pages of the pool are kept)
     prefix_caching: bool = True
     kv_host_bytes: int = 0
-    # speculative decoding: linear-attention models keep a state backup per running sequence
-    # (engine/kv_setup.num_backups)
-    speculative: bool = False
+    # speculative decoding (0: off): the most drafts a sequence verifies per step. A verify step's logits
+    # cover every sequence's last token and its drafts; linear-attention models keep a state backup per
+    # running sequence (engine/kv_setup.num_backups); MTP drafting keeps the distributions sampled
+    # requests drew their drafts from until the next step (draft_distributions: engine/spec_step.py)
+    draft_tokens: int = 0
+    draft_distributions: bool = False
 
     @property
     def model_len(self) -> int:
@@ -251,7 +254,7 @@ def count(req: PlanRequest) -> Plan:
             dev.append(_item("KDA state checkpoints", "capture", ck,
                              f"{req.max_num_seqs} prefix-cache checkpoints at page boundaries"))
             tensors += ck
-        if req.speculative:  # engine/kv_setup.num_backups: one per running sequence
+        if req.draft_tokens:  # engine/kv_setup.num_backups: one per running sequence
             bk = spec.state.tensor_bytes(dt, req.max_num_seqs)
             dev.append(_item("KDA state backups", "capture", bk,
                              f"{req.max_num_seqs} states saved before a verify step, restored on a rejection"))
@@ -288,7 +291,16 @@ def count(req: PlanRequest) -> Plan:
         dev.append(_item("cuBLAS workspace (default stream)", "runtime", [ws], "at the first eager step"))
         tensors += streams + [ws]
     rows_eager = min(req.max_num_seqs, req.max_num_tokens)
+    if req.draft_tokens:  # a verify step's logits and its sampler's distributions over them (engine/spec_step.py)
+        rows_eager = min(req.max_num_seqs * (1 + req.draft_tokens), req.max_num_tokens)
     act = r.step_activations(cfg, req.max_num_tokens, dt, rows_eager) + [r.sampler_transient(rows_eager, cfg.vocab_size)]
+    if req.draft_distributions:
+        # q [B, K, V] float32 kept from the last step's MTP passes, and the verify's [B, K, V] made of them
+        q = req.max_num_seqs * req.draft_tokens * cfg.vocab_size * 4
+        dev.append(_item("MTP draft distributions", "runtime", [q],
+                         f"{req.max_num_seqs} sequences x {req.draft_tokens} drafts x {cfg.vocab_size:,} float32, "
+                         "kept for the next step's verify"))
+        act.append(q)
     if kind.host_store:
         act.append(r.prefill_stream(shape, dt))
     if dense.transient:  # kept dense weights: a prefill projection dequantizes its weight first

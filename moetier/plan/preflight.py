@@ -37,6 +37,7 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
     cfg = with_dense(cfg, config.dense_weights)  # the dense weights as they will be held
     # speculative method mtp loads the MTP layers: their experts, dense weights and KV rows are counted
     cfg = with_mtp(cfg, config.drafts_with_mtp)
+    spec = config.speculative_config
     return PlanRequest(cfg, dtype, device, max_model_len=config.model_len(cfg.max_position_embeddings),
                        max_num_seqs=config.max_num_seqs, kv_tokens=config.kv_tokens, page_size=config.page_size,
                        max_num_tokens=config.max_num_tokens, decode_tokens=config.decode_tokens,
@@ -47,7 +48,9 @@ def request_for(cfg: ModelConfig, dtype: torch.dtype, device: str, config, gpu_m
                        host_source=host_src, memlock=machine.memlock_limit(),
                        prefill_stream=config.experts.prefill_stream,
                        prefix_caching=config.enable_prefix_caching,
-                       kv_host_bytes=config.kv_host_bytes, speculative=config.speculative_config is not None)
+                       kv_host_bytes=config.kv_host_bytes,
+                       draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                       draft_distributions=config.drafts_with_mtp)
 
 
 def check_shards(model_dir: Path, cfg: ModelConfig) -> None:
