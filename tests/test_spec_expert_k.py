@@ -86,6 +86,18 @@ def test_an_eager_verify_against_a_replayed_decode():
     assert choose_k(3, 1, acc, UNIFORM, all_in, TOP, eager)[0] == 0
 
 
+def test_chained_mtp_passes_are_charged_per_draft_after_the_first():
+    acc = torch.tensor([0.9, 0.9, 0.9])
+    all_in = torch.ones(L, E, dtype=torch.bool)
+    costs = StepCosts(1e-3, 0.0, 1e-9, 1e-9)
+    passes = replace(costs, draft_pass_s=2e-3)
+    for k in range(4):  # draft 1 comes from the catch-up, which runs whatever k is
+        extra = step_seconds(k, 1, UNIFORM, all_in, TOP, passes) - step_seconds(k, 1, UNIFORM, all_in, TOP, costs)
+        assert extra == pytest.approx(max(k - 1, 0) * 2e-3)
+    assert choose_k(3, 1, acc, UNIFORM, all_in, TOP, costs)[0] == 3
+    assert choose_k(3, 1, acc, UNIFORM, all_in, TOP, passes)[0] == 1  # each further pass doubles the step
+
+
 def test_acceptance_meter_counts_each_position_where_it_was_tried():
     m = AcceptanceMeter(3, prior=0.5, decay=0.0)  # decay 0: the last step's fractions
     # accepted 0 of 3, 1 of 3, 3 of 3, 2 of 2: position 0 tried by all 4 (kept by 3), position 1 by

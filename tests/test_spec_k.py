@@ -84,6 +84,17 @@ def test_the_eager_term_applies_where_a_k_of_zero_replays(tiny_ckpt):
     assert chooser.choose(5) == 3  # 5 sequences: no graph holds them, every step eager alike
 
 
+def test_an_mtp_engine_times_its_chained_pass():
+    """Drafting with tiny-stdlib's MTP layer: the chooser prices a chained MTP pass (timed at start on
+    the scratch page, with no route hook seeing it) and the engine's tokens stay plain greedy's."""
+    llm = LLM(None, device="cpu", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.scheduler.spec.chooser.costs.draft_pass_s > 0
+    plain = LLM(None, device="cpu", dtype="float32")
+    p = plain.encode(PROMPT)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert llm.generate([p], params)[0].outputs[0].token_ids == plain.generate([p], params)[0].outputs[0].token_ids
+
+
 def test_a_k_of_zero_is_tried_again():
     from moetier.engine.spec_k import PRIOR, RETRY
 

@@ -83,6 +83,18 @@ def test_mtp_drafts_are_carried_to_the_next_step_and_cut_to_its_k():
     assert req.output_ids == [3, 4, 7] and req.draft_ids == [8, 9, 1]
 
 
+def test_mtp_drafts_next_follow_the_steps_k():
+    """The runner makes the step's k drafts for the next step (expert-aware k prices each MTP pass)."""
+    s, spec = make("mtp", k=3)
+    add(s, "a", [1, 2])
+    spec.set_k(2)
+    [rec] = step(s, sampled={"a": 3}, drafts={"a": [4, 5]})
+    assert rec.draft_next == 2
+    spec.chooser = type("Zero", (), {"choose": lambda self, b: 0, "observe": lambda self, o: None})()
+    [rec] = step(s, sampled={"a": 6})
+    assert rec.num_draft == 0 and rec.draft_next == 0  # k 0: nothing verified, nothing drafted
+
+
 def test_mtp_drafts_are_verified_only_in_the_next_step():
     """Drafts of a step that left the request out (its token budget spent) are not verified: the
     runner keeps sampled drafts' distributions for one step only."""

@@ -242,7 +242,8 @@ class LLM:
 
             self.replayer = Replayer(model, read_trace(config.replay_trace))
         attach_prefetch(model, config.experts.prefetch, self.replayer)  # (re)links or unlinks, before the graphs
-        attach_chooser(self.scheduler.spec, model)  # expert-aware k: its route hook is in the graphs too
+        # expert-aware k: its route hook is in the graphs too; an MTP pass timed on the scratch page
+        attach_chooser(self.scheduler.spec, model, self.kv, config.num_pages)
         graphs = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)

@@ -14,11 +14,14 @@ second, from what it measured:
                      and pinned host to device; on the CPU both are one memcpy); with decode graphs,
                      the eager step's cost over a replay and each row's cost, timed on the graphs'
                      dummy rows after capture (graphs.DecodeGraphs.step_costs), the eager term charged
-                     at the batches a k = 0 step replays
+                     at the batches a k = 0 step replays; with MTP drafting, one chained MTP pass,
+                     timed at start on the pool's scratch page (draft_pass_seconds: the drafter makes
+                     the step's k drafts for the next step, engine/speculation.draft_next, so a
+                     smaller k saves passes too)
 
-NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none), the
-MTP layer's own cost per draft, and the hybrid host's cheaper misses (a hybrid layer is priced as
-slots). The reads (routing, resident mask) are two small host reads between steps, never inside one.
+NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none) and
+the hybrid host's cheaper misses (a hybrid layer is priced as slots). The reads (routing, resident
+mask) are two small host reads between steps, never inside one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from moetier.experts.backends import UvaExperts
 from moetier.experts.parallel.ep import owned_experts
+from moetier.layers.attention import make_batch
 from moetier.spec.expert_k import AcceptanceMeter, StepCosts, choose_k
 
 DECAY = 0.9  # the routing shares' moving average per step: recent steps weigh most
@@ -78,11 +82,35 @@ def resident_mask(block, e: int) -> torch.Tensor:
     return torch.zeros(e, dtype=torch.bool) if isinstance(ex, UvaExperts) else torch.ones(e, dtype=torch.bool)
 
 
-def attach_chooser(spec, model) -> None:
+def draft_pass_seconds(model, kv, scratch_page: int) -> float:
+    """One chained MTP pass of one sequence, timed: model.draft on token 0 at position 0 of the pool's
+    scratch page (no request owns it), no route hook seeing it (a recorder would keep its routing), the
+    expert caches emptied afterwards."""
+    dev = model.device
+    blocks = [b for b in model.moe_blocks() if b.layer >= model.cfg.num_layers]
+    hooks = [b.route_hook for b in blocks]
+    ids = torch.zeros(1, dtype=torch.int64, device=dev)
+    hidden = torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+    batch = make_batch([(0, 1, [scratch_page])], kv.page_size, dev)
+    try:
+        for b in blocks:
+            b.route_hook = None
+        return _seconds(lambda: model.draft(ids, hidden, batch, kv), dev)
+    finally:
+        for b, h in zip(blocks, hooks):
+            b.route_hook = h
+        model.reset_experts()
+
+
+def attach_chooser(spec, model, kv=None, scratch_page: int = -1) -> None:
     """Give the scheduler's Speculation (engine/speculation.py) its KChooser when the config asks for
-    expert-aware k (and the model has MoE layers); None or off: nothing."""
+    expert-aware k (and the model has MoE layers); None or off: nothing. MTP drafting: the chained
+    pass is timed on kv's scratch page."""
     if spec is not None and spec.config.expert_aware_k and model.moe_blocks():
         spec.chooser = KChooser(model, spec.config.num_speculative_tokens)
+        if spec.mtp:
+            pass_s = draft_pass_seconds(model, kv, scratch_page)
+            spec.chooser.costs = replace(spec.chooser.costs, draft_pass_s=pass_s)
 
 
 def time_graphs(spec, graphs) -> None:

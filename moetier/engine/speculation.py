@@ -114,6 +114,7 @@ class Speculation:
         return propose(req.prompt_ids + req.output_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def draft_next(self, req: Request) -> int:
-        """MTP: how many drafts the runner makes for the request's next step (cut to the next step's k
-        then)."""
-        return self.config.num_speculative_tokens if self.mtp and speculable(req.params) else 0
+        """MTP: how many drafts the runner makes for the request's next step: this step's k (expert-aware
+        k prices each chained pass; a step whose k was 0 makes none, and the next verifies none), cut to
+        the next step's k then."""
+        return self.k if self.mtp and speculable(req.params) else 0

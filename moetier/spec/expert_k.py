@@ -8,7 +8,8 @@ verify step would touch. Plain CPU arithmetic between steps (float64 torch on th
     StepCosts        the seconds the device pays once per step (the dense weights read: a decode
                      step is memory-bound), per token, per expert read from HBM, per expert brought
                      over the link (or computed by the host, hybrid: the cheaper of the two), per
-                     draft token, and what an eager step pays over a CUDA-graph replay
+                     draft token, per chained MTP pass (one per draft after the first, all sequences
+                     at once), and what an eager step pays over a CUDA-graph replay
 
 With B sequences verifying k + 1 tokens each, a layer's n = B (k + 1) tokens each pick top_k
 experts; expert e is used by one token with probability p_e = min(1, top_k * routing[l, e]), so by
@@ -16,7 +17,7 @@ the step with probability 1 - (1 - p_e)^n (tokens independent). The step's expec
 
     t(k) = fixed + n * per_token + sum over layers and experts of
                P(e used) * (hbm_expert if resident[e] else miss_expert) + B * k * per_draft_token
-               + (eager if k > 0)
+               + max(k - 1, 0) * draft_pass + (eager if k > 0)
 
 where `eager` is the launches a graph saves: a step that verifies drafts runs eagerly, a k = 0 step
 of a batch the decode graphs hold replays one (0 where neither replays: the caller's choice).
@@ -43,6 +44,7 @@ class StepCosts:
     per_draft_token_s: float = 0.0  # one draft token (an MTP layer forward; ~0 for n-gram)
     host_expert_s: float | None = None  # hybrid: one miss computed by the host cores instead
     eager_s: float = 0.0  # what a step of k > 0 (eager) pays over a k = 0 step that replays a CUDA graph
+    draft_pass_s: float = 0.0  # one chained MTP pass (drafts 2 .. k; draft 1 comes from the catch-up)
 
     @property
     def miss_expert_s(self) -> float:
@@ -76,7 +78,8 @@ def step_seconds(k: int, batch: int, routing: torch.Tensor, resident: torch.Tens
     res = resident.to(torch.bool)
     hits, misses = float(used[res].sum()), float(used[~res].sum())
     return costs.fixed_s + n * costs.per_token_s + hits * costs.hbm_expert_s + misses * costs.miss_expert_s \
-        + batch * k * costs.per_draft_token_s + (costs.eager_s if k else 0.0)
+        + batch * k * costs.per_draft_token_s + max(k - 1, 0) * costs.draft_pass_s \
+        + (costs.eager_s if k else 0.0)
 
 
 def choose_k(max_k: int, batch: int, acceptance: torch.Tensor, routing: torch.Tensor, resident: torch.Tensor,
