@@ -75,14 +75,17 @@ def test_ngram_on_tensor_parallel_ranks_equals_plain(ckpts):
         llm.close()
 
 
-def test_expert_aware_k_prices_rank_0s_own_experts(ckpts):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_expert_aware_k_prices_rank_0s_own_experts(ckpts, method):
+    """Under EP2 the chooser prices rank 0's own experts; with MTP it leaves the chained pass untimed
+    (rank 0 alone would run the pass's collectives without its workers: a hang)."""
     from moetier.experts.placement import ExpertOptions
 
     llm = LLM(ckpts["dsv3"], expert_parallel_size=2, experts=ExpertOptions("slots", slots=4),
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+              speculative_config={"method": method, "num_speculative_tokens": 3}, **ENGINE)
     try:
         chooser = llm.scheduler.spec.chooser
-        assert chooser.own.tolist() == list(range(0, llm.cfg.num_experts, 2))
+        assert chooser.own.tolist() == list(range(0, llm.cfg.num_experts, 2)) and chooser.costs.draft_pass_s == 0
         llm.generate([[5, 17, 99, 3] * 3], SamplingParams(max_tokens=12, ignore_eos=True))
         assert sum(llm.metrics()["spec_decode_k_chosen"].values()) > 0
     finally:

@@ -105,10 +105,10 @@ def draft_pass_seconds(model, kv, scratch_page: int) -> float:
 def attach_chooser(spec, model, kv=None, scratch_page: int = -1) -> None:
     """Give the scheduler's Speculation (engine/speculation.py) its KChooser when the config asks for
     expert-aware k (and the model has MoE layers); None or off: nothing. MTP drafting: the chained
-    pass is timed on kv's scratch page."""
+    pass is timed on kv's scratch page (kv None: not timed, priced 0)."""
     if spec is not None and spec.config.expert_aware_k and model.moe_blocks():
         spec.chooser = KChooser(model, spec.config.num_speculative_tokens)
-        if spec.mtp:
+        if spec.mtp and kv is not None:
             pass_s = draft_pass_seconds(model, kv, scratch_page)
             spec.chooser.costs = replace(spec.chooser.costs, draft_pass_s=pass_s)
 
