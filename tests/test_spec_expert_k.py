@@ -64,6 +64,7 @@ def test_low_acceptance_and_draft_cost_choose_zero_and_hybrid_caps_a_miss():
     assert choose_k(2, 4, acc, UNIFORM, torch.ones(L, E, dtype=torch.bool), TOP, costs)[0] == 0
     link = StepCosts(0.0, 1e-5, 1e-6, 1e-3)
     host = StepCosts(0.0, 1e-5, 1e-6, 1e-3, host_expert_s=2e-4)
+    assert host.miss_expert_s == pytest.approx(1 / (1e3 + 5e3))  # both paths at once: their rates add
     none = torch.zeros(L, E, dtype=torch.bool)
     assert step_seconds(1, 1, UNIFORM, none, TOP, host) < step_seconds(1, 1, UNIFORM, none, TOP, link) / 4
     with pytest.raises(ValueError, match="fewer than max_k"):

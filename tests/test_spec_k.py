@@ -95,6 +95,23 @@ def test_an_mtp_engine_times_its_chained_pass():
     assert llm.generate([p], params)[0].outputs[0].token_ids == plain.generate([p], params)[0].outputs[0].token_ids
 
 
+def test_hybrid_prices_a_miss_on_the_link_and_the_host_cores_at_once(tmp_path):
+    """Under hybrid the chooser reads the host cores' seconds per expert row from the backend's own
+    calibration; the link and the host fill misses side by side, so their rates add."""
+    from moetier.checkpoint.writer import make_checkpoint
+    from moetier.experts.hybrid.cost_model import PathRates
+
+    path = make_checkpoint(tmp_path / "m", "tiny", seed=3, dtype="bfloat16")
+    opts = ExpertOptions("hybrid", slots=4, rates=PathRates(50.0, {"bfloat16": 2.0}), host_threads=1)
+    llm = LLM(path, device="cpu", dtype="bfloat16", experts=opts, speculative_config=NGRAM)
+    c = llm.scheduler.spec.chooser.costs
+    row = llm.model.moe_blocks()[0].experts.model.row_bytes
+    assert c.host_expert_s == row / 2e9
+    assert c.miss_expert_s == 1 / (1 / c.link_expert_s + 1 / c.host_expert_s) < min(c.link_expert_s, c.host_expert_s)
+    plain = LLM(path, device="cpu", dtype="bfloat16", speculative_config=NGRAM)
+    assert plain.scheduler.spec.chooser.costs.host_expert_s is None  # resident: no host path
+
+
 def test_a_k_of_zero_is_tried_again():
     from moetier.engine.spec_k import PRIOR, RETRY
 

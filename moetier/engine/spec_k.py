@@ -19,19 +19,23 @@ second, from what it measured:
                      the step's k drafts for the next step, engine/speculation.draft_next, so a
                      smaller k saves passes too)
 
-NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none) and
-the hybrid host's cheaper misses (a hybrid layer is priced as slots). The reads (routing, resident
-mask) are two small host reads between steps, never inside one.
+                     under hybrid, the host cores' seconds per expert row from the backend's own
+                     calibration (experts/hybrid/cost_model.CostModel.host_row_s)
+
+NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none). The
+reads (routing, resident mask) are two small host reads between steps, never inside one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
 import torch
 
 from moetier.experts.backends import UvaExperts
+from moetier.experts.hybrid.cost_model import CostModel
 from moetier.experts.parallel.ep import owned_experts
 from moetier.layers.attention import make_batch
 from moetier.spec.expert_k import AcceptanceMeter, StepCosts, choose_k
@@ -80,6 +84,17 @@ def resident_mask(block, e: int) -> torch.Tensor:
     if cache is not None:
         return (cache.expert_slot >= 0).cpu()
     return torch.zeros(e, dtype=torch.bool) if isinstance(ex, UvaExperts) else torch.ones(e, dtype=torch.bool)
+
+
+def host_expert_seconds(blocks) -> float | None:
+    """Under hybrid, the host cores' seconds for one expert row (the backend's calibrated cost model;
+    every layer's host path runs the same kernel over rows of one size); None for other backends."""
+    for b in blocks:
+        ex = getattr(b.experts, "inner", b.experts)  # experts/parallel/ep.ShardedExperts
+        model = getattr(ex, "model", None)
+        if isinstance(model, CostModel):
+            return model.host_row_s if math.isfinite(model.host_row_s) else None
+    return None
 
 
 def draft_pass_seconds(model, kv, scratch_page: int) -> float:
@@ -140,6 +155,7 @@ class KChooser:
         if costs is None:  # the routed experts are the backends' tensors, not the model's parameters
             row = self.blocks[0].experts.layout.row_bytes(model.dtype)
             costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
+            costs = replace(costs, host_expert_s=host_expert_seconds(self.blocks))
         self.costs, self.num_experts, self.device = costs, e, model.device
         # a k = 0 step of up to replay_batch sequences replays a decode graph; a verify step runs eagerly
         # and pays eager_s more (time_graphs; 0 without graphs: every step eager alike)

@@ -7,7 +7,8 @@ verify step would touch. Plain CPU arithmetic between steps (float64 torch on th
     resident [L, E]  bool, whether the expert sits in HBM now (pinned, in a slot, or all resident)
     StepCosts        the seconds the device pays once per step (the dense weights read: a decode
                      step is memory-bound), per token, per expert read from HBM, per expert brought
-                     over the link (or computed by the host, hybrid: the cheaper of the two), per
+                     over the link (hybrid: the link and the host cores fill misses side by side, so
+                     a miss costs 1 / (1 / link + 1 / host), experts/hybrid/cost_model.py), per
                      draft token, per chained MTP pass (one per draft after the first, all sequences
                      at once), and what an eager step pays over a CUDA-graph replay
 
@@ -48,7 +49,12 @@ class StepCosts:
 
     @property
     def miss_expert_s(self) -> float:
-        return self.link_expert_s if self.host_expert_s is None else min(self.link_expert_s, self.host_expert_s)
+        """One miss: over the link, or under hybrid over the link and on the host cores at once (the two
+        paths run concurrently, so their rates add; the per-call overhead and a shared expert's extra
+        tokens on the host are left out)."""
+        if self.host_expert_s is None:
+            return self.link_expert_s
+        return 1.0 / (1.0 / self.link_expert_s + 1.0 / self.host_expert_s)
 
     @classmethod
     def from_rates(cls, dense_bytes: int, expert_bytes: int, hbm_bytes_per_s: float, link_bytes_per_s: float,
