@@ -364,6 +364,24 @@ def test_the_plan_counts_the_state_backups_of_speculation():
     assert item["bytes"] * 5 == slots[0]["bytes"] * 4  # 4 backups beside 4 + 1 slots
 
 
+def test_a_replayed_trace_routes_each_position_once_while_speculating():
+    """Replaying a trace, the rows of rejected drafts are routed again by the steps that make their
+    positions valid: each position takes the trace row a run without speculation gives it, so the
+    greedy tokens and the cursor's end equal the plain replay's (one sequence; a spoiled draft forces
+    rejections)."""
+    from pathlib import Path
+
+    trace = Path(__file__).parents[1] / "data" / "traces" / "tiny-stdlib-heldout.mtrace"
+    plain = LLM(None, device="cpu", dtype="float32", replay_trace=trace)
+    p = plain.encode(CODE[0])
+    want = tokens(plain.generate([p], greedy(24)))
+    llm = LLM(None, device="cpu", dtype="float32", replay_trace=trace, speculative_config=NGRAM)
+    seen = oracle(llm, {tuple(p): want[0]}, {tuple(p): 2})
+    assert tokens(llm.generate([p], greedy(24))) == want
+    assert int(llm.replayer.cursor) == int(plain.replayer.cursor) == len(p) + 23
+    assert any(0 < a < 3 for a in seen) and 3 in seen  # a partial rejection, and runs kept whole
+
+
 def _stream_rows(path, layers: int) -> dict[int, np.ndarray]:
     """A recorded trace's ids [n, layers, k] per stream, in its token order."""
     from moetier.traces.format import read_trace

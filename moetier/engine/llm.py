@@ -41,6 +41,14 @@ from moetier.sampling_params import SamplingParams
 from moetier.tokenizer import Tokenizer
 
 
+def valid_positions(plan, step) -> list[int]:
+    """Per sequence of a step just updated, the positions whose KV it made valid (update() moved
+    num_computed past them): its own tokens and the kept drafts up to a stop, none where a rejection
+    rolled its recurrent state back (the next step recomputes them). A recorded trace writes these
+    rows; a replayed one routes the rest again."""
+    return [max(0, min(p.request.num_computed - s.start, s.num_tokens)) for p, s in zip(plan.seqs, step.seqs)]
+
+
 def eos_ids_of(model_dir: Path, eos_token_ids: Sequence[int], tokenizer: Tokenizer) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer's eos token, together."""
     ids = set(eos_token_ids) | set(tokenizer.eos_token_ids)
@@ -313,8 +321,14 @@ class LLM:
         result = self.runner.execute(step)
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
-        if self.recorder is not None:  # after update: the positions each request's step made valid
-            self._record(plan, step)
+        drafts = any(s.num_draft for s in step.seqs)
+        if self.recorder is not None or (drafts and self.replayer is not None and self._workers is None):
+            kept = valid_positions(plan, step)  # after update: the positions each request's step made valid
+            if self.recorder is not None:
+                self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs], kept,
+                                       prefill=any(s.num_tokens - s.num_draft > 1 for s in step.seqs))
+            if drafts and self.replayer is not None and self._workers is None:
+                self.replayer.rewind(step.num_tokens - sum(kept))  # rows of rejected drafts: routed again
         # wall time to the sampled tokens on the host (update() reads them: the step's one sync)
         seconds = time.perf_counter() - t0
         self.steps, self.step_seconds = self.steps + 1, self.step_seconds + seconds
@@ -322,15 +336,6 @@ class LLM:
             self.large_steps, self.large_step_tokens = self.large_steps + 1, self.large_step_tokens + step.num_tokens
             self.large_step_seconds += seconds
         return [self.outputs.process(req, self.scheduler.finish) for req in got]
-
-    def _record(self, plan, step) -> None:
-        """Write the step's routing to the recorded trace: per request the rows of the positions whose KV
-        the step made valid (update() moved num_computed past them): its own tokens and the kept drafts up
-        to a stop, none where a rejection rolled its recurrent state back (the next step recomputes them)."""
-        seqs = step.seqs
-        kept = [max(0, min(p.request.num_computed - s.start, s.num_tokens)) for p, s in zip(plan.seqs, seqs)]
-        self.recorder.end_step([s.request_id for s in seqs], [s.num_tokens for s in seqs], kept,
-                               prefill=any(s.num_tokens - s.num_draft > 1 for s in seqs))
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
                  | None = None) -> list[RequestOutput]:

@@ -17,7 +17,9 @@ step, the catch-up, routes exactly the positions the step made valid, in the sam
 spec_step.MtpDrafter), and that is what the recorder writes as the MTP layers' columns; the chained
 drafts' passes route positions not verified yet and are left out. The replayer routes MTP layers
 from the cursor without moving it (the target's layers move it): a trace with MTP columns gives them
-their own, one without takes the layers' columns modulo its count.
+their own, one without takes the layers' columns modulo its count. After a speculative step the
+engine moves the cursor back by the rows that made no position valid (Replayer.rewind), which the
+next steps route again.
 """
 
 from __future__ import annotations
@@ -132,6 +134,13 @@ class Replayer:
             capturing = self.model.real_rows is not None and torch.cuda.is_current_stream_capturing()
             self.cursor.add_(self.model.real_rows if capturing else t)
         return out, weights
+
+    def rewind(self, rows: int) -> None:
+        """Move the cursor back by `rows`: a speculative step's rows that made no position valid (rejected
+        drafts, or a step rolled back), which the next steps route again, as a run without speculation
+        routes each position once (one process: engine/llm.py). Between steps only."""
+        if rows:
+            self.cursor.sub_(rows)
 
     def peek(self, layer: int, t: int) -> torch.Tensor:
         """The step's ids [t, k] for `layer` (a target MoE layer after the step's first), the cursor
