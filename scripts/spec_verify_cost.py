@@ -7,9 +7,12 @@ acceptance length A (field report 002: 2.37-2.57 with 3 MTP drafts) is
     implied = (A / step_ms(k)) / (1 / step_ms(0, graphs))     labelled "implied at A", never measured
 
 k = 0 is measured twice: replayed from CUDA graphs (what the engine ships without speculation) and
-eagerly (what the speculative steps run as today: docs/speculative.md). Each row's greedy tokens are
-not compared across k: a replayed trace's cursor moves by every verified token, so the routing
-differs between rows by design.
+eagerly (what the speculative steps run as today: docs/speculative.md). Each step routes k + 1 fresh
+trace rows: the engine's rewind of the rows of rejected drafts (traces/hooks.Replayer.rewind: the
+next step routes those positions again, as a run without speculation would) is turned off here,
+because a rejected draft's position gets a new token whose routing the trace cannot know, and routing
+the same rows again would fill the slots for the next step in advance. So each row's greedy tokens
+are not compared across k: the routing differs between rows by design.
 
     python scripts/spec_verify_cost.py --preset qwen3-30b-a3b --layers 8 --trace q.mtrace \
         --backends resident,slots --budget 0.5 --batch 1,8 --k 0,1,2,3 --out spec-cost.json
@@ -34,6 +37,7 @@ from moetier.sampling_params import SamplingParams
 def forced(llm: LLM) -> None:
     spec = llm.scheduler.spec
     spec.drafts = lambda req, budget: [req.output_ids[-1]] * spec.k_for(req, budget)
+    llm.replayer.rewind = lambda rows: None  # k + 1 fresh trace rows a step (the module docstring)
 
 
 def row(bed, trace: str, backend: str, budget: float, batch: int, k: int, graphs: bool, args) -> dict:
