@@ -112,6 +112,27 @@ def test_hybrid_prices_a_miss_on_the_link_and_the_host_cores_at_once(tmp_path):
     assert plain.scheduler.spec.chooser.costs.host_expert_s is None  # resident: no host path
 
 
+def test_eager_rows_are_timed_on_the_scratch_page_unseen(tmp_path):
+    """Without decode graphs each row's eager cost is timed at start on the scratch page, where no route
+    hook sees it: a replayed trace's cursor and the chooser's counts are untouched. A model with
+    recurrent state times on the spare state slot and decodes as plain."""
+    from pathlib import Path
+
+    from moetier.checkpoint.writer import make_checkpoint
+
+    trace = Path(__file__).parents[1] / "data" / "traces" / "tiny-stdlib-heldout.mtrace"
+    llm = LLM(None, device="cpu", dtype="float32", replay_trace=trace, speculative_config=NGRAM)
+    chooser = llm.scheduler.spec.chooser
+    assert chooser.costs.per_token_s > 0 and int(llm.replayer.cursor) == 0 and float(chooser.counts.sum()) == 0
+    path = make_checkpoint(tmp_path / "g", "tiny-glm5-next", seed=2, dtype="float32")
+    prompts = [[5, 17, 99, 3, 5, 17, 99], [8, 8, 8, 8]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32").generate(prompts, params)]
+    spec = LLM(path, device="cpu", dtype="float32", speculative_config=NGRAM)
+    assert spec.scheduler.spec.chooser.costs.per_token_s >= 0
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+
+
 def test_a_k_of_zero_is_tried_again():
     from moetier.engine.spec_k import PRIOR, RETRY
 

@@ -252,7 +252,7 @@ class LLM:
         attach_prefetch(model, config.experts.prefetch, self.replayer)  # (re)links or unlinks, before the graphs
         # expert-aware k: its route hook is in the graphs too; an MTP pass timed on the scratch page (one
         # process only: rank 0 alone would run the pass's collectives without its workers)
-        attach_chooser(self.scheduler.spec, model, self.kv if self._workers is None else None, config.num_pages)
+        attach_chooser(self.scheduler.spec, model, self.kv if self._workers is None else None, config)
         graphs = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)

@@ -9,21 +9,23 @@ second, from what it measured:
                      cache's mapped experts under slots and hybrid (expert_slot >= 0: pinned ones too);
                      under expert parallelism rank 0's own experts only (E / ep columns of the routing:
                      each rank fills its own misses, alongside the others)
-    StepCosts        the dense bytes over the HBM rate (fixed), one expert row from HBM and over the
-                     link, the rates timed at start (copies of an expert-row-sized buffer, HBM to HBM
-                     and pinned host to device; on the CPU both are one memcpy); with decode graphs,
-                     the eager step's cost over a replay and each row's cost, timed on the graphs'
-                     dummy rows after capture (graphs.DecodeGraphs.step_costs), the eager term charged
-                     at the batches a k = 0 step replays; with MTP drafting, one chained MTP pass,
-                     timed at start on the pool's scratch page (draft_pass_seconds: the drafter makes
-                     the step's k drafts for the next step, engine/speculation.draft_next, so a
-                     smaller k saves passes too)
+    StepCosts        timed or measured on this machine, never assumed:
+                     - fixed: the dense bytes over the HBM rate; one expert row from HBM and over the
+                       link: copies of an expert-row-sized buffer, HBM to HBM and pinned host to
+                       device (on the CPU both are one memcpy)
+                     - per_token: each row's cost in an eager step, timed at start on the pool's
+                       scratch page (row_seconds); with decode graphs, replaced after capture by the
+                       replays' (graphs.DecodeGraphs.step_costs), which also give the eager step's
+                       cost over a replay, charged at the batches a k = 0 step replays
+                     - with MTP drafting, one chained MTP pass, timed at start on the scratch page
+                       (draft_pass_seconds; the drafter makes the step's k drafts for the next step,
+                       engine/speculation.draft_next, so a smaller k saves passes too)
+                     - under hybrid, the host cores' seconds per expert row from the backend's own
+                       calibration (experts/hybrid/cost_model.CostModel.host_row_s)
+                     One process only: under several ranks nothing is timed on the model (rank 0
+                     alone would run collectives without its workers) and those terms are 0.
 
-                     under hybrid, the host cores' seconds per expert row from the backend's own
-                     calibration (experts/hybrid/cost_model.CostModel.host_row_s)
-
-NOTE: not modelled yet: the per-token cost without decode graphs (an MTP engine captures none). The
-reads (routing, resident mask) are two small host reads between steps, never inside one.
+The reads (routing, resident mask) are two small host reads between steps, never inside one.
 """
 
 from __future__ import annotations
@@ -97,35 +99,61 @@ def host_expert_seconds(blocks) -> float | None:
     return None
 
 
-def draft_pass_seconds(model, kv, scratch_page: int) -> float:
-    """One chained MTP pass of one sequence, timed: model.draft on token 0 at position 0 of the pool's
-    scratch page (no request owns it), no route hook seeing it (a recorder would keep its routing), the
-    expert caches emptied afterwards."""
-    dev = model.device
-    blocks = [b for b in model.moe_blocks() if b.layer >= model.cfg.num_layers]
+def _unhooked(model, fn, dev) -> float:
+    """fn timed with no route hook seeing it (a recorder would keep its routing, a replayer move its
+    cursor, the chooser count it); the expert caches emptied afterwards."""
+    blocks = model.moe_blocks()
     hooks = [b.route_hook for b in blocks]
-    ids = torch.zeros(1, dtype=torch.int64, device=dev)
-    hidden = torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-    batch = make_batch([(0, 1, [scratch_page])], kv.page_size, dev)
     try:
         for b in blocks:
             b.route_hook = None
-        return _seconds(lambda: model.draft(ids, hidden, batch, kv), dev)
+        return _seconds(fn, dev)
     finally:
         for b, h in zip(blocks, hooks):
             b.route_hook = h
         model.reset_experts()
 
 
-def attach_chooser(spec, model, kv=None, scratch_page: int = -1) -> None:
+def draft_pass_seconds(model, kv, scratch_page: int) -> float:
+    """One chained MTP pass of one sequence, timed: model.draft on token 0 at position 0 of the pool's
+    scratch page (no request owns it)."""
+    dev = model.device
+    ids = torch.zeros(1, dtype=torch.int64, device=dev)
+    hidden = torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+    batch = make_batch([(0, 1, [scratch_page])], kv.page_size, dev)
+    return _unhooked(model, lambda: model.draft(ids, hidden, batch, kv), dev)
+
+
+def row_seconds(model, kv, scratch_page: int, state_slot: int, rows: int) -> float:
+    """Each row's cost in an eager step: `rows` one-token sequences against one, timed, each at position
+    0 of the pool's scratch page (and the spare state slot), token 0 everywhere, so the rows route alike
+    and the union of experts (priced apart) does not grow."""
+    dev = model.device
+    state = getattr(kv, "state", None) is not None
+
+    def step(n: int):
+        batch = make_batch([(0, 1, [scratch_page])] * n, kv.page_size, dev, [state_slot] * n if state else None)
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        return lambda: model.logits(model.forward(ids, batch, kv))
+
+    one, many = _unhooked(model, step(1), dev), _unhooked(model, step(rows), dev)
+    return max(0.0, (many - one) / max(rows - 1, 1))
+
+
+def attach_chooser(spec, model, kv=None, config=None) -> None:
     """Give the scheduler's Speculation (engine/speculation.py) its KChooser when the config asks for
-    expert-aware k (and the model has MoE layers); None or off: nothing. MTP drafting: the chained
-    pass is timed on kv's scratch page (kv None: not timed, priced 0)."""
+    expert-aware k (and the model has MoE layers); None or off: nothing. Timed on kv's scratch page
+    (config: the engine's EngineConfig; kv None, several ranks: nothing timed, those terms 0): each
+    row's cost in an eager step (decode graphs, once captured, replace it: time_graphs) and, drafting
+    with MTP, one chained pass."""
     if spec is not None and spec.config.expert_aware_k and model.moe_blocks():
-        spec.chooser = KChooser(model, spec.config.num_speculative_tokens)
-        if spec.mtp and kv is not None:
-            pass_s = draft_pass_seconds(model, kv, scratch_page)
-            spec.chooser.costs = replace(spec.chooser.costs, draft_pass_s=pass_s)
+        spec.chooser = c = KChooser(model, spec.config.num_speculative_tokens)
+        if kv is not None:
+            rows = max(2, min(config.max_num_seqs, config.decode_tokens))
+            per_token = row_seconds(model, kv, config.num_pages, config.max_num_seqs, rows)
+            c.costs = replace(c.costs, per_token_s=per_token)
+            if spec.mtp:
+                c.costs = replace(c.costs, draft_pass_s=draft_pass_seconds(model, kv, config.num_pages))
 
 
 def time_graphs(spec, graphs) -> None:
