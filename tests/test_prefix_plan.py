@@ -90,3 +90,26 @@ def test_plan_command_lists_the_host_tier_beside_the_expert_store():
                                  "--host-memory", "40GiB", "--expert-backend", "slots", "--expert-budget", "50%",
                                  "--kv-host-memory", "32GiB"])
     assert r.exit_code == 2 and "the host needs" in r.stderr
+
+
+def test_verify_graphs_counted_for_ngram_speculation_only():
+    """n-gram speculation captures verify graphs (engine/verify_graphs.py) beside the decode graphs: the
+    plan counts their inputs and grows the pool to the largest verify step; MTP drafting, models with
+    recurrent state and the indexers capture none."""
+    from moetier.plan import residents as r
+
+    assert r.verify_shapes((1, 2, 4, 8, 16, 32, 64), 3, 64) == [
+        (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (32, 2), (1, 3), (2, 3), (4, 3), (8, 3), (16, 3),
+        (1, 4), (2, 4), (4, 4), (8, 4), (16, 4)]
+    cfg = presets.preset("qwen3-30b-a3b")
+    base = dict(max_model_len=4096, max_num_seqs=8)
+    off, ngram = count(PlanRequest(cfg, BF16, "cuda", **base)), count(PlanRequest(cfg, BF16, "cuda", draft_tokens=3, **base))
+    mtp = count(PlanRequest(cfg, BF16, "cuda", draft_tokens=3, draft_distributions=True, **base))
+    item = {p: {i.name: i.bytes for i in plan.device} for p, plan in (("off", off), ("ngram", ngram), ("mtp", mtp))}
+    assert "verify graph inputs" in item["ngram"] and "verify graph inputs" not in item["mtp"]
+    assert "verify graph inputs" not in item["off"]
+    # 32 rows (8 sequences x 4) of logits and the verify arithmetic against 8 rows of decode: a larger pool
+    assert item["ngram"]["CUDA graph pool"] > item["mtp"]["CUDA graph pool"] == item["off"]["CUDA graph pool"]
+    glm = presets.preset("tiny-glm5-next")
+    names = [i.name for i in count(PlanRequest(glm, BF16, "cuda", draft_tokens=3, **base)).device]
+    assert "verify graph inputs" not in names  # KDA state: its verify steps stay eager

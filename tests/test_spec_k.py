@@ -166,3 +166,28 @@ def test_engine_with_expert_aware_k_equals_plain_and_reports_its_choices():
     assert off.scheduler.spec.chooser is None
     off.generate([p], SamplingParams(max_tokens=5))
     assert off.metrics()["spec_decode_k_chosen"] == {}
+
+
+def test_a_verify_step_that_replays_pays_no_eager_term(tiny_ckpt):
+    """With verify graphs (n-gram drafting, engine/verify_graphs.py) a step of k > 0 replays where they
+    hold its batch and k: the chooser charges the eager cost only to the k whose step runs eagerly."""
+    from moetier.engine.spec_k import time_graphs
+
+    llm = LLM(tiny_ckpt, device="cpu", dtype="float32", speculative_config=NGRAM)
+    chooser = llm.scheduler.spec.chooser
+    chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.001, link_expert_s=0.001)
+
+    class Graphs:  # an eager step 9 s over its replay
+        max_batch = 4
+
+        def step_costs(self, timer):
+            return 9.0, 1e-6
+
+    class Verify:  # graphs for k = 1, 2 at up to 2 sequences
+        @staticmethod
+        def covers(n, k):
+            return 1 <= k <= 2 and n <= 2
+
+    time_graphs(llm.scheduler.spec, Graphs(), Verify())
+    assert chooser.choose(2) == 2  # k = 3 would run eagerly: its drafts do not pay 9 s
+    assert chooser.choose(4) == 0  # no verify graph holds 4 sequences: k = 0 replays, every k > 0 is eager

@@ -181,12 +181,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        # kept: the verify graphs (engine/verify_graphs.py) capture into the same pool afterwards
+        self.pool = pool = torch.cuda.graph_pool_handle()
         self._pad_host()
         self._upload()
         # NOTE: one warm-up stream for every size: torch keeps a cuBLAS workspace per stream that ran a
         # GEMM (32 MiB on Hopper), so a stream per size held 96 MiB more (plan/residents.cublas_workspace)
-        side = torch.cuda.Stream()
+        self.side = side = torch.cuda.Stream()  # kept for the verify graphs' warm-up too
         for n in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             for w in reversed(self.buckets):  # widest first, likewise
                 self.by_width[n, w] = self._capture_width(n, w, pool, side)

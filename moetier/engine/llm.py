@@ -32,6 +32,7 @@ from moetier.engine.kv_setup import auto_chunk, engine_kv, engine_moves, engine_
 from moetier.engine.request import Request
 from moetier.engine.runner import ModelRunner
 from moetier.engine.spec_k import attach_chooser, time_graphs
+from moetier.engine.verify_graphs import verify_graphs
 from moetier.engine.warmup import warm_up
 from moetier.errors import MoetierError
 from moetier.experts.backends import set_prefill_policy, set_prefill_stream
@@ -253,19 +254,21 @@ class LLM:
         # expert-aware k: its route hook is in the graphs too; an MTP pass timed on the scratch page (one
         # process only: rank 0 alone would run the pass's collectives without its workers)
         attach_chooser(self.scheduler.spec, model, self.kv if self._workers is None else None, config)
-        graphs = None
+        graphs = verify = None
         if captures(config, model, parallel=self._workers is not None) and not config.drafts_with_mtp:
             # piecewise: e.g. hybrid, a host decision per MoE layer (experts/hybrid/backend.py)
             graphs = decode_graphs(model, self.kv, config, max_len, needs_pieces(model))
+            # n-gram speculation: the verify step's graphs, in the same pool (verify_graphs.py)
+            verify = verify_graphs(model, self.kv, config, max_len, graphs, parallel=self._workers is not None)
             if self._workers is None:
-                time_graphs(self.scheduler.spec, graphs)  # expert-aware k: an eager step's cost over a replay
+                time_graphs(self.scheduler.spec, graphs, verify)  # expert-aware k: which steps replay, their costs
             if self.replayer is not None:
                 self.replayer.cursor.zero_()  # warm-up steps of the capture moved it
         # the plan's "capture" stage ends here: the warm-up's large step brings runtime items (the
         # default stream's cuBLAS workspace, a prefill ring) that the plan counts as runtime
         self._audit("after graph capture", baseline)
         warm_up(model, self.kv, config, self.replayer, parallel=self._workers is not None)
-        self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp)  # MTP: all eager
+        self.runner = ModelRunner(model, self.kv, graphs, moves, mtp=config.drafts_with_mtp, verify=verify)  # MTP: eager
         if self._workers is not None:
             from moetier.dist.executor import DistributedRunner
 
@@ -328,7 +331,8 @@ class LLM:
                 self.recorder.end_step([s.request_id for s in step.seqs], [s.num_tokens for s in step.seqs], kept,
                                        prefill=any(s.num_tokens - s.num_draft > 1 for s in step.seqs))
             if drafts and self.replayer is not None and self._workers is None:
-                self.replayer.rewind(step.num_tokens - sum(kept))  # rows of rejected drafts: routed again
+                # the rows the step routed (a verify graph pads drafts) that made no position valid: again
+                self.replayer.rewind(result.num_tokens - sum(kept))
         # wall time to the sampled tokens on the host (update() reads them: the step's one sync)
         seconds = time.perf_counter() - t0
         self.steps, self.step_seconds = self.steps + 1, self.step_seconds + seconds

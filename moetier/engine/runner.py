@@ -1,7 +1,8 @@
 """The model runner: turns the scheduler's record of what to run (step.StepInput) into device tensors,
 runs the model, samples, and hands back one record of what came out (step.StepOutput). It holds no
-scheduling state; decode steps that fit a captured size replay CUDA graphs (graphs.py). Steps that
-verify drafts, and every step of an engine that drafts with MTP layers, run eagerly (spec_step.py)."""
+scheduling state; decode steps that fit a captured size replay CUDA graphs (graphs.py), and so do the
+verify steps of n-gram drafting that fit one (verify_graphs.py). Other steps that verify drafts, and
+every step of an engine that drafts with MTP layers, run eagerly (spec_step.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moetier.engine.kv_moves import KVMoves
 from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.spec_step import MtpDrafter, verify
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput, StepVerdict
+from moetier.engine.verify_graphs import VerifyGraphs
 from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import sample, token_logprobs
@@ -24,14 +26,16 @@ from moetier.models.base import CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None,
-                 moves: KVMoves | None = None, mtp: bool = False):
+                 moves: KVMoves | None = None, mtp: bool = False, verify: VerifyGraphs | None = None):
         """moves: the prefix cache's host-tier copies and state checkpoints (None: neither). mtp: every
-        step also runs the model's MTP layer (speculative method mtp: spec_step.MtpDrafter)."""
-        self.model, self.kv, self.graphs = model, kv, graphs
+        step also runs the model's MTP layer (speculative method mtp: spec_step.MtpDrafter). verify: the
+        verify step's graphs (n-gram drafting: verify_graphs.py), replayed by the steps they fit."""
+        self.model, self.kv, self.graphs, self.verify = model, kv, graphs, verify
         self.mtp = MtpDrafter(model, kv, kv.page_size) if mtp else None
         self.moves = moves if moves is not None else KVMoves(kv)
         self.moves.attach(model)  # per-layer waits for the host tier's copies (CUDA)
-        self.graph_steps = 0
+        self.graph_steps = 0  # steps replayed: decode graphs, and verify graphs (counted apart too)
+        self.verify_graph_steps = 0
         self.graphs_on = True  # False: every step eager with the graphs kept (bench decode --parallel)
         # bench decode/prefill's output check (bench/outputs.py): each step, the logits of its first
         # keep_logits sampled rows are copied on the device (no host read) into kept_logits as
@@ -58,6 +62,11 @@ class ModelRunner:
         seqs = step.seqs
         if not seqs:
             return StepOutput({}, 0)
+        if self.verify is not None and self.graphs_on and not self.keep_logits and self.verify.fits(seqs):
+            self.moves.before(step)
+            self.graph_steps += 1
+            self.verify_graph_steps += 1
+            return self.verify.run(seqs)
         replay = self.replays(seqs)  # one-token steps that sample: no prompt token left to score (SeqStep)
         self.moves.before(step, layered=not replay)
         if replay:
@@ -136,6 +145,9 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the captured graphs (before a parallel engine's process group goes: graphs.release)."""
+        if self.verify is not None:
+            self.verify.release()
+            self.verify = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

@@ -156,15 +156,18 @@ def attach_chooser(spec, model, kv=None, config=None) -> None:
                 c.costs = replace(c.costs, draft_pass_s=draft_pass_seconds(model, kv, config.num_pages))
 
 
-def time_graphs(spec, graphs) -> None:
+def time_graphs(spec, graphs, verify=None) -> None:
     """After the decode graphs' capture (one process: a worker rank would not replay with rank 0 here),
-    give the chooser the eager step's cost over a replay and each row's cost (DecodeGraphs.step_costs)."""
+    give the chooser the eager step's cost over a replay and each row's cost (DecodeGraphs.step_costs),
+    and which steps replay: k = 0 up to the decode graphs' largest batch, k > 0 where the verify graphs
+    (verify_graphs.VerifyGraphs, or None) hold the batch and k."""
     chooser = getattr(spec, "chooser", None)
     if chooser is not None and graphs is not None:
         dev = chooser.device
         eager_s, per_token_s = graphs.step_costs(lambda fn: _seconds(fn, dev))
         chooser.costs = replace(chooser.costs, per_token_s=per_token_s)
         chooser.eager_s, chooser.replay_batch = eager_s, graphs.max_batch
+        chooser.verify_covers = verify.covers if verify is not None else None
 
 
 class KChooser:
@@ -185,9 +188,11 @@ class KChooser:
             costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
             costs = replace(costs, host_expert_s=host_expert_seconds(self.blocks))
         self.costs, self.num_experts, self.device = costs, e, model.device
-        # a k = 0 step of up to replay_batch sequences replays a decode graph; a verify step runs eagerly
-        # and pays eager_s more (time_graphs; 0 without graphs: every step eager alike)
+        # a k = 0 step of up to replay_batch sequences replays a decode graph, a verify step of n sequences
+        # and k drafts one where verify_covers(n, k) (n-gram drafting); every other step runs eagerly and
+        # pays eager_s more (time_graphs; 0 without graphs: every step eager alike)
         self.eager_s, self.replay_batch = 0.0, 0
+        self.verify_covers = None
         # expert parallelism: this rank prices its own experts (each rank fills its own misses, in
         # parallel with the others), the routing shares' columns it owns against its local residency
         ex = self.blocks[0].experts
@@ -225,6 +230,8 @@ class KChooser:
             return self.max_k
         routing = self.routing if self.own is None else self.routing[:, self.own]
         resident = torch.stack([resident_mask(b, routing.shape[1]) for b in self.blocks])
-        costs = replace(self.costs, eager_s=self.eager_s if batch <= self.replay_batch else 0.0)
-        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, routing, resident, self.top_k, costs)
+        costs = replace(self.costs, eager_s=self.eager_s)
+        covers = self.verify_covers or (lambda n, k: False)
+        eager = [not (batch <= self.replay_batch if k == 0 else covers(batch, k)) for k in range(self.max_k + 1)]
+        k, self.rates = choose_k(self.max_k, batch, self.meter.rate, routing, resident, self.top_k, costs, eager)
         return k

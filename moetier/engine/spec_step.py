@@ -39,7 +39,7 @@ import torch
 from moetier.engine.step import SeqStep, TokenLogprob
 from moetier.errors import MoetierError
 from moetier.layers.attention import AttnBatch, make_batch
-from moetier.layers.sampler import filter_top_k_top_p, token_logprobs, uniform_noise
+from moetier.layers.sampler import filter_top_k_top_p, mode_of, token_logprobs, uniform_noise
 from moetier.spec.verify import PAD, greedy_accept, rejection_accept, sample_from
 
 ACCEPT_SALT = 0x5DEECE66D  # the accept tests' noise differs from the last token's (same seed and index)
@@ -53,22 +53,53 @@ def verify_index(seqs: list[tuple[int, SeqStep]], query_start: list[int], k: int
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def target_probs(logits: torch.Tensor, seqs: list[tuple[int, SeqStep]]) -> torch.Tensor:
-    """logits [B, K + 1, V] float32 -> the distributions the sampler draws from at each position:
-    one-hot argmax for greedy rows, softmax of the filtered, tempered logits for the others."""
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
+                   top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, K + 1, V] float32, temperature [B] float32 (0: greedy), top_k [B] int64 and top_p [B]
+    float32 (None: no filter) -> the distributions the sampler draws from at each position: one-hot
+    argmax for greedy rows, softmax of the filtered, tempered logits for the others. Graph-safe."""
     b, k1, v = logits.shape
-    dev = logits.device
-    params = [s.params for _, s in seqs]
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    hot = temp > 0
-    flat = logits.reshape(b * k1, v) / torch.where(hot, temp, torch.ones_like(temp)).repeat_interleave(k1)[:, None]
-    if any(p.filters for p in params):
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev).repeat_interleave(k1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).repeat_interleave(k1)
-        flat = filter_top_k_top_p(flat, top_k, top_p)
+    hot = temperature > 0
+    flat = logits.reshape(b * k1, v) / torch.where(hot, temperature, torch.ones_like(temperature)).repeat_interleave(k1)[:, None]
+    if top_k is not None:
+        flat = filter_top_k_top_p(flat, top_k.repeat_interleave(k1), top_p.repeat_interleave(k1))
     probs = torch.softmax(flat, dim=-1).reshape(b, k1, v)
     onehot = torch.zeros_like(probs).scatter_(2, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(hot[:, None, None], probs, onehot)
+
+
+def target_probs(logits: torch.Tensor, seqs: list[tuple[int, SeqStep]]) -> torch.Tensor:
+    """tempered_probs with the sequences' own sampling parameters."""
+    temp, top_k, top_p = _params(seqs, logits.device)
+    filters = any(s.params.filters for _, s in seqs)
+    return tempered_probs(logits, temp, top_k if filters else None, top_p if filters else None)
+
+
+def _params(seqs: list[tuple[int, SeqStep]], dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    params = [s.params for _, s in seqs]
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
+
+
+def verdict(logits: torch.Tensor, draft: torch.Tensor, lens: torch.Tensor, temperature: torch.Tensor,
+            top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, mode: str,
+            q: torch.Tensor | None = None) -> torch.Tensor:
+    """The verify arithmetic of B sequences, in fixed shapes and without a host read (the eager step
+    and the verify graphs, engine/verify_graphs.py, run this one function): logits [B, K + 1, V]
+    float32, draft [B, K] and lens [B] int64, the sampling parameters [B], mode as
+    layers/sampler.mode_of picks it (greedy: every row greedy; filter: some row filters), q [B, K, V]
+    the drafts' distributions (None: deterministic drafts) -> [B, 1 + K + 1] int64: the drafts kept,
+    then the emitted tokens (spec/verify.py, PAD past them)."""
+    if mode == "greedy":
+        accepted, tokens = greedy_accept(draft, lens, logits)
+    else:
+        u = uniform_noise(seeds ^ ACCEPT_SALT, steps, draft.shape[1])
+        e = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+        filters = mode == "filter"
+        p = tempered_probs(logits, temperature, top_k if filters else None, top_p if filters else None)
+        accepted, tokens = rejection_accept(draft, lens, p, q, uniforms=u, exponentials=e)
+    return torch.cat([accepted[:, None], tokens], dim=1)
 
 
 def draft_probs(draft: torch.Tensor, seqs: list[tuple[int, SeqStep]], draft_q: dict | None, vocab: int
@@ -104,15 +135,13 @@ def verify(model, hidden: torch.Tensor, query_start: list[int], seqs: list[tuple
     draft = torch.tensor([s.token_ids[1:] + [PAD] * (k - s.num_draft) for _, s in seqs], dtype=torch.int64,
                          device=dev)
     lens = torch.tensor([s.num_draft for _, s in seqs], dtype=torch.int64, device=dev)
-    if all(s.params.temperature == 0 for _, s in seqs):
-        accepted, tokens = greedy_accept(draft, lens, logits)
-    else:
-        seeds = torch.tensor([s.seed for _, s in seqs], dtype=torch.int64, device=dev)
-        steps = torch.tensor([s.sample_index for _, s in seqs], dtype=torch.int64, device=dev)
-        u = uniform_noise(seeds ^ ACCEPT_SALT, steps, k)
-        e = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
-        q = draft_probs(draft, seqs, draft_q, logits.shape[-1])
-        accepted, tokens = rejection_accept(draft, lens, target_probs(logits, seqs), q, uniforms=u, exponentials=e)
+    temp, top_k, top_p = _params(seqs, dev)
+    seeds = torch.tensor([s.seed for _, s in seqs], dtype=torch.int64, device=dev)
+    steps = torch.tensor([s.sample_index for _, s in seqs], dtype=torch.int64, device=dev)
+    mode = mode_of([s.params for _, s in seqs])
+    q = draft_probs(draft, seqs, draft_q, logits.shape[-1]) if mode != "greedy" else None
+    out = verdict(logits, draft, lens, temp, top_k, top_p, seeds, steps, mode, q)
+    accepted, tokens = out[:, 0], out[:, 1:]
     n = max(s.params.logprobs or 0 for _, s in seqs)
     asked = any(s.params.logprobs is not None for _, s in seqs)
     parts = [accepted[:, None].double(), tokens.double()]

@@ -78,6 +78,8 @@ PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 @dataclass
 class StepOutput:
     sampled: dict[str, int]  # request id -> the token sampled for it this step
+    # rows the step's forward ran for the requests (a replayed verify graph pads each sequence's drafts
+    # to the step's most, engine/verify_graphs.py): what a replayed trace's cursor moved by
     num_tokens: int
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked for them
     # request id -> (the position of the first token scored, one entry per scored prompt token)

@@ -261,6 +261,7 @@ def count(req: PlanRequest) -> Plan:
             tensors += bk
     sizes = req.graph_sizes
     width = -(-req.model_len // req.page_size)
+    verify = []
     if sizes:
         b = sizes[-1]
         gin = r.graph_inputs(b, width)
@@ -273,6 +274,13 @@ def count(req: PlanRequest) -> Plan:
         if kind.host_compute:  # engine/piecewise.py keeps, per size and MoE layer, hidden and out [n, H]
             kept += [n * cfg.hidden_size * dt.itemsize for n in sizes for _ in layers for _ in range(2)]
         peak = r.step_activations(cfg, b, dt, 0) + selection + [r.sampler_transient(b, cfg.vocab_size)]
+        # n-gram speculation's verify graphs, in the same pool (engine/verify_graphs.captures_verify)
+        verify = r.verify_shapes(sizes, req.draft_tokens, req.decode_tokens) if req.draft_tokens and not (
+            req.draft_distributions or spec.state_bytes_per_seq(dt) or selection or kind.host_compute) else []
+        if verify:
+            vin, vkept, vpeak = r.verify_graph_parts(cfg, verify, req.draft_tokens, width, dt)
+            dev.append(_item("verify graph inputs", "capture", vin, f"{len(verify)} (batch, k + 1) shapes"))
+            kept, peak, gin = kept + vkept, max(peak, vpeak, key=r.segments), gin + vin
         pool = r.segments(kept) + r.segments(peak)
         dev.append(Item("CUDA graph pool", pool, "capture",
                         f"batch {sizes}: logits fp32 kept" + (f" at {buckets} context buckets" if buckets > 1 else "")
@@ -352,8 +360,9 @@ def count(req: PlanRequest) -> Plan:
                          f"{host_pages:,} pages of {kv_spec_bytes * req.page_size:,} B (evicted prefix pages); "
                          + ("pinned exactly" if cuda else "not pinned (cpu)")))
     if cuda and sizes:
-        host.append(Item("decode graph input twins",
-                         r.graph_host_inputs(sizes[-1], width), "host", "pinned by torch: 2^n"))
+        twins = r.graph_host_inputs(sizes[-1], width) + sum(r.next_pow2(n) for n in (vin[:2] if verify else []))
+        host.append(Item("decode graph input twins", twins, "host", "pinned by torch: 2^n"
+                         + (", the verify graphs' too" if verify else "")))
     if cuda and kind.host_compute:
         host.append(Item("hybrid host staging", r.hybrid_host_staging(req.decode_tokens, shape.top_k, shape.hidden,
                                                                      shape.inter, dt.itemsize), "host-capture",

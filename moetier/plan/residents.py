@@ -162,6 +162,33 @@ def captured_sizes(max_num_seqs: int, decode_tokens: int) -> list[int]:
     return [n for n in GRAPH_SIZES if n <= cap] or [1]
 
 
+def verify_shapes(sizes, max_k: int, token_cap: int) -> list[tuple[int, int]]:
+    """The verify graphs an engine captures (engine/verify_graphs.py) and the plan counts: (n, q) for
+    q = 2 .. max_k + 1 verified positions a sequence and the decode sizes n whose n q rows stay within
+    token_cap (decode_tokens: a larger step takes the large-step expert path)."""
+    return [(n, q) for q in range(2, max_k + 2) for n in sorted(sizes) if n * q <= token_cap]
+
+
+def verify_graph_parts(cfg: ModelConfig, shapes: list[tuple[int, int]], max_k: int, width: int,
+                       dtype: torch.dtype) -> tuple[list[int], list[int], list[int]]:
+    """What the verify graphs (engine/verify_graphs.py) add, as (static inputs, what each graph keeps,
+    the largest step's transients): inputs int64 [3 t + b k + 4 b + 1] and int32 [b (3 + width)] and a
+    query-start row [b + 1] int32 per q (t the most rows, b the largest batch); kept, per shape and
+    sampling mode, the verdict [n, 1 + q] int64; the peak, one layer of a t-row step with its logits
+    and the verify arithmetic over them."""
+    b, t = max(n for n, _ in shapes), max(n * q for n, q in shapes)
+    inputs = [8 * (3 * t + b * max_k + 4 * b + 1), 4 * b * (3 + width)] + [4 * (b + 1)] * len({q for _, q in shapes})
+    kept = [8 * n * (1 + q) for n, q in shapes for _ in range(3)]
+    return inputs, kept, step_activations(cfg, t, dtype, t) + [verify_transient(t, cfg.vocab_size)]
+
+
+def verify_transient(rows: int, vocab: int) -> int:
+    """The verify arithmetic's largest transient over [rows, V] float32 logits (engine/spec_step.verdict
+    in filter mode): the sampler's filter (sampler_transient) and the tempered, one-hot, target,
+    residual and final distributions, 5 more float32 copies: 68 bytes per logit."""
+    return sampler_transient(rows, vocab) + 20 * rows * vocab
+
+
 BUCKET_TOKENS = 4096  # the narrowest context bucket of the decode graphs; each next one is 4x wider
 
 

@@ -18,10 +18,12 @@ the step with probability 1 - (1 - p_e)^n (tokens independent). The step's expec
 
     t(k) = fixed + n * per_token + sum over layers and experts of
                P(e used) * (hbm_expert if resident[e] else miss_expert) + B * k * per_draft_token
-               + max(k - 1, 0) * draft_pass + (eager if k > 0)
+               + max(k - 1, 0) * draft_pass + (eager if the step of k runs eagerly)
 
-where `eager` is the launches a graph saves: a step that verifies drafts runs eagerly, a k = 0 step
-of a batch the decode graphs hold replays one (0 where neither replays: the caller's choice).
+where `eager` is the launches a graph saves: a k = 0 step of a batch the decode graphs hold replays
+one, a verify step replays one where a verify graph holds its batch and k (n-gram drafting,
+engine/verify_graphs.py), and every other step runs eagerly (without graphs eager is 0: every step
+alike).
 
 and each sequence emits E(k) = 1 + sum_{i=1..k} prod_{j<i} acceptance[j] tokens (the kept run plus
 the correction or bonus token). choose_k returns the k in 0 .. max_k with the most tokens per second
@@ -77,25 +79,28 @@ def used_probability(routing: torch.Tensor, top_k: int, tokens: int) -> torch.Te
 
 
 def step_seconds(k: int, batch: int, routing: torch.Tensor, resident: torch.Tensor, top_k: int,
-                 costs: StepCosts) -> float:
-    """Expected seconds of one verify step of `batch` sequences with k drafts each (plus their drafting)."""
+                 costs: StepCosts, eager: bool | None = None) -> float:
+    """Expected seconds of one verify step of `batch` sequences with k drafts each (plus their drafting);
+    eager: whether that step runs without a graph (None: k > 0, every verify step eager)."""
     n = batch * (k + 1)
     used = used_probability(routing, top_k, n)
     res = resident.to(torch.bool)
     hits, misses = float(used[res].sum()), float(used[~res].sum())
     return costs.fixed_s + n * costs.per_token_s + hits * costs.hbm_expert_s + misses * costs.miss_expert_s \
         + batch * k * costs.per_draft_token_s + max(k - 1, 0) * costs.draft_pass_s \
-        + (costs.eager_s if k else 0.0)
+        + (costs.eager_s if (k > 0 if eager is None else eager) else 0.0)
 
 
 def choose_k(max_k: int, batch: int, acceptance: torch.Tensor, routing: torch.Tensor, resident: torch.Tensor,
-             top_k: int, costs: StepCosts) -> tuple[int, list[float]]:
-    """(the best k in 0 .. max_k, the expected tokens per second of every k)."""
+             top_k: int, costs: StepCosts, eager: list[bool] | None = None) -> tuple[int, list[float]]:
+    """(the best k in 0 .. max_k, the expected tokens per second of every k); eager[k]: whether the step
+    of k runs without a graph (None: every k > 0 eager)."""
     if acceptance.shape[0] < max_k:
         raise ValueError(f"acceptance has {acceptance.shape[0]} positions, fewer than max_k {max_k}")
     if routing.shape != resident.shape:
         raise ValueError(f"routing {tuple(routing.shape)} and resident {tuple(resident.shape)} differ in shape")
-    rates = [batch * expected_tokens(acceptance, k) / step_seconds(k, batch, routing, resident, top_k, costs)
+    rates = [batch * expected_tokens(acceptance, k)
+             / step_seconds(k, batch, routing, resident, top_k, costs, None if eager is None else eager[k])
              for k in range(max_k + 1)]
     best = max(range(max_k + 1), key=lambda k: (rates[k], -k))
     return best, rates
