@@ -6,8 +6,10 @@ acceptance length A (field report 002: 2.37-2.57 with 3 MTP drafts) is
 
     implied = (A / step_ms(k)) / (1 / step_ms(0, graphs))     labelled "implied at A", never measured
 
-k = 0 is measured twice: replayed from CUDA graphs (what the engine ships without speculation) and
-eagerly (what the speculative steps run as today: docs/speculative.md). Each step routes k + 1 fresh
+Every row runs with CUDA graphs on: k = 0 replays the decode graphs (what the engine ships without
+speculation), k > 0 the verify graphs (engine/verify_graphs.py; graph_steps counts the replays). The
+k values of --eager-k are measured again with graphs off (default k = 0: what an eager step costs
+over a replay). Each step routes k + 1 fresh
 trace rows: the engine's rewind of the rows of rejected drafts (traces/hooks.Replayer.rewind: the
 next step routes those positions again, as a run without speculation would) is turned off here,
 because a rejected draft's position gets a new token whose routing the trace cannot know, and routing
@@ -15,7 +17,7 @@ the same rows again would fill the slots for the next step in advance. So each r
 are not compared across k: the routing differs between rows by design.
 
     python scripts/spec_verify_cost.py --preset qwen3-30b-a3b --layers 8 --trace q.mtrace \
-        --backends resident,slots --budget 0.5 --batch 1,8 --k 0,1,2,3 --out spec-cost.json
+        --backends resident,slots --budget 0.5 --batch 1,8 --k 0,1,2,3 --eager-k 0 --out spec-cost.json
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def row(bed, trace: str, backend: str, budget: float, batch: int, k: int, graphs
         llm.close()
     ms = statistics.median(times) * 1e3
     return {"backend": backend, "budget": budget if backend != "resident" else None, "slots": slots,
-            "batch": batch, "k": k, "graphs": graphs, "graph_steps": llm.runner.graph_steps, "step_ms_median": ms,
+            "batch": batch, "k": k, "graphs": graphs, "graph_steps": llm.runner.graph_steps,
+            "verify_graph_steps": llm.runner.verify_graph_steps, "step_ms_median": ms,
             "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "steps": len(times),
             "verified_tokens_per_step": batch * (k + 1), "expert_hit_rate": st["expert_hit_rate"]}
 
@@ -85,7 +88,8 @@ def main() -> None:
     p.add_argument("--backends", default="resident,slots")
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--batch", default="1,8")
-    p.add_argument("--k", default="0,1,2,3")
+    p.add_argument("--k", default="0,1,2,3", help="k values run with CUDA graphs (the first must be 0)")
+    p.add_argument("--eager-k", default="0", help="k values run again with graphs off")
     p.add_argument("--acceptance-length", type=float, default=2.4, help="A: the implied speedup's assumption")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--warmup", type=int, default=8)
@@ -99,11 +103,11 @@ def main() -> None:
     rows = []
     for backend in args.backends.split(","):
         for b in map(int, args.batch.split(",")):
-            rows.append(row(bed, args.trace, backend, args.budget, b, 0, True, args))
-            for k in map(int, args.k.split(",")):
-                rows.append(row(bed, args.trace, backend, args.budget, b, k, False, args))
-            base = rows[-len(args.k.split(",")) - 1]["step_ms_median"]
-            for r in rows[-len(args.k.split(",")):]:
+            runs = [(k, True) for k in map(int, args.k.split(","))] + [(k, False) for k in map(int, args.eager_k.split(","))]
+            got = [row(bed, args.trace, backend, args.budget, b, k, graphs, args) for k, graphs in runs]
+            rows += got
+            base = got[0]["step_ms_median"]  # k = 0 with graphs: the first of --k
+            for r in got:
                 if r["k"] + 1 >= args.acceptance_length:
                     r[f"implied_speedup_at_A{args.acceptance_length}"] = args.acceptance_length / r["step_ms_median"] * base
                 print(json.dumps({x: r[x] for x in r if x not in ("slots",)}), flush=True)
