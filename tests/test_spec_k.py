@@ -71,15 +71,16 @@ def test_the_eager_term_applies_where_a_k_of_zero_replays(tiny_ckpt):
     chooser.costs = StepCosts(fixed_s=1.0, per_token_s=0.0, hbm_expert_s=0.001, link_expert_s=0.001)
     assert chooser.choose(4) == 3
 
-    class Graphs:  # DecodeGraphs' two timings: an eager step 9 s over its replay, 1 us a row
+    class Graphs:  # DecodeGraphs' timings: an eager step 9 s over its replay, 1 us a row, a replay 0.5 s
         max_batch = 4
 
         def step_costs(self, timer):
             assert timer(lambda: None) >= 0.0
-            return 9.0, 1e-6
+            return 9.0, 1e-6, 0.5
 
     time_graphs(llm.scheduler.spec, Graphs())
     assert (chooser.eager_s, chooser.replay_batch, chooser.costs.per_token_s) == (9.0, 4, 1e-6)
+    assert chooser.costs.fixed_s == 0.5 - 1e-6  # the one-row replay less its row: the step's fixed cost
     assert chooser.choose(4) == 0  # 9 s per eager step outweighs 3 drafts on a 1 s step
     assert chooser.choose(5) == 3  # 5 sequences: no graph holds them, every step eager alike
 
@@ -181,7 +182,7 @@ def test_a_verify_step_that_replays_pays_no_eager_term(tiny_ckpt):
         max_batch = 4
 
         def step_costs(self, timer):
-            return 9.0, 1e-6
+            return 9.0, 1e-6, 0.5
 
     class Verify:  # graphs for k = 1, 2 at up to 2 sequences
         @staticmethod

@@ -228,9 +228,9 @@ class DecodeGraphs:
         return out
 
     @torch.inference_mode()
-    def step_costs(self, timer) -> tuple[float, float]:
+    def step_costs(self, timer) -> tuple[float, float, float]:
         """(seconds an eager one-row step pays beyond its graph's replay, seconds each row adds to a
-        replay), timed by timer(fn) -> seconds on the padded inputs (every row one token 0 at position 0
+        replay, seconds of the one-row replay), timed by timer(fn) -> seconds on the padded inputs (every row one token 0 at position 0
         on the scratch page and the spare state slot, as capture ran them): expert-aware k's eager and
         per-token terms (engine/spec_k.py). Every row routes alike, so the rows' cost leaves out the union
         of experts growing, which the chooser prices itself. The host's part of an eager step (its batch
@@ -241,7 +241,7 @@ class DecodeGraphs:
         small = timer(self.by_width[one, w].graph.replay)
         large = timer(self.by_width[big, w].graph.replay) if big > one else small
         self.model.reset_experts()
-        return max(0.0, eager - small), max(0.0, (large - small) / max(big - one, 1))
+        return max(0.0, eager - small), max(0.0, (large - small) / max(big - one, 1)), small
 
     def width_of(self, seqs: list[SeqStep]) -> int:
         """The narrowest captured page-table width that holds every sequence's context."""

@@ -10,13 +10,16 @@ second, from what it measured:
                      under expert parallelism rank 0's own experts only (E / ep columns of the routing:
                      each rank fills its own misses, alongside the others)
     StepCosts        timed or measured on this machine, never assumed:
-                     - fixed: the dense bytes over the HBM rate; one expert row from HBM and over the
-                       link: copies of an expert-row-sized buffer, HBM to HBM and pinned host to
-                       device (on the CPU both are one memcpy)
-                     - per_token: each row's cost in an eager step, timed at start on the pool's
-                       scratch page (row_seconds); with decode graphs, replaced after capture by the
-                       replays' (graphs.DecodeGraphs.step_costs), which also give the eager step's
-                       cost over a replay, charged at the batches a k = 0 step replays
+                     - fixed: the dense bytes over the HBM rate, or more where a one-row step was
+                       timed longer (its launches: an eager step on a GPU costs several times its
+                       bytes); one expert row from HBM and over the link: copies of an
+                       expert-row-sized buffer, HBM to HBM and pinned host to device (on the CPU
+                       both are one memcpy)
+                     - per_token and fixed: each row's cost and a one-row step's in an eager step,
+                       timed at start on the pool's scratch page (row_seconds); with decode graphs,
+                       replaced after capture by the replays' (graphs.DecodeGraphs.step_costs), which
+                       also give the eager step's cost over a replay, charged to the steps that run
+                       eagerly
                      - with MTP drafting, one chained MTP pass, timed at start on the scratch page
                        (draft_pass_seconds; the drafter makes the step's k drafts for the next step,
                        engine/speculation.draft_next, so a smaller k saves passes too)
@@ -124,10 +127,10 @@ def draft_pass_seconds(model, kv, scratch_page: int) -> float:
     return _unhooked(model, lambda: model.draft(ids, hidden, batch, kv), dev)
 
 
-def row_seconds(model, kv, scratch_page: int, state_slot: int, rows: int) -> float:
-    """Each row's cost in an eager step: `rows` one-token sequences against one, timed, each at position
-    0 of the pool's scratch page (and the spare state slot), token 0 everywhere, so the rows route alike
-    and the union of experts (priced apart) does not grow."""
+def row_seconds(model, kv, scratch_page: int, state_slot: int, rows: int) -> tuple[float, float]:
+    """(a one-row eager step's seconds, each further row's): `rows` one-token sequences against one,
+    timed, each at position 0 of the pool's scratch page (and the spare state slot), token 0
+    everywhere, so the rows route alike and the union of experts (priced apart) does not grow."""
     dev = model.device
     state = getattr(kv, "state", None) is not None
 
@@ -137,7 +140,7 @@ def row_seconds(model, kv, scratch_page: int, state_slot: int, rows: int) -> flo
         return lambda: model.logits(model.forward(ids, batch, kv))
 
     one, many = _unhooked(model, step(1), dev), _unhooked(model, step(rows), dev)
-    return max(0.0, (many - one) / max(rows - 1, 1))
+    return one, max(0.0, (many - one) / max(rows - 1, 1))
 
 
 def attach_chooser(spec, model, kv=None, config=None) -> None:
@@ -150,8 +153,8 @@ def attach_chooser(spec, model, kv=None, config=None) -> None:
         spec.chooser = c = KChooser(model, spec.config.num_speculative_tokens)
         if kv is not None:
             rows = max(2, min(config.max_num_seqs, config.decode_tokens))
-            per_token = row_seconds(model, kv, config.num_pages, config.max_num_seqs, rows)
-            c.costs = replace(c.costs, per_token_s=per_token)
+            one, per_token = row_seconds(model, kv, config.num_pages, config.max_num_seqs, rows)
+            c.costs = replace(c.costs, per_token_s=per_token, fixed_s=max(c.dense_s, one - per_token))
             if spec.mtp:
                 c.costs = replace(c.costs, draft_pass_s=draft_pass_seconds(model, kv, config.num_pages))
 
@@ -164,8 +167,9 @@ def time_graphs(spec, graphs, verify=None) -> None:
     chooser = getattr(spec, "chooser", None)
     if chooser is not None and graphs is not None:
         dev = chooser.device
-        eager_s, per_token_s = graphs.step_costs(lambda fn: _seconds(fn, dev))
-        chooser.costs = replace(chooser.costs, per_token_s=per_token_s)
+        eager_s, per_token_s, replay_s = graphs.step_costs(lambda fn: _seconds(fn, dev))
+        chooser.costs = replace(chooser.costs, per_token_s=per_token_s,
+                                fixed_s=max(chooser.dense_s, replay_s - per_token_s))
         chooser.eager_s, chooser.replay_batch = eager_s, graphs.max_batch
         chooser.verify_covers = verify.covers if verify is not None else None
 
@@ -188,6 +192,7 @@ class KChooser:
             costs = measured_costs(model, row, sum(p.numel() * p.element_size() for p in model.parameters()))
             costs = replace(costs, host_expert_s=host_expert_seconds(self.blocks))
         self.costs, self.num_experts, self.device = costs, e, model.device
+        self.dense_s = costs.fixed_s  # the dense bytes' share of fixed: its floor when a step is timed
         # a k = 0 step of up to replay_batch sequences replays a decode graph, a verify step of n sequences
         # and k drafts one where verify_covers(n, k) (n-gram drafting); every other step runs eagerly and
         # pays eager_s more (time_graphs; 0 without graphs: every step eager alike)
