@@ -227,3 +227,46 @@ def test_gpu_time_replays_leave_the_trace_cursor_and_later_runs_exact(tiny_trace
         assert decode_steps.replay_ms(llm, 1) is not None and int(llm.replayer.cursor) == before
     finally:
         llm.close()
+
+
+def test_speculative_rows_run_beside_the_plain_ones_and_keep_their_tokens(tiny_trace):
+    """--speculative-config: each engine row again with n-gram speculation, right after it; the greedy
+    tokens equal the reference's (the replay rewinds rejected drafts' rows), the counters cover the
+    timed window, the speedup and roofline are the plain twin's."""
+    cfg = preset("tiny")
+    bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
+    args = {"tokens": 8, "warmup": 3, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
+            "seed": 0, "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+    data = decode.run(cfg, tiny_trace, [0.5], [1, 2], ["resident", "slots"], args, bed=bed,
+                      bw={"hbm_GBps": 100.0, "link_GBps": 10.0})
+    rows = data["rows"]
+    assert [(r["backend"], r.get("spec"), r["batch"]) for r in rows] == [
+        ("resident", None, 1), ("resident", None, 2), ("resident", "spec:ngram2", 1), ("resident", "spec:ngram2", 2),
+        ("slots", None, 1), ("slots", None, 2), ("slots", "spec:ngram2", 1), ("slots", "spec:ngram2", 2)]
+    checks = data["output_checks"]
+    assert checks["resident/b1"] == "reference" and checks["slots@0.5/b1"] == "exact"
+    assert checks["resident+spec:ngram2/b2"] == "tokens equal" and checks["slots+spec:ngram2@0.5/b1"] == "tokens equal"
+    assert all(data["greedy_tokens_equal_to_resident"].values()) and "resident+spec:ngram2/b1" in \
+        data["greedy_tokens_equal_to_resident"]
+    for r in (r for r in rows if r.get("spec")):
+        s = r["spec_decode"]
+        plain = next(p for p in rows if not p.get("spec") and p["backend"] == r["backend"] and p["batch"] == r["batch"])
+        assert 0 <= s["spec_decode_num_accepted_tokens"] <= s["spec_decode_num_draft_tokens"] <= 2 * s[
+            "spec_decode_num_drafts"]
+        assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+        assert 1 <= s["tokens_per_seq_step"] <= 3 and set(s["spec_decode_k_chosen"]) <= {0, 1, 2}
+        assert 0 < r["timed_tokens"] <= r["batch"] * args["tokens"]
+        assert r["speedup_over_plain"] == pytest.approx(r["tok_s"] / plain["tok_s"])
+        assert r["roofline_tok_s"] == plain["roofline_tok_s"] and r["speculative_config"]["method"] == "ngram"
+    text = decode.table(rows)
+    assert "+ngram2" in text and "tokens/seq/step" in text and "x plain" in text
+
+
+def test_bench_decode_refuses_mtp_rows():
+    from typer.testing import CliRunner
+
+    from moetier.cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--speculative-config",
+                                 '{"method": "mtp", "num_speculative_tokens": 2}'])
+    assert r.exit_code == 2 and "method ngram" in r.stderr and "Traceback" not in r.stderr

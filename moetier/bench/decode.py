@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from moetier.bench import decode_spec
 from moetier.bench.common import links, trace_info
 from moetier.bench.decode_report import check_tokens, plot, ratios, row_name, table  # noqa: F401 -- cli's names
 from moetier.bench.hybrid_rows import host_options, hybrid_rates  # noqa: F401 -- scripts/profile_hybrid.py's
@@ -34,6 +35,7 @@ from moetier.engine.llm import LLM
 from moetier.experts.hybrid.phases import model_phases
 from moetier.experts.placement import ExpertOptions
 from moetier.experts.registry import Hybrid, Resident, Slots, Uva, backend_kind
+from moetier.spec.config import SpeculativeConfig
 from moetier.traces.format import Trace
 
 # hybrid rows' decode modes (--hybrid-graphs), in the order their rows run: eager first, as a capture
@@ -64,11 +66,12 @@ def progress(line: str) -> None:
 
 def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: float, batches: list[int],
                  args: dict, bw: dict, mode: str = "auto", per_layer: dict[int, int] | None = None,
-                 prefetch: str = "off") -> list[dict]:
+                 prefetch: str = "off", spec: SpeculativeConfig | None = None) -> list[dict]:
     """mode (hybrid rows; HYBRID_GRAPH_MODES): eager (no graphs) or auto (the engine's default: the
     row's `graphs` says which it made, nodes-auto or pieces-auto). per_layer: slots per MoE layer (a
     slots file) instead of the budget's count; the row's budget is then their share of the experts.
-    prefetch: next-layer expert prefetch of slots rows (experts/prefetch.py MODES)."""
+    prefetch: next-layer expert prefetch of slots rows (experts/prefetch.py MODES). spec: the engine
+    speculates (bench/decode_spec.py: the rows' counters, their check by tokens)."""
     kind = backend_kind(backend)
     hybrid = kind.host_compute
     opts = host_options(args, bw) if hybrid else {}
@@ -78,15 +81,17 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     if hybrid and mode == "auto":  # what the default made of it
         mode = "nodes-auto" if getattr(bed.model.moe_blocks()[0].experts, "graph_safe", False) else "pieces-auto"
     prompt_len = args["prompt_len"]
+    drafts = spec.num_speculative_tokens if spec else 0  # a verify step's rows past the last token kept
     config = EngineConfig(replay_trace=trace_path, max_num_seqs=max(batches), decode_tokens=args["decode_tokens"],
                           max_num_tokens=max(512, max(batches) * prompt_len),
-                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + 16),
-                          cuda_graphs=mode != "eager", experts=ExpertOptions(prefetch=prefetch))
+                          kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + drafts + 16),
+                          cuda_graphs=mode != "eager", experts=ExpertOptions(prefetch=prefetch),
+                          speculative_config=spec)
     t0 = time.perf_counter()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)
     what = f"{backend} " + ("(slots file)" if per_layer else f"{budget:.0%}") + (
-        f" prefetch {prefetch}" if prefetch != "off" else "")
+        f" prefetch {prefetch}" if prefetch != "off" else "") + (f" {decode_spec.label(spec)}" if spec else "")
     progress(f"{what}: engine ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     try:
@@ -96,8 +101,9 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             counts0 = dict(switch.counts) if switch else {}
             # hybrid: a fresh phase clock (a few perf_counter calls per layer) as the timed window opens
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
-            r = repeated(lambda first: decode_once(llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"],
-                                                   on_timed=timed, keep_logits=first), args.get("repeats", 1))
+            r = repeated(lambda first: speculating(llm, spec, lambda opened: decode_once(
+                llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=opened,
+                keep_logits=first and spec is None), timed, b), args.get("repeats", 1))
             kernels = replay_kernels(llm, b)  # None without graphs (the CPU)
             if kernels:  # the step's graph: its launches beside its replay time (the rest is launch gaps)
                 r.update(kernels_per_step=kernels["kernels_per_step"], kernel_ms_per_step=kernels["kernel_ms_per_step"],
@@ -134,13 +140,31 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                          **r, **roof, "of_roofline": r["tok_s"] / roof["roofline_tok_s"],
                          "hbm_experts_per_layer_step": hbm_experts, "link_experts_per_layer_step": link_experts,
                          **({"prefetch": prefetch, "prefetch_experts_per_layer_step": prefetched}
-                            if prefetch != "off" else {})})
+                            if prefetch != "off" else {}),
+                         **({"spec": decode_spec.label(spec), "speculative_config": vars(spec)} if spec else {})})
             progress(f"{what} batch {b}: {r['tok_s']:.1f} tok/s, {time.perf_counter() - t0:.1f} s" + (
                 f"; {kernels['kernels_per_step']:.0f} kernels a step, {kernels['kernel_ms_per_step']:.3f} ms of "
                 f"kernel time in the {r['gpu_replay_ms']:.3f} ms replay" if kernels and r.get("gpu_replay_ms") else ""))
     finally:
         llm.close()
     return rows
+
+
+def speculating(llm: LLM, spec: SpeculativeConfig | None, decode, timed, batch: int) -> dict:
+    """decode(on_timed) -> one run's record; with spec, its speculation counters over the timed window
+    added (bench/decode_spec.py). timed: what else opens with the window (hybrid's phase clock) or None."""
+    if spec is None:
+        return decode(timed)
+    counters = decode_spec.TimedCounters(llm)
+
+    def opened():
+        counters.open()
+        if timed is not None:
+            timed()
+
+    r = decode(opened)
+    r["spec_decode"] = counters.fields(r["timed_tokens"], batch)
+    return r
 
 
 def bench_hf(bed: Bed, trace: Trace, budget: float, batches: list[int], args: dict, bw: dict) -> list[dict]:
@@ -260,19 +284,21 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
     for mode in modes:
         plan += [(Hybrid.name, b, mode, None, "off") for b in budgets if Hybrid.name in backends]
         plan += [(Hybrid.name, share, mode, per_layer, "off")] * bool(per_layer and Hybrid.name in backends)
-    for backend, budget, mode, counts, prefetch in plan:
+    spec = decode_spec.parse(args.get("speculative_config"))  # each row again with it, after it
+    for backend, budget, mode, counts, prefetch, sp in ((*p, sp) for p in plan for sp in (None, spec)[:1 + bool(spec)]):
         try:
-            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, counts, prefetch)
+            rows += bench_engine(bed, trace, trace_path, backend, budget, batches, args, bw, mode, counts, prefetch, sp)
         except Exception as e:  # noqa: BLE001 -- a hybrid mode that fails on a machine is a result to report
             if not backend_kind(backend).host_compute:
                 raise
             errors.append({"backend": backend, "budget": budget, "graphs": mode, "dtype": bed_dtype(bed),
-                           "error": repr(e)})
+                           "error": repr(e), **({"spec": decode_spec.label(sp)} if sp else {})})
             print(f"hybrid {budget:.0%} graphs={mode} failed: {e!r}", flush=True)
             continue
         for r in rows[-len(batches):]:
             r["dtype"] = label
             refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=not backend_kind(backend).host_compute)
+        decode_spec.pair_with_plain(rows)
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends and bed.cfg.quant is None:  # the transformers peer runs bf16 experts only
         for budget in budgets:

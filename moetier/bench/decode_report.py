@@ -3,6 +3,7 @@ greedy-token check against resident, the table, the format ratios and the tok/s 
 
 from __future__ import annotations
 
+from moetier.bench import decode_spec
 from moetier.bench.common import GB, batch_axes, finish_axis, save_figure
 from moetier.bench.outputs import column
 from moetier.experts.registry import NAMES, Hybrid, Resident, Slots, Uva
@@ -15,6 +16,7 @@ def row_name(r: dict) -> str:
     par = r.get("parallel", "1")
     name = r["backend"] + ("/" + r["graphs"] if r["backend"] == Hybrid.name else "")
     name += f"+prefetch:{r['prefetch']}" if r.get("prefetch", "off") != "off" else ""
+    name += f"+{r['spec']}" if r.get("spec") else ""
     at = "file" if r.get("slots_per_layer") else r.get("budget")  # a slots file's row: its per-layer counts
     key = f"{name}@{at}/b{r['batch']}" if at is not None else f"{name}/b{r['batch']}"
     return key + (f"/{r['dtype']}" if str(r.get("dtype")).startswith(("fp8", "nvfp4", "int4")) else "") + ("" if par == "1" else "/" + par)
@@ -25,13 +27,14 @@ def check_tokens(rows: list[dict]) -> dict[str, bool]:
     trace, same prompts); empty without a resident row (the record's output_checks then name the
     reference that ran: bench/outputs.py)."""
     ref = {(r.get("dtype"), r["batch"]): r["tokens"] for r in rows if r["backend"] == Resident.name
-           and r.get("parallel", "1") == "1"}
+           and r.get("parallel", "1") == "1" and not r.get("spec")}
     out = {}
     for r in rows:
         if "tp" in r.get("parallel", "1"):  # EP ranks hold the one-GPU weights; TP ranks' random shards differ
             continue
         # hybrid: equal only where no host pair changed a greedy choice (host and device round differently)
-        if r["backend"] in NAMES and r["backend"] != Resident.name and (r.get("dtype"), r["batch"]) in ref:
+        if r["backend"] in NAMES and (r["backend"] != Resident.name or r.get("spec")) and (
+                r.get("dtype"), r["batch"]) in ref:
             out[row_name(r)] = r["tokens"] == ref[r.get("dtype"), r["batch"]]
     return out
 
@@ -61,6 +64,9 @@ def table(rows: list[dict]) -> str:
                 host += f"  record {r['record_broadcast_ms_per_step']:.3f} ms/step ({r['step_record_group']})"
             if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
                 host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
+        if r.get("spec"):
+            name += "+" + r["spec"][5:]  # spec:ngram3 -> +ngram3
+            host += decode_spec.line(r)
         spread = f" ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} over {r['runs']})" if r.get("runs", 1) > 1 else ""
         lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s{spread}  "
                      f"step {r['step_ms_median']:8.2f} ms  roofline {r['roofline_tok_s']:9.1f} tok/s  "
@@ -94,7 +100,7 @@ def ratios(rows: list[dict]) -> list[str]:
     """For each (backend, budget, batch) measured in both formats: FP8 tok/s over bf16 tok/s, kept
     dense over dequantized dense (fp8-dense over fp8, nvfp4-dense over nvfp4, ...), and each 4-bit
     format over FP8 and over bf16 (issue 30's targets are both)."""
-    by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows}
+    by = {(r["backend"], r.get("budget"), r["batch"], r.get("dtype")): r["tok_s"] for r in rows if not r.get("spec")}
     out = []
     four = ("fp8", "bf16")
     kept = {f"{q}-dense": (q,) for q in ("fp8", *PACKED4)}  # kept dense over dequantized dense
@@ -109,7 +115,8 @@ def ratios(rows: list[dict]) -> list[str]:
 
 
 def plot(result: dict, path: str) -> None:
-    rows = [r for r in result["rows"] if r.get("parallel", "1") == "1"]  # the budget curve of one GPU
+    # the budget curve of one GPU without speculation (speculative rows: the table)
+    rows = [r for r in result["rows"] if r.get("parallel", "1") == "1" and not r.get("spec")]
     batches = sorted({r["batch"] for r in rows if r["batch"] <= 8})
     budgets = sorted({r["budget"] for r in rows if r["backend"] == Slots.name})
     fig, axes = batch_axes(batches)

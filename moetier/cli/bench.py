@@ -118,6 +118,7 @@ def bench_decode(
     expert_split: opt.ExpertSplit = opt.EXPERTS.split,
     pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
+    speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -193,6 +194,9 @@ def bench_decode(
             cfg = config_from_dir(model_dir_of(model))
         else:
             cfg = make_preset(preset, layers, "bfloat16")
+        from moetier.bench.decode_spec import parse as parse_spec
+
+        parse_spec(speculative_config)  # each one-GPU engine row again with it (bench/decode_spec.py)
     except MoetierError as e:
         opt.fail(e)
     need_cuda("decode")
@@ -215,7 +219,7 @@ def bench_decode(
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes, "prefetch": prefetches,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
-            "pinned": pinned, "slots_per_layer": per_layer}
+            "pinned": pinned, "slots_per_layer": per_layer, "speculative_config": speculative_config}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

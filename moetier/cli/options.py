@@ -123,7 +123,8 @@ SpeculativeConfigOption = Annotated[Optional[str], typer.Option(
     "--speculative-config", metavar="<json>", help="Speculative decoding, as vLLM spells it: "
     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's MTP layers) or "
     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}' (prompt lookup); "
-    "docs/speculative.md. Greedy outputs equal decoding without it; speculative steps run eagerly.")]
+    "docs/speculative.md. Greedy outputs equal decoding without it; n-gram verify steps replay CUDA graphs where "
+    "they fit, MTP steps and glm5_next / GLM-5 verify steps run eagerly.")]
 
 
 def speculative_config(text: str | None):

@@ -63,7 +63,8 @@ class EngineConfig:
     dense_weights: str = "dequantize"
     # Speculative decoding (--speculative-config, spec/config.py; docs/speculative.md): None is off; the
     # JSON text or dict vLLM takes is parsed into the record. Method "mtp" loads the checkpoint's MTP
-    # layers (the plan counts their experts and KV); speculative steps run eagerly (no CUDA graphs).
+    # layers (the plan counts their experts and KV); n-gram verify steps replay their own CUDA graphs where
+    # they fit (engine/verify_graphs.py), the rest run eagerly.
     speculative_config: SpeculativeConfig | None = None
     # Automatic prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages keyed by a
     # hash chain of their tokens, shared between requests, the free ones kept until evicted LRU; a prompt

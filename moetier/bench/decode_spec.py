@@ -1,0 +1,110 @@
+"""`bench decode --speculative-config`: each engine row run again with speculative decoding, beside the
+plain row of the same backend, budget and batch in the same run (bench/decode.py).
+
+A speculative row's greedy tokens are checked against the run's reference like every other row, by
+tokens alone: its verify steps sample several tokens per sequence, which the kept-logits probe
+(one row per sequence a step) does not cover, and keeping logits would switch the verify graphs off.
+Greedy speculation promises the tokens of plain decoding; with routing replayed from a trace the
+engine rewinds the trace rows of rejected drafts (traces/hooks.Replayer.rewind), so each verified
+position routes the experts the plain run routed there.
+
+What it adds to a row (over the timed window only, warm-up excluded): the speculation counters as vLLM
+names them, the tokens a sequence made per step, the k the engine chose per step (expert-aware k), and the
+speedup over the plain row. Its roofline is the plain row's, a step of one token per sequence: above
+100% of it is what speculation gained over the one-token step's bytes.
+
+Random weights rarely repeat what n-gram drafting looks up and never train an MTP layer, so the
+acceptance of random-weight rows is whatever the model happens to do; the cost of a verify step
+against k, with acceptance forced, is scripts/spec_verify_cost.py's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+from moetier.errors import MoetierError
+from moetier.spec.config import SpeculativeConfig, speculative_config_of
+
+if TYPE_CHECKING:
+    from moetier.engine.llm import LLM
+
+
+def parse(text: str | None) -> SpeculativeConfig | None:
+    """The checked --speculative-config of bench decode (None: no speculative rows). Its rows draft by
+    n-gram: the bench's models are built without MTP layers (random weights have none to train)."""
+    spec = speculative_config_of(text, "--speculative-config")
+    if spec is not None and spec.method != "ngram":
+        raise MoetierError(f"--speculative-config: bench decode's rows speculate with method ngram, not {spec.method} "
+                           "(its models are built without MTP layers); measure MTP with `moetier bench serve` "
+                           "against `moetier serve --speculative-config ...` or scripts/spec_heldout.py")
+    return spec
+
+
+def label(spec: SpeculativeConfig) -> str:
+    """A row's speculation in its name: spec:ngram3, spec:mtp2 (the configured most drafts per step)."""
+    return f"spec:{spec.method}{spec.num_speculative_tokens}"
+
+
+class TimedCounters:
+    """The engine's speculation counters over one timed window: open() as the window opens (decode_once's
+    on_timed), fields() after it."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.before = None
+        self.steps0 = 0
+
+    def open(self) -> None:
+        self.before = copy.deepcopy(self.llm.scheduler.spec.counters)
+        self.steps0 = self.llm.steps
+
+    def fields(self, tokens: int, batch: int) -> dict:
+        """tokens: output tokens the window made by `batch` sequences -> the row's spec_decode_* fields and
+        the tokens a sequence made per step (1 without speculation)."""
+        b, a = self.before, self.llm.scheduler.spec.counters
+        drafts = a.num_drafts - b.num_drafts
+        drafted = a.num_draft_tokens - b.num_draft_tokens
+        accepted = a.num_accepted_tokens - b.num_accepted_tokens
+        steps = self.llm.steps - self.steps0
+        chosen = {k: n - b.k_chosen.get(k, 0) for k, n in a.k_chosen.items() if n - b.k_chosen.get(k, 0)}
+        return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_accepted_tokens_per_pos": [x - y for x, y in zip(a.accepted_per_pos,
+                                                                                   b.accepted_per_pos)],
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
+                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "spec_decode_k_chosen": dict(sorted(chosen.items())),
+                "tokens_per_seq_step": tokens / (steps * batch) if steps else None}
+
+
+def pair_with_plain(rows: list[dict]) -> None:
+    """Each speculative row's speedup over the plain row of the same backend, budget, prefetch, format
+    and batch (None where that row did not run), and that row's roofline."""
+    def key(r: dict) -> tuple:
+        return (r["backend"], r.get("budget"), r.get("graphs"), r.get("prefetch", "off"), r.get("dtype"), r["batch"],
+                bool(r.get("slots_per_layer")))
+
+    plain = {key(r): r for r in rows if not r.get("spec")}
+    for r in rows:
+        if not r.get("spec"):
+            continue
+        p = plain.get(key(r))
+        r["speedup_over_plain"] = r["tok_s"] / p["tok_s"] if p else None
+        if p:  # the one-token step's roofline (module docstring)
+            for k in ("hbm_bytes_per_step", "link_bytes_per_step", "roofline_step_ms", "roofline_tok_s"):
+                r[k] = p[k]
+            r["of_roofline"] = r["tok_s"] / p["roofline_tok_s"]
+
+
+def line(r: dict) -> str:
+    """The table's speculation column of a row ("" for a plain row)."""
+    s = r.get("spec_decode")
+    if not s:
+        return ""
+    acc = "-" if s["spec_decode_acceptance_rate"] is None else f"{s['spec_decode_acceptance_rate']:.1%}"
+    tps = "-" if s["tokens_per_seq_step"] is None else f"{s['tokens_per_seq_step']:.2f}"
+    up = "" if r.get("speedup_over_plain") is None else f", {r['speedup_over_plain']:.2f}x plain"
+    ks = " ".join(f"{k}:{n}" for k, n in s["spec_decode_k_chosen"].items())  # k: steps that chose it
+    return (f"  {r['spec']}: accepted {acc} of {s['spec_decode_num_draft_tokens']} drafts, {tps} tokens/seq/step{up}, "
+            f"steps by k chosen {ks}")
