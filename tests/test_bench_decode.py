@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetier.bench import decode, decode_steps
+from moetier.bench import decode, decode_spec, decode_steps
 from moetier.cli.bench_common import parse_budget
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine.config import EngineConfig
@@ -230,9 +230,9 @@ def test_gpu_time_replays_leave_the_trace_cursor_and_later_runs_exact(tiny_trace
 
 
 def test_speculative_rows_run_beside_the_plain_ones_and_keep_their_tokens(tiny_trace):
-    """--speculative-config: each engine row again with n-gram speculation, right after it; the greedy
-    tokens equal the reference's (the replay rewinds rejected drafts' rows), the counters cover the
-    timed window, the speedup and roofline are the plain twin's."""
+    """--speculative-config: each engine row again with n-gram speculation, right after it; at batch 1
+    the greedy tokens equal the reference's (the replay rewinds rejected drafts' rows), the counters
+    cover the timed window, the speedup and roofline are the plain twin's."""
     cfg = preset("tiny")
     bed = random_bed(cfg, seed=1, device="cpu", dtype=torch.float32)
     args = {"tokens": 8, "warmup": 3, "prompt_len": 5, "hf_tokens": 2, "policy": "lfru", "decode_tokens": 16,
@@ -245,9 +245,10 @@ def test_speculative_rows_run_beside_the_plain_ones_and_keep_their_tokens(tiny_t
         ("slots", None, 1), ("slots", None, 2), ("slots", "spec:ngram2", 1), ("slots", "spec:ngram2", 2)]
     checks = data["output_checks"]
     assert checks["resident/b1"] == "reference" and checks["slots@0.5/b1"] == "exact"
-    assert checks["resident+spec:ngram2/b2"] == "tokens equal" and checks["slots+spec:ngram2@0.5/b1"] == "tokens equal"
-    assert all(data["greedy_tokens_equal_to_resident"].values()) and "resident+spec:ngram2/b1" in \
-        data["greedy_tokens_equal_to_resident"]
+    assert checks["resident+spec:ngram2/b1"] == "tokens equal" and checks["slots+spec:ngram2@0.5/b1"] == "tokens equal"
+    # batch 2: the verify step takes the trace's rows in another order (decode_spec.judge)
+    assert checks["slots+spec:ngram2@0.5/b2"] in ("tokens equal", decode_spec.ROUTED_DIFFERENTLY)
+    assert all(data["greedy_tokens_equal_to_resident"].values()) and len(data["greedy_tokens_equal_to_resident"]) == 2
     for r in (r for r in rows if r.get("spec")):
         s = r["spec_decode"]
         plain = next(p for p in rows if not p.get("spec") and p["backend"] == r["backend"] and p["batch"] == r["batch"])
@@ -260,6 +261,17 @@ def test_speculative_rows_run_beside_the_plain_ones_and_keep_their_tokens(tiny_t
         assert r["roofline_tok_s"] == plain["roofline_tok_s"] and r["speculative_config"]["method"] == "ngram"
     text = decode.table(rows)
     assert "+ngram2" in text and "tokens/seq/step" in text and "x plain" in text
+
+
+def test_a_speculative_row_at_batch_above_one_that_differs_is_listed_not_flagged():
+    from moetier.bench.outputs import flagged
+
+    differs = {"verdict": "DIFFERS (diverged at step 3 of request 1; no logits to judge)", "reference": "resident/b4"}
+    for batch, spec, want in ((4, "spec:ngram2", decode_spec.ROUTED_DIFFERENTLY), (1, "spec:ngram2", differs["verdict"]),
+                              (4, None, differs["verdict"])):
+        row = {"batch": batch, "spec": spec, "check": dict(differs)}
+        decode_spec.judge(row)
+        assert row["check"]["verdict"] == want and flagged(row["check"]) == (want != decode_spec.ROUTED_DIFFERENTLY)
 
 
 def test_bench_decode_refuses_mtp_rows():

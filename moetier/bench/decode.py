@@ -298,6 +298,7 @@ def run_bed(bed: Bed, trace: Trace, trace_path: str, budgets: list[float], batch
         for r in rows[-len(batches):]:
             r["dtype"] = label
             refs.check(r, (label, r["batch"]), row_name(r), exact_by_design=not backend_kind(backend).host_compute)
+            decode_spec.judge(r)
         decode_spec.pair_with_plain(rows)
         print(table(rows[-len(batches):]), flush=True)
     if "hf" in backends and bed.cfg.quant is None:  # the transformers peer runs bf16 experts only

@@ -4,9 +4,12 @@ plain row of the same backend, budget and batch in the same run (bench/decode.py
 A speculative row's greedy tokens are checked against the run's reference like every other row, by
 tokens alone: its verify steps sample several tokens per sequence, which the kept-logits probe
 (one row per sequence a step) does not cover, and keeping logits would switch the verify graphs off.
-Greedy speculation promises the tokens of plain decoding; with routing replayed from a trace the
-engine rewinds the trace rows of rejected drafts (traces/hooks.Replayer.rewind), so each verified
-position routes the experts the plain run routed there.
+Greedy speculation promises the tokens of plain decoding. With routing replayed from a trace (one
+cursor for the whole batch, traces/hooks.Replayer) the engine rewinds the trace rows of rejected
+drafts, so at batch 1 each verified position routes the experts the plain run routed there and the
+check is a verdict. At batch > 1 a verify step takes the trace's rows in another order (each
+sequence's k + 1 rows together, where plain steps interleave the sequences), so the experts, and
+with them the tokens, may differ by design: there the comparison is listed, not a verdict (judge()).
 
 What it adds to a row (over the timed window only, warm-up excluded): the speculation counters as vLLM
 names them, the tokens a sequence made per step, the k the engine chose per step (expert-aware k), and the
@@ -76,6 +79,18 @@ class TimedCounters:
                 "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "spec_decode_k_chosen": dict(sorted(chosen.items())),
                 "tokens_per_seq_step": tokens / (steps * batch) if steps else None}
+
+
+ROUTED_DIFFERENTLY = ("routed differently (at batch > 1 a verify step takes the replayed trace's rows in "
+                      "another order: tokens compared, not a verdict)")
+
+
+def judge(row: dict) -> None:
+    """A speculative row at batch > 1 whose tokens differ from the reference: listed, not flagged (the
+    module docstring). Every other verdict stands."""
+    check = row.get("check") or {}
+    if row.get("spec") and row["batch"] > 1 and check.get("verdict", "").startswith("DIFFERS"):
+        check["verdict"] = ROUTED_DIFFERENTLY
 
 
 def pair_with_plain(rows: list[dict]) -> None:
