@@ -15,6 +15,7 @@ steps that also fill the slot cache; graph capture and kernel compilation happen
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
             timed = (lambda: [blk.experts.profile(True) for blk in bed.model.moe_blocks()]) if hybrid else None
             r = repeated(lambda first: speculating(llm, spec, lambda opened: decode_once(
                 llm, b, prompt_len, args["warmup"], args["tokens"], args["seed"], on_timed=opened,
-                keep_logits=first and spec is None), timed, b), args.get("repeats", 1))
+                keep_logits=first and spec is None), timed), args.get("repeats", 1))
             kernels = replay_kernels(llm, b)  # None without graphs (the CPU)
             if kernels:  # the step's graph: its launches beside its replay time (the rest is launch gaps)
                 r.update(kernels_per_step=kernels["kernels_per_step"], kernel_ms_per_step=kernels["kernel_ms_per_step"],
@@ -150,20 +151,20 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
     return rows
 
 
-def speculating(llm: LLM, spec: SpeculativeConfig | None, decode, timed, batch: int) -> dict:
+def speculating(llm: LLM, spec: SpeculativeConfig | None, decode, timed) -> dict:
     """decode(on_timed) -> one run's record; with spec, its speculation counters over the timed window
     added (bench/decode_spec.py). timed: what else opens with the window (hybrid's phase clock) or None."""
     if spec is None:
         return decode(timed)
-    counters = decode_spec.TimedCounters(llm)
+    counters, before = llm.scheduler.spec.counters, []
 
     def opened():
-        counters.open()
+        before.append(copy.deepcopy(counters))
         if timed is not None:
             timed()
 
     r = decode(opened)
-    r["spec_decode"] = counters.fields(r["timed_tokens"], batch)
+    r["spec_decode"] = decode_spec.fields(counters.since(before[0]), r)
     return r
 
 

@@ -66,7 +66,7 @@ def table(rows: list[dict]) -> str:
             if "eager_tok_s" in r:  # the all-reduce window: every rank eager (decode_parallel.bench_layout)
                 host += f" (eager steps: {r['eager_tok_s']:.1f} tok/s)"
         if r.get("spec"):
-            name += "+" + r["spec"][5:]  # spec:ngram3 -> +ngram3
+            name += "+" + r["spec"].removeprefix("spec:")  # spec:ngram3 -> +ngram3
             host += decode_spec.line(r)
         spread = f" ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} over {r['runs']})" if r.get("runs", 1) > 1 else ""
         lines.append(f"{name:>13} {r.get('dtype', ''):>9} {budget:>5} b{r['batch']:<3} {r['tok_s']:9.1f} tok/s{spread}  "

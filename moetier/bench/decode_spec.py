@@ -23,14 +23,9 @@ against k, with acceptance forced, is scripts/spec_verify_cost.py's.
 
 from __future__ import annotations
 
-import copy
-from typing import TYPE_CHECKING
-
+from moetier.engine.speculation import SpecCounters
 from moetier.errors import MoetierError
 from moetier.spec.config import SpeculativeConfig, speculative_config_of
-
-if TYPE_CHECKING:
-    from moetier.engine.llm import LLM
 
 
 def parse(text: str | None) -> SpeculativeConfig | None:
@@ -49,36 +44,11 @@ def label(spec: SpeculativeConfig) -> str:
     return f"spec:{spec.method}{spec.num_speculative_tokens}"
 
 
-class TimedCounters:
-    """The engine's speculation counters over one timed window: open() as the window opens (decode_once's
-    on_timed), fields() after it."""
-
-    def __init__(self, llm: LLM):
-        self.llm = llm
-        self.before = None
-        self.steps0 = 0
-
-    def open(self) -> None:
-        self.before = copy.deepcopy(self.llm.scheduler.spec.counters)
-        self.steps0 = self.llm.steps
-
-    def fields(self, tokens: int, batch: int) -> dict:
-        """tokens: output tokens the window made by `batch` sequences -> the row's spec_decode_* fields and
-        the tokens a sequence made per step (1 without speculation)."""
-        b, a = self.before, self.llm.scheduler.spec.counters
-        drafts = a.num_drafts - b.num_drafts
-        drafted = a.num_draft_tokens - b.num_draft_tokens
-        accepted = a.num_accepted_tokens - b.num_accepted_tokens
-        steps = self.llm.steps - self.steps0
-        chosen = {k: n - b.k_chosen.get(k, 0) for k, n in a.k_chosen.items() if n - b.k_chosen.get(k, 0)}
-        return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
-                "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_num_accepted_tokens_per_pos": [x - y for x, y in zip(a.accepted_per_pos,
-                                                                                   b.accepted_per_pos)],
-                "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
-                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-                "spec_decode_k_chosen": dict(sorted(chosen.items())),
-                "tokens_per_seq_step": tokens / (steps * batch) if steps else None}
+def fields(window: SpecCounters, r: dict) -> dict:
+    """The speculation counters of a run's timed window (decode_steps.decode_once's record r) -> the row's
+    spec_decode_* fields and the tokens a sequence made per step (1 without speculation)."""
+    steps = r["timed_steps"]
+    return {**window.as_dict(), "tokens_per_seq_step": r["timed_tokens"] / (steps * r["batch"]) if steps else None}
 
 
 ROUTED_DIFFERENTLY = ("routed differently (at batch > 1 a verify step takes the replayed trace's rows in "

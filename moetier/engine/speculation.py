@@ -51,6 +51,14 @@ class SpecCounters:
         for j in range(accepted):
             self.accepted_per_pos[j] += 1
 
+    def since(self, before: SpecCounters) -> SpecCounters:
+        """What was counted after `before` (a copy of these counters taken earlier): a timed window's."""
+        return SpecCounters(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                            self.num_accepted_tokens - before.num_accepted_tokens,
+                            [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)],
+                            {k: n - before.k_chosen.get(k, 0) for k, n in self.k_chosen.items()
+                             if n > before.k_chosen.get(k, 0)})
+
     def as_dict(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
