@@ -5,14 +5,17 @@
 # with the device wheels (fastapi, uvicorn, fla-core ...) carried in .whl/.
 #
 #   bash scripts/prefix_cache_h200.sh [ROW ...]     (default: every row; rows: q-off q-on q-host q-small-multi
-#                                                   q-host-multi g-off g-on g-host-multi)
+#                                                   q-host-multi g-off g-on g-host-multi g-res-off g-res-on
+#                                                   g-small-multi g-host-small)
 #
 # q-host: a GPU pool of three prefixes' pages, so every shared-prefix hit is the host tier's (TTFT of a
 # host hit against a GPU hit). q-small-multi and q-host-multi: multi-turn over a GPU pool smaller than the
-# conversations, without and with a host tier. g-host-multi: g-on's multi-turn row with a host tier. The device returns 8 files a call: run several rows as
+# conversations, without and with a host tier. g-host-multi: g-on's multi-turn row with a host tier. g-res-off,
+# g-res-on: GLM with resident experts. g-small-multi, g-host-small: GLM over a 32,768-token GPU pool, without
+# and with a host tier. The device returns 8 files a call: run several rows as
 #   d=$OUT; OUT=/tmp/pc bash scripts/prefix_cache_h200.sh; tar czf $d/pc.tgz -C /tmp/pc .
 set -uo pipefail
-ROWS=" ${*:-q-off q-on q-host q-small-multi q-host-multi g-off g-on g-host-multi} "
+ROWS=" ${*:-q-off q-on q-host q-small-multi q-host-multi g-off g-on g-host-multi g-res-off g-res-on g-small-multi g-host-small} "
 out=/tmp/prefix-stages  # h200_stages.sh's header file; $OUT keeps the records only
 source scripts/h200_stages.sh  # the carried wheels, PYTHONPATH, `mt`
 M="${mt[*]}"
@@ -56,6 +59,15 @@ GMT="multi --dataset multi-turn --concurrency 16,64 --input-len 4608 --prefix-le
 row g-off $G --no-enable-prefix-caching -- "$HSP;;$GMT"
 row g-on $G -- "$HSP;;$GMT"
 row g-host-multi $G --kv-host-memory 16GiB -- "$GMT"
+# GLM with every expert on the GPU: a cached prefix's TTFT without the slot cache's misses in its last step
+GR="--preset glm-5.3-flash --layers 4 --expert-backend resident --kv-tokens 131072"
+row g-res-off $GR --no-enable-prefix-caching -- "$HSP;;$GMT"
+row g-res-on $GR -- "$HSP;;$GMT"
+# GLM multi-turn over a GPU pool smaller than the conversations, without and with a host tier (pages and
+# state checkpoints evicted to it)
+G32="${G/--kv-tokens 131072/--kv-tokens 32768}"
+row g-small-multi $G32 -- "$GMT"
+row g-host-small $G32 --kv-host-memory 16GiB -- "$GMT"
 python3 - <<'PY'
 import json, glob, os
 out = os.environ["OUT"]

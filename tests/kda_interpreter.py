@@ -11,6 +11,9 @@ subprocess.
     multiple of the block.
   - KDA's gated output norm (layers/fused.gated_rms_norm) against kda.gated_rms_norm, float32 and
     bfloat16, a head width not a power of two.
+  - KDA's l2 norm of q and k before the chunked prefill (layers/l2norm_triton.py) against
+    kda_reference.l2_normalize, float32 and bfloat16, a strided input, a zero row, a head width not
+    a power of two, rows not a multiple of the block.
   - KDA's forget gate (layers/fused.kda_forget_gate) against kda.log_decay, bounded and softplus
     (inputs past the softplus's threshold of 20 included), channels not a multiple of the block.
   - the decode conv over the state pool (layers/kda_conv_triton.py) against
@@ -84,6 +87,19 @@ def check_gated_norm(dtype: torch.dtype, g: torch.Generator) -> None:
     print(f"kda gated norm {dtype}: ok")
 
 
+def check_l2norm(d: int, dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.kda_reference import L2_EPS, l2_normalize
+    from moetier.layers.l2norm_triton import l2norm_rows
+
+    x = (4 * torch.randn(37, 3, d, generator=g)).to(dtype)  # 111 rows: not a multiple of the block
+    x[5, 1] = 0  # a zero row: eps keeps it finite (zeros out)
+    want, got = l2_normalize(x.float()).to(dtype), l2norm_rows(x[:, :2], L2_EPS)  # a strided view
+    assert got.dtype == dtype and got.shape == (37, 2, d) and got.is_contiguous()
+    assert rel(got, want[:, :2]) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want[:, :2])
+    assert torch.equal(got[5, 1], torch.zeros(d, dtype=dtype))
+    print(f"kda l2norm D={d} {dtype}: ok")
+
+
 def check_forget_gate(lower_bound: float | None, g: torch.Generator) -> None:
     from moetier.layers.fused import kda_forget_gate
     from moetier.layers.kda import log_decay
@@ -149,6 +165,8 @@ if __name__ == "__main__":
     check_gated_norm(torch.bfloat16, g)
     check_forget_gate(-5.0, g)
     check_forget_gate(None, g)
+    check_l2norm(128, torch.float32, g)
+    check_l2norm(96, torch.bfloat16, g)
     check_conv(torch.float32, g)
     check_conv(torch.bfloat16, g)
     if importlib.util.find_spec("fla") is None:

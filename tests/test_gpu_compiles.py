@@ -2,7 +2,8 @@
 request for a second or so). Covered: the paged and the latent (MLA) attention (their shape-following
 variants compiled at startup, engine/warmup.py), the slot cache's bookkeeping, the decode plan,
 the large-step plan and the host tier's page copy (their per-step ints are not specialized), and the
-large-step path (engine/warmup.py runs one large step at startup). Skipped without CUDA."""
+large-step path (engine/warmup.py runs one large step at startup), KDA's l2 norm before the chunked
+prefill. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -81,6 +82,25 @@ def test_latent_attention_variants_cover_every_chunk_shape(compiles, dsa):
                                 0.1, r, topk)
     torch.cuda.synchronize()
     assert [n for n in compiles if n in WATCHED] == []
+
+
+def test_kda_l2norm_compiles_once_for_every_step_size(compiles):
+    """KDA's q/k l2 norm before the chunked prefill (layers/l2norm_triton.py): steps of 1 to 9,000 tokens
+    at 64 heads (fla-core's own l2norm autotuned again at every 65,536 rows: 1,024 tokens) compile
+    nothing after the first; each result is the reference's to bf16 rounding."""
+    from moetier.layers.kda_reference import L2_EPS, l2_normalize
+    from moetier.layers.l2norm_triton import l2norm_rows
+
+    l2norm_rows(torch.randn(3, 64, 128, dtype=torch.bfloat16, device="cuda"), L2_EPS)
+    torch.cuda.synchronize()
+    compiles.clear()
+    for tokens in (1, 17, 1025, 3000, 9000):
+        x = torch.randn(tokens, 64, 128, dtype=torch.bfloat16, device="cuda")
+        y = l2norm_rows(x, L2_EPS)
+        want = l2_normalize(x.float()).to(torch.bfloat16)
+        assert (y.float() - want.float()).abs().max() <= 2 ** -8, tokens  # a bf16 ulp below 1
+    torch.cuda.synchronize()
+    assert "_l2norm_kernel" not in compiles, compiles
 
 
 def test_serving_compiles_nothing_after_startup(compiles):

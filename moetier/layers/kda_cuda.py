@@ -2,9 +2,10 @@
 `chunk_kda` for prefill steps, `fused_recurrent_kda_fwd` for decode steps. Our own thin wrapper; the
 math is layers/kda_reference.py's (the oracle of tests/test_kda_gpu.py and the CPU path).
 
-What we hand fla, per layer (q, k, v raw after the conv: fla l2-normalises q and k in the kernel with
-the reference's eps, then scales q by dk^-1/2; g the float32 log decay computed in torch, so its
-gate kernels are not used; beta after the sigmoid):
+What we hand fla, per layer (q, k, v raw after the conv; q and k l2-normalised with the reference's
+eps, by fla inside its recurrent decode kernel, by layers/l2norm_triton.py before the chunked prefill
+kernels; fla scales q by dk^-1/2; g the float32 log decay computed in torch, so its gate kernels are
+not used; beta after the sigmoid):
 
     decode   q, k, v, g [B, 1, H, d], beta [B, 1, H]; the layer's whole pool rec [slots, H, dk, dv]
              float32 as initial_state, the step's state slots [B] as ssm_state_indices: each row reads
@@ -25,6 +26,7 @@ import functools
 import torch
 
 from moetier.errors import MoetierError
+from moetier.layers.kda_reference import L2_EPS
 
 FLA_PIN = "fla-core==0.6.0"
 
@@ -63,10 +65,13 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     [S, H, dk, dv] float32 (the carried-in states); starts: [S + 1] host offsets, every sequence
     non-empty -> (o [T, H, dv] in v's dtype, final states [S, H, dk, dv] float32). Each sequence is
     chunked from its own first token, as the reference."""
+    from moetier.layers.l2norm_triton import l2norm_rows  # Triton: CUDA only
+
     chunk, _ = fla_kda()
     cu_host = torch.tensor(starts, dtype=torch.long)
+    q, k = l2norm_rows(q, L2_EPS), l2norm_rows(k, L2_EPS)  # not fla's: it autotunes per step size
     q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # views of the conv's output
     o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
-                     initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                      cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)
     return o[0], final
