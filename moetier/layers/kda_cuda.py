@@ -70,7 +70,7 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     chunk, _ = fla_kda()
     cu_host = torch.tensor(starts, dtype=torch.long)
     q, k = l2norm_rows(q, L2_EPS), l2norm_rows(k, L2_EPS)  # not fla's: it autotunes per step size
-    q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # views of the conv's output
+    q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # v: a view of the conv's output
     o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
                      initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                      cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)

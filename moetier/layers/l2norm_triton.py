@@ -11,9 +11,9 @@ Why our own: fla-core's l2norm_fwd autotunes 25 configurations per bucket of 65,
 cdiv(rows, 65,536)). At 64 heads a prefill step reaches a new bucket every 1,024 tokens, so serving
 met a new bucket whenever a step grew past the sizes seen before, and every request in that step
 waited seconds while 25 kernels compiled and were timed (docs/prefix-cache.md, "A stall in
-glm5_next's prefill"). Here the
-row count is not specialized and the configuration is fixed: one compile, at the engine's warm-up step
-(engine/warmup.py). Decode never comes here: fla's recurrent step normalises inside its own kernel.
+glm5_next's prefill"). Here the row count is not specialized and the configuration is fixed: one
+compile, at the engine's warm-up step (engine/warmup.py). Decode never comes here: fla's recurrent
+step normalises inside its own kernel.
 """
 
 from __future__ import annotations
