@@ -72,12 +72,16 @@ python3 - <<'PY'
 import json, glob, os
 out = os.environ["OUT"]
 print(f"{'row':20s} {'conc':>4s} {'TTFT med ms':>11s} {'engine TTFT':>11s} {'ITL med ms':>10s} {'out tok/s':>9s} {'hit %':>6s} "
-      f"{'host hit tok':>12s} {'steps':>5s} {'large':>5s} {'large ms':>8s} fail")
+      f"{'host hit tok':>12s} {'steps':>5s} {'large':>5s} {'large ms':>8s} {'out/step':>8s} {'other ms/out':>12s} fail")
+# out/step: output tokens per engine step (about the sequences a step decoded); other ms/out: the steps that
+# were not large, their time per output token (ITL compares alike only where out/step is alike)
 for p in sorted(glob.glob(f"{out}/prefix-*.json")):
     d = json.load(open(p)); name = os.path.basename(p)[7:-5]
     for r in d["results"]:
         print(f"{name:20s} {r['max_concurrency']:>4} {r['median_ttft_ms']:11.1f} {r.get('server_ttft_ms_mean') or 0:11.1f} "
               f"{r['median_itl_ms']:10.2f} {r['output_throughput']:9.1f} {100 * r.get('prefix_cache_hit_rate', 0):6.1f} "
               f"{r.get('kv_host_hit_tokens', 0):12.0f} {r.get('engine_steps', 0):5.0f} {r.get('large_steps', 0):5.0f} "
-              f"{1e3 * r.get('large_step_seconds', 0):8.1f} {r['failed'] + r['cancelled']}")
+              f"{1e3 * r.get('large_step_seconds', 0):8.1f} {r['total_output_tokens'] / max(1, r.get('engine_steps', 0)):8.1f} "
+              f"{1e3 * (r.get('step_seconds', 0) - r.get('large_step_seconds', 0)) / max(1, r['total_output_tokens']):12.2f} "
+              f"{r['failed'] + r['cancelled']}")
 PY
