@@ -5,13 +5,18 @@ carried (tokens, sequences, cached tokens, host-tier copies each way).
 
     python scripts/profile_prefix_steps.py OUT.json [--dataset shared-prefix|multi-turn]
         [--concurrency 16] [--kv-tokens 262144] [--kv-host-memory-gib 0] [--repeat 2] [--layers 8]
+        [--prefix-len 4096] [--preset qwen3-30b-a3b] [--backend slots] [--budget 0.5] [--trace data/traces/qwen3-30b-like.mtrace]
 
-Qwen3-30B-A3B cut to --layers layers, random weights, slots at 50% of the expert bytes, the qwen3-30b-like
-routing trace, the server's engine defaults. --concurrency requests (chains: multi-turn's conversations)
+The preset cut to --layers layers, random weights, the expert backend (slots at --budget of the expert
+bytes by default), the routing trace (--trace none: the random router's own), the server's engine
+defaults. --concurrency requests (chains: multi-turn's conversations)
 run at once, each chain's next request entering when the one before it ends, as bench serve's client
 does. The level runs --repeat times in one engine (the first after a warm-up of one request per prefix),
 and the last repeat once more under torch.profiler: the kernels by GPU time and the host functions
-by their own time go into the JSON. Prints per repeat the level's wall time and its steps by kind,
+by their own time go into the JSON. Last, one more request over the first prefix with a fresh tail (a
+hit, as the level's requests are) has its first step (the uncached tail: the hit's TTFT) timed alone,
+profiled (kernels, host functions) and run under CUDA's sync debug mode (the step's host syncs by call
+site). Prints per repeat the level's wall time and its steps by kind,
 and every Triton compile (kernel, the step it fell in, its milliseconds: a first use of a
 specialization on this machine or process).
 """
@@ -35,8 +40,10 @@ from moetier.engine import EngineConfig, LLM
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
 
-SHAPES = {"shared-prefix": dict(n=16, input_len=4160, output_len=32, shape=Prefixes(4096, 4, 1)),
-          "multi-turn": dict(n=128, input_len=4608, output_len=64, shape=Prefixes(4096, 4, 2))}
+def shapes(prefix_len: int) -> dict[str, dict]:
+    """prefix_cache_h200.sh's workloads at its --prefix-len of 4096 (a smaller one for small models)."""
+    return {"shared-prefix": dict(n=16, input_len=prefix_len + 64, output_len=32, shape=Prefixes(prefix_len, 4, 1)),
+            "multi-turn": dict(n=128, input_len=prefix_len + 512, output_len=64, shape=Prefixes(prefix_len, 4, 2))}
 
 
 COMPILES: list[dict] = []  # every Triton compile: kernel, where (level, step), ms
@@ -101,26 +108,100 @@ def summary(steps: list[dict], decode_tokens: int) -> dict:
         pages_up=sum(s["up"] for s in steps), pages_down=sum(s["down"] for s in steps))
 
 
+def hit_step(llm: LLM, prefix: list[int], input_len: int, vocab: range, acts) -> dict:
+    """Three requests, each prefix plus a fresh tail to input_len; each one's first step (the tail after
+    the hit) run alone: timed, then under the profiler (kernels and host functions), then under CUDA's
+    sync debug mode (where the step waits for the GPU, by call site); the rest of each run out."""
+    rec: dict = {}
+    for n, mode in enumerate(("alone", "profiled", "syncs")):
+        tail = random.Random(100 + n).choices(vocab, k=input_len - len(prefix))
+        llm.add_request(prefix + tail, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        if mode == "profiled":
+            with profile(activities=acts) as prof:
+                llm.step()
+        elif mode == "syncs":
+            rec["sync_sites"] = sync_sites(llm.step)
+        else:
+            llm.step()
+        rec[f"ms_{mode}"] = round((time.perf_counter() - t) * 1e3, 2)
+        rec.update(PROBE)
+        while llm.has_unfinished():
+            llm.step()
+    avg = prof.key_averages()
+    evs = [e for e in avg if e.device_time_total > 0]
+    rec["kernels"] = [[e.key, e.count, round(e.device_time_total / 1e3, 3)]
+                      for e in sorted(evs, key=lambda e: -e.device_time_total)[:30]]
+    rec["kernel_ms"] = round(sum(e.self_device_time_total for e in evs) / 1e3, 2)
+    rec["kernel_launches"] = sum(e.count for e in evs if e.self_device_time_total > 0)
+    rec["host_ops"] = [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)]
+                       for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:20]]
+    print(f"hit step: {rec['ms_alone']} ms alone, {rec['ms_profiled']} ms profiled, {rec.get('tokens')} tokens; "
+          f"GPU {rec['kernel_ms']} ms in {rec['kernel_launches']} kernel launches:",
+          *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["kernels"][:20]), "host functions by own ms:",
+          *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["host_ops"][:12]),
+          f"syncs ({rec['ms_syncs']} ms under sync debug mode), by call site:",
+          *(f"  {c:4d} {site}" for site, c in rec["sync_sites"].items()), sep="\n")
+    return rec
+
+
+def sync_sites(fn) -> dict[str, int]:
+    """Run fn under CUDA's sync debug mode; count each synchronizing call by its innermost frames in
+    moetier (and fla). On the CPU: nothing to count."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+    if not torch.cuda.is_available():
+        fn()
+        return sites
+
+    def seen(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                  for f in traceback.extract_stack()[:-1] if "moetier" in f.filename or "/fla/" in f.filename]
+        key = " < ".join(reversed(frames[-3:]))
+        sites[key] = sites.get(key, 0) + 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sites
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--dataset", choices=tuple(SHAPES), default="shared-prefix")
+    ap.add_argument("--dataset", choices=("shared-prefix", "multi-turn"), default="shared-prefix")
+    ap.add_argument("--prefix-len", type=int, default=4096)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--kv-tokens", type=int, default=262144)
     ap.add_argument("--kv-host-memory-gib", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--backend", default="slots")
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--trace", default="data/traces/qwen3-30b-like.mtrace")
     a = ap.parse_args()
-    if min(a.concurrency, a.kv_tokens, a.repeat, a.layers) < 1 or not a.kv_host_memory_gib >= 0:
-        ap.error("--concurrency, --kv-tokens, --repeat, --layers take positive integers; "
+    if min(a.concurrency, a.kv_tokens, a.repeat, a.layers, a.prefix_len) < 1 or not a.kv_host_memory_gib >= 0:
+        ap.error("--concurrency, --kv-tokens, --repeat, --layers, --prefix-len take positive integers; "
                  "--kv-host-memory-gib a size of at least 0")
     if not a.out.parent.is_dir():
         ap.error(f"{a.out}: not a file path in an existing directory")
     cuda = torch.cuda.is_available()
-    bed = random_bed(preset("qwen3-30b-a3b", a.layers, "bfloat16" if cuda else "float32"),
+    bed = random_bed(preset(a.preset, a.layers, "bfloat16" if cuda else "float32"),
                      device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
-    use_backend(bed, "slots", 0.5)
-    config = EngineConfig(replay_trace="data/traces/qwen3-30b-like.mtrace", kv_tokens=a.kv_tokens,
+    use_backend(bed, a.backend, a.budget)
+    config = EngineConfig(replay_trace=None if a.trace == "none" else a.trace, kv_tokens=a.kv_tokens,
                           kv_host_bytes=int(a.kv_host_memory_gib * 2**30), cuda_graphs=cuda)
     log_compiles()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
@@ -132,8 +213,9 @@ def main() -> None:
         return execute(step)
 
     llm.runner.execute = probed
-    s = SHAPES[a.dataset]
-    ids = random.Random(1).choices(range(1000, 30000), k=4 * (s["input_len"] + s["output_len"]))
+    s = shapes(a.prefix_len)[a.dataset]
+    vocab = range(min(1000, bed.cfg.vocab_size // 2), min(30000, bed.cfg.vocab_size))
+    ids = random.Random(1).choices(vocab, k=4 * (s["input_len"] + s["output_len"]))
     level = chains(a.dataset, s["n"], s["input_len"], s["output_len"], ids, 0, s["shape"])
     warm = [[c[0]] for c in level[:s["shape"].num_prefixes]]
     run_level(llm, warm, 1, [], "warm-up")
@@ -156,6 +238,7 @@ def main() -> None:
     record["host_ops"] = [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in host]
     print("kernels by GPU ms:", *(f"  {k[2]:9.2f} {k[1]:6d} {k[0][:90]}" for k in record["kernels"][:15]), sep="\n")
     print("host ops by own ms:", *(f"  {k[2]:9.2f} {k[1]:6d} {k[0][:90]}" for k in record["host_ops"][:15]), sep="\n")
+    record["hit_step"] = hit_step(llm, level[0][0][0][:s["shape"].prefix_len], s["input_len"], vocab, acts)
     record["compiles"] = COMPILES
     late = [c for c in COMPILES if c["at"] != "startup"]
     early = sum(c["ms"] for c in COMPILES if c["at"] == "startup")
