@@ -159,6 +159,8 @@ def sync_sites(fn) -> dict[str, int]:
         return sites
 
     def seen(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # only the sync debug mode's own warnings
+            return
         frames = [f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
                   for f in traceback.extract_stack()[:-1] if "moetier" in f.filename or "/fla/" in f.filename]
         key = " < ".join(reversed(frames[-3:]))

@@ -18,7 +18,7 @@ from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.spec_step import MtpDrafter, verify
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput, StepVerdict
 from moetier.engine.verify_graphs import VerifyGraphs
-from moetier.layers.attention import host_tensor, make_batch
+from moetier.layers.attention import make_batch
 from moetier.layers.kv_cache import KVCache
 from moetier.layers.sampler import sample, token_logprobs
 from moetier.models.base import CausalLM
@@ -83,7 +83,7 @@ class ModelRunner:
         drafting = [(i, s) for i, s in enumerate(seqs) if s.num_draft]
         out = StepOutput({}, len(ids), prompt_logprobs=scored)
         if rows:
-            last = host_tensor([batch.query_start_host[i + 1] - 1 for i in rows], torch.int64, dev)
+            last = torch.tensor([batch.query_start_host[i + 1] - 1 for i in rows], device=dev)
             logits = self.model.logits(hidden[last])
             picked = [seqs[i] for i in rows]
             tokens = sample(logits, [s.params for s in picked], [s.seed for s in picked],
@@ -158,7 +158,7 @@ class ModelRunner:
         ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64)
         slots = [s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else None  # models with state
         batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev, slots)
-        hidden = self.model.forward(host_tensor(ids, torch.int64, dev), batch, self.kv)
+        hidden = self.model.forward(torch.from_numpy(ids).to(dev), batch, self.kv)
         self.moves.after(seqs)
         return hidden, batch, ids
 

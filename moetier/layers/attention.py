@@ -47,18 +47,6 @@ class AttnBatch:
         return self.query_start_host[-1]
 
 
-def host_tensor(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A small host list or numpy array on the device without a host sync: on CUDA through pinned
-    memory and a copy ordered on the current stream (a pageable copy waits for the stream to drain, so
-    one inside a layer serialises the host's launches with the GPU's work for the rest of the step).
-    The caching host allocator keeps the pinned block until the copy has run."""
-    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-    t = t.to(dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: torch.device | str,
                state_slots: list[int] | None = None) -> AttnBatch:
     """AttnBatch for sequences given as (tokens before this step, new tokens, page table), and their
@@ -84,15 +72,15 @@ def make_batch(seqs: list[tuple[int, int, list[int]]], page_size: int, device: t
     lens = done + new
     starts, lens = starts.tolist(), lens.tolist()
     return AttnBatch(
-        positions=host_tensor(positions, torch.int64, device),
-        slot_mapping=host_tensor(slots, torch.int64, device),
-        query_start=host_tensor(starts, torch.int32, device),
-        seq_lens=host_tensor(lens, torch.int32, device),
-        page_table=host_tensor(table, torch.int32, device),
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        page_table=torch.from_numpy(table).to(device),
         query_start_host=starts,
         seq_lens_host=lens,
         max_query_len=int(new.max()),
-        state_slots=None if state_slots is None else host_tensor(state_slots, torch.int64, device),
+        state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
         state_slots_host=state_slots,
     )
 

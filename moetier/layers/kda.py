@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.layers.attention import AttnBatch, host_tensor
+from moetier.layers.attention import AttnBatch
 from moetier.layers.kda_cuda import kda_decode_slots, kda_prefill_varlen
 from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_step
 from moetier.layers.param import param
@@ -159,7 +159,7 @@ class KdaAttention(nn.Module):
             host = batch.state_slots_host or list(range(batch.num_seqs))
             fresh = [s for s, n in zip(host, batch.seq_lens_host) if n == 1]
             if fresh:
-                rec[host_tensor(fresh, torch.int64, rec.device)] = 0
+                rec[torch.tensor(fresh, device=rec.device)] = 0
             return kda_decode_slots(q, k, v, g, beta, rec, slots)
         rec_in = rec[slots] * live[:, None, None, None].float()
         o, rec_out = kda_step(q, k, v, g, beta, rec_in)
@@ -179,9 +179,9 @@ class KdaAttention(nn.Module):
             mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
         q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
-            rows = host_tensor([slots[i] for i in todo], torch.int64, rec.device)
-            keep = host_tensor([lens[i] != qs[i + 1] - qs[i] for i in todo], torch.float32, rec.device)
-            initial = rec[rows] * keep[:, None, None, None]
+            rows = torch.tensor([slots[i] for i in todo], device=rec.device)
+            keep = torch.tensor([lens[i] != qs[i + 1] - qs[i] for i in todo], device=rec.device)
+            initial = rec[rows] * keep[:, None, None, None].float()
             o, final = kda_prefill_varlen(q, k, v, g, beta, initial, [0, *(qs[i + 1] for i in todo)])
             rec[rows] = final
             return o

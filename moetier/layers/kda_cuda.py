@@ -65,7 +65,6 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     [S, H, dk, dv] float32 (the carried-in states); starts: [S + 1] host offsets, every sequence
     non-empty -> (o [T, H, dv] in v's dtype, final states [S, H, dk, dv] float32). Each sequence is
     chunked from its own first token, as the reference."""
-    from moetier.layers.attention import host_tensor
     from moetier.layers.l2norm_triton import l2norm_rows  # Triton: CUDA only
 
     chunk, _ = fla_kda()
@@ -74,5 +73,5 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # v: a view of the conv's output
     o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
                      initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
-                     cu_seqlens=host_tensor(cu_host, torch.long, q.device), cu_seqlens_cpu=cu_host)
+                     cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)
     return o[0], final

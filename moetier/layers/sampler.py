@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from moetier.layers.attention import host_tensor
 from moetier.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -112,11 +111,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     dev = logits.device
     return sample_rows(
         add_bias(logits, bias_of(params, dev)),
-        host_tensor([p.temperature for p in params], torch.float32, dev),
-        host_tensor([p.top_k for p in params], torch.int64, dev),
-        host_tensor([p.top_p for p in params], torch.float32, dev),
-        host_tensor(seeds, torch.int64, dev),
-        host_tensor(steps, torch.int64, dev),
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+        torch.tensor(seeds, dtype=torch.int64, device=dev),
+        torch.tensor(steps, dtype=torch.int64, device=dev),
         mode_of(params),
     )
 
