@@ -31,6 +31,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project as it is here, with the image's torch
+bash scripts/triton_cache.sh restore  # a carried compile cache, if any
 # the slowest files (durations of the last H200 runs: fla's compile and autotune in the first KDA
 # prefill of a process, the 4-bit engine rows) run in pytest processes of their own, one per group,
 # started beside the rest: xdist hands whole files out in its own order, so named first they still

@@ -10,6 +10,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+bash scripts/triton_cache.sh restore  # a carried compile cache, if any
 mt=(python3 -m moetier.cli)
 t0=$(date +%s)
 stage() {  # stage NAME SECONDS COMMAND...: run with a time cap, log to $out/NAME.log, say how it ended
