@@ -15,8 +15,8 @@ does. The level runs --repeat times in one engine (the first after a warm-up of 
 and the last repeat once more under torch.profiler: the kernels by GPU time and the host functions
 by their own time go into the JSON. Last, one more request over the first prefix with a fresh tail (a
 hit, as the level's requests are) has its first step (the uncached tail: the hit's TTFT) timed alone,
-profiled (kernels, host functions) and run under CUDA's sync debug mode (the step's host syncs by call
-site). Prints per repeat the level's wall time and its steps by kind,
+profiled (kernels, host functions), run under CUDA's sync debug mode (the step's host syncs by call
+site) and under cProfile (its Python functions by own time). Prints per repeat the level's wall time and its steps by kind,
 and every Triton compile (kernel, the step it fell in, its milliseconds: a first use of a
 specialization on this machine or process).
 """
@@ -109,11 +109,12 @@ def summary(steps: list[dict], decode_tokens: int) -> dict:
 
 
 def hit_step(llm: LLM, prefix: list[int], input_len: int, vocab: range, acts) -> dict:
-    """Three requests, each prefix plus a fresh tail to input_len; each one's first step (the tail after
-    the hit) run alone: timed, then under the profiler (kernels and host functions), then under CUDA's
-    sync debug mode (where the step waits for the GPU, by call site); the rest of each run out."""
+    """Four requests, each prefix plus a fresh tail to input_len; each one's first step (the tail after
+    the hit) run alone: timed, then under the profiler (kernels and host functions), under CUDA's sync
+    debug mode (where the step waits for the GPU, by call site), under cProfile (Python functions by
+    own time); the rest of each run out."""
     rec: dict = {}
-    for n, mode in enumerate(("alone", "profiled", "syncs")):
+    for n, mode in enumerate(("alone", "profiled", "syncs", "python")):
         tail = random.Random(100 + n).choices(vocab, k=input_len - len(prefix))
         llm.add_request(prefix + tail, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
         if torch.cuda.is_available():
@@ -124,6 +125,8 @@ def hit_step(llm: LLM, prefix: list[int], input_len: int, vocab: range, acts) ->
                 llm.step()
         elif mode == "syncs":
             rec["sync_sites"] = sync_sites(llm.step)
+        elif mode == "python":
+            rec["python"] = python_profile(llm.step)
         else:
             llm.step()
         rec[f"ms_{mode}"] = round((time.perf_counter() - t) * 1e3, 2)
@@ -143,8 +146,24 @@ def hit_step(llm: LLM, prefix: list[int], input_len: int, vocab: range, acts) ->
           *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["kernels"][:20]), "host functions by own ms:",
           *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["host_ops"][:12]),
           f"syncs ({rec['ms_syncs']} ms under sync debug mode), by call site:",
-          *(f"  {c:4d} {site}" for site, c in rec["sync_sites"].items()), sep="\n")
+          *(f"  {c:4d} {site}" for site, c in rec["sync_sites"].items()),
+          f"Python functions by own ms ({rec['ms_python']} ms under cProfile):",
+          *(f"  {f[2]:9.3f} {f[1]:6d} {f[0][:100]}" for f in rec["python"][:20]), sep="\n")
     return rec
+
+
+def python_profile(fn, top: int = 40) -> list[list]:
+    """Run fn under cProfile: its functions by own time, [file:line name, calls, own ms] (the host's
+    share of an eager step that torch.profiler leaves unnamed: our Python, fla's, Triton's launchers)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{'/'.join(f.rsplit('/', 2)[-2:])}:{line} {name}", calls, round(own * 1e3, 3)]
+            for (f, line, name), (calls, _, own, _, _) in rows]
 
 
 def sync_sites(fn) -> dict[str, int]:
