@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -33,6 +34,12 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=512, help="new tokens of each turn")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if min(args.layers, args.batch, args.chunk, args.system, args.tail) < 1 or not 0 <= args.alone <= args.batch:
+        ap.error("--layers, --batch, --chunk, --system, --tail take positive integers; --alone 0 to --batch")
+    if args.device not in ("cuda", "cpu"):
+        ap.error(f"--device {args.device}: cuda or cpu")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        ap.error(f"--out {args.out}: not a file path in an existing directory")
 
     from triton import knobs
 

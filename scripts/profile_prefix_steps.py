@@ -37,7 +37,8 @@ from moetier.bench.common import command, provenance
 from moetier.bench.serve import Prefixes, chains
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
-from moetier.presets import preset
+from moetier.experts import registry
+from moetier.presets import names, preset
 from moetier.sampling_params import SamplingParams
 
 def shapes(prefix_len: int) -> dict[str, dict]:
@@ -133,23 +134,36 @@ def hit_step(llm: LLM, prefix: list[int], input_len: int, vocab: range, acts) ->
         rec.update(PROBE)
         while llm.has_unfinished():
             llm.step()
-    avg = prof.key_averages()
-    evs = [e for e in avg if e.device_time_total > 0]
-    rec["kernels"] = [[e.key, e.count, round(e.device_time_total / 1e3, 3)]
-                      for e in sorted(evs, key=lambda e: -e.device_time_total)[:30]]
-    rec["kernel_ms"] = round(sum(e.self_device_time_total for e in evs) / 1e3, 2)
-    rec["kernel_launches"] = sum(e.count for e in evs if e.self_device_time_total > 0)
-    rec["host_ops"] = [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)]
-                       for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:20]]
+    rec.update(by_time(prof, 30, 20))
     print(f"hit step: {rec['ms_alone']} ms alone, {rec['ms_profiled']} ms profiled, {rec.get('tokens')} tokens; "
-          f"GPU {rec['kernel_ms']} ms in {rec['kernel_launches']} kernel launches:",
-          *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["kernels"][:20]), "host functions by own ms:",
-          *(f"  {k[2]:9.3f} {k[1]:6d} {k[0][:90]}" for k in rec["host_ops"][:12]),
+          f"GPU {rec['kernel_ms']} ms in {rec['kernel_launches']} kernel launches:", *lines(rec["kernels"][:20]),
+          "host functions by own ms:", *lines(rec["host_ops"][:12]),
           f"syncs ({rec['ms_syncs']} ms under sync debug mode), by call site:",
           *(f"  {c:4d} {site}" for site, c in rec["sync_sites"].items()),
-          f"Python functions by own ms ({rec['ms_python']} ms under cProfile):",
-          *(f"  {f[2]:9.3f} {f[1]:6d} {f[0][:100]}" for f in rec["python"][:20]), sep="\n")
+          f"Python functions by own ms ({rec['ms_python']} ms under cProfile):", *lines(rec["python"][:20]), sep="\n")
     return rec
+
+
+def by_time(prof, kernels: int, host: int) -> dict:
+    """A torch.profiler run's kernels by GPU time and host functions by own time, [name, calls, ms] each,
+    with the kernels' total time and launches."""
+    avg = prof.key_averages()
+    evs = [e for e in avg if e.device_time_total > 0]
+    return dict(kernels=[[e.key, e.count, round(e.device_time_total / 1e3, 3)]
+                         for e in sorted(evs, key=lambda e: -e.device_time_total)[:kernels]],
+                kernel_ms=round(sum(e.self_device_time_total for e in evs) / 1e3, 2),
+                kernel_launches=sum(e.count for e in evs if e.self_device_time_total > 0),
+                host_ops=[[e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)]
+                          for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:host]])
+
+
+def lines(rows: list[list]) -> list[str]:
+    return [f"  {ms:9.3f} {calls:6d} {name[:100]}" for name, calls, ms in rows]
+
+
+def short(path: str) -> str:
+    """The last folder and the file of a path."""
+    return "/".join(path.rsplit("/", 2)[-2:])
 
 
 def python_profile(fn, top: int = 40) -> list[list]:
@@ -162,7 +176,7 @@ def python_profile(fn, top: int = 40) -> list[list]:
     prof.runcall(fn)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [[f"{'/'.join(f.rsplit('/', 2)[-2:])}:{line} {name}", calls, round(own * 1e3, 3)]
+    return [[f"{short(f)}:{line} {name}", calls, round(own * 1e3, 3)]
             for (f, line, name), (calls, _, own, _, _) in rows]
 
 
@@ -180,13 +194,12 @@ def sync_sites(fn) -> dict[str, int]:
     def seen(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):  # only the sync debug mode's own warnings
             return
-        frames = [f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+        frames = [f"{short(f.filename)}:{f.lineno} {f.name}"
                   for f in traceback.extract_stack()[:-1] if "moetier" in f.filename or "/fla/" in f.filename]
         key = " < ".join(reversed(frames[-3:]))
         sites[key] = sites.get(key, 0) + 1
 
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
         warnings.simplefilter("always")
         warnings.showwarning = seen
         torch.cuda.set_sync_debug_mode("warn")
@@ -194,7 +207,6 @@ def sync_sites(fn) -> dict[str, int]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
     return sites
 
 
@@ -218,6 +230,14 @@ def main() -> None:
                  "--kv-host-memory-gib a size of at least 0")
     if not a.out.parent.is_dir():
         ap.error(f"{a.out}: not a file path in an existing directory")
+    if a.preset not in names():
+        ap.error(f"--preset {a.preset}: not a preset ({', '.join(names())})")
+    if a.backend not in registry.NAMES:
+        ap.error(f"--backend {a.backend}: not an expert backend ({', '.join(registry.NAMES)})")
+    if not 0 < a.budget <= 1:  # nan fails too
+        ap.error(f"--budget {a.budget}: a share of the expert bytes in (0, 1]")
+    if a.trace != "none" and not Path(a.trace).is_file():
+        ap.error(f"--trace {a.trace}: not a file (a .mtrace, or none for the model's own router)")
     cuda = torch.cuda.is_available()
     bed = random_bed(preset(a.preset, a.layers, "bfloat16" if cuda else "float32"),
                      device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
@@ -252,13 +272,9 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         run_level(llm, level, a.concurrency, [], "profiled")
-    avg = prof.key_averages()
-    gpu = sorted((e for e in avg if e.device_time_total > 0), key=lambda e: -e.device_time_total)[:25]
-    host = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
-    record["kernels"] = [[e.key, e.count, round(e.device_time_total / 1e3, 2)] for e in gpu]
-    record["host_ops"] = [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in host]
-    print("kernels by GPU ms:", *(f"  {k[2]:9.2f} {k[1]:6d} {k[0][:90]}" for k in record["kernels"][:15]), sep="\n")
-    print("host ops by own ms:", *(f"  {k[2]:9.2f} {k[1]:6d} {k[0][:90]}" for k in record["host_ops"][:15]), sep="\n")
+    record.update(by_time(prof, 25, 25))
+    print("kernels by GPU ms:", *lines(record["kernels"][:15]), "host ops by own ms:", *lines(record["host_ops"][:15]),
+          sep="\n")
     record["hit_step"] = hit_step(llm, level[0][0][0][:s["shape"].prefix_len], s["input_len"], vocab, acts)
     record["compiles"] = COMPILES
     late = [c for c in COMPILES if c["at"] != "startup"]
