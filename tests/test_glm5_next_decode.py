@@ -5,11 +5,14 @@ interpreter (kda_interpreter.py: the fused mHC, fla's recurrent step through our
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import moetier.layers.kda as kda_module
 from moetier.layers.attention import make_batch
 from moetier.layers.kda import KdaAttention
+from moetier.layers.kda_cuda import RECURRENT_TOKENS
 from moetier.layers.kda_reference import kda_chunked, kda_step
 from moetier.layers.state_cache import KdaStateCache, KdaStateSpec
 from tests.interpreter import run_script
@@ -42,8 +45,13 @@ def fake_decode(q, k, v, g, beta, pool, slots):
     return o
 
 
-def fake_prefill(q, k, v, g, beta, initial, starts):
-    # kda_cuda.kda_prefill_varlen's contract on the reference: each sequence from its carried state
+def fake_prefill(q, k, v, g, beta, initial, starts, recurrent=False, log=None):
+    # kda_cuda.kda_prefill_varlen's contract on the reference: each sequence from its carried state;
+    # the recurrent kernel takes exactly the sequences of up to RECURRENT_TOKENS tokens
+    lens = [b - a for a, b in zip(starts, starts[1:])]
+    assert all((n <= RECURRENT_TOKENS) == recurrent for n in lens), (lens, recurrent)
+    if log is not None:
+        log.append(("recurrent" if recurrent else "chunk", lens))
     outs, finals = [], []
     for i in range(len(starts) - 1):
         a, b = starts[i], starts[i + 1]
@@ -53,6 +61,16 @@ def fake_prefill(q, k, v, g, beta, initial, starts):
     return torch.cat(outs), torch.stack(finals)
 
 
+def fake_slot(q, k, v, g, beta, state, log=None):
+    # kda_cuda.kda_prefill_slot's contract on the reference: one short sequence, its slot's view in place
+    assert q.shape[0] <= RECURRENT_TOKENS and state.shape[0] == 1
+    if log is not None:
+        log.append(("slot", [q.shape[0]]))
+    o, s = kda_chunked(q, k, v, g, beta, state[0].clone())
+    state[0] = s
+    return o
+
+
 def test_slot_handling_around_the_kernels_equals_the_reference(monkeypatch):
     """Fresh prompts, a prompt over two steps, a mixed step, decode with a one-token prompt (its slot
     must be zeroed) and an empty sequence, over pools holding garbage: the CUDA path's gathers,
@@ -60,24 +78,31 @@ def test_slot_handling_around_the_kernels_equals_the_reference(monkeypatch):
     attn = layer()
     g = torch.Generator().manual_seed(6)
     # (tokens before, new tokens, state slot) per sequence, per step; pages are irrelevant to KDA
-    steps = [[(0, 70, 3), (0, 5, 1)],
-             [(70, 1, 3), (5, 4, 1), (0, 0, 4)],
+    steps = [[(0, 70, 3), (0, 5, 1)],  # a long prompt, then a short one: each kernel's tokens gathered
+             [(70, 1, 3), (5, 4, 1), (0, 0, 4)],  # short ones only (one recurrent launch), an empty one
              [(71, 1, 3), (9, 1, 1), (0, 1, 0)],
-             [(72, 1, 3), (10, 1, 1), (1, 1, 0)]]
+             [(72, 1, 3), (10, 1, 1), (1, 1, 0)],
+             [(11, 3, 1)],  # one short sequence alone: on a view of its slot
+             [(0, 2, 2), (73, 66, 3), (14, 2, 1)],  # short, long, short
+             [(0, 9, 5)]]  # a fresh short prompt alone: its slot zeroed first
     ref, fla = garbage_pool(7), garbage_pool(7)
+    kernels = []
     for step in steps:
-        batch = make_batch([(a, n, [0] * 12) for a, n, _ in step], 8, "cpu", [s for _, _, s in step])
+        batch = make_batch([(a, n, [0] * 20) for a, n, _ in step], 8, "cpu", [s for _, _, s in step])
         x = torch.randn(batch.num_tokens, HIDDEN, generator=g)
         monkeypatch.setattr(kda_module, "on_fla", lambda t: False)
         want = attn(x, batch, ref)
         monkeypatch.setattr(kda_module, "on_fla", lambda t: True)
         monkeypatch.setattr(kda_module, "kda_decode_slots", fake_decode)
-        monkeypatch.setattr(kda_module, "kda_prefill_varlen", fake_prefill)
+        monkeypatch.setattr(kda_module, "kda_prefill_varlen", functools.partial(fake_prefill, log=kernels))
+        monkeypatch.setattr(kda_module, "kda_prefill_slot", functools.partial(fake_slot, log=kernels))
         got = attn(x, batch, fla)
         assert rel_err(got, want) <= 1e-5, step
         used = sorted({s for _, n, s in step if n})
         assert rel_err(fla.recurrent[0, used], ref.recurrent[0, used]) <= 1e-5, step
         assert torch.equal(fla.conv[0, used], ref.conv[0, used]), step
+    assert kernels == [("recurrent", [5]), ("chunk", [70]), ("recurrent", [1, 4]), ("slot", [3]),
+                       ("recurrent", [2, 2]), ("chunk", [66]), ("slot", [9])], kernels
 
 
 def test_fixed_kpool_selection_equals_the_reference():

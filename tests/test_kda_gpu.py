@@ -32,8 +32,9 @@ def kda_inputs(t: int, seed: int, dtype: torch.dtype):
     return [x.to(dtype) for x in (q, k, v)] + [gate, beta.to(dtype)]
 
 
+@pytest.mark.parametrize("recurrent", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)])
-def test_prefill_varlen_with_carried_states_matches_the_reference(dtype, tol):
+def test_prefill_varlen_with_carried_states_matches_the_reference(dtype, tol, recurrent):
     from moetier.layers.kda_cuda import kda_prefill_varlen
 
     lens = [130, 7, 1, 64, 200]  # past a chunk, short, one token, exactly a chunk
@@ -44,7 +45,7 @@ def test_prefill_varlen_with_carried_states_matches_the_reference(dtype, tol):
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    o, final = kda_prefill_varlen(*(x.cuda() for x in (q, k, v, gate, beta)), initial.cuda(), starts)
+    o, final = kda_prefill_varlen(*(x.cuda() for x in (q, k, v, gate, beta)), initial.cuda(), starts, recurrent)
     assert o.dtype == v.dtype and final.dtype == torch.float32
     for i, (a, b) in enumerate(zip(starts, starts[1:])):
         want_o, want_s = kda_chunked(q[a:b].float(), k[a:b].float(), v[a:b].float(), gate[a:b], beta[a:b].float(),
@@ -55,6 +56,26 @@ def test_prefill_varlen_with_carried_states_matches_the_reference(dtype, tol):
             lost = kda_chunked(q[a:b].float(), k[a:b].float(), v[a:b].float(), gate[a:b], beta[a:b].float(),
                                torch.zeros_like(initial[i]))[0]
             assert rel_err(o[a:b].float().cpu(), lost) > 5 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("t", [1, 5, 64])
+def test_prefill_on_a_slot_view_updates_it_in_place(t, dtype, tol):
+    """One short sequence on a view of its pool row (a prefix hit's tail): the outputs and the row's
+    new state are the reference's from the row's old state; the other rows stay as they were."""
+    from moetier.layers.kda_cuda import kda_prefill_slot
+
+    g = torch.Generator().manual_seed(t)
+    pool = (torch.randn(5, H, DK, DV, generator=g) * 0.3).cuda()
+    before = pool.clone()
+    q, k, v, gate, beta = kda_inputs(t, 20 + t, dtype)
+    o = kda_prefill_slot(*(x.cuda() for x in (q, k, v, gate, beta)), pool[2:3])
+    want_o, want_s = kda_chunked(q.float(), k.float(), v.float(), gate, beta.float(), before[2].cpu())
+    assert o.dtype == v.dtype and o.shape == (t, H, DV)
+    assert rel_err(o.float().cpu(), want_o) <= tol and rel_err(pool[2].cpu(), want_s) <= tol
+    assert torch.equal(pool[[0, 1, 3, 4]], before[[0, 1, 3, 4]])
+    lost = kda_chunked(q.float(), k.float(), v.float(), gate, beta.float(), torch.zeros_like(before[2].cpu()))[0]
+    assert rel_err(o[:4].float().cpu(), lost[:4]) > 5 * tol  # the carried state matters (it decays)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
-from moetier.layers.kda_cuda import kda_decode_slots, kda_prefill_varlen
+from moetier.layers.kda_cuda import RECURRENT_TOKENS, kda_decode_slots, kda_prefill_slot, kda_prefill_varlen
 from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_step
 from moetier.layers.param import param
 from moetier.layers.state_cache import KdaStateCache
@@ -166,6 +166,44 @@ class KdaAttention(nn.Module):
         rec[slots] = rec_out
         return o
 
+    def _prefill_fla(self, q, k, v, g, beta, rec, batch, todo: list[int]) -> torch.Tensor:
+        """fla's kernels (kda_cuda.py), chosen per sequence by its token count: up to RECURRENT_TOKENS
+        the recurrent kernel, beyond it the chunked one; each kind in one varlen launch over its
+        sequences' tokens (gathered when the other kind's sit between them), states gathered from and
+        scattered to their slots by index. One short sequence alone (a prefix hit's tail, a short
+        prompt) runs on a view of its slot: no host-to-device copy in the layer."""
+        qs, lens = batch.query_start_host, batch.seq_lens_host
+        slots = batch.state_slots_host or list(range(batch.num_seqs))
+        short = [i for i in todo if qs[i + 1] - qs[i] <= RECURRENT_TOKENS]
+        if len(todo) == 1 and short:
+            a, b, slot = qs[todo[0]], qs[todo[0] + 1], slots[todo[0]]
+            state = rec[slot:slot + 1]
+            if lens[todo[0]] == b - a:  # the sequence starts here: from zeros
+                state.zero_()
+            return kda_prefill_slot(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
+        out = None
+        for group, recurrent in ((short, True), ([i for i in todo if i not in short], False)):
+            if not group:
+                continue
+            spans = [(qs[i], qs[i + 1]) for i in group]
+            starts = [0]
+            for a, b in spans:
+                starts.append(starts[-1] + b - a)
+            whole = len(group) == len(todo)  # the step's tokens are this group's, in order
+            xs = (q, k, v, g, beta) if whole else [torch.cat([x[a:b] for a, b in spans]) for x in (q, k, v, g, beta)]
+            rows = torch.tensor([slots[i] for i in group], device=rec.device)
+            keep = torch.tensor([lens[i] != qs[i + 1] - qs[i] for i in group], device=rec.device)
+            initial = rec[rows] * keep[:, None, None, None].float()
+            o, final = kda_prefill_varlen(*xs, initial, starts, recurrent=recurrent)
+            rec[rows] = final
+            if whole:
+                return o
+            if out is None:
+                out = o.new_empty(q.shape[0], *o.shape[1:])
+            for (a, b), s0 in zip(spans, starts):
+                out[a:b] = o[s0:s0 + b - a]
+        return out
+
     def _prefill(self, qkv, g, beta, conv, rec, batch) -> torch.Tensor:
         """Each sequence on its own (host integers): the conv from its carried state, then the chunked
         recurrence from its carried state (on CUDA: every sequence in one varlen launch)."""
@@ -179,12 +217,7 @@ class KdaAttention(nn.Module):
             mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
         q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
-            rows = torch.tensor([slots[i] for i in todo], device=rec.device)
-            keep = torch.tensor([lens[i] != qs[i + 1] - qs[i] for i in todo], device=rec.device)
-            initial = rec[rows] * keep[:, None, None, None].float()
-            o, final = kda_prefill_varlen(q, k, v, g, beta, initial, [0, *(qs[i + 1] for i in todo)])
-            rec[rows] = final
-            return o
+            return self._prefill_fla(q, k, v, g, beta, rec, batch, todo)
         out = qkv.new_empty(qkv.shape[0], self.heads, self.d)
         for i in todo:
             a, b = qs[i], qs[i + 1]

@@ -11,9 +11,16 @@ not used; beta after the sigmoid):
              float32 as initial_state, the step's state slots [B] as ssm_state_indices: each row reads
              its slot and writes it back in place. No host read, fixed shapes, fixed addresses (the
              pool and the slots buffer): graph-safe. Padding rows share the spare slot (garbage there).
-    prefill  the step's tokens flattened [1, T, H, d] with cu_seqlens [S + 1] (the sequences with
-             tokens this step), initial states gathered from their slots (zeros for a sequence whose
-             step starts at position 0), final states scattered back. Eager (host integers).
+    prefill  a sequence of up to RECURRENT_TOKENS new tokens: the decode kernel over its tokens,
+             [1, T, H, d], its state a view of its pool row, updated in place (no host-to-device
+             copy, one launch). Longer ones: `chunk_kda` over the step's tokens flattened [1, T, H, d]
+             with cu_seqlens [S + 1], initial states gathered from their slots (zeros for a sequence
+             whose step starts at position 0), final states scattered back. Eager (host integers).
+
+Why two prefill kernels: the chunked form is a dozen launches, autotuned, whose chunk indices are
+built on the host and copied over (a wait for the stream) in every layer; at a prefix hit's short
+tail (or a short prompt) that host work was most of the layer (docs/prefix-cache.md). The choice is
+per sequence, by its own token count, so a sequence computes the same in a batch as alone.
 
 fla-core is imported on first use on CUDA only: the CPU never needs it. Its kernels are pure
 Triton; the import pulls einops and nothing else.
@@ -29,6 +36,7 @@ from moetier.errors import MoetierError
 from moetier.layers.kda_reference import L2_EPS
 
 FLA_PIN = "fla-core==0.6.0"
+RECURRENT_TOKENS = 64  # fla's chunk size: up to it a sequence's prefill takes the recurrent kernel
 
 
 @functools.cache
@@ -60,18 +68,44 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       initial: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                       initial: torch.Tensor, starts: list[int], recurrent: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """S sequences' tokens, concatenated. q, k, g: [T, H, dk]; v: [T, H, dv]; beta: [T, H]; initial:
     [S, H, dk, dv] float32 (the carried-in states); starts: [S + 1] host offsets, every sequence
-    non-empty -> (o [T, H, dv] in v's dtype, final states [S, H, dk, dv] float32). Each sequence is
-    chunked from its own first token, as the reference."""
+    non-empty -> (o [T, H, dv] in v's dtype, final states [S, H, dk, dv] float32). Chunked: each
+    sequence chunked from its own first token, as the reference; recurrent (sequences of up to
+    RECURRENT_TOKENS): the decode kernel over each sequence's tokens, one launch for all of them."""
     from moetier.layers.l2norm_triton import l2norm_rows  # Triton: CUDA only
 
-    chunk, _ = fla_kda()
+    chunk, fused_recurrent = fla_kda()
     cu_host = torch.tensor(starts, dtype=torch.long)
+    dk = q.shape[-1]
+    if recurrent:
+        q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))
+        o, final = fused_recurrent(q, k, v, g, beta, initial_state=initial.contiguous(), scale=dk ** -0.5,
+                                   output_final_state=True, inplace_final_state=False,
+                                   cu_seqlens=cu_host.to(q.device), use_qk_l2norm_in_kernel=True)
+        return o[0], final
     q, k = l2norm_rows(q, L2_EPS), l2norm_rows(k, L2_EPS)  # not fla's: it autotunes per step size
     q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # v: a view of the conv's output
-    o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+    o, final = chunk(q, k, v, g, beta, scale=dk ** -0.5,
                      initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                      cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)
     return o[0], final
+
+
+def kda_prefill_slot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """One sequence's T new tokens from the state it carries, which is updated in place.
+    q, k, g: [T, H, dk]; v: [T, H, dv]; beta: [T, H]; state: [1, H, dk, dv] float32, contiguous (a view
+    of the sequence's pool row; zeroed by the caller for a fresh sequence) -> o [T, H, dv] in v's dtype.
+    The decode steps' kernel and l2 norm, one token after another: no host integers, no copies."""
+    _, recurrent = fla_kda()
+    t, h, dk = q.shape
+    if not state.is_contiguous() or state.dtype != torch.float32:
+        raise ValueError("the KDA state must be a contiguous float32 view")
+    o, _ = recurrent(q.reshape(1, t, h, dk).contiguous(), k.reshape(1, t, h, dk).contiguous(),
+                     v.reshape(1, t, h, -1).contiguous(), g.reshape(1, t, h, dk).float().contiguous(),
+                     beta.reshape(1, t, h).contiguous(), initial_state=state, scale=dk ** -0.5,
+                     inplace_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o[0]
