@@ -22,8 +22,9 @@ subprocess.
     untouched; float32 and bfloat16 pools, channels not a multiple of the block.
   - the KDA decode step through our fla-core wrapper (layers/kda_cuda.kda_decode_slots): each row reads
     and writes its own slot of the pool in place; the other slots stay untouched; o and the new
-    states within float32 tolerance of kda_reference.kda_step. Skipped (said so on stdout) where
-    fla-core is not installed.
+    states within float32 tolerance of kda_reference.kda_step; and the recurrent prefill of short
+    sequences through the same wrapper (kda_prefill_slot on a view of a pool row, kda_prefill_varlen
+    with recurrent=True). Skipped (said so on stdout) where fla-core is not installed.
 """
 
 from __future__ import annotations
@@ -152,6 +153,30 @@ def check_kda_decode(g: torch.Generator) -> None:
     print("kda decode (fla fused_recurrent over state slots): ok")
 
 
+def check_kda_short_prefill(g: torch.Generator) -> None:
+    """The recurrent prefill of short sequences (layers/kda_cuda.py): one sequence on a view of its
+    pool row, updated in place, and two sequences in one varlen launch from gathered states."""
+    from moetier.layers.kda_cuda import kda_prefill_slot, kda_prefill_varlen
+    from moetier.layers.kda_reference import kda_chunked
+
+    heads, dk, dv, t = 2, 16, 16, 7
+    q, k = torch.randn(t, heads, dk, generator=g), torch.randn(t, heads, dk, generator=g)
+    v = torch.randn(t, heads, dv, generator=g)
+    gate = -torch.rand(t, heads, dk, generator=g) * 2
+    beta = torch.rand(t, heads, generator=g)
+    pool = torch.randn(4, heads, dk, dv, generator=g)
+    before = pool.clone()
+    want_o, want_s = kda_chunked(q, k, v, gate, beta, before[2])
+    o = kda_prefill_slot(q, k, v, gate, beta, pool[2:3])
+    assert rel(o, want_o) <= TOL and rel(pool[2], want_s) <= TOL, (rel(o, want_o), rel(pool[2], want_s))
+    assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])
+    o, final = kda_prefill_varlen(q, k, v, gate, beta, before[[1, 3]], [0, 3, t], recurrent=True)
+    for i, (a, b) in enumerate(((0, 3), (3, t))):
+        want_o, want_s = kda_chunked(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], before[[1, 3][i]])
+        assert rel(o[a:b], want_o) <= TOL and rel(final[i], want_s) <= TOL, i
+    print("kda short prefill (fla fused_recurrent on a slot view, varlen): ok")
+
+
 if __name__ == "__main__":
     g = torch.Generator().manual_seed(0)
     check_mhc(3, 4, 200, 20, g)
@@ -173,3 +198,4 @@ if __name__ == "__main__":
         print("kda decode: skipped (fla-core is not installed)")
     else:
         check_kda_decode(g)
+        check_kda_short_prefill(g)
