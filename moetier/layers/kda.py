@@ -23,7 +23,8 @@ form for several tokens, the recurrent step for one. Same ops as transformers' G
 Attention, so float32 agrees to rounding.
 
 On CUDA the recurrence runs in fla-core's kernels (layers/kda_cuda.py): decode updates the slots in
-place inside the decode graph, prefill runs every sequence of the step in one varlen launch. The
+place inside the decode graph; prefill runs a step's sequences of up to 64 new tokens in fla's
+recurrent kernel and the longer ones in its chunked kernel, one varlen launch per kind (_prefill_fla). The
 decode conv is one Triton launch over the slots (layers/kda_conv_triton.py); prefill's is torch. A
 decode row at position 0 (a one-token prompt) has its slot zeroed first from host integers, so such
 a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs).
@@ -206,7 +207,7 @@ class KdaAttention(nn.Module):
 
     def _prefill(self, qkv, g, beta, conv, rec, batch) -> torch.Tensor:
         """Each sequence on its own (host integers): the conv from its carried state, then the chunked
-        recurrence from its carried state (on CUDA: every sequence in one varlen launch)."""
+        recurrence from its carried state (on CUDA: fla's kernels, _prefill_fla)."""
         mixed = torch.empty_like(qkv)
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
