@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,6 +77,10 @@ def main() -> None:
         sizes = [int(t) for t in args.tokens.split(",")]
     except ValueError:
         ap.error(f"--tokens takes comma-separated integers, got {args.tokens!r}")
+    if min(sizes) < 2:  # one new token after a context is a decode step, which takes neither kernel
+        ap.error(f"--tokens are prefill steps of at least 2 tokens, got {args.tokens!r}")
+    if args.out and Path(args.out).is_dir():
+        ap.error(f"OUT is a file to write, got the directory {args.out}")
     attn, state = layer_and_state()
     rows = []
     for tokens in sizes:

@@ -176,6 +176,7 @@ class KdaAttention(nn.Module):
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
         short = [i for i in todo if qs[i + 1] - qs[i] <= RECURRENT_TOKENS]
+        long = [i for i in todo if qs[i + 1] - qs[i] > RECURRENT_TOKENS]
         if len(todo) == 1 and short:
             a, b, slot = qs[todo[0]], qs[todo[0] + 1], slots[todo[0]]
             state = rec[slot:slot + 1]
@@ -183,7 +184,7 @@ class KdaAttention(nn.Module):
                 state.zero_()
             return kda_prefill_slot(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
         out = None
-        for group, recurrent in ((short, True), ([i for i in todo if i not in short], False)):
+        for group, recurrent in ((short, True), (long, False)):
             if not group:
                 continue
             spans = [(qs[i], qs[i + 1]) for i in group]

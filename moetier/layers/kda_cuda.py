@@ -11,11 +11,12 @@ not used; beta after the sigmoid):
              float32 as initial_state, the step's state slots [B] as ssm_state_indices: each row reads
              its slot and writes it back in place. No host read, fixed shapes, fixed addresses (the
              pool and the slots buffer): graph-safe. Padding rows share the spare slot (garbage there).
-    prefill  a sequence of up to RECURRENT_TOKENS new tokens: the decode kernel over its tokens,
-             [1, T, H, d], its state a view of its pool row, updated in place (no host-to-device
-             copy, one launch). Longer ones: `chunk_kda` over the step's tokens flattened [1, T, H, d]
-             with cu_seqlens [S + 1], initial states gathered from their slots (zeros for a sequence
-             whose step starts at position 0), final states scattered back. Eager (host integers).
+    prefill  sequences of up to RECURRENT_TOKENS new tokens: the decode kernel over their tokens,
+             flattened [1, T, H, d] with cu_seqlens [S + 1]; one such sequence alone in its step runs
+             on a view of its pool row, updated in place (no host-to-device copy). Longer ones:
+             `chunk_kda` the same way. Both varlen forms gather the initial states from the slots
+             (zeros for a sequence whose step starts at position 0) and scatter the final states
+             back. Eager (host integers).
 
 Why two prefill kernels: the chunked form is a dozen launches, autotuned, whose chunk indices are
 built on the host and copied over (a wait for the stream) in every layer; at a prefix hit's short
@@ -52,20 +53,26 @@ def fla_kda():
     return chunk_kda, fused_recurrent_kda_fwd
 
 
+def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               **state) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's recurrent kernel as every caller here runs it: q, k, g [B, T, H, dk], v [B, T, H, dv],
+    beta [B, T, H], made contiguous (g float32), q and k l2-normalised inside, scale dk^-1/2; `state`:
+    the state arguments (initial_state, in place or not, slot indices, cu_seqlens) -> (o, final)."""
+    _, recurrent = fla_kda()
+    return recurrent(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
+                     scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, **state)
+
+
 def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token of B sequences, each reading and writing its own state slot in place.
     q, k, g: [B, H, dk]; v: [B, H, dv]; beta: [B, H]; pool: [slots, H, dk, dv] float32 contiguous (one
     layer's); slots: [B] int -> o [B, H, dv] in v's dtype. Graph-safe."""
-    _, recurrent = fla_kda()
-    b, h, dk = q.shape
     if not pool.is_contiguous() or pool.dtype != torch.float32:
         raise ValueError("the KDA state pool must be contiguous float32")
-    o, _ = recurrent(q.reshape(b, 1, h, dk).contiguous(), k.reshape(b, 1, h, dk).contiguous(),
-                     v.reshape(b, 1, h, -1).contiguous(), g.reshape(b, 1, h, dk).float().contiguous(),
-                     beta.reshape(b, 1, h).contiguous(), initial_state=pool, scale=dk ** -0.5,
-                     inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
-    return o.view(b, h, -1)
+    o, _ = _recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=pool,
+                      inplace_final_state=True, ssm_state_indices=slots)
+    return o.view(q.shape[0], q.shape[1], -1)
 
 
 def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -78,18 +85,15 @@ def kda_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     RECURRENT_TOKENS): the decode kernel over each sequence's tokens, one launch for all of them."""
     from moetier.layers.l2norm_triton import l2norm_rows  # Triton: CUDA only
 
-    chunk, fused_recurrent = fla_kda()
     cu_host = torch.tensor(starts, dtype=torch.long)
-    dk = q.shape[-1]
     if recurrent:
-        q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))
-        o, final = fused_recurrent(q, k, v, g, beta, initial_state=initial.contiguous(), scale=dk ** -0.5,
-                                   output_final_state=True, inplace_final_state=False,
-                                   cu_seqlens=cu_host.to(q.device), use_qk_l2norm_in_kernel=True)
+        o, final = _recurrent(q[None], k[None], v[None], g[None], beta[None], initial_state=initial.contiguous(),
+                              output_final_state=True, inplace_final_state=False, cu_seqlens=cu_host.to(q.device))
         return o[0], final
+    chunk, _ = fla_kda()
     q, k = l2norm_rows(q, L2_EPS), l2norm_rows(k, L2_EPS)  # not fla's: it autotunes per step size
     q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g.float(), beta))  # v: a view of the conv's output
-    o, final = chunk(q, k, v, g, beta, scale=dk ** -0.5,
+    o, final = chunk(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
                      initial_state=initial.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                      cu_seqlens=cu_host.to(q.device), cu_seqlens_cpu=cu_host)
     return o[0], final
@@ -101,12 +105,7 @@ def kda_prefill_slot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q, k, g: [T, H, dk]; v: [T, H, dv]; beta: [T, H]; state: [1, H, dk, dv] float32, contiguous (a view
     of the sequence's pool row; zeroed by the caller for a fresh sequence) -> o [T, H, dv] in v's dtype.
     The decode steps' kernel and l2 norm, one token after another: no host integers, no copies."""
-    _, recurrent = fla_kda()
-    t, h, dk = q.shape
     if not state.is_contiguous() or state.dtype != torch.float32:
         raise ValueError("the KDA state must be a contiguous float32 view")
-    o, _ = recurrent(q.reshape(1, t, h, dk).contiguous(), k.reshape(1, t, h, dk).contiguous(),
-                     v.reshape(1, t, h, -1).contiguous(), g.reshape(1, t, h, dk).float().contiguous(),
-                     beta.reshape(1, t, h).contiguous(), initial_state=state, scale=dk ** -0.5,
-                     inplace_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, _ = _recurrent(q[None], k[None], v[None], g[None], beta[None], initial_state=state, inplace_final_state=True)
     return o[0]
