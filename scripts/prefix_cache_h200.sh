@@ -7,7 +7,7 @@
 #   bash scripts/prefix_cache_h200.sh [ROW ...]     (default: every row; rows: q-off q-on q-host q-small-multi
 #                                                   q-host-multi g-off g-on g-host-multi g-res-off g-res-on
 #                                                   g-small-multi g-host-small; also g-host, q-on-again,
-#                                                   g-res-off-sp, g-res-on-sp)
+#                                                   g-res-off-sp, g-res-on-sp, g-nv-off-sp, g-nv-on-sp)
 #
 # q-host: a GPU pool of three prefixes' pages, so every shared-prefix hit is the host tier's (TTFT of a
 # host hit against a GPU hit). q-small-multi and q-host-multi: multi-turn over a GPU pool smaller than the
@@ -67,6 +67,11 @@ row g-res-on $GR -- "$HSP;;$GMT"
 # (not in the default list) the shared-prefix level alone, without and with the cache: an A/B call's rows
 row g-res-off-sp $GR --no-enable-prefix-caching -- "$HSP"
 row g-res-on-sp $GR -- "$HSP"
+# (not in the default list) g-res-off-sp and g-res-on-sp as the field reports serve GLM-5.3-Flash: routed
+# experts in NVFP4 (weight-only), dense weights bf16
+GN="$GR --dtype nvfp4"
+row g-nv-off-sp $GN --no-enable-prefix-caching -- "$HSP"
+row g-nv-on-sp $GN -- "$HSP"
 # (not in the default list) g-res-on's shared prefixes over a GPU pool of three prefixes' pages with a host
 # tier, as q-host: every hit is the host tier's (TTFT of a host hit against g-res-on's GPU hit)
 GH="${GR/--kv-tokens 131072/--kv-tokens 12800}"

@@ -4,6 +4,8 @@ reference model (tests/prefix_reference.py) with check() after every operation."
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import subprocess
 import sys
 
@@ -45,6 +47,19 @@ def test_hash_chain_follows_the_prefix():
     assert hash_chain(a, PS, b"lora-1")[0] != hash_chain(a, PS)[0], "the extra key is not hashed"
     # the same page after a different prefix is a different page
     assert hash_chain([5] * 8, PS)[1] != hash_chain([6] * 4 + [5] * 4, PS)[1]
+
+
+def test_hash_chain_is_sha256_of_the_packed_page():
+    # the layout written out by hand (parent, the length-prefixed extra key, the ids as little-endian
+    # int64), so packing the ids once per prompt cannot drift from it; ids above 2**31 included
+    ids, key = [0, 1, 2**31 + 5, 2**40, 7, 154879, 3, 9], b"lora-1"
+    parent, want = hashlib.sha256(b"moetier prefix cache").digest(), []
+    for i in range(2):
+        h = hashlib.sha256(parent)
+        h.update(struct.pack("<I", len(key)) + key + struct.pack("<4q", *ids[4 * i:4 * i + 4]))
+        parent = h.digest()
+        want.append(parent)
+    assert hash_chain(ids, PS, key) == want
 
 
 def test_hash_is_stable_across_processes():

@@ -290,7 +290,9 @@ class LLM:
             ids = self.tokenizer.encode(prompt)
         if not ids:
             raise MoetierError("the prompt is empty after tokenization; give some text")
-        if any(not isinstance(i, int) or not 0 <= i < self.cfg.vocab_size for i in ids):
+        # the types once, then min and max: a per-id generator cost 0.3 ms a 4,000-token prompt, paid twice
+        # by a server request (its handler validates, then the engine)
+        if not all(issubclass(t, int) for t in set(map(type, ids))) or min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
             raise MoetierError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
         return ids
 
