@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import threading
 import time
@@ -71,15 +72,26 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8197)
     ap.add_argument("--out", default=None, help="a JSON record (default: print only)")
     args = ap.parse_args()
+    if args.tokens < 1 or args.repeats < 1:
+        ap.error(f"--tokens and --repeats take positive integers, got {args.tokens} and {args.repeats}")
+    if not 1 <= args.port <= 65535:
+        ap.error(f"--port takes 1 to 65535, got {args.port}")
+    if args.out and os.path.isdir(args.out):
+        ap.error(f"--out {args.out} is a directory; give a file name for the JSON record")
     for w in WRAPS:
         wrap(*w)
     engine = async_llm.AsyncLLM(llm_mod.LLM())
     ctx = engine.llm.scheduler.max_model_len
     if args.tokens + 2 > ctx:
-        raise SystemExit(f"error: --tokens {args.tokens} and 2 output tokens exceed the model's context of {ctx}")
+        engine.shutdown()
+        ap.error(f"--tokens {args.tokens} and 2 output tokens exceed the model's context of {ctx}")
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), port=args.port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
+    deadline = time.monotonic() + 30
+    while not server.started:  # a port in use ends the server's thread without starting it
+        if time.monotonic() > deadline:
+            engine.shutdown()
+            ap.error(f"the app did not start on port {args.port} within 30 s (in use?); give another --port")
         time.sleep(0.05)
     ids = np.random.default_rng(0).integers(3, engine.llm.cfg.vocab_size, args.tokens).tolist()
 
