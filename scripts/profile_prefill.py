@@ -118,17 +118,18 @@ def main(argv: list[str]) -> None:
         enable_prefix_caching=False))
     prompt = torch.randint(0, 400, (a.prompt_len,)).tolist()
 
-    steps = [0]  # engine steps of the last run: the prompt's chunks
+    steps = 0  # engine steps of the last run: the prompt's chunks
 
     def once() -> float:  # ms: the prompt's prefill steps and the step sampling its first token
+        nonlocal steps
         llm.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        steps[0] = 0
+        steps = 0
         while llm.has_unfinished():
             llm.step()
-            steps[0] += 1
+            steps += 1
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
@@ -138,7 +139,7 @@ def main(argv: list[str]) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         ms = once()
-    profiled_steps = steps[0]
+    profiled_steps = steps
     for u in undo:
         u()
     timed = sorted(once() for _ in range(3))  # without the profiler and its ranges
@@ -172,7 +173,8 @@ def main(argv: list[str]) -> None:
             "command": " ".join(["python", "scripts/profile_prefill.py", *argv]), "mode": mode,
             "preset": a.preset, "layers": a.layers, "prompt_len": a.prompt_len, "chunk": a.chunk,
             "backend": a.backend, "budget": a.budget if a.backend == "slots" else None, "trace": str(trace),
-            "steps": profiled_steps, "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms, "parts_ms": parts,
+            "steps": profiled_steps, "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms,
+            "parts_ms": parts,
             "kernels": kernels}, indent=1) + "\n")
 
 
