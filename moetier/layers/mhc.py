@@ -56,7 +56,7 @@ class HyperConnection(nn.Module):
         if streams.is_cuda:
             from moetier.layers import mhc_triton  # on CUDA: a few launches for all of weights_reference
 
-            if mhc_triton.fused_supported(streams):
+            if mhc_triton.supported(streams):
                 return mhc_triton.mhc_weights_fused(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
                                                     self.norm_eps)
         return self.weights_reference(streams)
@@ -84,7 +84,7 @@ def expand(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: t
     if streams.is_cuda:
         from moetier.layers import mhc_triton  # one launch for the five below
 
-        if mhc_triton.expand_supported(streams):
+        if mhc_triton.supported(streams):
             return mhc_triton.expand_fused(out, post, comb, streams)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

@@ -37,13 +37,10 @@ MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens project in one GEMM instead of _mhc_partials
 
 
-def expand_supported(streams: torch.Tensor) -> bool:
+def supported(streams: torch.Tensor) -> bool:
+    """Whether the weights and the expand run here: CUDA, a stream count the kernels take."""
     s = streams.shape[1]
     return streams.is_cuda and s >= 1 and s & (s - 1) == 0  # the kernels' stream count is a power of two
-
-
-def fused_supported(streams: torch.Tensor) -> bool:
-    return expand_supported(streams)
 
 
 def split_of(sh: int) -> tuple[int, int]:
@@ -126,19 +123,18 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
     x = streams.contiguous()
     r = (2 + s) * s
     r_pad = triton.next_power_of_2(r)
-    chunk, split = split_of(s * h)
     post = torch.empty(n, s, dtype=torch.float32, device=x.device)
     comb = torch.empty(n, s, s, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n:
         if n <= MAX_ROWS:
+            chunk, split = split_of(s * h)
             part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
             sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
             _mhc_partials[(n, split)](x, fn.contiguous(), part, sq, s * h, chunk, split, R=r, R_PAD=r_pad,
                                       BLOCK=BLOCK)
         else:
-            part, sq = projected(x, fn, r_pad)
-            split = 1
+            (part, sq), split = projected(x, fn, r_pad), 1
         _mhc_finish[(n, triton.cdiv(h, BLOCK_H))](
             x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, h, split,
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
