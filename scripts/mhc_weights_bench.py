@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -24,24 +25,25 @@ HIDDEN, STREAMS, ITERS = 4096, 4, 20  # GLM-5.3-Flash: hidden_size, hc_mult, hc_
 
 
 def parse_tokens(text: str) -> list[int]:
-    try:
-        sizes = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"error: --tokens takes integers separated by commas, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise SystemExit(f"error: --tokens takes positive integers, got {text!r}")
+    """'64,65' -> [64, 65]; argparse reports a ValueError as one line and exit 2."""
+    sizes = [int(t) for t in text.split(",")]
+    if min(sizes) < 1:
+        raise ValueError(text)
     return sizes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the JSON record to write")
-    ap.add_argument("--tokens", default="64,65,256,2048,8192", help="step sizes, comma separated")
+    ap.add_argument("--tokens", type=parse_tokens, default="64,65,256,2048,8192",
+                    help="step sizes, positive integers, comma separated")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args()
-    sizes = parse_tokens(args.tokens)
+    sizes = args.tokens
+    if os.path.isdir(args.out):
+        ap.error(f"{args.out} is a directory; give a file name for the JSON record")
     if not torch.cuda.is_available():
-        raise SystemExit("error: this benchmark times CUDA kernels; no CUDA device is visible")
+        ap.error("this benchmark times CUDA kernels; no CUDA device is visible")
     import triton.testing
 
     dtype, dev = getattr(torch, args.dtype), torch.device("cuda")
