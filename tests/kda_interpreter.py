@@ -5,7 +5,7 @@ subprocess.
   - mHC's fused weights (layers/mhc_triton.py) against HyperConnection's torch ops: post, comb and
     the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
     scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
-    a missing Sinkhorn round shows).
+    a missing Sinkhorn round shows); above MAX_ROWS tokens too (the projection as one GEMM).
   - mHC's fused expand (layers/mhc_triton.expand_fused) against layers/mhc.expand's torch form, float32
     and bfloat16 (loosely: the interpreter truncates casts to bfloat16), at hc_mult 4 and 2, H not a
     multiple of the block.
@@ -37,7 +37,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from moetier.layers.mhc import HyperConnection  # noqa: E402
-from moetier.layers.mhc_triton import mhc_weights_fused  # noqa: E402
+from moetier.layers.mhc_triton import MAX_ROWS, mhc_weights_fused  # noqa: E402
 
 TOL = 1e-5  # float32, relative to the norm
 
@@ -183,6 +183,7 @@ if __name__ == "__main__":
     check_mhc(1, 4, 64, 1, g)
     check_mhc(2, 2, 300, 5, g)
     check_mhc(1, 4, 2100, 3, g)  # 33 programs of two column blocks each: a split not a power of two
+    check_mhc(MAX_ROWS + 6, 4, 200, 20, g)  # above MAX_ROWS: the projection as one GEMM, one partial a token
     check_expand(3, 4, 300, torch.float32, g)
     check_expand(2, 2, 520, torch.bfloat16, g)
     check_expand(1, 4, 4096, torch.bfloat16, g)

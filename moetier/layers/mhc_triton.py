@@ -1,6 +1,8 @@
-"""mHC's Triton kernels (CUDA): the mixing weights in two launches (decode steps: the small projection,
-Sinkhorn and the collapse of layers/mhc.HyperConnection.weights), and the expand in one (every step:
-layers/mhc.expand's torch form, five launches, is its oracle).
+"""mHC's Triton kernels (CUDA): the mixing weights (layers/mhc.HyperConnection.weights: the small
+projection, Sinkhorn and the collapse) in two launches, and the expand in one (layers/mhc.expand's
+torch form, five launches, is its oracle). Every step takes them; the torch form of the weights, its
+oracle, is some 150 small ops (Sinkhorn's rounds one op each), which a prefill step paid per
+hyper-connection, two a layer.
 
 Per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult), R = (2 + S) * S:
 
@@ -15,29 +17,30 @@ Per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult),
 Why split: one program per token reads fn's R x S*H weights (786 KB at GLM-5.3-Flash's width) on one
 SM, so a batch-1 step ran a single program per call; the split spreads the read over up to
 MAX_SPLIT programs per token, and a token's partials depend on the token alone (batch invariant).
-fn's rows are read once per token: the launch is meant for decode batches (a prefill step keeps the
-torch path, whose projection is one GEMM). S must be a power of two (hc_mult 4 in GLM-5.3-Flash).
+fn's rows are read once per token, so only steps of up to MAX_ROWS tokens (decode) take
+_mhc_partials; a larger step (prefill) projects its rows in one float32 GEMM, x @ fn^T [N, R] and
+the sums of x^2 [N], which _mhc_finish takes as a single partial (SPLIT 1). The two projections
+round differently (sums in another order), as the torch form does from both. S must be a power of
+two (hc_mult 4 in GLM-5.3-Flash).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
 BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
 MAX_SPLIT = 64  # programs per token reading fn
-MAX_ROWS = 64  # steps of more tokens take the torch path (layers/mhc.py)
+MAX_ROWS = 64  # steps of more tokens project in one GEMM instead of _mhc_partials
 
 
-def expand_supported(streams: torch.Tensor) -> bool:
+def supported(streams: torch.Tensor) -> bool:
+    """Whether the weights and the expand run here: CUDA, a stream count the kernels take."""
     s = streams.shape[1]
     return streams.is_cuda and s >= 1 and s & (s - 1) == 0  # the kernels' stream count is a power of two
-
-
-def fused_supported(streams: torch.Tensor) -> bool:
-    return expand_supported(streams) and streams.shape[0] <= MAX_ROWS
 
 
 def split_of(sh: int) -> tuple[int, int]:
@@ -103,6 +106,14 @@ def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
     tl.store(out_ptr + n * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
+def projected(x: torch.Tensor, fn: torch.Tensor, r_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, S, H] contiguous, fn [R, S*H] -> (x @ fn^T [N, R_PAD] float32, zero past R; sum of x^2 [N]
+    float32): _mhc_finish's one partial per token, for steps above MAX_ROWS tokens."""
+    xf = x.reshape(x.shape[0], -1).float()
+    part = F.linear(xf, F.pad(fn.float(), (0, 0, 0, r_pad - fn.shape[0])))
+    return part, xf.square().sum(-1)
+
+
 def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                       iters: int, hc_eps: float, norm_eps: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,14 +123,18 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
     x = streams.contiguous()
     r = (2 + s) * s
     r_pad = triton.next_power_of_2(r)
-    chunk, split = split_of(s * h)
     post = torch.empty(n, s, dtype=torch.float32, device=x.device)
     comb = torch.empty(n, s, s, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n:
-        part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
-        sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
-        _mhc_partials[(n, split)](x, fn.contiguous(), part, sq, s * h, chunk, split, R=r, R_PAD=r_pad, BLOCK=BLOCK)
+        if n <= MAX_ROWS:
+            chunk, split = split_of(s * h)
+            part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
+            sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
+            _mhc_partials[(n, split)](x, fn.contiguous(), part, sq, s * h, chunk, split, R=r, R_PAD=r_pad,
+                                      BLOCK=BLOCK)
+        else:
+            (part, sq), split = projected(x, fn, r_pad), 1
         _mhc_finish[(n, triton.cdiv(h, BLOCK_H))](
             x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, h, split,
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
