@@ -1,5 +1,6 @@
 """mHC's mixing weights on CUDA at prefill sizes: the fused path (layers/mhc_triton.mhc_weights_fused:
-up to MAX_ROWS tokens the projection's partials, above it one float32 GEMM, then one Triton launch)
+up to MAX_ROWS tokens the projection split per token, above it tiled over blocks of tokens, then one
+Triton launch)
 against the torch ops (HyperConnection.weights_reference, some 150 launches), each called eagerly as
 a prefill step calls it (allocations and launches included), at GLM-5.3-Flash's width.
 
@@ -63,7 +64,7 @@ def main() -> None:
             diff = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(fused(), ref())]
             fused_us = triton.testing.do_bench(fused, rep=200, return_mode="median") * 1e3
             ref_us = triton.testing.do_bench(ref, rep=200, return_mode="median") * 1e3
-        row = {"tokens": n, "path": "partials" if n <= MAX_ROWS else "gemm", "fused_us": fused_us,
+        row = {"tokens": n, "path": "partials" if n <= MAX_ROWS else "project", "fused_us": fused_us,
                "torch_us": ref_us, "speedup": ref_us / fused_us, "rel_diff_post_comb_collapsed": diff}
         rows.append(row)
         print(f"{n:6d} tokens ({row['path']:8s}): fused {fused_us:9.1f} us, torch {ref_us:9.1f} us, "

@@ -17,7 +17,7 @@ same order as transformers' Glm5NextTextHyperConnection, so float32 agrees to ro
 in the model dtype and applied in float32; base and scale are float32 in the checkpoints.
 
 On CUDA every step computes the weights and the collapse in two Triton launches (above
-mhc_triton.MAX_ROWS tokens: the projection as one float32 GEMM with its casts, then one launch) and
+mhc_triton.MAX_ROWS tokens the projection is tiled over blocks of tokens instead of split per token) and
 expands in one (layers/mhc_triton.py; these torch ops are their oracle).
 """
 

@@ -18,23 +18,37 @@ Why split: one program per token reads fn's R x S*H weights (786 KB at GLM-5.3-F
 SM, so a batch-1 step ran a single program per call; the split spreads the read over up to
 MAX_SPLIT programs per token, and a token's partials depend on the token alone (batch invariant).
 fn's rows are read once per token, so only steps of up to MAX_ROWS tokens (decode) take
-_mhc_partials; a larger step (prefill) projects its rows in one float32 GEMM, x @ fn^T [N, R] and
-the sums of x^2 [N], which _mhc_finish takes as a single partial (SPLIT 1). The two projections
-round differently (sums in another order), as the torch form does from both. S must be a power of
-two (hc_mult 4 in GLM-5.3-Flash).
+_mhc_partials; a larger step (prefill) takes
+
+    _mhc_project   grid (N / BLOCK_T, SPLIT): program (b, j) takes BLOCK_T tokens and columns
+                   [j PROJECT_CHUNK, (j + 1) PROJECT_CHUNK): x tile [BLOCK_T, BLOCK_K] . fn^T tile
+                   [BLOCK_K, R_PAD] on the tensor cores (bf16 products are exact in float32, sums in
+                   float32; float32 inputs multiply in IEEE float32), the same partials as _mhc_partials
+
+so x is read once and fn once per BLOCK_T tokens. A float32 GEMM instead (cuBLAS on x.float(), the
+torch form's projection) wrote and read x in float32 and ran at a fraction of HBM speed with its
+R = 24 columns (docs/models.md has both timed). The split depends on the row width alone, so a
+token's partials do not depend on the step's other tokens. The projections of the two paths round
+differently (sums in another order), as the torch form does from both. S must be a power of two
+(hc_mult 4 in GLM-5.3-Flash).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from moetier.layers.paged_attention_triton import _dot
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
 BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
 MAX_SPLIT = 64  # programs per token reading fn
-MAX_ROWS = 64  # steps of more tokens project in one GEMM instead of _mhc_partials
+MAX_ROWS = 64  # steps of more tokens take _mhc_project instead of _mhc_partials
+BLOCK_T, BLOCK_K = 64, 128  # _mhc_project's tile: tokens, columns per loop step
+PROJECT_CHUNK = 2048  # columns per _mhc_project program (GLM-5.3-Flash's S*H = 16,384: a split of 8)
 
 
 def supported(streams: torch.Tensor) -> bool:
@@ -106,12 +120,47 @@ def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
     tl.store(out_ptr + n * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def projected(x: torch.Tensor, fn: torch.Tensor, r_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, S, H] contiguous, fn [R, S*H] -> (x @ fn^T [N, R_PAD] float32, zero past R; sum of x^2 [N]
-    float32): _mhc_finish's one partial per token, for steps above MAX_ROWS tokens."""
-    xf = x.reshape(x.shape[0], -1).float()
-    part = F.linear(xf, F.pad(fn.float(), (0, 0, 0, r_pad - fn.shape[0])))
-    return part, xf.square().sum(-1)
+@triton.jit
+def _mhc_project(x_ptr, fn_ptr, part_ptr, sq_ptr, N, SH, CHUNK, SPLIT, R: tl.constexpr, R_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.program_id(1)
+    tm = t < N
+    t64 = t.to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    rm = r < R
+    acc = tl.zeros([BLOCK_T, R_PAD], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for off in range(0, CHUNK, BLOCK_K):
+        cols = j * CHUNK + off + tl.arange(0, BLOCK_K)
+        m = cols < SH
+        x = tl.load(x_ptr + t64[:, None] * SH + cols[None, :], mask=tm[:, None] & m[None, :], other=0.0)
+        w = tl.load(fn_ptr + r[None, :] * SH + cols[:, None], mask=rm[None, :] & m[:, None], other=0.0)
+        acc += _dot(x, w, PRECISION, UPCAST)  # [BLOCK_T, R_PAD]
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+    tl.store(part_ptr + (t64[:, None] * SPLIT + j) * R_PAD + r[None, :], acc, mask=tm[:, None])
+    tl.store(sq_ptr + t64 * SPLIT + j, sq, mask=tm)
+
+
+def projected(x: torch.Tensor, fn: torch.Tensor, r: int, r_pad: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [N, S*H] contiguous, fn [R, S*H] contiguous -> (partials [N, SPLIT, R_PAD] float32, zero past R;
+    sums of x^2 [N, SPLIT] float32; SPLIT): _mhc_partials' outputs, for steps above MAX_ROWS tokens."""
+    n, sh = x.shape
+    block_k = max(16, min(BLOCK_K, triton.next_power_of_2(sh)))
+    chunk = max(block_k, PROJECT_CHUNK)
+    split = triton.cdiv(sh, chunk)
+    part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
+    sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
+    # bf16 or fp16 operands of one dtype go to the tensor cores as they are (exact products); float32,
+    # or two dtypes, multiply in float32 IEEE (TF32 would round the inputs)
+    same = x.dtype == fn.dtype
+    upcast = not same or (x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1")
+    ieee = upcast or x.dtype == torch.float32
+    _mhc_project[(triton.cdiv(n, BLOCK_T), split)](
+        x, fn, part, sq, n, sh, chunk, split, R=r, R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_K=block_k,
+        PRECISION="ieee" if ieee else "tf32", UPCAST=upcast)
+    return part, sq, split
 
 
 def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -122,7 +171,7 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
     n, s, h = streams.shape
     x = streams.contiguous()
     r = (2 + s) * s
-    r_pad = triton.next_power_of_2(r)
+    r_pad = max(16, triton.next_power_of_2(r))  # 16: tl.dot's least width (_mhc_project)
     post = torch.empty(n, s, dtype=torch.float32, device=x.device)
     comb = torch.empty(n, s, s, dtype=torch.float32, device=x.device)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -134,7 +183,7 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
             _mhc_partials[(n, split)](x, fn.contiguous(), part, sq, s * h, chunk, split, R=r, R_PAD=r_pad,
                                       BLOCK=BLOCK)
         else:
-            (part, sq), split = projected(x, fn, r_pad), 1
+            part, sq, split = projected(x.view(n, s * h), fn.contiguous(), r, r_pad)
         _mhc_finish[(n, triton.cdiv(h, BLOCK_H))](
             x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, h, split,
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
