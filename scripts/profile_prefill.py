@@ -111,17 +111,24 @@ def main(argv: list[str]) -> None:
                         else synthetic_trace(cfg, Path(tempfile.mkdtemp()) / "routing.mtrace"))
     bed = random_bed(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     use_backend(bed, a.backend, a.budget if a.backend == "slots" else 1.0)
+    # prefix caching off: every run below prefills the same prompt, which would otherwise hit the pages
+    # (and KDA state checkpoints) the run before left, and profile only the tail after them
     llm = LLM.from_model(bed.model, bed.tokenizer, EngineConfig(
-        replay_trace=trace, max_num_tokens=a.chunk, cuda_graphs=False, kv_tokens=a.prompt_len + 64))
+        replay_trace=trace, max_num_tokens=a.chunk, cuda_graphs=False, kv_tokens=a.prompt_len + 64,
+        enable_prefix_caching=False))
     prompt = torch.randint(0, 400, (a.prompt_len,)).tolist()
+
+    steps = [0]  # engine steps of the last run: the prompt's chunks
 
     def once() -> float:  # ms: the prompt's prefill steps and the step sampling its first token
         llm.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        steps[0] = 0
         while llm.has_unfinished():
             llm.step()
+            steps[0] += 1
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
@@ -131,6 +138,7 @@ def main(argv: list[str]) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         ms = once()
+    profiled_steps = steps[0]
     for u in undo:
         u()
     timed = sorted(once() for _ in range(3))  # without the profiler and its ranges
@@ -147,7 +155,8 @@ def main(argv: list[str]) -> None:
     kernels = sorted(kernels_by_name.values(), key=lambda k: -k[2])  # [name, launches, us]
     mode = "CUDA, eager steps" if cuda else "eager on the CPU (a dry run: not a measurement of the GPU)"
     print(f"{a.preset} cut to {a.layers} layers, {a.backend}, one prompt of {a.prompt_len} tokens in chunks of "
-          f"{a.chunk}, {mode}: {timed[1]:.2f} ms (median of 3 after warm-up {warm}; {ms:.2f} ms profiled)")
+          f"{a.chunk} ({profiled_steps} steps), {mode}: {timed[1]:.2f} ms (median of 3 after warm-up {warm}; "
+          f"{ms:.2f} ms profiled)")
     for p, t in sorted(parts.items(), key=lambda x: -x[1]):
         print(f"  {p:<10} {t:9.3f} ms {'GPU' if cuda else 'wall'}")
     if cuda:
@@ -163,7 +172,7 @@ def main(argv: list[str]) -> None:
             "command": " ".join(["python", "scripts/profile_prefill.py", *argv]), "mode": mode,
             "preset": a.preset, "layers": a.layers, "prompt_len": a.prompt_len, "chunk": a.chunk,
             "backend": a.backend, "budget": a.budget if a.backend == "slots" else None, "trace": str(trace),
-            "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms, "parts_ms": parts,
+            "steps": profiled_steps, "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms, "parts_ms": parts,
             "kernels": kernels}, indent=1) + "\n")
 
 
