@@ -12,7 +12,11 @@ Per token n, over its streams row x = streams[n] flattened ([S*H], S = hc_mult),
                    order in each, so all agree), scales by rsqrt(mean x^2 + eps) (the RMS norm commutes
                    with the projection), adds scale and base, takes the sigmoids, the softmax of
                    comb's rows and Sinkhorn in registers; program 0 stores post and comb, each
-                   stores its block of collapsed[h] = sum_s pre[s] x[s, h] (float32, stored in x's dtype)
+                   stores its block of collapsed[h] = sum_s pre[s] x[s, h] (float32, stored in x's dtype).
+                   Above MAX_ROWS tokens a program takes FINISH_TOKENS tokens and FINISH_STEPS column
+                   blocks: a program per token and block ran the Sinkhorn's 40 small reductions
+                   H / BLOCK_H times a token, the larger part of a prefill step's mHC time
+                   (docs/models.md has the profile)
 
 Why split: one program per token reads fn's R x S*H weights (786 KB at GLM-5.3-Flash's width) on one
 SM, so a batch-1 step ran a single program per call; the split spreads the read over up to
@@ -49,6 +53,8 @@ MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens take _mhc_project instead of _mhc_partials
 BLOCK_T, BLOCK_K = 64, 128  # _mhc_project's tile: tokens, columns per loop step
 PROJECT_CHUNK = 2048  # columns per _mhc_project program (GLM-5.3-Flash's S*H = 16,384: a split of 8)
+# _mhc_finish above MAX_ROWS tokens: tokens a program, hidden columns a block, blocks a program
+FINISH_TOKENS, FINISH_H, FINISH_STEPS = 16, 64, 8
 
 
 def supported(streams: torch.Tensor) -> bool:
@@ -84,40 +90,48 @@ def _mhc_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, SH, CHUNK, SPLIT,
 
 
 @triton.jit
-def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, H, SPLIT,
+def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, N, H, SPLIT,
                 norm_eps, hc_eps, S: tl.constexpr, R_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+                ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, H_STEPS: tl.constexpr):
+    # program (b, hb): tokens [b BLOCK_T, (b + 1) BLOCK_T), hidden columns [hb H_STEPS BLOCK_H, ...) in
+    # H_STEPS blocks; every token's Sinkhorn in registers, [BLOCK_T, S, S] at once
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < N
+    t64 = t.to(tl.int64)
     hb = tl.program_id(1)
     s = tl.arange(0, S)
     j = tl.arange(0, SPLIT_PAD)
-    jm = j < SPLIT
-    parts = part_ptr + n * SPLIT * R_PAD + j * R_PAD  # [SPLIT_PAD] row starts
+    pm = tm[:, None] & (j < SPLIT)[None, :]  # [T, J]
+    parts = part_ptr + (t64[:, None] * SPLIT + j[None, :]) * R_PAD  # [T, J] row starts
     comb_rows = 2 * S + s[:, None] * S + s[None, :]  # [S, S]: fn rows of comb, row-major
-    acc_pre = tl.sum(tl.load(parts[:, None] + s[None, :], mask=jm[:, None], other=0.0), axis=0)
-    acc_post = tl.sum(tl.load(parts[:, None] + S + s[None, :], mask=jm[:, None], other=0.0), axis=0)
-    acc_comb = tl.sum(tl.load(parts[:, None, None] + comb_rows[None, :, :], mask=jm[:, None, None], other=0.0),
-                      axis=0)
+    acc_pre = tl.sum(tl.load(parts[:, :, None] + s[None, None, :], mask=pm[:, :, None], other=0.0), axis=1)
+    acc_post = tl.sum(tl.load(parts[:, :, None] + S + s[None, None, :], mask=pm[:, :, None], other=0.0), axis=1)
+    acc_comb = tl.sum(tl.load(parts[:, :, None, None] + comb_rows[None, None, :, :], mask=pm[:, :, None, None],
+                              other=0.0), axis=1)  # [T, S, S]
     sh = S * H
-    sumsq = tl.sum(tl.load(sq_ptr + n * SPLIT + j, mask=jm, other=0.0), axis=0)
+    sumsq = tl.sum(tl.load(sq_ptr + t64[:, None] * SPLIT + j[None, :], mask=pm, other=0.0), axis=1)  # [T]
     rstd = tl.rsqrt(sumsq / sh + norm_eps)
-    pre = tl.sigmoid(acc_pre * rstd * tl.load(scale_ptr) + tl.load(base_ptr + s)) + hc_eps
-    post = 2.0 * tl.sigmoid(acc_post * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + S + s))
-    logit = acc_comb * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows)
-    e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns first, as layers/mhc.sinkhorn
+    pre = tl.sigmoid(acc_pre * rstd[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(acc_post * rstd[:, None] * tl.load(scale_ptr + 1) + tl.load(base_ptr + S + s)[None, :])
+    logit = acc_comb * rstd[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows)[None, :, :]
+    e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
+    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps  # each row's softmax
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # columns first, as layers/mhc.sinkhorn
     for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     if hb == 0:
-        tl.store(post_ptr + n * S + s, post)
-        tl.store(comb_ptr + n * S * S + s[:, None] * S + s[None, :], comb)
-    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = cols < H
-    xs = tl.load(x_ptr + n * sh + s[:, None] * H + cols[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(pre[:, None] * xs, axis=0)
-    tl.store(out_ptr + n * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(post_ptr + t64[:, None] * S + s[None, :], post, mask=tm[:, None])
+        tl.store(comb_ptr + t64[:, None, None] * S * S + s[None, :, None] * S + s[None, None, :], comb,
+                 mask=tm[:, None, None])
+    for i in tl.static_range(H_STEPS):
+        cols = (hb * H_STEPS + i) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = cols < H
+        xs = tl.load(x_ptr + t64[:, None, None] * sh + s[None, :, None] * H + cols[None, None, :],
+                     mask=tm[:, None, None] & m[None, None, :], other=0.0).to(tl.float32)  # [T, S, BLOCK_H]
+        y = tl.sum(pre[:, :, None] * xs, axis=1)
+        tl.store(out_ptr + t64[:, None] * H + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None] & m[None, :])
 
 
 @triton.jit
@@ -184,10 +198,14 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
                                       BLOCK=BLOCK)
         else:
             part, sq, split = projected(x.view(n, s * h), fn.contiguous(), r, r_pad)
-        _mhc_finish[(n, triton.cdiv(h, BLOCK_H))](
-            x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, h, split,
+        # decode: a program per token and hidden block (the blocks side by side, each taking the
+        # Sinkhorn, which costs a step nothing at a few tokens); larger steps: FINISH_TOKENS tokens a
+        # program, their Sinkhorn once, FINISH_STEPS blocks of FINISH_H columns each
+        bt, bh, steps = (1, BLOCK_H, 1) if n <= MAX_ROWS else (FINISH_TOKENS, FINISH_H, FINISH_STEPS)
+        _mhc_finish[(triton.cdiv(n, bt), triton.cdiv(h, bh * steps))](
+            x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, n, h, split,
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
-            BLOCK_H=BLOCK_H)
+            BLOCK_T=bt, BLOCK_H=bh, H_STEPS=steps)
     return post, comb, out
 
 
