@@ -6,6 +6,8 @@ subprocess.
     the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
     scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
     a missing Sinkhorn round shows); above MAX_ROWS tokens too (_mhc_project's tiles).
+  - KDA's prefill conv (layers/kda_conv_triton.conv_prefill) against kda_reference.causal_conv:
+    several token blocks, fewer tokens than the state keeps, fresh and carried states, bfloat16.
   - mHC's fused expand (layers/mhc_triton.expand_fused) against layers/mhc.expand's torch form, float32
     and bfloat16 (loosely: the interpreter truncates casts to bfloat16), at hc_mult 4 and 2, H not a
     multiple of the block.
@@ -136,6 +138,22 @@ def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
     print(f"conv step over slots {dtype}: ok")
 
 
+def check_conv_prefill(t: int, fresh: bool, dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.kda_conv_triton import conv_prefill
+    from moetier.layers.kda_reference import causal_conv
+
+    c, w = 300, 4  # three channel blocks, the last partial
+    x = torch.randn(t, 2 * c, generator=g).to(dtype)[:, :c]  # strided rows, as the projection's split
+    state = torch.randn(c, w - 1, generator=g).to(dtype)
+    weight = torch.randn(c, 1, w, generator=g)
+    want, want_state = causal_conv(x, torch.zeros_like(state) if fresh else state.clone(), weight)
+    got = conv_prefill(x, state, weight, fresh)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
+    assert torch.equal(state, want_state), (t, fresh)
+    print(f"conv prefill T={t} fresh={fresh} {dtype}: ok")
+
+
 def check_kda_decode(g: torch.Generator) -> None:
     from moetier.layers.kda_cuda import kda_decode_slots
     from moetier.layers.kda_reference import kda_step
@@ -196,6 +214,12 @@ if __name__ == "__main__":
     check_expand(3, 4, 300, torch.float32, g)
     check_expand(2, 2, 520, torch.bfloat16, g)
     check_expand(1, 4, 4096, torch.bfloat16, g)
+    # conv prefill: two token blocks and a partial one; fewer tokens than the state keeps; bfloat16
+    check_conv_prefill(70, False, torch.float32, g)
+    check_conv_prefill(7, True, torch.float32, g)
+    check_conv_prefill(2, False, torch.float32, g)
+    check_conv_prefill(2, True, torch.float32, g)
+    check_conv_prefill(40, False, torch.bfloat16, g)
     check_gated_norm(torch.float32, g)
     check_gated_norm(torch.bfloat16, g)
     check_forget_gate(-5.0, g)

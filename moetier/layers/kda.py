@@ -25,7 +25,7 @@ Attention, so float32 agrees to rounding.
 On CUDA the recurrence runs in fla-core's kernels (layers/kda_cuda.py): decode updates the slots in
 place inside the decode graph; prefill runs a step's sequences of up to 64 new tokens in fla's
 recurrent kernel and the longer ones in its chunked kernel, one varlen launch per kind (_prefill_fla). The
-decode conv is one Triton launch over the slots (layers/kda_conv_triton.py); prefill's is torch. A
+decode conv is one Triton launch over the slots (layers/kda_conv_triton.py), prefill's one a sequence. A
 decode row at position 0 (a one-token prompt) has its slot zeroed first from host integers, so such
 a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs).
 """
@@ -215,7 +215,13 @@ class KdaAttention(nn.Module):
         todo = [i for i in range(batch.num_seqs) if qs[i + 1] > qs[i]]
         for i in todo:
             a, b = qs[i], qs[i + 1]
-            c0 = torch.zeros_like(conv[slots[i]]) if lens[i] == b - a else conv[slots[i]]
+            fresh = lens[i] == b - a
+            if qkv.is_cuda:  # one launch, no float32 copy of the chunk (layers/kda_conv_triton.py)
+                from moetier.layers.kda_conv_triton import conv_prefill
+
+                mixed[a:b] = conv_prefill(qkv[a:b], conv[slots[i]], self.conv, fresh)
+                continue
+            c0 = torch.zeros_like(conv[slots[i]]) if fresh else conv[slots[i]]
             mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
         q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
