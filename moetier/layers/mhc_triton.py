@@ -134,7 +134,7 @@ def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
                  mask=tm[:, None] & m[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the step's tokens: one kernel for every count (a compile each, else)
 def _mhc_project(x_ptr, fn_ptr, part_ptr, sq_ptr, N, SH, CHUNK, SPLIT, R: tl.constexpr, R_PAD: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
