@@ -89,7 +89,7 @@ def _mhc_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, SH, CHUNK, SPLIT,
     tl.store(sq_ptr + n * SPLIT + j, tl.sum(sq, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the step's tokens (a decode graph's batch, a prefill chunk)
 def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, N, H, SPLIT,
                 norm_eps, hc_eps, S: tl.constexpr, R_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
                 ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, H_STEPS: tl.constexpr):
