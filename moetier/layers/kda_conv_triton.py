@@ -73,7 +73,7 @@ def conv_step_slots(qkv: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the chunk's tokens: one kernel for every length (a compile each, else)
 def _conv_prefill_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, T, C, FRESH: tl.constexpr,
                          W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
