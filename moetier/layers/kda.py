@@ -213,16 +213,16 @@ class KdaAttention(nn.Module):
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
         todo = [i for i in range(batch.num_seqs) if qs[i + 1] > qs[i]]
+        if qkv.is_cuda:  # one launch a sequence, no float32 copy of the chunk
+            from moetier.layers.kda_conv_triton import conv_prefill
         for i in todo:
             a, b = qs[i], qs[i + 1]
             fresh = lens[i] == b - a
-            if qkv.is_cuda:  # one launch, no float32 copy of the chunk (layers/kda_conv_triton.py)
-                from moetier.layers.kda_conv_triton import conv_prefill
-
+            if qkv.is_cuda:
                 mixed[a:b] = conv_prefill(qkv[a:b], conv[slots[i]], self.conv, fresh)
-                continue
-            c0 = torch.zeros_like(conv[slots[i]]) if fresh else conv[slots[i]]
-            mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
+            else:
+                c0 = torch.zeros_like(conv[slots[i]]) if fresh else conv[slots[i]]
+                mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
         q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
             return self._prefill_fla(q, k, v, g, beta, rec, batch, todo)

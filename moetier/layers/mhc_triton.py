@@ -39,13 +39,11 @@ differently (sums in another order), as the torch form does from both. S must be
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from moetier.layers.paged_attention_triton import _dot
+from moetier.quant.dot import dot_type, mma
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
 BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
@@ -136,7 +134,8 @@ def _mhc_finish(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
 
 @triton.jit(do_not_specialize=["N"])  # the step's tokens: one kernel for every count (a compile each, else)
 def _mhc_project(x_ptr, fn_ptr, part_ptr, sq_ptr, N, SH, CHUNK, SPLIT, R: tl.constexpr, R_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                 EMULATE: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.program_id(1)
     tm = t < N
@@ -149,8 +148,8 @@ def _mhc_project(x_ptr, fn_ptr, part_ptr, sq_ptr, N, SH, CHUNK, SPLIT, R: tl.con
         cols = j * CHUNK + off + tl.arange(0, BLOCK_K)
         m = cols < SH
         x = tl.load(x_ptr + t64[:, None] * SH + cols[None, :], mask=tm[:, None] & m[None, :], other=0.0)
-        w = tl.load(fn_ptr + r[None, :] * SH + cols[:, None], mask=rm[None, :] & m[:, None], other=0.0)
-        acc += _dot(x, w, PRECISION, UPCAST)  # [BLOCK_T, R_PAD]
+        w = tl.load(fn_ptr + r[:, None] * SH + cols[None, :], mask=rm[:, None] & m[None, :], other=0.0)
+        acc = mma(x, w, acc, DOT, PRECISION, EMULATE)  # [BLOCK_T, R_PAD] += x . fn^T
         xf = x.to(tl.float32)
         sq += tl.sum(xf * xf, axis=1)
     tl.store(part_ptr + (t64[:, None] * SPLIT + j) * R_PAD + r[None, :], acc, mask=tm[:, None])
@@ -162,18 +161,16 @@ def projected(x: torch.Tensor, fn: torch.Tensor, r: int, r_pad: int) -> tuple[to
     sums of x^2 [N, SPLIT] float32; SPLIT): _mhc_partials' outputs, for steps above MAX_ROWS tokens."""
     n, sh = x.shape
     block_k = max(16, min(BLOCK_K, triton.next_power_of_2(sh)))
-    chunk = max(block_k, PROJECT_CHUNK)
+    chunk = min(PROJECT_CHUNK, triton.cdiv(sh, block_k) * block_k)  # PROJECT_CHUNK: a multiple of block_k
     split = triton.cdiv(sh, chunk)
     part = torch.empty(n, split, r_pad, dtype=torch.float32, device=x.device)
     sq = torch.empty(n, split, dtype=torch.float32, device=x.device)
-    # bf16 or fp16 operands of one dtype go to the tensor cores as they are (exact products); float32,
-    # or two dtypes, multiply in float32 IEEE (TF32 would round the inputs)
-    same = x.dtype == fn.dtype
-    upcast = not same or (x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1")
-    ieee = upcast or x.dtype == torch.float32
+    # 16-bit operands of one dtype go to the tensor cores as they are (exact products, float32 sums);
+    # float32, or two dtypes, multiply in IEEE float32 (quant/dot.py)
+    dot, precision, emulate = dot_type(x.dtype if x.dtype == fn.dtype else torch.float32)
     _mhc_project[(triton.cdiv(n, BLOCK_T), split)](
         x, fn, part, sq, n, sh, chunk, split, R=r, R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_K=block_k,
-        PRECISION="ieee" if ieee else "tf32", UPCAST=upcast)
+        DOT=dot, PRECISION=precision, EMULATE=emulate)
     return part, sq, split
 
 
