@@ -5,7 +5,9 @@ subprocess.
   - mHC's fused weights (layers/mhc_triton.py) against HyperConnection's torch ops: post, comb and
     the collapsed input within float32 tolerance, at hc_mult 4 and 2, H not a multiple of the block,
     scales large enough that the sigmoids and the softmax are far from flat (so a wrong row order or
-    a missing Sinkhorn round shows).
+    a missing Sinkhorn round shows); above MAX_ROWS tokens too (_mhc_project's tiles).
+  - KDA's prefill conv (layers/kda_conv_triton.conv_prefill) against kda_reference.causal_conv:
+    several token blocks, fewer tokens than the state keeps, fresh and carried states, bfloat16.
   - mHC's fused expand (layers/mhc_triton.expand_fused) against layers/mhc.expand's torch form, float32
     and bfloat16 (loosely: the interpreter truncates casts to bfloat16), at hc_mult 4 and 2, H not a
     multiple of the block.
@@ -37,7 +39,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from moetier.layers.mhc import HyperConnection  # noqa: E402
-from moetier.layers.mhc_triton import mhc_weights_fused  # noqa: E402
+from moetier.layers.mhc_triton import MAX_ROWS, mhc_weights_fused  # noqa: E402
 
 TOL = 1e-5  # float32, relative to the norm
 
@@ -46,20 +48,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check_mhc(n: int, s: int, h: int, iters: int, g: torch.Generator) -> None:
-    hc = HyperConnection(h, s, iters, 1e-6, 1e-5, torch.float32, "cpu")
+def check_mhc(n: int, s: int, h: int, iters: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> None:
+    hc = HyperConnection(h, s, iters, 1e-6, 1e-5, dtype, "cpu")
     with torch.no_grad():
         hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.5)
         hc.base.copy_(torch.randn(hc.base.shape, generator=g))
         hc.scale.copy_(torch.tensor([1.5, 0.7, 2.0]))
-    streams = torch.randn(n, s, h, generator=g)
+    streams = torch.randn(n, s, h, generator=g).to(dtype)
     want = hc.weights(streams)  # on the CPU: the torch ops
     got = mhc_weights_fused(streams, hc.fn, hc.base, hc.scale, iters, hc.hc_eps, hc.norm_eps)
+    # bfloat16: the same products (exact in float32) summed in another order; the collapse is rounded
+    # to bfloat16 (the interpreter truncates), one step of it apart at most
+    tol = TOL if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("post", "comb", "collapsed"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
-        assert rel(a, b) <= TOL, (name, n, s, h, rel(a, b))
+        assert rel(a, b) <= tol, (name, n, s, h, rel(a, b))
     assert got[1].std() > 0.05, "the comb came out flat: the check could not tell rows or rounds apart"
-    print(f"mhc n={n} S={s} H={h} iters={iters}: ok")
+    print(f"mhc n={n} S={s} H={h} iters={iters} {dtype}: ok")
 
 
 def check_expand(n: int, s: int, h: int, dtype: torch.dtype, g: torch.Generator) -> None:
@@ -133,6 +138,22 @@ def check_conv(dtype: torch.dtype, g: torch.Generator) -> None:
     print(f"conv step over slots {dtype}: ok")
 
 
+def check_conv_prefill(t: int, fresh: bool, dtype: torch.dtype, g: torch.Generator) -> None:
+    from moetier.layers.kda_conv_triton import conv_prefill
+    from moetier.layers.kda_reference import causal_conv
+
+    c, w = 300, 4  # three channel blocks, the last partial
+    x = torch.randn(t, 2 * c, generator=g).to(dtype)[:, :c]  # strided rows, as the projection's split
+    state = torch.randn(c, w - 1, generator=g).to(dtype)
+    weight = torch.randn(c, 1, w, generator=g)
+    want, want_state = causal_conv(x, torch.zeros_like(state) if fresh else state.clone(), weight)
+    got = conv_prefill(x, state, weight, fresh)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
+    assert torch.equal(state, want_state), (t, fresh)
+    print(f"conv prefill T={t} fresh={fresh} {dtype}: ok")
+
+
 def check_kda_decode(g: torch.Generator) -> None:
     from moetier.layers.kda_cuda import kda_decode_slots
     from moetier.layers.kda_reference import kda_step
@@ -183,9 +204,22 @@ if __name__ == "__main__":
     check_mhc(1, 4, 64, 1, g)
     check_mhc(2, 2, 300, 5, g)
     check_mhc(1, 4, 2100, 3, g)  # 33 programs of two column blocks each: a split not a power of two
+    # above MAX_ROWS, _mhc_project: two token blocks (the second partial); S*H 2,120 in two column chunks
+    # (the second partial, not a multiple of the loop's block), bfloat16 through the tensor-core dot; S 2
+    # (R 8, padded to tl.dot's 16)
+    check_mhc(MAX_ROWS + 6, 4, 200, 20, g)
+    check_mhc(MAX_ROWS + 6, 4, 530, 20, g)
+    check_mhc(MAX_ROWS + 6, 4, 530, 20, g, torch.bfloat16)
+    check_mhc(MAX_ROWS + 1, 2, 300, 5, g)
     check_expand(3, 4, 300, torch.float32, g)
     check_expand(2, 2, 520, torch.bfloat16, g)
     check_expand(1, 4, 4096, torch.bfloat16, g)
+    # conv prefill: two token blocks and a partial one; fewer tokens than the state keeps; bfloat16
+    check_conv_prefill(70, False, torch.float32, g)
+    check_conv_prefill(7, True, torch.float32, g)
+    check_conv_prefill(2, False, torch.float32, g)
+    check_conv_prefill(2, True, torch.float32, g)
+    check_conv_prefill(40, False, torch.bfloat16, g)
     check_gated_norm(torch.float32, g)
     check_gated_norm(torch.bfloat16, g)
     check_forget_gate(-5.0, g)

@@ -109,7 +109,7 @@ def test_decode_over_slots_replays_from_a_graph(dtype, tol):
 
 # float32: the sigmoids, softmax and Sinkhorn amplify the projection's reassociation (logits about 10)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("n", [1, 8, 33])
+@pytest.mark.parametrize("n", [1, 8, 33, 65, 512])  # above 64 (mhc_triton.MAX_ROWS): _mhc_project
 def test_fused_mhc_matches_the_torch_ops_and_captures(n, dtype, tol):
     from moetier.layers.mhc import HyperConnection
     from moetier.layers.mhc_triton import mhc_weights_fused

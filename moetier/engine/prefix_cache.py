@@ -46,15 +46,6 @@ OWNER = "<prefix-cache>"  # the pool's owner of every page this manager hands ou
 ROOT_HASH = hashlib.sha256(b"moetier prefix cache").digest()  # the parent of page 0
 
 
-def _page_hash(parent: bytes, key: bytes, ids: bytes) -> bytes:
-    """The hash of one full page: SHA-256 over parent, the extra key (key: length-prefixed) and the
-    page's ids (ids: little-endian int64)."""
-    h = hashlib.sha256(parent)
-    h.update(key)
-    h.update(ids)
-    return h.digest()
-
-
 class PageBytes:
     """token_ids as little-endian int64 bytes, packed once: page i's hash input is a slice, not a
     struct.pack of its ids (which took half of a 4,000-token prompt's hashing, in the step's schedule)."""
@@ -65,8 +56,12 @@ class PageBytes:
         self.key = struct.pack("<I", len(extra_key)) + extra_key
 
     def hash(self, parent: bytes, i: int) -> bytes:
-        """The hash of page i (tokens i * page_size .. (i + 1) * page_size - 1) after parent."""
-        return _page_hash(parent, self.key, self.data[i * self.step:(i + 1) * self.step])
+        """The hash of full page i (tokens i * page_size .. (i + 1) * page_size - 1) after parent:
+        SHA-256 over parent, the length-prefixed extra key and the page's ids."""
+        h = hashlib.sha256(parent)
+        h.update(self.key)
+        h.update(self.data[i * self.step:(i + 1) * self.step])
+        return h.digest()
 
 
 def hash_chain(token_ids: Sequence[int], page_size: int, extra_key: bytes = b"") -> list[bytes]:

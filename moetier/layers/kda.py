@@ -25,7 +25,7 @@ Attention, so float32 agrees to rounding.
 On CUDA the recurrence runs in fla-core's kernels (layers/kda_cuda.py): decode updates the slots in
 place inside the decode graph; prefill runs a step's sequences of up to 64 new tokens in fla's
 recurrent kernel and the longer ones in its chunked kernel, one varlen launch per kind (_prefill_fla). The
-decode conv is one Triton launch over the slots (layers/kda_conv_triton.py); prefill's is torch. A
+decode conv is one Triton launch over the slots (layers/kda_conv_triton.py), prefill's one a sequence. A
 decode row at position 0 (a one-token prompt) has its slot zeroed first from host integers, so such
 a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs).
 """
@@ -213,10 +213,16 @@ class KdaAttention(nn.Module):
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
         todo = [i for i in range(batch.num_seqs) if qs[i + 1] > qs[i]]
+        if qkv.is_cuda:  # one launch a sequence, no float32 copy of the chunk
+            from moetier.layers.kda_conv_triton import conv_prefill
         for i in todo:
             a, b = qs[i], qs[i + 1]
-            c0 = torch.zeros_like(conv[slots[i]]) if lens[i] == b - a else conv[slots[i]]
-            mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
+            fresh = lens[i] == b - a
+            if qkv.is_cuda:
+                mixed[a:b] = conv_prefill(qkv[a:b], conv[slots[i]], self.conv, fresh)
+            else:
+                c0 = torch.zeros_like(conv[slots[i]]) if fresh else conv[slots[i]]
+                mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
         q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
             return self._prefill_fla(q, k, v, g, beta, rec, batch, todo)

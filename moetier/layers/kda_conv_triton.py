@@ -1,6 +1,7 @@
-"""KDA's causal depthwise conv for one decode step, over the state pool, in one Triton launch: what
+"""KDA's causal depthwise conv in Triton: one decode step over the state pool in one launch (what
 kda_reference.causal_conv_step does after a gather of the slots' states, and the scatter after it,
-with no gather or scatter (graph-safe: every address comes from device tensors).
+with no gather or scatter: graph-safe, every address comes from device tensors), and one sequence's
+prefill chunk (conv_prefill, below).
 
 Per sequence b and channel c, with state s = conv[slot_b, c, :] (the last W - 1 inputs, oldest first)
 and x = qkv[b, c]:
@@ -11,6 +12,16 @@ and x = qkv[b, c]:
 
 Padding rows of a decode graph share the pool's spare slot: their reads and writes race there and
 nowhere else. kda_reference.causal_conv_step is the oracle (tests/kda_interpreter.py).
+
+Prefill (conv_prefill): one sequence's T new tokens x [T, C] after its state s [C, W - 1] (zeros for
+a fresh sequence), per token t and channel c
+
+    y[t, c] = silu(sum_j in[t - (W - 1) + j, c] w[c, j])      in[i] = x[i] for i >= 0, s[W - 1 + i] before
+
+in float32, stored in x's dtype, the same terms as kda_reference.causal_conv (its oracle) without its
+transposed, concatenated float32 copy of the whole chunk and the float32 conv over it; then the state
+becomes the last W - 1 inputs. Programs of BLOCK_T tokens and BLOCK_C channels; the state is written
+after the launch (a program would otherwise overwrite what another still reads).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import triton
 import triton.language as tl
 
 BLOCK_C = 256
+PREFILL_T, PREFILL_C = 32, 128  # conv_prefill's tile: tokens, channels
 
 
 @triton.jit
@@ -58,4 +70,47 @@ def conv_step_slots(qkv: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
     if b:
         _conv_step_kernel[(b, triton.cdiv(c, BLOCK_C))](qkv, qkv.stride(0), conv, weight.reshape(c, w).contiguous(),
                                                          slots, positions, out, c, W=w, BLOCK_C=BLOCK_C)
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])  # the chunk's tokens: one kernel for every length (a compile each, else)
+def _conv_prefill_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, T, C, FRESH: tl.constexpr,
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tm, cm = t < T, c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        i = t + j - (W - 1)  # [T]: the input this tap reads, negative in the state
+        inx = (i >= 0)[:, None] & tm[:, None] & cm[None, :]
+        v = tl.load(x_ptr + i.to(tl.int64)[:, None] * stride_x + c[None, :], mask=inx, other=0.0).to(tl.float32)
+        if not FRESH:
+            ins = (i < 0)[:, None] & tm[:, None] & cm[None, :]
+            v += tl.load(state_ptr + c[None, :] * (W - 1) + (W - 1 + i)[:, None], mask=ins, other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + c * W + j, mask=cm, other=0.0)[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=tm[:, None] & cm[None, :])
+
+
+def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """x: [T, C] one sequence's new inputs (rows may be strided); state: [C, W - 1] its slot's row of the
+    pool, contiguous, updated in place to the last W - 1 inputs; weight: [C, 1, W] float32; fresh: the
+    sequence starts here (the state is not read). -> silu(conv) [T, C] in x's dtype."""
+    t, c = x.shape
+    w = weight.shape[-1]
+    if not state.is_contiguous() or state.shape != (c, w - 1) or x.stride(1) != 1:
+        raise ValueError(f"conv_prefill: state {tuple(state.shape)} (contiguous {state.is_contiguous()}) and inputs "
+                         f"{tuple(x.shape)} do not fit a conv of width {w}")
+    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    if t:
+        _conv_prefill_kernel[(triton.cdiv(t, PREFILL_T), triton.cdiv(c, PREFILL_C))](
+            x, x.stride(0), state, weight.reshape(c, w).contiguous(), out, t, c, FRESH=fresh, W=w,
+            BLOCK_T=PREFILL_T, BLOCK_C=PREFILL_C)
+        keep = w - 1
+        if t >= keep:
+            state.copy_(x[t - keep:].t())
+        else:  # the state's newest inputs, then all of x
+            prev = state.zero_() if fresh else state
+            state.copy_(torch.cat([prev[:, t:], x.t().to(state.dtype)], dim=-1))
     return out

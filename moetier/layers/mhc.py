@@ -16,9 +16,9 @@ The head collapses the streams by their plain mean before the final norm. The sa
 same order as transformers' Glm5NextTextHyperConnection, so float32 agrees to rounding. fn is kept
 in the model dtype and applied in float32; base and scale are float32 in the checkpoints.
 
-On CUDA, steps of up to mhc_triton.MAX_ROWS tokens (decode) compute the weights and the collapse in
-two Triton launches, and every step expands in one (layers/mhc_triton.py; these torch ops are their
-oracle).
+On CUDA every step computes the weights and the collapse in two Triton launches (above
+mhc_triton.MAX_ROWS tokens the projection is tiled over blocks of tokens instead of split per token) and
+expands in one (layers/mhc_triton.py; these torch ops are their oracle).
 """
 
 from __future__ import annotations
@@ -53,13 +53,17 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [N, S, H] -> (post [N, S] float32, comb [N, S, S] float32, block input [N, H])."""
-        n, s = streams.shape[0], self.s
         if streams.is_cuda:
-            from moetier.layers import mhc_triton  # decode on CUDA: two launches for all of the below
+            from moetier.layers import mhc_triton  # on CUDA: a few launches for all of weights_reference
 
-            if mhc_triton.fused_supported(streams):
+            if mhc_triton.supported(streams):
                 return mhc_triton.mhc_weights_fused(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
                                                     self.norm_eps)
+        return self.weights_reference(streams)
+
+    def weights_reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """weights() in torch ops, on any device: the CPU path and the kernels' oracle."""
+        n, s = streams.shape[0], self.s
         flat = streams.reshape(n, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
@@ -80,7 +84,7 @@ def expand(out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: t
     if streams.is_cuda:
         from moetier.layers import mhc_triton  # one launch for the five below
 
-        if mhc_triton.expand_supported(streams):
+        if mhc_triton.supported(streams):
             return mhc_triton.expand_fused(out, post, comb, streams)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

@@ -63,17 +63,9 @@ def _nibble4(b, SHIFT: tl.constexpr, NVFP4: tl.constexpr, ZERO: tl.constexpr):
 
 
 @triton.jit
-def _codes4(codes, row_bytes, n, nm, k0, K, NVFP4: tl.constexpr, ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
-    # the tile's codes [BLOCK_N, BLOCK_K] in element order (_nibble4's values), the nibbles interleaved
-    # in registers
-    b = _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K)
-    return tl.reshape(tl.join(_nibble4(b, 0, NVFP4, ZERO), _nibble4(b, 4, NVFP4, ZERO)), [n.shape[0], BLOCK_K])
-
-
-@triton.jit
 def _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
              zeros, ZERO: tl.constexpr):
-    # -> (sc, zc) float32: the tile's group scales (NVFP4: times gscale and the 2^14 _codes4 took out)
+    # -> (sc, zc) float32: the tile's group scales (NVFP4: times gscale and the 2^14 _nibble4 took out)
     # and zero codes (ZERO; else 0.0), [BLOCK_N, BLOCK_K / GROUP] when the tile holds whole groups,
     # [BLOCK_N] when one group spans it
     if BLOCK_K >= GROUP:
@@ -101,18 +93,26 @@ def dequant4_tile(codes, row_bytes, scales, scale_row, n, nm, k0, K, gscale, NVF
                   zeros=None, ZERO: tl.constexpr = False):
     # codes, scales: byte pointers to this projection's codes [N, row_bytes] and scales [N, scale_row];
     # the tile is columns [k0, k0 + BLOCK_K) of rows n, k0 a multiple of BLOCK_K; each group multiplied
-    # by its scale in registers, rounded once to DOT
-    v = _codes4(codes, row_bytes, n, nm, k0, K, NVFP4, ZERO, BLOCK_K)
+    # by its scale in registers, rounded once to DOT. The scales meet the even and the odd codes before
+    # they are interleaved, each half tile [N, BLOCK_K / 2] against its groups' scales repeated
+    # GROUP / 2 times (a small broadcast), so the full tile is reshaped once, by the interleave.
+    b = _bytes4(codes, row_bytes, n, nm, k0, K, BLOCK_K)
+    lo, hi = _nibble4(b, 0, NVFP4, ZERO), _nibble4(b, 4, NVFP4, ZERO)
     sc, zc = _scales4(scales, scale_row, n, nm, k0, gscale, NVFP4, GROUP, BLOCK_K, zeros, ZERO)
     if BLOCK_K >= GROUP:
-        v = tl.reshape(v, [n.shape[0], BLOCK_K // GROUP, GROUP])
+        NG: tl.constexpr = BLOCK_K // GROUP
+        G2: tl.constexpr = GROUP // 2
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [n.shape[0], NG, G2]), [n.shape[0], BLOCK_K // 2])
         if ZERO:
-            v = v - zc[:, :, None]
-        v = tl.reshape(v * sc[:, :, None], [n.shape[0], BLOCK_K])
+            zc = tl.reshape(tl.broadcast_to(zc[:, :, None], [n.shape[0], NG, G2]), [n.shape[0], BLOCK_K // 2])
     else:
+        sc = sc[:, None]
         if ZERO:
-            v = v - zc[:, None]
-        v = v * sc[:, None]
+            zc = zc[:, None]
+    if ZERO:
+        lo = lo - zc
+        hi = hi - zc
+    v = tl.reshape(tl.join(lo * sc, hi * sc), [n.shape[0], BLOCK_K])
     return to_dot(v, DOT, EMULATE)
 
 

@@ -16,8 +16,8 @@ from moetier.server.protocol import CompletionRequest
 
 class Echo:
     def __init__(self, req: CompletionRequest, prompt_ids: list[int], prompt_text: str, fmt: LogprobFormatter):
-        self.req, self.ids, self.fmt = req, prompt_ids, fmt
-        self.text = prompt_text if req.echo else ""  # what the response's text starts with
+        """prompt_text: what the response's text starts with, the prompt's text when req.echo, else ""."""
+        self.req, self.ids, self.fmt, self.text = req, prompt_ids, fmt, prompt_text
         self._sent = False
 
     def first(self, out: RequestOutput) -> bool:
