@@ -1,10 +1,11 @@
 """The slot fill's copy kernel (experts/cache/slot_kernels.copy_rows) by host row size: the same
 expert's bytes in rows padded to 16, 128, 512 and 4,096 bytes, so a row's start in pinned memory
-(row i at i x row bytes) is aligned to that much. Why quant/packed4.ROW_ALIGN is what it is:
-Qwen3-30B's NVFP4 row ends 16 bytes past a 4 KiB multiple (the three float32 global scales), so at
-16-byte alignment every other row started mid-line. Rows of the other formats are shown as they are.
-Each row: m missed experts (distinct, random) copied into slots in one CUDA-graph replay, median of
-7; the slots are checked against the host rows. CUDA only.
+(row i at i x row bytes) is aligned to that much; the other formats' rows as they are built. The
+question it answers: whether NVFP4's rows, which end 16 bytes past a multiple of 128 at every
+published shape (the three float32 tensor scales at the row's end),
+fill slower for it than 128-aligned rows would. Each row: m missed experts (distinct, random)
+copied into slots in one CUDA-graph replay, median of 7; the slots are checked against the host
+rows. CUDA only; it measures the package it imports (PYTHONPATH first, for a script).
 
     python scripts/fill_align_bench.py OUT.json [--preset qwen3-30b-a3b] [--experts 48]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -23,6 +25,7 @@ from moetier.experts.shape import RowLayout
 from moetier.presets import moe_shape
 
 ALIGNS = (16, 128, 512, 4096)
+MISSES = (8, 32)  # rows a replay fills
 
 
 def fill_rate(row_bytes: int, experts: int, misses: int) -> dict:
@@ -47,7 +50,16 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--experts", type=int, default=48)
     args = ap.parse_args()
-    shape = moe_shape(args.preset)
+    if args.experts < MISSES[-1]:
+        ap.error(f"--experts {args.experts}: the largest fill moves {MISSES[-1]} distinct experts; give at least that")
+    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        ap.error(f"OUT {args.out}: give a file path in an existing directory")
+    try:
+        shape = moe_shape(args.preset)
+    except Exception as exc:  # an unknown preset: the presets' own message
+        ap.error(f"--preset {args.preset}: {exc}")
+    if not torch.cuda.is_available():
+        ap.error("this benchmark times a CUDA kernel; no CUDA device is visible")
     rows = []
     for fmt in ("bf16", "fp8", "nvfp4", "int4"):
         lay = RowLayout(shape.hidden, shape.inter, None if fmt == "bf16" else fmt)
@@ -56,7 +68,7 @@ def main() -> None:
         if fmt == "nvfp4":  # the same bytes padded to each alignment
             sizes = {f"align {a}": -(-exact // a) * a for a in ALIGNS}
         for name, size in sizes.items():
-            for m in (8, 32):
+            for m in MISSES:
                 r = fill_rate(size, args.experts, m) | {"format": fmt, "variant": name,
                                                         "start_alignment": size & -size}
                 rows.append(r)
