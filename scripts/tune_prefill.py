@@ -1,7 +1,10 @@
 """Times the large-step grouped expert GEMM (grouped_gemm.grouped_expert_mlp_large) on the GPU over a
 sweep of block sizes (and pipeline stages), for T tokens of one layer of a preset's expert shape (bf16,
 resident rows; routing from the qwen3-30b-like trace for qwen3-30b-a3b, else a glm-5.3-like synthetic
-trace of the shape's experts), against the FLOP and byte floors.
+trace of the shape's experts), against the FLOP and byte floors. Kernel by kernel, as
+tune_experts.py: gate_up's blocks (and the chunk's block_m, which both kernels share) with the
+default down, then down's with the best gate_up; every time is the whole layer (plan, both GEMMs,
+combine), eager, median of 10. The default GemmConfig is the first row of each sweep.
 
     python scripts/tune_prefill.py [OUT.json] [--preset qwen3-30b-a3b] [--tokens 512,2048]
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,11 +29,20 @@ from moetier.presets import moe_shape
 from moetier.traces.format import read_trace
 from moetier.traces.synth import preset_params, synthesize
 
-# (large_block_m, BLOCK_N, BLOCK_K, warps, stages) for both kernels; stages None: Triton's default
+# (large_block_m, BLOCK_N, BLOCK_K, warps, stages) for gate_up; stages None: Triton's default. gate_up
+# holds two [block_m, BLOCK_N] float32 accumulators (gate and up), down one: down takes wider tiles.
 SWEEP = [(64, 64, 64, 4, None), (64, 128, 64, 4, None), (64, 64, 128, 4, None), (64, 128, 64, 8, None),
          (128, 64, 64, 8, None), (128, 128, 64, 8, None), (32, 64, 64, 4, None), (128, 64, 32, 4, None),
          (64, 128, 64, 8, 2), (64, 128, 64, 8, 4), (64, 64, 64, 8, 4), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3),
-         (32, 128, 128, 4, 3)]
+         (32, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3)]
+# (BLOCK_N, BLOCK_K, warps, stages) for down, at the block_m gate_up chose
+DOWN_SWEEP = [(128, 64, 4, None), (128, 64, 8, None), (256, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 3),
+              (128, 64, 8, 4), (256, 32, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 4, 3)]
+
+
+def blocks(bn: int, bk: int, nw: int, st: int | None) -> tuple[int, ...]:
+    """A GemmConfig block entry: (BLOCK_N, BLOCK_K, warps[, stages])."""
+    return (bn, bk, nw) if st is None else (bn, bk, nw, st)
 
 
 def routing(preset: str, experts: int, top_k: int, tokens: int):
@@ -56,37 +69,47 @@ def main(argv: list[str] | None = None) -> None:
         s = moe_shape(a.preset)
     except Exception as exc:  # an unknown preset: the presets' own message
         ap.error(f"--preset {a.preset}: {exc}")
+    if not torch.cuda.is_available():
+        ap.error("this sweep times CUDA kernels; no CUDA device is visible")
     out = a.out
     h, i, e, k = s.hidden, s.inter, s.num_experts, s.top_k
     layout = RowLayout(h, i)
     rows = (torch.randn(e, layout.numel, device="cuda") * 0.02).to(torch.bfloat16)
     results = []
+    default = GemmConfig()
     for t in sizes:
         ids = torch.as_tensor(routing(a.preset, e, k, t).astype("int64")).cuda()
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         w = torch.rand(t, k, device="cuda").to(torch.bfloat16)
         distinct = int(ids.unique().numel())
         flops = 2 * t * k * 3 * h * i
-        for bm, bn, bk, nw, st in SWEEP:
-            blocks = (bn, bk, nw) if st is None else (bn, bk, nw, st)
-            cfg = GemmConfig(large_block_m=bm, large_gate_up=blocks, large_down=blocks)
+
+        def timed(kernel: str, cfg: GemmConfig) -> float:
             try:
                 ms = time_eager(lambda: grouped_expert_mlp_large(x, ids.int(), ids, w, rows, rows, h, i, e, cfg),
                                 reps=10)
             except Exception as exc:  # a config Triton cannot compile
-                print(f"T={t} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
-                continue
-            r = {"preset": a.preset, "tokens": t, "block_m": bm, "block_n": bn, "block_k": bk, "warps": nw,
-                 "stages": st, "ms": ms,
+                print(f"T={t} {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                return float("inf")
+            r = {"preset": a.preset, "tokens": t, "kernel": kernel, "block_m": cfg.large_block_m,
+                 "gate_up": list(cfg.large_gate_up), "down": list(cfg.large_down), "ms": ms,
                  "tflops": flops / (ms / 1e3) / 1e12, "weights_GBps": distinct * layout.numel * 2 / GB / (ms / 1e3),
                  "distinct_experts": distinct}
             results.append(r)
-            print(f"T={t:5d} bm={bm:3d} bn={bn:3d} bk={bk:3d} w={nw} st={st}: {ms:7.3f} ms  {r['tflops']:6.1f} TFLOP/s  "
-                  f"{r['weights_GBps']:7.1f} GB/s of weights", flush=True)
-    best = {t: min((r for r in results if r["tokens"] == t), key=lambda r: r["ms"]) for t in sizes
-            if any(r["tokens"] == t for r in results)}
-    print("best:", {t: (b["block_m"], b["block_n"], b["block_k"], b["warps"], b["stages"], round(b["ms"], 3))
-                    for t, b in best.items()})
+            print(f"T={t:5d} {kernel:7} bm={cfg.large_block_m:3d} gate_up={cfg.large_gate_up} down={cfg.large_down}: "
+                  f"{ms:7.3f} ms  {r['tflops']:6.1f} TFLOP/s  {r['weights_GBps']:7.1f} GB/s of weights", flush=True)
+            return ms
+
+        base = timed("default", default)
+        trials = [replace(default, large_block_m=bm, large_gate_up=blocks(bn, bk, nw, st))
+                  for bm, bn, bk, nw, st in SWEEP]
+        best_gu = min(trials, key=lambda c: timed("gate_up", c))
+        trials = [replace(best_gu, large_down=blocks(*d)) for d in DOWN_SWEEP]
+        for c in trials:
+            timed("down", c)
+        win = min((r for r in results if r["tokens"] == t), key=lambda r: r["ms"])
+        print(f"T={t}: default {base:.3f} ms; fastest bm={win['block_m']} gate_up={tuple(win['gate_up'])} "
+              f"down={tuple(win['down'])} {win['ms']:.3f} ms ({base / win['ms']:.2f}x)")
     if out:
         Path(out).write_text(json.dumps(record("tune-prefill", {"results": results}), indent=1) + "\n")
 

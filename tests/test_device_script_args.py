@@ -1,4 +1,5 @@
-"""scripts/fill_align_bench.py refuses nonsense in one line with exit 2, before it looks for CUDA."""
+"""Device scripts (fill_align_bench.py, tune_prefill.py) refuse nonsense in one line with exit 2, and a
+machine without CUDA likewise, never with a traceback."""
 
 import subprocess
 import sys
@@ -24,3 +25,20 @@ def test_a_directory_for_out_is_refused(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "fill_align_bench.py"), str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "give a file path" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--tokens", "0"], "at least 1 token"),
+    (["--tokens", "a,b"], "comma list"),
+    (["--preset", "no-such-model"], "--preset no-such-model"),
+    ([], "no CUDA device"),
+])
+def test_tune_prefill_refuses_in_one_line(tmp_path, args, says):
+    if says == "no CUDA device":
+        pytest.importorskip("torch")
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA machine runs the sweep")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_prefill.py"), str(tmp_path / "o.json"), *args],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
