@@ -28,14 +28,14 @@ def write(entries: list[Path], file: Path) -> int:
     return file.stat().st_size
 
 
-def deal(entries: list[Path], parts: int) -> list[list[Path]]:
-    """entries into `parts` groups of about equal raw size, largest first (greedy)."""
+def deal(raw: dict[Path, int], parts: int) -> list[list[Path]]:
+    """entries (raw: entry -> its bytes) into `parts` groups of about equal raw size, largest first."""
     groups: list[list[Path]] = [[] for _ in range(parts)]
     sizes = [0] * parts
-    for e in sorted(entries, key=size_of, reverse=True):
+    for e in sorted(raw, key=raw.get, reverse=True):
         i = sizes.index(min(sizes))
         groups[i].append(e)
-        sizes[i] += size_of(e)
+        sizes[i] += raw[e]
     return [g for g in groups if g]
 
 
@@ -52,8 +52,9 @@ def save(cache: Path, file: Path, limit: int = LIMIT) -> list[Path]:
         return [file]
     file.unlink()
     parts = -(-whole // limit)
+    raw = {e: size_of(e) for e in entries}
     while True:
-        groups = deal(entries, parts)
+        groups = deal(raw, parts)
         names = [Path(f"{stem}.{i + 1}.tar.xz") for i in range(len(groups))]
         sizes = [write(g, n) for g, n in zip(groups, names)]
         if all(s <= limit for s in sizes) or len(groups) < parts or parts >= len(entries):
@@ -72,6 +73,12 @@ def save(cache: Path, file: Path, limit: int = LIMIT) -> list[Path]:
     return kept
 
 
+def kernels_in(file: Path) -> set[str]:
+    """The kernel folders an archive holds."""
+    with tarfile.open(file, "r:xz") as tar:
+        return {name.split("/")[0] for name in tar.getnames()}
+
+
 def restore(cache: Path, files: list[Path]) -> int:
     """Unpack every archive into cache -> the kernel folders there after."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -88,7 +95,7 @@ def main(argv: list[str]) -> int:
     cache = Path(argv[1])
     if argv[0] == "save":
         written = save(cache, Path(argv[2]))
-        kernels = sum(len({m.split("/")[0] for m in tarfile.open(p, "r:xz").getnames()}) for p in written)
+        kernels = sum(len(kernels_in(p)) for p in written)
         total = sum(p.stat().st_size for p in written)
         print(f"# triton cache: {kernels} of {len(list(cache.iterdir()))} kernels, {total // 1024} KiB in "
               + ", ".join(p.name for p in written) if written else "# triton cache: nothing saved")

@@ -4,7 +4,7 @@ resident rows; routing from the qwen3-30b-like trace for qwen3-30b-a3b, else a g
 trace of the shape's experts), against the FLOP and byte floors. Kernel by kernel, as
 tune_experts.py: gate_up's blocks (and the chunk's block_m, which both kernels share) with the
 default down, then down's with the best gate_up; every time is the whole layer (plan, both GEMMs,
-combine), eager, median of 10. The default GemmConfig is the first row of each sweep.
+combine), eager, median of 10. The default GemmConfig is timed first, each config once.
 
     python scripts/tune_prefill.py [OUT.json] [--preset qwen3-30b-a3b] [--tokens 512,2048]
 
@@ -100,13 +100,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{ms:7.3f} ms  {r['tflops']:6.1f} TFLOP/s  {r['weights_GBps']:7.1f} GB/s of weights", flush=True)
             return ms
 
-        base = timed("default", default)
-        trials = [replace(default, large_block_m=bm, large_gate_up=blocks(bn, bk, nw, st))
-                  for bm, bn, bk, nw, st in SWEEP]
-        best_gu = min(trials, key=lambda c: timed("gate_up", c))
-        trials = [replace(best_gu, large_down=blocks(*d)) for d in DOWN_SWEEP]
-        for c in trials:
-            timed("down", c)
+        # each config once: the default first, a sweep entry equal to a config already timed is skipped
+        trials = [default] + [c for c in (replace(default, large_block_m=bm, large_gate_up=blocks(bn, bk, nw, st))
+                                          for bm, bn, bk, nw, st in SWEEP) if c != default]
+        times = [timed("gate_up", c) for c in trials]
+        base, best_gu = times[0], trials[times.index(min(times))]
+        for c in (replace(best_gu, large_down=blocks(*d)) for d in DOWN_SWEEP):
+            if c != best_gu:
+                timed("down", c)
         win = min((r for r in results if r["tokens"] == t), key=lambda r: r["ms"])
         print(f"T={t}: default {base:.3f} ms; fastest bm={win['block_m']} gate_up={tuple(win['gate_up'])} "
               f"down={tuple(win['down'])} {win['ms']:.3f} ms ({base / win['ms']:.2f}x)")
