@@ -29,13 +29,18 @@ def test_the_base_folder_holds_the_commits_package_and_its_stamp(tmp_path):
     assert (base / "__init__.py").read_bytes() == (clone / "moetier" / "__init__.py").read_bytes()
     stamp = json.loads((base / "_build_info.json").read_text())
     assert stamp["commit"] == head and stamp["dirty"] is False
+    # the package's default traces resolve beside it (cli/bench_common.REPO_TRACE): the commit's data/ too
+    for f in (clone / "data").rglob("*"):
+        if f.is_file():
+            assert (clone / "ab" / "base" / f.relative_to(clone)).read_bytes() == f.read_bytes()
     assert "/ab/" in (clone / ".git" / "info" / "exclude").read_text().splitlines()
     # run as the script says, the base folder's package is the one imported, and it names the stamped commit
-    code = "import moetier, moetier.bench.common as c; print(moetier.__file__); print(c.commit())"
+    code = ("import moetier, moetier.bench.common as c, moetier.cli.bench_common as b; print(moetier.__file__); "
+            "print(c.commit()); print(b.REPO_TRACE.is_file())")
     out = subprocess.run([sys.executable, "-c", code],
                          cwd=clone / "ab" / "base", capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(clone / "ab" / "base"), "PATH": "/usr/bin:/bin"})
-    assert out.stdout.split() == [str(base / "__init__.py"), head], out.stderr
+    assert out.stdout.split() == [str(base / "__init__.py"), head, "True"], out.stderr
 
 
 @pytest.mark.parametrize("args,says", [(["no-such-ref"], "no commit"), (["HEAD", "/tmp/x"], "inside the repository"),
