@@ -23,6 +23,7 @@ preset's experts (the glm-5.3-like parameters, as scripts/profile_glm5_next.py m
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 import tempfile
@@ -43,6 +44,33 @@ from profile_glm5_next import synthetic_trace  # noqa: E402
 # module class name -> part (nested parts count in both)
 PARTS = {"KdaAttention": "attention", "MlaAttention": "attention", "GqaAttention": "attention",
          "KpoolIndexer": "indexer", "DsaIndexer": "indexer", "MoEBlock": "MoE", "SwigluMLP": "MLP"}
+
+
+def kernels_by_part(kernels: list[tuple[float, float]], ranges: dict[str, list[tuple[float, float]]]
+                    ) -> dict[str, float]:
+    """kernels: (start, end) on the GPU's clock; ranges: part -> its (start, end) intervals on the same
+    clock (the parts' record_function ranges as the profiler places them on the GPU timeline) -> part
+    -> the summed time of the kernels that lie inside one of its intervals (nested parts count in
+    both, as the ranges nest). Every kernel on the timeline counts, Triton's too: the CPU ranges'
+    device time missed most Triton launches (bench/results/h100-glm-prefill-af8d882: 4 us for mHC,
+    whose three kernels took 7.6 ms). Without GPU-side ranges the script falls back to the CPU
+    ranges and says so."""
+    out: dict[str, float] = {}
+    for part, spans in ranges.items():
+        merged: list[list[float]] = []  # the part's intervals as a union: nested or touching ones joined
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        starts = [a for a, _ in merged]
+        total = 0.0
+        for a, b in kernels:
+            i = bisect.bisect_right(starts, a) - 1  # the last interval that starts at or before the kernel
+            if i >= 0 and b <= merged[i][1]:
+                total += b - a
+        out[part] = total
+    return out
 
 
 def ranged(fn, part: str):
@@ -144,20 +172,31 @@ def main(argv: list[str]) -> None:
         u()
     timed = sorted(once() for _ in range(3))  # without the profiler and its ranges
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    parts: dict[str, float] = {}  # ms: the kernels launched inside each part's ranges (CPU: the ranges' wall)
+    parts: dict[str, float] = {}  # ms: the kernels inside each part's ranges (CPU: the ranges' wall)
     kernels_by_name: dict[str, list] = {}
+    gpu_ranges: dict[str, list] = {}  # part -> its ranges on the GPU timeline (us)
+    spans: list[tuple[float, float]] = []  # every kernel and copy on the GPU timeline (us)
     for e in prof.events():
-        if e.name.startswith("part: ") and e.device_type == cpu:
+        if e.name.startswith("part: "):
             part = e.name.removeprefix("part: ")
-            parts[part] = parts.get(part, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3
-        elif e.device_type == gpu and not e.name.startswith("part: "):  # kernels and copies, not the ranges
+            if e.device_type == cpu:
+                parts[part] = parts.get(part, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+            elif e.device_type == gpu:
+                gpu_ranges.setdefault(part, []).append((e.time_range.start, e.time_range.end))
+        elif e.device_type == gpu:  # kernels and copies, not the ranges
             k = kernels_by_name.setdefault(e.name, [e.name, 0, 0.0])
             k[1], k[2] = k[1] + 1, k[2] + e.device_time
+            spans.append((e.time_range.start, e.time_range.end))
+    attribution = "CPU ranges' wall" if not cuda else "CPU ranges' device time (runtime launches only)"
+    if gpu_ranges:  # the ranges on the GPU timeline: every launch inside them, the driver's (Triton) too
+        parts = {p: us / 1e3 for p, us in kernels_by_part(spans, gpu_ranges).items()}
+        attribution = "kernels inside the parts' ranges on the GPU timeline"
     kernels = sorted(kernels_by_name.values(), key=lambda k: -k[2])  # [name, launches, us]
     mode = "CUDA, eager steps" if cuda else "eager on the CPU (a dry run: not a measurement of the GPU)"
     print(f"{a.preset} cut to {a.layers} layers, {a.backend}, one prompt of {a.prompt_len} tokens in chunks of "
           f"{a.chunk} ({profiled_steps} steps), {mode}: {timed[1]:.2f} ms (median of 3 after warm-up {warm}; "
           f"{ms:.2f} ms profiled)")
+    print(f"parts ({attribution}):")
     for p, t in sorted(parts.items(), key=lambda x: -x[1]):
         print(f"  {p:<10} {t:9.3f} ms {'GPU' if cuda else 'wall'}")
     if cuda:
@@ -174,7 +213,7 @@ def main(argv: list[str]) -> None:
             "preset": a.preset, "layers": a.layers, "prompt_len": a.prompt_len, "chunk": a.chunk,
             "backend": a.backend, "budget": a.budget if a.backend == "slots" else None, "trace": str(trace),
             "steps": profiled_steps, "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms,
-            "parts_ms": parts,
+            "parts_ms": parts, "parts_attribution": attribution,
             "kernels": kernels}, indent=1) + "\n")
 
 
