@@ -215,8 +215,8 @@ def main(argv: list[str]) -> None:
             k[1], k[2] = k[1] + 1, k[2] + e.device_time
             spans.append((e.time_range.start, e.time_range.end))
     sites = by_site(prof.events(), cpu) if a.sites else []
-    attribution = "CPU ranges' wall" if not cuda else "CPU ranges' device time (runtime launches only)"
-    if gpu_ranges:  # the ranges on the GPU timeline: every launch inside them, the driver's (Triton) too
+    attribution = "CPU ranges' wall" if not cuda else "CPU ranges' device time (misses most Triton launches)"
+    if gpu_ranges:  # the ranges on the GPU timeline: every kernel inside them, Triton's too
         parts = {p: us / 1e3 for p, us in kernels_by_part(spans, gpu_ranges).items()}
         attribution = "kernels inside the parts' ranges on the GPU timeline"
     kernels = sorted(kernels_by_name.values(), key=lambda k: -k[2])  # [name, launches, us]
