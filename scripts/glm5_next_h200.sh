@@ -49,7 +49,7 @@ on prefill-chunk && stage prefill-chunk 100 "${mt[@]}" bench prefill "${M[@]}" -
 for n in 512 8192; do
   on profile-prefill || break
   stage prefill-profile-$n 90 python3 scripts/profile_prefill.py --preset glm-5.3-flash --layers 8 --prompt-len $n \
-    --trace "$trace" --sites --out "$out/prefill-profile-$n.json"
+    --trace "$trace" --out "$out/prefill-profile-$n.json"
 done
 
 python3 - "$out" <<'EOF' | tee "$out/table.txt"
