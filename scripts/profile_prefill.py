@@ -14,7 +14,7 @@ Prints the wall time of the prefill (all its chunks), each part's GPU (or, on th
 the kernels by GPU time with their launches, and writes it all as JSON (--out).
 
     python scripts/profile_prefill.py [--preset qwen3-30b-a3b] [--layers 8] [--prompt-len 512]
-        [--chunk 2048] [--backend resident|slots] [--budget 0.5] [--trace FILE] [--out FILE] [--sites]
+        [--chunk 2048] [--backend resident|slots] [--budget 0.5] [--trace FILE] [--out FILE]
 
 Without --trace: data/traces/qwen3-30b-like.mtrace for qwen3-30b-a3b, else a synthetic trace for the
 preset's experts (the glm-5.3-like parameters, as scripts/profile_glm5_next.py makes).
@@ -73,29 +73,6 @@ def kernels_by_part(kernels: list[tuple[float, float]], ranges: dict[str, list[t
     return out
 
 
-def by_site(events, cpu) -> list[list]:
-    """-> [op, site, calls, us] by time: torch ops that launched kernels themselves (CUDA: the kernels'
-    device time; CPU: the op's own time), by the innermost moetier function around them ("file(line of
-    its def): name", as the profiler names Python frames). Triton's kernels are no torch ops: the
-    kernel table has them by name."""
-    sites: dict[tuple[str, str], list] = {}
-    for e in events:
-        if e.device_type != cpu or not e.name.startswith("aten::"):
-            continue
-        kernels = getattr(e, "kernels", None) or []
-        us = sum(k.duration for k in kernels) if kernels else (0.0 if torch.cuda.is_available() else e.self_cpu_time_total)
-        frame = next((f for f in (e.stack or []) if "moetier/" in f), None)
-        parent = e.cpu_parent  # torch records the Python frames as events around the op, innermost nearest
-        while frame is None and parent is not None:
-            frame = parent.name if "moetier/" in parent.name else None
-            parent = parent.cpu_parent
-        if not us or frame is None:
-            continue
-        row = sites.setdefault((e.name, frame), [e.name, frame[frame.index("moetier/"):], 0, 0.0])
-        row[2], row[3] = row[2] + 1, row[3] + us
-    return sorted(sites.values(), key=lambda r: -r[3])
-
-
 def ranged(fn, part: str):
     def call(*args, **kwargs):
         with record_function(f"part: {part}"):
@@ -143,10 +120,6 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--trace", type=Path)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--sites", action="store_true",
-                    help="also sum the GPU time of torch's own ops by the moetier function that called them "
-                         "(where the kernel table's copies, casts and elementwise kernels come from; the "
-                         "profiled run records Python stacks)")
     a = ap.parse_args(argv)
     for name, value in (("--layers", a.layers), ("--prompt-len", a.prompt_len), ("--chunk", a.chunk)):
         if value < 1:
@@ -192,7 +165,7 @@ def main(argv: list[str]) -> None:
     warm = [round(once(), 2) for _ in range(3)]
     undo = annotate(bed.model)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, with_stack=a.sites) as prof:
+    with profile(activities=acts) as prof:
         ms = once()
     profiled_steps = steps
     for u in undo:
@@ -214,7 +187,6 @@ def main(argv: list[str]) -> None:
             k = kernels_by_name.setdefault(e.name, [e.name, 0, 0.0])
             k[1], k[2] = k[1] + 1, k[2] + e.device_time
             spans.append((e.time_range.start, e.time_range.end))
-    sites = by_site(prof.events(), cpu) if a.sites else []
     attribution = "CPU ranges' wall" if not cuda else "CPU ranges' device time (misses most Triton launches)"
     if gpu_ranges:  # the ranges on the GPU timeline: every kernel inside them, Triton's too
         parts = {p: us / 1e3 for p, us in kernels_by_part(spans, gpu_ranges).items()}
@@ -234,10 +206,6 @@ def main(argv: list[str]) -> None:
             print(f"  {us / 1e3:8.3f} ms {n:5d}x  {name[:100]}")
     else:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-    if sites:
-        print(f"torch ops by the moetier function that called them ({'GPU' if cuda else 'CPU'} time):")
-        for op, site, n, us in sites[:20]:
-            print(f"  {us / 1e3:8.3f} ms {n:5d}x  {op:<24} {site}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({
@@ -246,7 +214,7 @@ def main(argv: list[str]) -> None:
             "backend": a.backend, "budget": a.budget if a.backend == "slots" else None, "trace": str(trace),
             "steps": profiled_steps, "ms": timed[1], "ms_runs": timed, "warmup_ms": warm, "profiled_ms": ms,
             "parts_ms": parts, "parts_attribution": attribution,
-            "kernels": kernels, "sites": sites}, indent=1) + "\n")
+            "kernels": kernels}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
