@@ -14,13 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def script():
+    # loaded when a test asks (it imports the engine); it puts scripts/ on sys.path for its own imports
     spec = importlib.util.spec_from_file_location("profile_prefill", ROOT / "scripts" / "profile_prefill.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    spec.loader.exec_module(mod)
     return mod
 
 
