@@ -43,7 +43,12 @@ def to_dot(v, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT
+    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT (to nearest even, also
+    # under the interpreter: a float32 operand rounded here and one stored in DOT before agree)
+    if a.dtype == tl.float32:
+        a = to_dot(a, DOT, EMULATE)
+    if b.dtype == tl.float32:
+        b = to_dot(b, DOT, EMULATE)
     a = a.to(DOT)
     b = b.to(DOT)
     if EMULATE:  # Triton's interpreter multiplies the raw bits of bf16: round, then multiply in fp32

@@ -17,14 +17,19 @@ Row of one routed expert (byte offsets; gate_up is [2I, H], gate rows then up ro
     [z13, z2)                 asymmetric INT4 only: gate_up zero codes uint8 [2I, ceil(H/g)]
     [z2, ..)                  and down's [H, ceil(I/g)] (zero_offsets; absent elsewhere: z13 = z2 = gs)
     [gs, gs + 4 * n_global)   float32 per-projection scales (NVFP4: gate, up, down; INT4: none)
-    padding                   zeros so that s13 and the row end are multiples of 16 and gs of 4
+    padding                   zeros so that s13 is a multiple of 16, gs of 4 and the row end of 128
+
+Rows end on ROW_END = 128 bytes so that every row of a store or slot block starts on a 128-byte line:
+the fill kernel that copies rows into slots reads whole lines, and at 16-byte row ends it ran at
+half the rate (docs/quant4.md, "Row alignment").
 """
 
 from __future__ import annotations
 
 import torch
 
-ROW_ALIGN = 16
+ROW_ALIGN = 16  # where the scales start
+ROW_END = 128  # where a row ends (the next one starts)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,7 +51,7 @@ def row_offsets(hidden: int, inter: int, group: int, scale_bytes: int, n_global:
     s2 = s13 + scale_bytes * 2 * inter * cdiv(hidden, group)
     z13 = s2 + scale_bytes * hidden * cdiv(inter, group)
     gs = _align(z13 + zero_bytes * (2 * inter * cdiv(hidden, group) + hidden * cdiv(inter, group)), 4)
-    return s13, s2, gs, _align(gs + 4 * n_global, ROW_ALIGN)
+    return s13, s2, gs, _align(gs + 4 * n_global, ROW_END)
 
 
 def zero_offsets(hidden: int, inter: int, group: int, scale_bytes: int) -> tuple[int, int]:

@@ -9,7 +9,8 @@ multiplied against all of them with tl.dot.
 
     plan      pairs -> `order` (pair ids sorted by (key, pair)) and `chunk_end` (per sorted position:
               where the chunk starting there ends, 0 where no chunk starts)
-    gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32
+    gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32 (large steps:
+              in the dot's type, the rounding down's mma does anyway, half the bytes: h_dtype)
               (clamped first under a swiglu_limit: swiglu_clamp.py)
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
@@ -46,6 +47,7 @@ from moetier.experts.kernels.swiglu_clamp import limit_args, swiglu_clamp
 from moetier.quant import fp8_block as fp8
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import mma as _mma
+from moetier.quant.dot import to_dot
 from moetier.quant.fp8_block_triton import dequant_tile as _dequant
 from moetier.quant.packed4_triton import dequant4_tile as _dequant4
 from moetier.quant.rows import RowLayout
@@ -113,17 +115,22 @@ def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOC
 
 @triton.jit
 def _chunk_start(starts_ptr, chunk_end_ptr, LISTED: tl.constexpr):
-    # -> (i, end): the chunk program 0 works on, [i, end) in sorted positions; end <= i: no chunk.
-    # Decode: program i is sorted position i (most leave at once). Large steps (LISTED): a list of
-    # the chunk starts, -1 past the last, so the grid is the chunk count's bound, not one per pair.
+    # -> (i, end, nb): the chunk this program works on, [i, end) in sorted positions (end <= i: no
+    # chunk), and its block of output columns. Decode: grid (P, blocks), program i is sorted position i
+    # (most leave at once). Large steps (LISTED): grid (blocks, C) over a list of the chunk starts, -1
+    # past the last, so the grid is the chunk count's bound, not one per pair; the column block is the
+    # fast axis so that the programs running together share a chunk's activation rows and, the chunks
+    # of one row being adjacent in the list, its weight tiles in L2 (docs/bench-prefill.md).
     if LISTED:
-        i = tl.load(starts_ptr + tl.program_id(0))
+        i = tl.load(starts_ptr + tl.program_id(1))
         end = tl.load(chunk_end_ptr + tl.maximum(i, 0))
         end = tl.where(i < 0, -1, end)
+        nb = tl.program_id(0)
     else:
         i = tl.program_id(0)
         end = tl.load(chunk_end_ptr + i)
-    return i, end
+        nb = tl.program_id(1)
+    return i, end, nb
 
 
 @triton.jit
@@ -136,8 +143,7 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
              ZERO: tl.constexpr = False, Z13: tl.constexpr = 0, Z2: tl.constexpr = 0,
              HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0):
     # program (c, nb): chunk c (see _chunk_start), intermediate rows [nb * BLOCK_N, +BLOCK_N)
-    i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
-    nb = tl.program_id(1)
+    i, end, nb = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     if end <= i:
         return
     pair, mm, base, skip = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
@@ -180,6 +186,8 @@ def _gate_up(x_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_en
         acc_u = _mma(xa, wu, acc_u, DOT, PRECISION, EMULATE)
     acc_g, acc_u = swiglu_clamp(acc_g, acc_u, HAS_LIMIT, LIMIT)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if h_ptr.dtype.element_ty != tl.float32:  # h in DOT (large steps): rounded here as _down's mma would
+        h = to_dot(h, DOT, EMULATE)
     tl.store(h_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], h, mask=mm[:, None] & nm[None, :])
 
 
@@ -192,8 +200,7 @@ def _down(h_ptr, dev_ptr, host_ptr, slot_ptr, expert_ptr, order_ptr, chunk_end_p
           Q4: tl.constexpr = False, NVFP4: tl.constexpr = False, GROUP: tl.constexpr = 1, GS: tl.constexpr = 0,
           ZERO: tl.constexpr = False, Z13: tl.constexpr = 0, Z2: tl.constexpr = 0):
     # program (c, nb): chunk c (see _chunk_start), output rows [nb * BLOCK_N, +BLOCK_N)
-    i, end = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
-    nb = tl.program_id(1)
+    i, end, nb = _chunk_start(starts_ptr, chunk_end_ptr, LISTED)
     if end <= i:
         return
     pair, mm, base, skip = _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOCK_M)
@@ -353,6 +360,18 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
     return dict(FP8=True, S13=lay.s13_offset, S2=lay.s2_offset, NI=lay.n_inter, NH=lay.n_hidden)
 
 
+def h_dtype(x: torch.Tensor, dev_rows: torch.Tensor, quant: str | None) -> torch.dtype:
+    """The dtype of a large step's h: the dot's operand type (16-bit compute: x's dtype for quantized
+    rows, the rows' for 16-bit rows), since _down rounds h to it before every product; float32 else."""
+    dtype = x.dtype if quant is not None else dev_rows.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _grid(programs: int, blocks: int, listed: bool) -> tuple[int, int]:
+    # the launch grid of gate_up and down: column blocks fastest for large steps (_chunk_start)
+    return (blocks, programs) if listed else (programs, blocks)
+
+
 def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
              programs, h, y, out, block_m, gate_up, down, listed, quant=None, combine=True, limit=None):
     # gate_up -> down -> combine over a plan (order, chunk_end[, starts]); `programs` chunks at most.
@@ -364,12 +383,12 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
     dot, precision, emulate = _dot_type(x.dtype if quant is not None else dev_rows.dtype)
     bn, bk, nw, *stages = gate_up  # a fourth entry: num_stages (GemmConfig), else Triton's default
-    _gate_up[(programs, triton.cdiv(inter, bn))](
+    _gate_up[_grid(programs, triton.cdiv(inter, bn), listed)](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,
         row, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed, num_warps=nw, **q,
         **limit_args(limit), **({"num_stages": stages[0]} if stages else {}))
     bn, bk, nw, *stages = down
-    _down[(programs, triton.cdiv(hidden, bn))](
+    _down[_grid(programs, triton.cdiv(hidden, bn), listed)](
         h, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, y, hidden, inter, row,
         RowLayout(hidden, inter, quant).w13_numel, dot, precision, emulate, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, LISTED=listed,
         num_warps=nw, **q, **({"num_stages": stages[0]} if stages else {}))

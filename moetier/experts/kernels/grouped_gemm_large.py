@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moetier.experts.kernels.gemm_config import GemmConfig
-from moetier.experts.kernels.grouped_gemm import _experts
+from moetier.experts.kernels.grouped_gemm import _experts, h_dtype
 
 @triton.jit
 def _max_combine(a, b):
@@ -82,7 +82,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
     bounded by the chunk count. Arguments as grouped_expert_mlp (limit: the SwiGLU clamp); max_rows:
     distinct rows possible (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
-    With y ([T*k, H] float32; h [T*k, I] float32 with it, or one is allocated): no combine; the pair
+    With y ([T*k, H] float32; h [T*k, I] in grouped_gemm.h_dtype with it, or one is allocated): no combine; the pair
     outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
     for a caller that computes a step in several passes and combines once (experts/prefill/ring.py)."""
     t, k = topk_ids.shape
@@ -90,7 +90,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
     passes = y is not None
     if h is None:
-        h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
+        h = torch.empty(t * k, inter, dtype=h_dtype(x, dev_rows, quant), device=x.device)
     if y is None:
         y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
     out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)
