@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.quant.dot import dot_type, mma
+from moetier.quant.dot import dot_type, mma_kn
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
 BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
@@ -148,8 +148,8 @@ def _mhc_project(x_ptr, fn_ptr, part_ptr, sq_ptr, N, SH, CHUNK, SPLIT, R: tl.con
         cols = j * CHUNK + off + tl.arange(0, BLOCK_K)
         m = cols < SH
         x = tl.load(x_ptr + t64[:, None] * SH + cols[None, :], mask=tm[:, None] & m[None, :], other=0.0)
-        w = tl.load(fn_ptr + r[:, None] * SH + cols[None, :], mask=rm[:, None] & m[None, :], other=0.0)
-        acc = mma(x, w, acc, DOT, PRECISION, EMULATE)  # [BLOCK_T, R_PAD] += x . fn^T
+        w = tl.load(fn_ptr + r[None, :] * SH + cols[:, None], mask=rm[None, :] & m[:, None], other=0.0)
+        acc = mma_kn(x, w, acc, DOT, PRECISION, EMULATE)  # [BLOCK_T, R_PAD] += x . fn^T ([BLOCK_K, R_PAD] tile)
         xf = x.to(tl.float32)
         sq += tl.sum(xf * xf, axis=1)
     tl.store(part_ptr + (t64[:, None] * SPLIT + j) * R_PAD + r[None, :], acc, mask=tm[:, None])

@@ -5,6 +5,7 @@ the activations; bf16 rows skip the dequantize and share the same dot.
 
     dot_type(dtype) -> (DOT, PRECISION, EMULATE): the constexprs the kernels take for a compute dtype
     mma(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [N, K]^T in fp32
+    mma_kn(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [K, N], b loaded K-major
     to_dot(v, DOT, EMULATE): float32 v rounded to DOT, to nearest even under the interpreter too
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) 16-bit products are emulated: the
@@ -55,3 +56,20 @@ def mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.const
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def mma_kn(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    # acc [M, N] += a [M, K] @ b [K, N], as mma with b loaded already K-major: no tl.trans in the kernel
+    # (layers/mhc_triton._mhc_project: its [N, K] tile transposed in registers gave a few tokens' rows
+    # wrong products at 2,048 tokens on the H100 while its [K, N] load did not)
+    if a.dtype == tl.float32:
+        a = to_dot(a, DOT, EMULATE)
+    if b.dtype == tl.float32:
+        b = to_dot(b, DOT, EMULATE)
+    a = a.to(DOT)
+    b = b.to(DOT)
+    if EMULATE:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
