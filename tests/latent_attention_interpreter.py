@@ -29,17 +29,21 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def make_topk(specs, k: int, g: torch.Generator) -> torch.Tensor:
-    """[N, K] int32 rows for the step's tokens: min(K, pos + 1) distinct causal positions; where room
-    is left, one position after the token (still inside the context: the kernel must drop it, as the
-    reference does) and -1 for the rest; each row shuffled so -1 entries sit anywhere."""
+    """[N, K] int32 rows for the step's tokens as the selections make them (every valid entry within a
+    row's first pos + 1 columns, which is where the kernel's walk stops): min(K, pos + 1) distinct
+    causal positions in random order, -1 after them; where room is left, one of them replaced by a
+    position after the token (still inside the context: the kernel must drop it, as the reference
+    does) and, on odd positions, another by -1 (a hole inside the walk)."""
     rows = []
     for q_len, ctx in specs:
         for pos in range(ctx - q_len, ctx):
             picked = torch.randperm(pos + 1, generator=g)[:k].tolist()
             if len(picked) < k and pos + 1 < ctx:
-                picked.append(int(torch.randint(pos + 1, ctx, (1,), generator=g)))
-            picked += [-1] * (k - len(picked))
-            rows.append([picked[i] for i in torch.randperm(k, generator=g).tolist()])
+                picked[int(torch.randint(len(picked), (1,), generator=g))] = int(torch.randint(pos + 1, ctx, (1,),
+                                                                                             generator=g))
+                if pos % 2 and len(picked) > 1:
+                    picked[int(torch.randint(len(picked), (1,), generator=g))] = -1
+            rows.append(picked + [-1] * (k - len(picked)))
     return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), k)
 
 

@@ -121,10 +121,23 @@ def test_fixed_kpool_selection_equals_the_reference():
     want = select_pools_reference(q, w, index_k, ape, batch, topk, kpool, 0.3)
     got = select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.3)
     assert got.shape == want.shape == (n, topk + kpool - 1)
-    assert torch.equal(got[:, :topk].sort(-1).values, want[:, :topk].sort(-1).values)
-    assert torch.equal(got[:, topk:], want[:, topk:])
-    assert (want[:, :topk] == -1).any() and (want[:, :topk] >= 0).all(-1).any()  # short and full rows
-    assert (want[:, topk:] >= 0).any() and (want[:, topk:] == -1).any()  # tails used and not
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert_compact_with_tails(got, want, batch.positions, kpool)
+    assert (want == -1).any(-1).any() and (want >= 0).all(-1).any()  # short and full rows
+
+
+def assert_compact_with_tails(got, want, positions, kpool):
+    """Both selections hold their valid entries first (kpool_indexer.place_tail: the attention walks
+    a row up to its position + 1), and every tail token; some rows have a tail, some none."""
+    from moetier.layers.kpool_indexer import tail_positions
+
+    for rows in (got, want):
+        valid = (rows >= 0).int()
+        assert torch.equal(valid.cumprod(-1).sum(-1), valid.sum(-1))
+        assert bool((valid.sum(-1) <= positions.cpu() + 1).all())
+    tails = tail_positions(positions.cpu(), kpool)
+    assert all(set(t[t >= 0].tolist()) <= set(r.tolist()) for t, r in zip(tails, want.cpu()))
+    assert (tails >= 0).any() and (tails == -1).all(-1).any()
 
 
 def test_decode_graphs_leave_one_token_prompts_of_state_models_to_eager():

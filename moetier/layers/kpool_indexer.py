@@ -11,7 +11,9 @@ groups of `kpool` consecutive keys instead of single keys, for NoPE attention (n
     a query at position s may pick pool p when the pool ends at or before s; it takes the best
     index_topk / kpool of those, expanded to their tokens, plus the tail: the tokens of its own
     incomplete pool (s - s % kpool .. s, when (s + 1) % kpool != 0).
-    -> [N, index_topk + kpool - 1] int32 positions, -1 where unused (fixed width for graphs)
+    -> [N, index_topk + kpool - 1] int32 positions, -1 where unused (fixed width for graphs), the
+       valid ones first: the visible pools' tokens by score, then the tail (place_tail), so a row
+       holds at most s + 1 valid entries, all before column s + 1 (the attention's walk stops there)
 
 The reference (CPU, and prefill on CUDA) uses the same ops in the same order as transformers'
 Glm5NextTextIndexer, with one sequence's row of scores over the complete pools of its context (as
@@ -50,6 +52,15 @@ def tail_positions(pos: torch.Tensor, kpool: int) -> torch.Tensor:
     return tail.masked_fill(offsets[None, :] >= count[:, None], -1)
 
 
+def place_tail(out: torch.Tensor, visible: torch.Tensor, pos: torch.Tensor, kpool: int) -> None:
+    """Writes each row's tail (tail_positions) right after its visible picked pools' tokens: out
+    [T, topk + kpool - 1] int32 (picked pools' tokens first, by score, invisible ones -1; the rest
+    -1); visible [T] how many picks are visible pools (they come first: masked scores sort last)."""
+    if kpool > 1:
+        cols = visible.long()[:, None] * kpool + torch.arange(kpool - 1, device=out.device)  # [T, kpool - 1]
+        out.scatter_(1, cols, tail_positions(pos, kpool).to(out.dtype))
+
+
 def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
                            batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
     """q: [N, Hi, D]; w: [N, Hi] float32; index_k: [pages, page_size, 2D] of one layer, this step's rows
@@ -71,6 +82,7 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
         select = min(topk // kpool, keys.shape[0])
         for c, d in query_chunks(a, b, q.shape[1] * max(keys.shape[0], 1) * 4):
             pos = torch.arange(ctx - (b - c), ctx - (b - d), device=q.device)  # [T]
+            seen = torch.zeros(d - c, dtype=torch.long, device=q.device)
             if select:
                 scores = F.relu(torch.matmul(q[c:d].float(), keys.float().t()) * scale)  # [T, Hi, P]
                 index = torch.matmul(w[c:d, None, :], scores).squeeze(1)  # [T, P]
@@ -78,11 +90,11 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
                 index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
                 picked = index.topk(select, dim=-1).indices  # [T, select]
                 ok = visible.gather(1, picked)
+                seen = ok.sum(-1)
                 tokens = picked[..., None] * kpool + offsets  # [T, select, kpool]
                 tokens = tokens.masked_fill(~ok[..., None], -1).flatten(1)
                 out[c:d, : tokens.shape[1]] = tokens.to(torch.int32)
-            if kpool > 1:
-                out[c:d, topk:] = tail_positions(pos, kpool).to(torch.int32)
+            place_tail(out[c:d], seen, pos, kpool)
     return out
 
 
@@ -99,6 +111,7 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
     pos = batch.positions
     out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
     select = min(topk // kpool, keys.shape[1])
+    seen = torch.zeros(n, dtype=torch.long, device=q.device)
     if select:
         scores = F.relu(torch.einsum("nhd,npd->nhp", q.float(), keys.float()) * scale)
         index = torch.einsum("nh,nhp->np", w, scores)
@@ -107,10 +120,10 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
         index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
         picked = index.topk(select, dim=-1).indices
         ok = visible.gather(1, picked)
+        seen = ok.sum(-1)
         tokens = picked[..., None] * kpool + torch.arange(kpool, device=q.device)
         out[:, : select * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1).to(torch.int32)
-    if kpool > 1:
-        out[:, topk:] = tail_positions(pos, kpool).to(torch.int32)
+    place_tail(out, seen, pos, kpool)
     return out
 
 

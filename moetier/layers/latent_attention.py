@@ -10,7 +10,9 @@ the absorbed weights: the query's no-position part is multiplied into the latent
 
 Which keys a token sees: keys 0 .. its position (causal, the step layout of layers/attention.py),
 and with DeepSeek sparse attention only the positions listed in its row of `topk` ([N, K] int32
-token positions within the sequence; -1 marks an unused entry). topk None: every causal key.
+token positions within the sequence; -1 marks an unused entry; every valid entry of a token's row
+lies in its first position + 1 columns, as the selections make them: the kernel's walk stops
+there). topk None: every causal key.
 
 This file holds the plain-torch reference (the CPU path and the test oracle) and the dispatch; the
 Triton kernel for CUDA is latent_attention_triton.py.

@@ -120,14 +120,16 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
     else:
         q_pe = q_nope  # unused
 
-    # The walk: DSA entries 0 .. K of the token's topk row, or keys 0 .. (position of the block's last
-    # token); empty for a block past the chunk. Split s takes [s * split_len, +split_len), split_len
-    # a multiple of BLOCK_N, so without DSA split 0 holds key 0 and every live row ends with l > 0.
+    # The walk: DSA entries 0 .. min(K, position + 1) of the token's topk row (the selections put their
+    # valid entries first, at most position + 1 of them: dsa_indexer, kpool_indexer.place_tail), or
+    # keys 0 .. (position of the block's last token); empty for a block past the chunk. Split s takes
+    # [s * split_len, +split_len), split_len a multiple of BLOCK_N, so without DSA split 0 holds key 0
+    # and every live row ends with l > 0.
     live_block = q_block * BLOCK_T < q_len
     if TOPK:  # BLOCK_T == 1
-        kv_end = tl.where(live_block, num_entries, 0)
-        topk_row = topk_ptr + (q_start + q_block).to(tl.int64) * stride_tk
         pos_max = ctx - q_len + q_block
+        kv_end = tl.where(live_block, tl.minimum(num_entries, pos_max + 1), 0)
+        topk_row = topk_ptr + (q_start + q_block).to(tl.int64) * stride_tk
     else:
         kv_end = tl.where(live_block, tl.minimum(ctx, ctx - q_len + (q_block + 1) * BLOCK_T), 0)
         topk_row = topk_ptr
