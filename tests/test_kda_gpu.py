@@ -139,7 +139,7 @@ def test_fused_mhc_matches_the_torch_ops_and_captures(n, dtype, tol):
 def test_mhc_projection_is_exact_per_token(n):
     # every token's R projections against float64: bf16 products are exact and the sums float32, so a
     # token is off by float32 rounding at most; the norm-wide checks above cannot see a few wrong rows
-    # (the [R, K] tile transposed in registers gave 2 of 2,048 tokens 5% errors on the H100)
+    # (with its loads software-pipelined, a few tokens of each call came out up to 8% off on the H100)
     from moetier.layers.mhc_triton import projected
 
     sh, r = 4 * 4096, 24

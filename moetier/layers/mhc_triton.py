@@ -170,7 +170,10 @@ def projected(x: torch.Tensor, fn: torch.Tensor, r: int, r_pad: int) -> tuple[to
     dot, precision, emulate = dot_type(x.dtype if x.dtype == fn.dtype else torch.float32)
     _mhc_project[(triton.cdiv(n, BLOCK_T), split)](
         x, fn, part, sq, n, sh, chunk, split, R=r, R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_K=block_k,
-        DOT=dot, PRECISION=precision, EMULATE=emulate)
+        DOT=dot, PRECISION=precision, EMULATE=emulate,
+        # NOTE: one stage, no software pipelining of the loads: pipelined (2 or 3 stages, Triton 3.6 on
+        # the H100) a few tokens of every large call came out wrong by up to 8% (docs/models.md)
+        num_stages=1)
     return part, sq, split
 
 

@@ -60,9 +60,7 @@ def mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.const
 
 @triton.jit
 def mma_kn(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    # acc [M, N] += a [M, K] @ b [K, N], as mma with b loaded already K-major: no tl.trans in the kernel
-    # (layers/mhc_triton._mhc_project: its [N, K] tile transposed in registers gave a few tokens' rows
-    # wrong products at 2,048 tokens on the H100 while its [K, N] load did not)
+    # acc [M, N] += a [M, K] @ b [K, N], as mma with b loaded already K-major (no tl.trans in the kernel)
     if a.dtype == tl.float32:
         a = to_dot(a, DOT, EMULATE)
     if b.dtype == tl.float32:
