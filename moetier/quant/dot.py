@@ -7,6 +7,7 @@ the activations; bf16 rows skip the dequantize and share the same dot.
     mma(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [N, K]^T in fp32
     mma_kn(a, b, acc, DOT, PRECISION, EMULATE): acc [M, N] += a [M, K] @ b [K, N], b loaded K-major
     to_dot(v, DOT, EMULATE): float32 v rounded to DOT, to nearest even under the interpreter too
+    operand(v, DOT, EMULATE): v as the dot takes it (rounded to DOT; fp32 again under the interpreter)
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) 16-bit products are emulated: the
 interpreter multiplies the raw bits of bf16, so the operands are rounded to DOT and widened to fp32.
@@ -43,31 +44,25 @@ def to_dot(v, DOT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def operand(v, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    # v rounded to DOT as a dot operand (to nearest even, also under the interpreter: a float32 value
+    # rounded here and one stored in DOT before agree); under the interpreter, which multiplies the raw
+    # bits of bf16, widened back to fp32 after the rounding
+    if v.dtype == tl.float32:
+        v = to_dot(v, DOT, EMULATE)
+    v = v.to(DOT)
+    if EMULATE:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
 def mma(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT (to nearest even, also
-    # under the interpreter: a float32 operand rounded here and one stored in DOT before agree)
-    if a.dtype == tl.float32:
-        a = to_dot(a, DOT, EMULATE)
-    if b.dtype == tl.float32:
-        b = to_dot(b, DOT, EMULATE)
-    a = a.to(DOT)
-    b = b.to(DOT)
-    if EMULATE:  # Triton's interpreter multiplies the raw bits of bf16: round, then multiply in fp32
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    # acc [M, N] += a [M, K] @ b[N, K]^T with both operands rounded to DOT
+    return tl.dot(operand(a, DOT, EMULATE), tl.trans(operand(b, DOT, EMULATE)), acc, input_precision=PRECISION)
 
 
 @triton.jit
 def mma_kn(a, b, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
     # acc [M, N] += a [M, K] @ b [K, N], as mma with b loaded already K-major (no tl.trans in the kernel)
-    if a.dtype == tl.float32:
-        a = to_dot(a, DOT, EMULATE)
-    if b.dtype == tl.float32:
-        b = to_dot(b, DOT, EMULATE)
-    a = a.to(DOT)
-    b = b.to(DOT)
-    if EMULATE:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(operand(a, DOT, EMULATE), operand(b, DOT, EMULATE), acc, input_precision=PRECISION)
