@@ -13,7 +13,7 @@ from moetier import presets
 from moetier.quant.quant_config import example
 
 
-@pytest.mark.parametrize("quant,row", [("nvfp4", 2_654_224), ("int4", 2_433_024), ("int4-g32", 2_654_208)])
+@pytest.mark.parametrize("quant,row", [("nvfp4", 2_654_336), ("int4", 2_433_024), ("int4-g32", 2_654_208)])
 def test_memory_plan_counts_4bit_rows_exactly(quant, row):
     from moetier.plan import residents
     from moetier.cli.plan import quantized_preset

@@ -280,7 +280,7 @@ def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_ro
 def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_rows: int) -> list[int]:
     """What one layer's large-step expert GEMM allocates per call (experts/kernels/grouped_gemm_large.py),
     P = tokens x top_k pairs: h [P, I] in the dot's type (the model dtype when 16-bit, else float32:
-    grouped_gemm.h_dtype) and y [P, H] float32, out [T, H]; its plan: keys and the sort's
+    grouped_gemm_large.h_dtype) and y [P, H] float32, out [T, H]; its plan: keys and the sort's
     order [P] int64, order as int32 and chunk_end [P] int32, counts [2 max_rows + 1] int32, starts
     [P / 64 + min(P, max_rows)] int32; the slot ids [P] int32; and the refresh's ranking (counts [E]
     int32, the sort [E] int64 twice: prefill_cache.ranking). Live together in one layer, then freed."""

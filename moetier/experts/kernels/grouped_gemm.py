@@ -10,7 +10,8 @@ multiplied against all of them with tl.dot.
     plan      pairs -> `order` (pair ids sorted by (key, pair)) and `chunk_end` (per sorted position:
               where the chunk starting there ends, 0 where no chunk starts)
     gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32 (large steps:
-              in the dot's type, the rounding down's mma does anyway, half the bytes: h_dtype)
+              in the dot's type, the rounding down's mma does anyway, half the bytes:
+              grouped_gemm_large.h_dtype)
               (clamped first under a swiglu_limit: swiglu_clamp.py)
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order
@@ -115,12 +116,10 @@ def _chunk(order_ptr, slot_ptr, expert_ptr, dev_ptr, host_ptr, i, end, row, BLOC
 
 @triton.jit
 def _chunk_start(starts_ptr, chunk_end_ptr, LISTED: tl.constexpr):
-    # -> (i, end, nb): the chunk this program works on, [i, end) in sorted positions (end <= i: no
-    # chunk), and its block of output columns. Decode: grid (P, blocks), program i is sorted position i
-    # (most leave at once). Large steps (LISTED): grid (blocks, C) over a list of the chunk starts, -1
-    # past the last, so the grid is the chunk count's bound, not one per pair; the column block is the
-    # fast axis so that the programs running together share a chunk's activation rows and, the chunks
-    # of one row being adjacent in the list, its weight tiles in L2 (docs/bench-prefill.md).
+    # -> (i, end, nb): this program's chunk, [i, end) in sorted positions (end <= i: none), and its
+    # column block. Decode: grid (P, blocks), program i is sorted position i (most leave at once). Large
+    # steps (LISTED): grid (blocks, C) over the listed chunk starts (-1 past the last), column blocks
+    # fastest: programs running together share a chunk's x rows and its row's tiles (docs/bench-prefill.md).
     if LISTED:
         i = tl.load(starts_ptr + tl.program_id(1))
         end = tl.load(chunk_end_ptr + tl.maximum(i, 0))
@@ -358,13 +357,6 @@ def fp8_args(hidden: int, inter: int, quant: str | None, blocks_k: tuple[int, ..
         raise ValueError(f"FP8 rows need BLOCK_K dividing or a multiple of {fp8.BLOCK} (K tiles aligned to the "
                          f"scale blocks); the GemmConfig has {bad}: choose a power of two")
     return dict(FP8=True, S13=lay.s13_offset, S2=lay.s2_offset, NI=lay.n_inter, NH=lay.n_hidden)
-
-
-def h_dtype(x: torch.Tensor, dev_rows: torch.Tensor, quant: str | None) -> torch.dtype:
-    """The dtype of a large step's h: the dot's operand type (16-bit compute: x's dtype for quantized
-    rows, the rows' for 16-bit rows), since _down rounds h to it before every product; float32 else."""
-    dtype = x.dtype if quant is not None else dev_rows.dtype
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _grid(programs: int, blocks: int, listed: bool) -> tuple[int, int]:

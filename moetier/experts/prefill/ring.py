@@ -210,8 +210,8 @@ def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_
     """A ring step on the large-step kernels (grouped_gemm_large.py): each pass writes its pairs'
     unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
     in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
-    from moetier.experts.kernels.grouped_gemm import combine_pairs, h_dtype
-    from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
+    from moetier.experts.kernels.grouped_gemm import combine_pairs
+    from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large, h_dtype
 
     t, k = topk_ids.shape
     h = torch.empty(t * k, inter, dtype=h_dtype(x, slots, quant), device=x.device)
