@@ -82,7 +82,6 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
         select = min(topk // kpool, keys.shape[0])
         for c, d in query_chunks(a, b, q.shape[1] * max(keys.shape[0], 1) * 4):
             pos = torch.arange(ctx - (b - c), ctx - (b - d), device=q.device)  # [T]
-            seen = torch.zeros(d - c, dtype=torch.long, device=q.device)
             if select:
                 scores = F.relu(torch.matmul(q[c:d].float(), keys.float().t()) * scale)  # [T, Hi, P]
                 index = torch.matmul(w[c:d, None, :], scores).squeeze(1)  # [T, P]
@@ -94,6 +93,8 @@ def select_pools_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tens
                 tokens = picked[..., None] * kpool + offsets  # [T, select, kpool]
                 tokens = tokens.masked_fill(~ok[..., None], -1).flatten(1)
                 out[c:d, : tokens.shape[1]] = tokens.to(torch.int32)
+            else:
+                seen = torch.zeros(d - c, dtype=torch.long, device=q.device)
             place_tail(out[c:d], seen, pos, kpool)
     return out
 
@@ -111,7 +112,6 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
     pos = batch.positions
     out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
     select = min(topk // kpool, keys.shape[1])
-    seen = torch.zeros(n, dtype=torch.long, device=q.device)
     if select:
         scores = F.relu(torch.einsum("nhd,npd->nhp", q.float(), keys.float()) * scale)
         index = torch.einsum("nh,nhp->np", w, scores)
@@ -123,6 +123,8 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
         seen = ok.sum(-1)
         tokens = picked[..., None] * kpool + torch.arange(kpool, device=q.device)
         out[:, : select * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1).to(torch.int32)
+    else:
+        seen = torch.zeros(n, dtype=torch.long, device=q.device)
     place_tail(out, seen, pos, kpool)
     return out
 

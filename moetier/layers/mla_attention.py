@@ -122,10 +122,10 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q.view(t, self.hq, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = linear(x, self.kv_a, self.kv_a_bias).split([self.r, self.rope], dim=-1)
         c_kv = model_rms_norm(c_kv, self.kv_a_norm, self.latent_eps)
-        k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
         q_abs = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)  # a view, heads outermost: any n/h strides
-        if self.rope == 0:  # NoPE (glm5_next): nothing to append, so no copy of either (latent_attention
-            return q_resid, q_abs, c_kv  # takes q's token and head strides as they come)
+        if self.rope == 0:  # NoPE (glm5_next): nothing to rotate or append, so no copy of either
+            return q_resid, q_abs, c_kv  # (latent_attention takes q's token and head strides as they come)
+        k_pe = self.rotate(k_pe[:, None], cos, sin)[:, 0]
         q = torch.cat([q_abs, self.rotate(q_pe, cos, sin)], dim=-1)
         return q_resid, q, torch.cat([c_kv, k_pe], dim=-1)
 

@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 
 from moetier.config import ModelConfig
+from moetier.experts.kernels.gemm_config import h_dtype
 from moetier.experts.shape import MoeShape
 from moetier.plan.units import GiB, MiB, next_pow2, round_up
 
@@ -280,14 +281,13 @@ def step_activations(cfg: ModelConfig, tokens: int, dtype: torch.dtype, logit_ro
 def large_step_scratch(tokens: int, shape: MoeShape, dtype: torch.dtype, max_rows: int) -> list[int]:
     """What one layer's large-step expert GEMM allocates per call (experts/kernels/grouped_gemm_large.py),
     P = tokens x top_k pairs: h [P, I] in the dot's type (the model dtype when 16-bit, else float32:
-    grouped_gemm_large.h_dtype) and y [P, H] float32, out [T, H]; its plan: keys and the sort's
+    gemm_config.h_dtype) and y [P, H] float32, out [T, H]; its plan: keys and the sort's
     order [P] int64, order as int32 and chunk_end [P] int32, counts [2 max_rows + 1] int32, starts
     [P / 64 + min(P, max_rows)] int32; the slot ids [P] int32; and the refresh's ranking (counts [E]
     int32, the sort [E] int64 twice: prefill_cache.ranking). Live together in one layer, then freed."""
     p, e = tokens * shape.top_k, shape.num_experts
-    h_item = dtype.itemsize if dtype in (torch.bfloat16, torch.float16) else 4
-    return [h_item * p * shape.inter, 4 * p * shape.hidden, tokens * shape.hidden * dtype.itemsize, 8 * p, 8 * p,
-            4 * p, 4 * p, 4 * (2 * max_rows + 1), 4 * (p // 64 + min(p, max_rows)), 4 * p, 4 * e, 16 * e]
+    return [h_dtype(dtype).itemsize * p * shape.inter, 4 * p * shape.hidden, tokens * shape.hidden * dtype.itemsize,
+            8 * p, 8 * p, 4 * p, 4 * p, 4 * (2 * max_rows + 1), 4 * (p // 64 + min(p, max_rows)), 4 * p, 4 * e, 16 * e]
 
 
 def staging_ring(shape: MoeShape, dtype: torch.dtype, group: int, depth: int) -> int:

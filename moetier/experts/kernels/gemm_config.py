@@ -5,6 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+def h_dtype(compute: torch.dtype) -> torch.dtype:
+    """The dtype of a large step's h (the SwiGLU between gate_up and down) for the kernels' compute
+    dtype: down rounds h to the dot's type before every product, so a 16-bit compute stores it in that
+    type (half the bytes, the same bits); any other stays float32. The plan counts it by this too."""
+    return compute if compute in (torch.bfloat16, torch.float16) else torch.float32
+
+
 # (BLOCK_N, BLOCK_K, num_warps) of the gate_up and down kernels: what scripts/tune_experts.py and
 # `bench layer --tune` try.
 SWEEP = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 256, 8), (64, 64, 4),

@@ -11,7 +11,7 @@ multiplied against all of them with tl.dot.
               where the chunk starting there ends, 0 where no chunk starts)
     gate_up   per (chunk, I block): h[pair] = silu(x @ Wg^T) * (x @ Wu^T)   [P, I] fp32 (large steps:
               in the dot's type, the rounding down's mma does anyway, half the bytes:
-              grouped_gemm_large.h_dtype)
+              gemm_config.h_dtype)
               (clamped first under a swiglu_limit: swiglu_clamp.py)
     down      per (chunk, H block): y[pair] = h @ Wd^T                      [P, H] fp32
     combine   per (token, H block): out[t] = sum_j w[t, j] * y[t*k + j], j = 0..k-1 in order

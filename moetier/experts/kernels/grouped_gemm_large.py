@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.kernels.gemm_config import GemmConfig, h_dtype
 from moetier.experts.kernels.grouped_gemm import _experts
 
 @triton.jit
@@ -73,13 +73,6 @@ def plan_large(slot_ids: torch.Tensor, topk_ids: torch.Tensor, block_m: int, max
     return order.int(), chunk_end, starts
 
 
-def h_dtype(x: torch.Tensor, dev_rows: torch.Tensor, quant: str | None) -> torch.dtype:
-    """The dtype of a large step's h: the dot's operand type (16-bit compute: x's dtype for quantized
-    rows, the rows' for 16-bit rows), since _down rounds h to it before every product; float32 else."""
-    dtype = x.dtype if quant is not None else dev_rows.dtype
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
 def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: torch.Tensor,
                              topk_weights: torch.Tensor, dev_rows: torch.Tensor, host_rows, hidden: int, inter: int,
                              max_rows: int, config: GemmConfig = GemmConfig(),
@@ -89,7 +82,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
     bounded by the chunk count. Arguments as grouped_expert_mlp (limit: the SwiGLU clamp); max_rows:
     distinct rows possible (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
-    With y ([T*k, H] float32; h [T*k, I] in h_dtype with it, or one is allocated): no combine; the pair
+    With y ([T*k, H] float32; h [T*k, I] in gemm_config.h_dtype with it, or one is allocated): no combine; the pair
     outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
     for a caller that computes a step in several passes and combines once (experts/prefill/ring.py)."""
     t, k = topk_ids.shape
@@ -97,7 +90,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
     passes = y is not None
     if h is None:
-        h = torch.empty(t * k, inter, dtype=h_dtype(x, dev_rows, quant), device=x.device)
+        h = torch.empty(t * k, inter, dtype=h_dtype(x.dtype if quant is not None else dev_rows.dtype), device=x.device)
     if y is None:
         y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
     out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)
