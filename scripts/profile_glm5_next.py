@@ -28,6 +28,7 @@ of the attribution with a tiny preset) the figures are eager wall times instead,
 
     python scripts/profile_glm5_next.py [--preset glm-5.3-flash] [--layers 8] [--batch 1]
         [--backend resident|slots] [--budget 0.5] [--dtype bf16|fp8|nvfp4|int4] [--trace FILE] [--out FILE]
+        [--part-kernels]
 
 --dtype: the routed experts' format (quant/registry; dense weights stay bf16), as `bench decode --dtype`.
 
@@ -99,6 +100,29 @@ def step_inputs(llm: LLM, batch: int):
     return seen["args"]
 
 
+def part_kernels(fns: list, reps: int = 3) -> list:
+    """The kernels of one part, its closures run eagerly under torch.profiler after a warm call (a
+    kernel's time is the same eager as replayed; the gaps are not): [name, launches, us] per call of
+    the part, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for f in fns:
+                f()
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = by_name.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    return sorted(([n[:90], c / reps, us / reps] for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+
+
 def tensor_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -165,6 +189,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--dtype", default="bf16", help="routed experts: bf16, fp8, nvfp4, int4, ...")
     ap.add_argument("--trace", type=Path)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--part-kernels", action="store_true", help="list each part's kernels (CUDA)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     cfg = preset(a.preset, a.layers, "bfloat16" if cuda else "float32")
@@ -203,6 +228,11 @@ def main(argv: list[str]) -> None:
         print(line)
     rest = whole - sum(ms.values())
     print(f"  {'rest':<15} {rest:9.3f} ms  {rest / whole:6.1%}")
+    by_part = {p: part_kernels(parts[p]) for p in PARTS} if a.part_kernels and cuda else {}
+    for p, rows in by_part.items():
+        print(f"{p}: {sum(r[1] for r in rows):.0f} kernels, {sum(r[2] for r in rows):.1f} us (eager, per step)")
+        for name, c, us in rows:
+            print(f"    {us:8.1f} us  {c:4.0f}x  {name}")
     if kernels:  # the whole step's graph: launches and kernel time (the step less their sum: launch gaps)
         print(f"the step's graph: {kernels['kernels_per_step']:.0f} kernels per step, their times sum to "
               f"{kernels['kernel_ms_per_step']:.3f} ms of the {whole:.3f} ms replay\n{kernels['table']}")
@@ -213,7 +243,7 @@ def main(argv: list[str]) -> None:
                                      "parts_bytes": nbytes, "hbm_GBps": hbm, "parts_ms_at_hbm": at_hbm,
                                      "preset": a.preset, "layers": a.layers, "batch": a.batch, "backend": a.backend, "dtype": a.dtype,
                                      "budget": a.budget if a.backend == "slots" else None,
-                                     "trace": str(trace),
+                                     "trace": str(trace), "part_kernels": by_part,
                                      **({k: kernels[k] for k in ("kernels_per_step", "kernel_ms_per_step", "kernels")}
                                         if kernels else {})}, indent=2) + "\n")
 

@@ -23,6 +23,7 @@ from torch import nn
 from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
+from moetier.layers.quant_linear import linear
 from moetier.layers.rotary import apply_rope_interleave
 
 K_NORM_EPS = 1e-6  # the reference's nn.LayerNorm(head_dim, eps=1e-6)
@@ -105,11 +106,11 @@ class DsaIndexer(nn.Module):
         """x: [N, H] (the attention's normed input); q_resid: [N, q_lora]; cos, sin: [N, rope].
         Writes this step's keys, returns [N, topk] int32 positions (-1 unused)."""
         t = x.shape[0]
-        q = self.rotate(F.linear(q_resid, self.wq_b).view(t, self.hi, self.d), cos, sin)
-        k = F.layer_norm(F.linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
+        q = self.rotate(linear(q_resid, self.wq_b).view(t, self.hi, self.d), cos, sin)
+        k = F.layer_norm(linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
         k = self.rotate(k[:, None], cos, sin)[:, 0]
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, self.d)[batch.slot_mapping] = k
-        w = F.linear(x.float(), self.weights_proj) * self.hi ** -0.5
+        w = linear(x.float(), self.weights_proj) * self.hi ** -0.5
         select = select_topk_fixed if q.is_cuda and batch.max_query_len == 1 else select_topk_reference
         return select(q, w, index_k, batch, self.topk, self.d ** -0.5)

@@ -33,13 +33,13 @@ a step runs eagerly (engine/graphs.DecodeGraphs.fits keeps it out of the graphs)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch
 from moetier.layers.kda_cuda import RECURRENT_TOKENS, kda_decode_slots, kda_prefill_slot, kda_prefill_varlen
 from moetier.layers.kda_reference import causal_conv, causal_conv_step, kda_chunked, kda_step
 from moetier.layers.param import param
+from moetier.layers.quant_linear import linear
 from moetier.layers.state_cache import KdaStateCache
 
 
@@ -102,7 +102,7 @@ class KdaAttention(nn.Module):
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> (qkv [N, 3D] (strided rows), f_b(f_a(x)) [N, D], g_b(g_a(x)) [N, D], b_proj(x) [N, heads])."""
         n, i, d = x.shape[0], self.inner, self.d
-        proj = F.linear(x, self.in_proj)
+        proj = linear(x, self.in_proj)
         low = proj[:, 3 * i: 3 * i + 2 * d].reshape(n, 2, d).transpose(0, 1)  # [2, N, d]: f_a(x), g_a(x)
         up = torch.bmm(low, self.up_proj.transpose(1, 2))  # [2, N, D]
         return proj[:, : 3 * i], up[0], up[1], proj[:, 3 * i + 2 * d:]
@@ -136,7 +136,7 @@ class KdaAttention(nn.Module):
             normed = fused.gated_rms_norm(o, gate, self.o_norm, self.eps)
         else:
             normed = gated_rms_norm(o, gate, self.o_norm, self.eps)
-        return F.linear(normed.reshape(n, self.inner), self.o_proj)
+        return linear(normed.reshape(n, self.inner), self.o_proj)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # [N, 3D] -> q, k, v [N, heads, head_dim]

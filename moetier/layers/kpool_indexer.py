@@ -31,6 +31,7 @@ from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
 from moetier.layers.dsa_indexer import K_NORM_EPS
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
+from moetier.layers.quant_linear import linear
 
 
 def pool_keys(rows: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
@@ -154,10 +155,10 @@ class KpoolIndexer(nn.Module):
         """x: [N, H] (the attention's normed input); q_resid: [N, q_lora]; cos, sin unused (NoPE).
         Writes this step's [k | gate] rows, returns [N, topk + kpool - 1] int32 positions (-1 unused)."""
         t = x.shape[0]
-        q = F.linear(q_resid, self.wq_b).view(t, self.hi, self.d)
-        k = F.layer_norm(F.linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
+        q = linear(q_resid, self.wq_b).view(t, self.hi, self.d)
+        k = F.layer_norm(linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
         index_k = kv.index_k[kv.index_slot[self.layer]]
-        index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, F.linear(x, self.gate)], dim=-1)
-        w = F.linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
+        index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, linear(x, self.gate)], dim=-1)
+        w = linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
         select = select_pools_fixed if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
         return select(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)
