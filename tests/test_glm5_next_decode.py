@@ -1,12 +1,14 @@
 """glm5_next's CUDA decode path, what of it runs on the CPU: the KDA layer's slot handling around
 fla-core's kernels (the kernels swapped for the torch references), the graph-safe kpool selection
 against the reference, which steps the decode graphs take, and the decode kernels in Triton's
-interpreter (kda_interpreter.py: the fused mHC, fla's recurrent step through our wrapper)."""
+interpreter (kda_interpreter.py: the fused mHC, fla's recurrent step through our wrapper;
+kpool_select_interpreter.py: the kpool selection's kernels)."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import moetier.layers.kda as kda_module
@@ -124,6 +126,16 @@ def test_fixed_kpool_selection_equals_the_reference():
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     assert_compact_with_tails(got, want, batch.positions, kpool)
     assert (want == -1).any(-1).any() and (want >= 0).all(-1).any()  # short and full rows
+
+
+def test_kpool_selection_kernels_in_the_interpreter():
+    """layers/kpool_select_triton.py (decode on CUDA) against the torch form, in Triton's interpreter:
+    tests/kpool_select_interpreter.py."""
+    pytest.importorskip("triton")
+    out = run_script("kpool_select_interpreter.py")
+    lines = [line for line in out.splitlines() if line.startswith("kpool_select ")]
+    assert len(lines) == 5 and all("tokens=exact whole=equal" in line for line in lines), out
+    assert any("bfloat16" in line for line in lines) and any(" P=1 " in line for line in lines), out
 
 
 def assert_compact_with_tails(got, want, positions, kpool):

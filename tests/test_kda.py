@@ -73,15 +73,15 @@ def test_plan_counts_the_state_slots():
 
 def test_plan_counts_the_indexers_decode_selection():
     """The fixed-shape decode selection scores every page-table row, so the graph pool grows with the
-    model length: GLM-5.3-Flash at batch 64 and 32,768 tokens, [k | gate] rows [64, 32768, 256] bf16
-    and two float32 [64, 32768, 128] pooling temporaries (more than the scoring's pooled keys and
-    [64, 32, 2048] scores); GLM-5's DSA keys and [N, 32, C] float32 scores; none for Qwen3."""
+    model length: GLM-5.3-Flash at batch 64 and 32,768 tokens, the kernels' float32 scores of 2,048
+    pools a row, topk's 128 picks (values and indices) and the 2,063 tokens a row (the [k | gate]
+    rows are read in place); GLM-5's DSA keys and [N, 32, C] float32 scores; none for Qwen3."""
     from moetier.plan.memory import PlanRequest, count
     from moetier.presets import preset
 
     bf = torch.bfloat16
     cfg = preset("glm-5.3-flash")
-    assert cfg.decode_selection_activations(64, 32768, bf) == [64 * 32768 * 256 * 2, 2 * 64 * 32768 * 128 * 4]
+    assert cfg.decode_selection_activations(64, 32768, bf) == [64 * 2048 * 4, 64 * 128 * 4, 64 * 128 * 8, 64 * 2063 * 4]
     dsa = preset("glm-5")
     keys, scores = 64 * 32768 * 128, 64 * 32 * 32768 * 4
     assert dsa.decode_selection_activations(64, 32768, bf) == [keys * 2, scores, max(keys * 4, scores)]
@@ -91,11 +91,12 @@ def test_plan_counts_the_indexers_decode_selection():
         req = PlanRequest(c, bf, "cuda", max_num_seqs=64, max_model_len=length)
         return {i.name: i for i in count(req).device}["CUDA graph pool"].bytes
 
-    # 3 GiB at 32,768 rows a sequence, 7/8 of it more than at 4,096; and at 32,768 two narrower context
+    # the scores 8 times wider at 32,768 rows a sequence than at 4,096; and at 32,768 two narrower context
     # buckets (4,096 and 16,384 tokens: engine/graphs.py) keep their own fp32 logits for each size 1..64
     grown = pool(cfg, 32768) - pool(cfg, 4096)
     buckets = 2 * sum((1, 2, 4, 8, 16, 32, 64)) * cfg.vocab_size * 4
-    assert abs(grown - 7 / 8 * sum(cfg.decode_selection_activations(64, 32768, bf)) - buckets) < 2**23  # rounding
+    wider = sum(cfg.decode_selection_activations(64, 32768, bf)) - sum(cfg.decode_selection_activations(64, 4096, bf))
+    assert wider == 7 * 64 * 256 * 4 and abs(grown - wider - buckets) < 2**23  # the allocator's rounding
     assert pool(preset("qwen3-30b-a3b", 4), 32768) == pool(preset("qwen3-30b-a3b", 4), 4096)
 
 

@@ -172,6 +172,35 @@ def test_fixed_kpool_selection_captures_and_equals_the_reference():
     assert_compact_with_tails(got.cpu(), want.cpu(), batch.positions, kpool)
 
 
+def test_kpool_selection_kernels_capture_and_equal_the_torch_form():
+    """select_pools_cuda (two Triton launches around topk) at GLM-5.3-Flash's indexer shape (32 heads of
+    128, kpool 16, top 2,048) over shuffled pages: the graph's replay equals the torch form's tokens;
+    the scores within float32 rounding."""
+    from moetier.layers.attention import make_batch
+    from moetier.layers.kpool_indexer import pool_scores_fixed, select_pools_cuda, select_pools_fixed
+    from moetier.layers.kpool_select_triton import pool_scores
+
+    g = torch.Generator().manual_seed(11)
+    d, hi, kpool, topk, page = 128, 32, 16, 2048, 64
+    pages = torch.randperm(200, generator=g).tolist()
+    seqs = [(4200, 1, pages[:66]), (37, 1, pages[66:67]), (900, 1, pages[67:82]), (15, 1, pages[82:83])]
+    batch = make_batch(seqs, page, "cuda")
+    index_k = torch.randn(200, page, 2 * d, generator=g).bfloat16().cuda()
+    ape = torch.randn(kpool, d, generator=g).bfloat16().cuda()
+    q = torch.randn(4, hi, d, generator=g).bfloat16().cuda()
+    w = torch.randn(4, hi, generator=g).cuda()
+    want = pool_scores_fixed(q, w, index_k, ape, batch, kpool, 0.088)
+    got = pool_scores(q, w, index_k, ape, batch, kpool, 0.088)
+    live = want > torch.finfo(torch.float32).min
+    assert torch.equal(live, got > torch.finfo(torch.float32).min)
+    assert ((got - want).abs()[live] / want.abs().max()).max() < 1e-5
+    graph, tokens = capture(lambda: select_pools_cuda(q, w, index_k, ape, batch, topk, kpool, 0.088))
+    graph.replay()
+    ref = select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.088)
+    assert torch.equal(tokens.sort(-1).values, ref.sort(-1).values)
+    assert_compact_with_tails(tokens.cpu(), ref.cpu(), batch.positions, kpool)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_conv_over_slots_replays_from_a_graph(dtype):
     from moetier.layers.kda_conv_triton import conv_step_slots

@@ -145,13 +145,12 @@ class KdaAttention(nn.Module):
     def _decode(self, qkv, g, beta, conv, rec, slots, batch) -> torch.Tensor:
         """One token per sequence, all sequences at once: gather the slots' states, one step, scatter
         back. A token at position 0 (a one-token prompt) starts from zeros (fixed shapes, no branch)."""
-        live = (batch.positions > 0)
         if qkv.is_cuda:  # the same conv in one launch, the slots' states updated in place
             from moetier.layers.kda_conv_triton import conv_step_slots
 
             mixed = conv_step_slots(qkv, conv, self.conv, slots, batch.positions)
         else:
-            conv_in = conv[slots] * live[:, None, None].to(conv.dtype)
+            conv_in = conv[slots] * (batch.positions > 0)[:, None, None].to(conv.dtype)
             mixed, conv_out = causal_conv_step(qkv, conv_in, self.conv)
             conv[slots] = conv_out
         q, k, v = self._split(mixed)
@@ -162,7 +161,7 @@ class KdaAttention(nn.Module):
             if fresh:
                 rec[torch.tensor(fresh, device=rec.device)] = 0
             return kda_decode_slots(q, k, v, g, beta, rec, slots)
-        rec_in = rec[slots] * live[:, None, None, None].float()
+        rec_in = rec[slots] * (batch.positions > 0)[:, None, None, None].float()
         o, rec_out = kda_step(q, k, v, g, beta, rec_in)
         rec[slots] = rec_out
         return o

@@ -18,7 +18,8 @@ groups of `kpool` consecutive keys instead of single keys, for NoPE attention (n
 The reference (CPU, and prefill on CUDA) uses the same ops in the same order as transformers'
 Glm5NextTextIndexer, with one sequence's row of scores over the complete pools of its context (as
 transformers' row for one sequence), so equal scores break the same way. Decode on CUDA takes
-select_pools_fixed: the same scores in fixed shapes from device tensors only (graph-safe).
+select_pools_cuda: the same scores in fixed shapes from device tensors only (graph-safe), two Triton
+launches around torch.topk whose torch form, select_pools_fixed, is their oracle.
 """
 
 from __future__ import annotations
@@ -105,29 +106,55 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
     """select_pools_reference in fixed shapes from device tensors only (graph-safe): every token
     scores the pools of all W * page_size rows of its sequence's page table, those that end past its
     position masked. For decode steps (N the batch): a prefill would gather N copies of the keys.
-    NOTE: equal scores may break differently from the reference (its rows end at the context)."""
-    n, width = q.shape[0], topk + kpool - 1
+    NOTE: equal scores may break differently from the reference (its rows end at the context).
+    The torch form of the CUDA kernels (select_pools_cuda) and their test oracle."""
+    return pool_tokens_fixed(pool_scores_fixed(q, w, index_k, ape, batch, kpool, scale), batch.positions,
+                             topk, kpool)
+
+
+def pool_scores_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
+                      batch: AttnBatch, kpool: int, scale: float) -> torch.Tensor:
+    """-> [N, P] float32: each token's score of every pool of its page-table window (P = W *
+    page_size // kpool), pools that end after its position at float32's lowest."""
+    n = q.shape[0]
     seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
     rows = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, 2D]
     keys = pool_keys(rows, ape, kpool)  # [N, P, D]
-    pos = batch.positions
-    out = torch.full((n, width), -1, dtype=torch.int32, device=q.device)
-    select = min(topk // kpool, keys.shape[1])
+    scores = F.relu(torch.einsum("nhd,npd->nhp", q.float(), keys.float()) * scale)
+    index = torch.einsum("nh,nhp->np", w, scores)
+    ends = torch.arange(1, keys.shape[1] + 1, device=q.device) * kpool - 1
+    visible = ends[None, :] <= batch.positions[:, None]
+    return index.masked_fill(~visible, torch.finfo(index.dtype).min)
+
+
+def pool_tokens_fixed(index: torch.Tensor, positions: torch.Tensor, topk: int, kpool: int) -> torch.Tensor:
+    """index [N, P] (pool_scores_fixed) -> [N, topk + kpool - 1] int32: the best topk / kpool pools'
+    tokens (the visible ones: masked scores sort last), then the tail (place_tail), -1 after."""
+    n, width = index.shape[0], topk + kpool - 1
+    out = torch.full((n, width), -1, dtype=torch.int32, device=index.device)
+    select = min(topk // kpool, index.shape[1])
     if select:
-        scores = F.relu(torch.einsum("nhd,npd->nhp", q.float(), keys.float()) * scale)
-        index = torch.einsum("nh,nhp->np", w, scores)
-        ends = torch.arange(1, keys.shape[1] + 1, device=q.device) * kpool - 1
-        visible = ends[None, :] <= pos[:, None]
-        index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
         picked = index.topk(select, dim=-1).indices
-        ok = visible.gather(1, picked)
+        ok = (picked + 1) * kpool - 1 <= positions[:, None]  # the pick is visible
         seen = ok.sum(-1)
-        tokens = picked[..., None] * kpool + torch.arange(kpool, device=q.device)
+        tokens = picked[..., None] * kpool + torch.arange(kpool, device=index.device)
         out[:, : select * kpool] = tokens.masked_fill(~ok[..., None], -1).flatten(1).to(torch.int32)
     else:
-        seen = torch.zeros(n, dtype=torch.long, device=q.device)
-    place_tail(out, seen, pos, kpool)
+        seen = torch.zeros(n, dtype=torch.long, device=index.device)
+    place_tail(out, seen, positions, kpool)
     return out
+
+
+def select_pools_cuda(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
+                      batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
+    """select_pools_fixed in two Triton launches around torch.topk (layers/kpool_select_triton.py):
+    decode steps on CUDA (graph-safe). Scores agree with the torch form to float32 rounding."""
+    from moetier.layers import kpool_select_triton as kernels  # Triton: CUDA (or the interpreter)
+
+    index = kernels.pool_scores(q, w.contiguous(), index_k, ape, batch, kpool, scale)
+    select = min(topk // kpool, index.shape[1])
+    picked = index.topk(select, dim=-1).indices if select else None
+    return kernels.pool_tokens(picked, batch.positions, kpool, topk + kpool - 1)
 
 
 class KpoolIndexer(nn.Module):
@@ -160,5 +187,5 @@ class KpoolIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, linear(x, self.gate)], dim=-1)
         w = linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
-        select = select_pools_fixed if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
+        select = select_pools_cuda if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
         return select(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)

@@ -46,7 +46,8 @@ import triton.language as tl
 from moetier.quant.dot import dot_type, mma_kn
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
-BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program
+BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program (decode)
+FINISH_WARPS = 4  # warps of a decode _mhc_finish program
 MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens take _mhc_project instead of _mhc_partials
 BLOCK_T, BLOCK_K = 64, 128  # _mhc_project's tile: tokens, columns per loop step
@@ -205,7 +206,7 @@ def mhc_weights_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
         _mhc_finish[(triton.cdiv(n, bt), triton.cdiv(h, bh * steps))](
             x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out, n, h, split,
             norm_eps, hc_eps, S=s, R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split), ITERS=max(iters, 1),
-            BLOCK_T=bt, BLOCK_H=bh, H_STEPS=steps)
+            BLOCK_T=bt, BLOCK_H=bh, H_STEPS=steps, num_warps=FINISH_WARPS if n <= MAX_ROWS else 4)
     return post, comb, out
 
 

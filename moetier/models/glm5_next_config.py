@@ -184,16 +184,14 @@ class Glm5NextConfig(MlaMoeConfig):
         return super().num_parameters() + self.num_layers * hc
 
     def decode_selection_activations(self, rows: int, context: int, dtype: torch.dtype) -> list[int]:
-        """layers/kpool_indexer.select_pools_fixed over P = C / kpool pools: the gathered [k | gate] rows
-        [N, C, 2D] (live throughout), then the larger of the pooling's two float32 [N, C, D] temporaries
-        and the scoring's pooled keys [N, P, D] with their float32 copy and the float32 scores [N, Hi, P]
-        (twice: einsum, then scaled)."""
+        """layers/kpool_indexer.select_pools_cuda over P = C / kpool pools: the float32 scores [N, P],
+        topk's values [N, S] float32 and indices [N, S] int64 (S = min(topk / kpool, P)), the tokens
+        [N, topk + kpool - 1] int32 (the kernels read the [k | gate] rows in place: no gathered copy)."""
         if not self.index_layers:
             return []
-        d, isz, pools = self.index_head_dim, dtype.itemsize, context // self.index_kpool
-        scores = rows * self.index_n_heads * pools * 4
-        scoring = rows * pools * d * isz + scores + max(rows * pools * d * 4, scores)
-        return [rows * context * 2 * d * isz, max(2 * rows * context * d * 4, scoring)]
+        pools = context // self.index_kpool
+        picks = min(self.index_topk // self.index_kpool, pools)
+        return [rows * pools * 4, rows * picks * 4, rows * picks * 8, rows * (self.index_topk + self.index_kpool - 1) * 4]
 
     def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
         """The MLA layers' transients (mla_config) and a KDA layer's: qkv and its conv [T, 3D], the gates

@@ -1,0 +1,69 @@
+"""Runs the kpool indexer's decode-selection kernels (layers/kpool_select_triton.py) in Triton's
+interpreter on the CPU against their torch form (layers/kpool_indexer.pool_scores_fixed,
+pool_tokens_fixed, select_pools_fixed). Run as a script (TRITON_INTERPRET must be set before triton
+is imported); test_glm5_next_decode.py does that in a subprocess. Each case, decode rows over
+shuffled pages (a sequence without a token among them):
+
+  - pool_scores: the masked pools exactly where the torch form masks them, the others within float32
+    rounding (the pool keys round alike, to nearest even, in bf16 too);
+  - pool_tokens on the topk of the kernel's own scores: equal, entry for entry, to the torch form's
+    tokens from the same scores (the same topk, so no tie can part them);
+  - the whole selection against select_pools_fixed (positive scores, so no near ties): the same tokens.
+Heads and channels below tl.dot's 16 (padded), kpool 2 and 4, a window shorter than a pool.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from moetier.layers import kpool_select_triton as kernels  # noqa: E402
+from moetier.layers.attention import make_batch  # noqa: E402
+from moetier.layers.kpool_indexer import (pool_scores_fixed, pool_tokens_fixed, select_pools_cuda,  # noqa: E402
+                                          select_pools_fixed)
+
+TOL = 1e-5  # float32 sums in another order; the bf16 pool keys equal (both round to nearest even)
+
+
+def case(seqs, page, d, hi, kpool, topk, dtype, seed) -> str:
+    g = torch.Generator().manual_seed(seed)
+    num_pages = max(p for _, _, pages in seqs for p in pages) + 2
+    index_k = torch.rand(num_pages, page, 2 * d, generator=g).to(dtype)
+    ape = torch.rand(kpool, d, generator=g).to(dtype)
+    batch = make_batch(seqs, page, "cpu")
+    n = batch.num_tokens
+    q = torch.rand(n, hi, d, generator=g).to(dtype)
+    w = torch.rand(n, hi, generator=g)
+    want = pool_scores_fixed(q, w, index_k, ape, batch, kpool, 0.3)
+    got = kernels.pool_scores(q, w, index_k, ape, batch, kpool, 0.3)
+    low = torch.finfo(torch.float32).min
+    assert got.shape == want.shape and torch.equal(got == low, want == low), (got, want)
+    live = want != low
+    err = ((got[live] - want[live]).abs() / want[live].abs()).max().item() if live.any() else 0.0
+    assert err <= TOL, (seqs, dtype, err)
+    select = min(topk // kpool, got.shape[1])
+    picked = got.topk(select, dim=-1).indices if select else None
+    tokens = kernels.pool_tokens(picked, batch.positions, kpool, topk + kpool - 1)
+    assert torch.equal(tokens, pool_tokens_fixed(got, batch.positions, topk, kpool)), (tokens, got)
+    whole = select_pools_cuda(q, w, index_k, ape, batch, topk, kpool, 0.3)
+    assert torch.equal(whole, select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.3)), seqs
+    return (f"kpool_select n={n} P={got.shape[1]} d={d} hi={hi} kpool={kpool} {str(dtype)[6:]} "
+            f"scores_err={err:.1e} tokens=exact whole=equal")
+
+
+def main() -> None:
+    lines = []
+    seqs = [(9, 1, [3, 7, 1]), (0, 1, [0]), (13, 0, [5, 11, 4, 9]), (2, 1, [6, 8]), (6, 1, [2, 10]),
+            (30, 1, [12, 13, 14, 15, 16, 17, 18, 19, 20])]
+    for dtype in (torch.float32, torch.bfloat16):
+        lines.append(case(seqs, 4, 8, 3, 2, 4, dtype, seed=1))  # 2 pools picked of up to 15
+        lines.append(case(seqs, 4, 24, 5, 4, 32, dtype, seed=2))  # every visible pool picked
+    lines.append(case([(1, 1, [0]), (0, 1, [1])], 4, 16, 16, 4, 8, torch.float32, seed=3))  # no complete pool
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
