@@ -39,7 +39,7 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(0)
     n = 0
     for t in (1, 5):
-        for e, k, n_group, topk_group in ((256, 8, 8, 4), (256, 8, 1, 1), (16, 4, 4, 2), (64, 6, 8, 3), (8, 2, 4, 1)):
+        for e, k, n_group, topk_group in ((256, 8, 8, 4), (256, 8, 1, 1), (16, 4, 4, 2), (64, 6, 8, 3), (8, 2, 4, 1), (288, 8, 1, 1), (12, 3, 1, 1)):
             for renorm in (False, True):
                 for out_dtype in (torch.float32, torch.bfloat16):
                     check(t, e, k, n_group, topk_group, renorm, out_dtype, g)

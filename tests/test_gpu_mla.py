@@ -77,17 +77,18 @@ def test_fixed_shape_selection_captures_and_equals_the_reference():
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
 
 
-@pytest.mark.parametrize("n_group,topk_group", [(8, 4), (1, 1)])
-def test_grouped_router_kernel_on_gpu_and_in_a_graph(n_group, topk_group):
-    """DeepSeek-V3's router shape (256 experts, 8 groups keep 4, top-8) and GLM-5's (one group): the
-    kernel's picks are the reference's, in its order, replayed from a graph too."""
+@pytest.mark.parametrize("e,n_group,topk_group", [(256, 8, 4), (256, 1, 1), (288, 1, 1)])
+def test_grouped_router_kernel_on_gpu_and_in_a_graph(e, n_group, topk_group):
+    """DeepSeek-V3's router shape (256 experts, 8 groups keep 4, top-8), GLM-5's (one group) and
+    GLM-5.3-Flash's (288 experts, one group): the kernel's picks are the reference's, in its order,
+    replayed from a graph too."""
     from moetier.layers.router import grouped_route_reference
     from moetier.layers.router_triton import route_grouped
     from tests.test_gpu import capture
 
     g = torch.Generator().manual_seed(2)
-    logits = torch.stack([(torch.randperm(256, generator=g).float() - 128) / 32 for _ in range(64)]).cuda()
-    bias = (torch.randn(256, generator=g) * 0.05).cuda()
+    logits = torch.stack([(torch.randperm(e, generator=g).float() - e / 2) / 32 for _ in range(64)]).cuda()
+    bias = (torch.randn(e, generator=g) * 0.05).cuda()
     want_ids, want_w = grouped_route_reference(logits, bias, 8, n_group, topk_group, True, 2.5)
     graph, (ids, w) = capture(lambda: route_grouped(logits, bias, 8, n_group, topk_group, True, 2.5, torch.float32))
     graph.replay()

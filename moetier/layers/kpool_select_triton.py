@@ -66,17 +66,18 @@ def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_ta
         d = tl.arange(0, D_B)
         table = page_table_ptr + b.to(tl.int64) * W
         # passes over the pools' tokens: the softmax's max, its sum (per pool and channel), then the
-        # keys weighted by their rounded probabilities ([BP, D] fp32 each, no [BP, KPOOL, D] tile)
+        # keys weighted by their rounded probabilities ([BP, D] fp32 each, no [BP, KPOOL, D] tile);
+        # unrolled, so each pass's KPOOL loads are in flight together (a rolled loop waited on each)
         top = tl.full([BLOCK_P, D_B], float("-inf"), tl.float32)
-        for i in range(KPOOL):
+        for i in tl.static_range(KPOOL):
             row = _row(table, p, pm, i, KPOOL, PAGE, D)
             top = tl.maximum(top, _logit(k_ptr, ape_ptr, row, pm, i, D, D_B))
         total = tl.zeros([BLOCK_P, D_B], tl.float32)
-        for i in range(KPOOL):
+        for i in tl.static_range(KPOOL):
             total += tl.exp(_logit(k_ptr, ape_ptr, _row(table, p, pm, i, KPOOL, PAGE, D), pm, i, D, D_B) - top)
         dt = k_ptr.dtype.element_ty
         key = tl.zeros([BLOCK_P, D_B], tl.float32)
-        for i in range(KPOOL):
+        for i in tl.static_range(KPOOL):
             row = _row(table, p, pm, i, KPOOL, PAGE, D)
             prob = to_dot(tl.exp(_logit(k_ptr, ape_ptr, row, pm, i, D, D_B) - top) / total, dt, EMULATE)
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)

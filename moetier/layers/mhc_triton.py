@@ -47,7 +47,7 @@ from moetier.quant.dot import dot_type, mma_kn
 
 BLOCK = 128  # columns of x per loop step of _mhc_partials
 BLOCK_H = 256  # hidden columns collapsed per _mhc_finish program (decode)
-FINISH_WARPS = 4  # warps of a decode _mhc_finish program
+FINISH_WARPS = 1  # warps of a decode _mhc_finish program (its Sinkhorn's reductions stay in one warp)
 MAX_SPLIT = 64  # programs per token reading fn
 MAX_ROWS = 64  # steps of more tokens take _mhc_project instead of _mhc_partials
 BLOCK_T, BLOCK_K = 64, 128  # _mhc_project's tile: tokens, columns per loop step

@@ -13,9 +13,9 @@ own format (ModelConfig.dense_quant names it). One table maps a format to its we
     rows_of(w, start, stop)  rows of a fused weight, the loader's destination
     destination(p)           a model.param() result as the loader copies into it: a kept module's
                              rows (its .rows()), kept rows as they are, None for a plain tensor
-    linear(x, w, bias)       what every layer calls: F.linear for a tensor (on CUDA up to GEMV_MAX_M
-                             rows of 16-bit x, layers/dense_linear_triton.dense_mm), the module's own
-                             linear (CPU reference, CUDA kernels) for a kept weight
+    linear(x, w, bias)       what every layer calls: F.linear for a tensor (cuBLAS on CUDA: a GEMV
+                             of our own measured no faster at decode sizes, docs/bench-decode.md),
+                             the module's own linear (CPU reference, CUDA kernels) for a kept weight
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.layers import dense_linear_triton as dense
 from moetier.layers.fp8_linear import Fp8Rows, Fp8Weight
 from moetier.layers.packed4_linear import Packed4Rows, Packed4Weight
 from moetier.layers.param import param
@@ -64,8 +63,5 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight | Packed4Weight, bias: t
            ) -> torch.Tensor:
     """F.linear for a plain weight or a kept one. x [..., K] -> [..., N] in x.dtype."""
     if isinstance(w, torch.Tensor):
-        x2 = x.reshape(-1, x.shape[-1])
-        if dense.takes(x2, w):
-            return dense.dense_mm(x2, w, bias).reshape(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, bias)
     return w.linear(x, bias)

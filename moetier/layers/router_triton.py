@@ -3,8 +3,9 @@ step on CUDA: in torch it is about fifteen small kernels per MoE layer (sigmoid,
 group top-k, masks, top-k, gather, renormalise, scale), some 1.5 us each even in a replayed graph,
 so 75 GLM-5 MoE layers would pay over a millisecond per decode step for routing alone.
 
-One program per token. E and n_group must be powers of two (every published config: 256 experts
-in 8 or 1 groups); route_grouped_supported() says when. Equal scores go lowest index first, where
+One program per token. With several groups E and n_group must be powers of two (DeepSeek-V3 and
+GLM-5: 256 experts in 8 groups); one group takes any E (GLM-5.3-Flash's 288: the lanes padded to a
+power of two and never picked); route_grouped_supported() says when. Equal scores go lowest index first, where
 torch.topk's order on CUDA is unspecified; otherwise the picks equal the reference's, listed in its
 order (largest weight first), and the weights differ from it by the float32 rounding of sigmoid. Fixed shapes, no host reads: graph-safe.
 """
@@ -18,14 +19,15 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_route(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, stride_i, stride_w, scaling,
-                   E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-                   RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    # logits: [T, E] float32; bias: [E] float32; ids: [T, K] int64; w: [T, K]
+                   E: tl.constexpr, E_PAD: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    # logits: [T, E] float32; bias: [E] float32; ids: [T, K] int64; w: [T, K]; E_PAD = E with several
+    # groups, else E's power of two (lanes >= E load zeros and are never open to a pick)
     row = tl.program_id(0).to(tl.int64)
     PER: tl.constexpr = E // G
-    e = tl.arange(0, E)
-    score = tl.sigmoid(tl.load(logits_ptr + row * stride_l + e).to(tl.float32))
-    choice = score + tl.load(bias_ptr + e).to(tl.float32)
+    e = tl.arange(0, E_PAD)
+    score = tl.sigmoid(tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=0.0).to(tl.float32))
+    choice = score + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)
     if G > 1:
         # group score: the sum of the group's two best biased scores
         c2 = tl.reshape(choice, (G, PER))
@@ -73,6 +75,8 @@ def route_grouped_supported(num_experts: int, n_group: int) -> bool:
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
 
+    if n_group == 1:
+        return num_experts >= 2
     return pow2(num_experts) and pow2(n_group) and num_experts // n_group >= 2
 
 
@@ -86,6 +90,7 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(t, top_k, dtype=out_dtype, device=logits.device)
     _grouped_route[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0),
-                         float(scaling), E=e, G=n_group, TOPK_GROUP=topk_group, K=top_k, RENORM=renormalize,
-                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if e <= 128 else 2)
+                         float(scaling), E=e, E_PAD=triton.next_power_of_2(e), G=n_group, TOPK_GROUP=topk_group,
+                         K=top_k, RENORM=renormalize, BLOCK_K=triton.next_power_of_2(top_k),
+                         num_warps=1 if e <= 128 else 2)
     return ids, weights
