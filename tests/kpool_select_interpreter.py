@@ -9,7 +9,7 @@ shuffled pages (a sequence without a token among them):
   - pool_tokens on the topk of the kernel's own scores: equal, entry for entry, to the torch form's
     tokens from the same scores (the same topk, so no tie can part them);
   - the whole selection against select_pools_fixed (positive scores, so no near ties): the same tokens.
-Heads and channels below tl.dot's 16 (padded), kpool 2 and 4, a window shorter than a pool.
+Heads and channels not powers of two (padded), kpool 2, 3 and 4, a window shorter than a pool.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
         lines.append(case(seqs, 4, 8, 3, 2, 4, dtype, seed=1))  # 2 pools picked of up to 15
         lines.append(case(seqs, 4, 24, 5, 4, 32, dtype, seed=2))  # every visible pool picked
     lines.append(case([(1, 1, [0]), (0, 1, [1])], 4, 16, 16, 4, 8, torch.float32, seed=3))  # no complete pool
+    lines.append(case(seqs, 4, 8, 9, 3, 6, torch.bfloat16, seed=4))  # kpool 3: padded pool lanes
     print("\n".join(lines))
 
 

@@ -1,5 +1,5 @@
 """The kpool indexer's decode selection on CUDA: two launches around torch.topk, in place of the some
-forty small torch ops of its fixed-shape form (layers/kpool_indexer.select_pools_fixed, the reference
+fifty small torch ops of its fixed-shape form (layers/kpool_indexer.select_pools_fixed, the reference
 these are tested against, and what the CPU runs).
 
     pool_scores(q [N, Hi, D], w [N, Hi] fp32, index_k [pages, page_size, 2D], ape [kpool, D], batch,
@@ -14,10 +14,14 @@ these are tested against, and what the CPU runs).
         the picked pools' tokens (the visible ones, which come first), then the token's own
         incomplete pool (place_tail's layout), -1 after
 
-Programs: pool_scores one per (sequence, block of pools), reading the sequence's one query row (decode
-steps: at most one token a sequence; a sequence without one returns at once); pool_tokens one per
-token. Rounding follows the torch form (to nearest even, under the interpreter too: quant/dot.to_dot): softmax in fp32, probabilities and their products with the
-keys rounded to the keys' dtype, each pool's key summed in fp32 and rounded to it, scores in fp32. The
+Programs: pool_scores one per (sequence, block of BLOCK_P pools), reading the sequence's one query
+row (decode steps: at most one token a sequence; a sequence without one returns at once), its block's
+tokens loaded in one tile (a loop over a pool's tokens, rolled or unrolled, measured 28 and 40 us a
+call on the H100 in the 8-layer batch-1 profile: a chain of dependent loads, docs/models.md); a block whose pools all
+end after the token stores the mask and loads nothing (the graphs' windows are wider than short
+contexts). pool_tokens one per token. Rounding follows the torch form (to nearest even, under the
+interpreter too: quant/dot.to_dot): softmax in fp32, probabilities and their products with the keys
+rounded to the keys' dtype, each pool's key summed in fp32 and rounded to it, scores in fp32. The
 sums run in another order (and exp is Triton's), so scores agree to float32 rounding, not bit for bit:
 pools whose scores tie to within that may come out of topk in another order.
 """
@@ -32,67 +36,59 @@ from moetier.layers.attention import AttnBatch
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import to_dot
 
-BLOCK_P = 16  # pools a program scores
-
-
-@triton.jit
-def _row(table, p, pm, i, KPOOL: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr):
-    # [BP] element offsets of token i of pools p in one layer's index_k ([k | gate] rows of 2D)
-    t = p * KPOOL + i
-    return (tl.load(table + t // PAGE, mask=pm, other=0).to(tl.int64) * PAGE + t % PAGE) * (2 * D)
-
-
-@triton.jit
-def _logit(k_ptr, ape_ptr, row, pm, i, D: tl.constexpr, D_B: tl.constexpr):
-    # [BP, D_B] fp32: gate + ape of token i of each pool, the softmax's argument (0 past D)
-    d = tl.arange(0, D_B)
-    m = pm[:, None] & (d < D)[None, :]
-    z = tl.load(k_ptr + row[:, None] + D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    return z + tl.load(ape_ptr + i * D + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+BLOCK_P = 4  # pools a program scores: [BLOCK_P * kpool, D] keys and gates loaded at once
+H_CHUNK = 8  # heads scored together ([H_CHUNK, BLOCK_P, D] products)
 
 
 @triton.jit
 def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_table_ptr, out_ptr,
                  P, W, stride_qn, stride_qh, scale,
                  HI: tl.constexpr, D: tl.constexpr, KPOOL: tl.constexpr, PAGE: tl.constexpr,
-                 HI_B: tl.constexpr, D_B: tl.constexpr, BLOCK_P: tl.constexpr, EMULATE: tl.constexpr):
-    # HI_B, D_B: the heads and channels padded to powers of two of at least 16 (tl.dot's smallest)
+                 HI_B: tl.constexpr, D_B: tl.constexpr, KP_B: tl.constexpr, H_CHUNK: tl.constexpr,
+                 BLOCK_P: tl.constexpr, EMULATE: tl.constexpr):
+    # HI_B, D_B, KP_B: heads, channels and a pool's tokens padded to powers of two
     b = tl.program_id(0)
     n = tl.load(query_start_ptr + b)
     if tl.load(query_start_ptr + b + 1) > n:  # the sequence's one query row this step
         pos = tl.load(pos_ptr + n)
-        p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP] pools
+        p0 = tl.program_id(1) * BLOCK_P
+        p = p0 + tl.arange(0, BLOCK_P)  # [BP] pools
         pm = p < P
-        d = tl.arange(0, D_B)
-        table = page_table_ptr + b.to(tl.int64) * W
-        # passes over the pools' tokens: the softmax's max, its sum (per pool and channel), then the
-        # keys weighted by their rounded probabilities ([BP, D] fp32 each, no [BP, KPOOL, D] tile);
-        # unrolled, so each pass's KPOOL loads are in flight together (a rolled loop waited on each)
-        top = tl.full([BLOCK_P, D_B], float("-inf"), tl.float32)
-        for i in tl.static_range(KPOOL):
-            row = _row(table, p, pm, i, KPOOL, PAGE, D)
-            top = tl.maximum(top, _logit(k_ptr, ape_ptr, row, pm, i, D, D_B))
-        total = tl.zeros([BLOCK_P, D_B], tl.float32)
-        for i in tl.static_range(KPOOL):
-            total += tl.exp(_logit(k_ptr, ape_ptr, _row(table, p, pm, i, KPOOL, PAGE, D), pm, i, D, D_B) - top)
-        dt = k_ptr.dtype.element_ty
-        key = tl.zeros([BLOCK_P, D_B], tl.float32)
-        for i in tl.static_range(KPOOL):
-            row = _row(table, p, pm, i, KPOOL, PAGE, D)
-            prob = to_dot(tl.exp(_logit(k_ptr, ape_ptr, row, pm, i, D, D_B) - top) / total, dt, EMULATE)
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)
-            key += to_dot(prob.to(tl.float32) * k.to(tl.float32), dt, EMULATE).to(tl.float32)
-        key = to_dot(key, dt, EMULATE).to(tl.float32)  # [BP, D]: the pool keys as the torch form rounds them
-        h = tl.arange(0, HI_B)
-        q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + h[:, None] * stride_qh + d[None, :],
-                    mask=(h < HI)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(key), input_precision="ieee")  # [HI, BP] fp32
-        s = tl.maximum(s * scale, 0.0)
-        w = tl.load(w_ptr + n.to(tl.int64) * HI + h, mask=h < HI, other=0.0)
-        index = tl.sum(w[:, None] * s, axis=0)  # [BP]
-        visible = (p + 1) * KPOOL - 1 <= pos
-        index = tl.where(visible, index, -3.4028234663852886e38)
-        tl.store(out_ptr + n.to(tl.int64) * P + p, index, mask=p < P)
+        low = -3.4028234663852886e38  # float32's lowest: masked pools sort last
+        if (p0 + 1) * KPOOL - 1 > pos:  # every pool of the block ends after the token: no loads
+            tl.store(out_ptr + n.to(tl.int64) * P + p, tl.full([BLOCK_P], low, tl.float32), mask=pm)
+        else:
+            # the block's tokens in one tile [BP * KP_B, D_B]: every load in flight at once
+            i = tl.arange(0, KP_B)
+            t = (p[:, None] * KPOOL + i[None, :]).reshape(BLOCK_P * KP_B)
+            lane = (tl.zeros([BLOCK_P, KP_B], tl.int32) + i[None, :]).reshape(BLOCK_P * KP_B) < KPOOL
+            tm = lane & (t < P * KPOOL)
+            table = page_table_ptr + b.to(tl.int64) * W
+            row = (tl.load(table + t // PAGE, mask=tm, other=0).to(tl.int64) * PAGE + t % PAGE) * (2 * D)
+            d = tl.arange(0, D_B)
+            dm = d < D
+            m2 = tm[:, None] & dm[None, :]
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=m2, other=0.0)
+            z = tl.load(k_ptr + row[:, None] + D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            ape = tl.load(ape_ptr + i[:, None] * D + d[None, :], mask=(i < KPOOL)[:, None] & dm[None, :], other=0.0)
+            z = z.reshape(BLOCK_P, KP_B, D_B) + ape.to(tl.float32)[None, :, :]
+            z = tl.where((i < KPOOL)[None, :, None], z, float("-inf"))  # padded lanes: no weight
+            e = tl.exp(z - tl.max(z, axis=1)[:, None, :])
+            dt = k_ptr.dtype.element_ty
+            prob = to_dot(e / tl.sum(e, axis=1)[:, None, :], dt, EMULATE).to(tl.float32)  # softmax, rounded
+            prod = to_dot(prob * k.reshape(BLOCK_P, KP_B, D_B).to(tl.float32), dt, EMULATE).to(tl.float32)
+            key = to_dot(tl.sum(prod, axis=1), dt, EMULATE).to(tl.float32)  # [BP, D_B]: the pool keys
+            index = tl.zeros([BLOCK_P], tl.float32)
+            for h0 in tl.static_range(0, HI_B, H_CHUNK):  # the heads a chunk at a time: [HC, BP, D_B]
+                h = h0 + tl.arange(0, H_CHUNK)
+                hm = h < HI
+                q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + h[:, None] * stride_qh + d[None, :],
+                            mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+                s = tl.maximum(tl.sum(q[:, None, :] * key[None, :, :], axis=2) * scale, 0.0)  # [HC, BP]
+                w = tl.load(w_ptr + n.to(tl.int64) * HI + h, mask=hm, other=0.0)
+                index += tl.sum(w[:, None] * s, axis=0)
+            visible = (p + 1) * KPOOL - 1 <= pos
+            tl.store(out_ptr + n.to(tl.int64) * P + p, tl.where(visible, index, low), mask=pm)
 
 
 @triton.jit
@@ -131,8 +127,9 @@ def pool_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: to
     grid = (batch.query_start.shape[0] - 1, triton.cdiv(p, BLOCK_P))
     _pool_scores[grid](q, w, index_k, ape, batch.positions, batch.query_start, batch.page_table, out, p, width,
                        q.stride(0), q.stride(1), scale, HI=hi, D=d, KPOOL=kpool, PAGE=page,
-                       HI_B=max(16, triton.next_power_of_2(hi)), D_B=max(16, triton.next_power_of_2(d)),
-                       BLOCK_P=BLOCK_P, EMULATE=_dot_type(index_k.dtype)[2])
+                       HI_B=max(H_CHUNK, triton.next_power_of_2(hi)), D_B=triton.next_power_of_2(d),
+                       KP_B=triton.next_power_of_2(kpool), H_CHUNK=H_CHUNK, BLOCK_P=BLOCK_P,
+                       EMULATE=_dot_type(index_k.dtype)[2], num_warps=8)
     return out
 
 

@@ -191,7 +191,8 @@ class Glm5NextConfig(MlaMoeConfig):
             return []
         pools = context // self.index_kpool
         picks = min(self.index_topk // self.index_kpool, pools)
-        return [rows * pools * 4, rows * picks * 4, rows * picks * 8, rows * (self.index_topk + self.index_kpool - 1) * 4]
+        width = self.index_topk + self.index_kpool - 1
+        return [rows * pools * 4, rows * picks * 4, rows * picks * 8, rows * width * 4]
 
     def attention_activations(self, tokens: int, dtype: torch.dtype) -> list[int]:
         """The MLA layers' transients (mla_config) and a KDA layer's: qkv and its conv [T, 3D], the gates
