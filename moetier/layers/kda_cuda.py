@@ -59,8 +59,11 @@ def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     beta [B, T, H], made contiguous (g float32), q and k l2-normalised inside, scale dk^-1/2; `state`:
     the state arguments (initial_state, in place or not, slot indices, cu_seqlens) -> (o, final)."""
     _, recurrent = fla_kda()
+    # out: every row is written (each program stores all its sequence's tokens), so no zeroed buffer
+    # (fla's default, a fill kernel a layer)
     return recurrent(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
-                     scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, **state)
+                     scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
+                     out=torch.empty(v.shape, dtype=v.dtype, device=v.device), **state)
 
 
 def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -165,27 +165,29 @@ class KpoolIndexer(nn.Module):
             raise ValueError(f"index_topk {topk} must be a multiple of index_kpool {kpool}")
         self.layer, self.hi, self.d, self.topk, self.kpool = layer, num_heads, head_dim, topk, kpool
         self.wq_b = param(num_heads * head_dim, q_lora_rank, dtype=dtype, device=device)
-        self.wk = param(head_dim, hidden, dtype=dtype, device=device)
+        # rows [wk; index_kpool_compress_gate; weights_proj]: x's three projections in one GEMM (a
+        # decode step paid a launch for each); the checkpoint's tensors are its row blocks
+        self.x_proj = param(2 * head_dim + num_heads, hidden, dtype=dtype, device=device)
         self.k_norm = param(head_dim, dtype=dtype, device=device)
         self.k_norm_bias = param(head_dim, dtype=dtype, device=device)
-        self.weights_proj = param(num_heads, hidden, dtype=dtype, device=device)
         self.ape = param(kpool, head_dim, dtype=dtype, device=device)  # index_kpool_compress_ape
-        self.gate = param(head_dim, hidden, dtype=dtype, device=device)  # index_kpool_compress_gate
 
     def part(self, name: str) -> torch.Tensor | None:
-        return {"wq_b.weight": self.wq_b, "wk.weight": self.wk, "k_norm.weight": self.k_norm,
-                "k_norm.bias": self.k_norm_bias, "weights_proj.weight": self.weights_proj,
-                "index_kpool_compress_ape": self.ape, "index_kpool_compress_gate": self.gate}.get(name)
+        d = self.d
+        return {"wq_b.weight": self.wq_b, "wk.weight": self.x_proj[:d], "k_norm.weight": self.k_norm,
+                "k_norm.bias": self.k_norm_bias, "weights_proj.weight": self.x_proj[2 * d:],
+                "index_kpool_compress_ape": self.ape, "index_kpool_compress_gate": self.x_proj[d: 2 * d]}.get(name)
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: AttnBatch, kv: MlaKVCache) -> torch.Tensor:
         """x: [N, H] (the attention's normed input); q_resid: [N, q_lora]; cos, sin unused (NoPE).
         Writes this step's [k | gate] rows, returns [N, topk + kpool - 1] int32 positions (-1 unused)."""
-        t = x.shape[0]
-        q = linear(q_resid, self.wq_b).view(t, self.hi, self.d)
-        k = F.layer_norm(linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
+        t, d = x.shape[0], self.d
+        q = linear(q_resid, self.wq_b).view(t, self.hi, d)
+        proj = linear(x, self.x_proj)  # [T, 2D + Hi]: k before its norm, the pool gate, the head weights
+        k = F.layer_norm(proj[:, :d], (d,), self.k_norm, self.k_norm_bias, K_NORM_EPS)
         index_k = kv.index_k[kv.index_slot[self.layer]]
-        index_k.view(-1, 2 * self.d)[batch.slot_mapping] = torch.cat([k, linear(x, self.gate)], dim=-1)
-        w = linear(x.to(self.weights_proj.dtype), self.weights_proj).float() * self.hi ** -0.5
+        index_k.view(-1, 2 * d)[batch.slot_mapping] = torch.cat([k, proj[:, d: 2 * d]], dim=-1)
+        w = proj[:, 2 * d:].float() * self.hi ** -0.5
         select = select_pools_cuda if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
         return select(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)
