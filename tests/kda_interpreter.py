@@ -147,10 +147,16 @@ def check_conv_prefill(t: int, fresh: bool, dtype: torch.dtype, g: torch.Generat
     state = torch.randn(c, w - 1, generator=g).to(dtype)
     weight = torch.randn(c, 1, w, generator=g)
     want, want_state = causal_conv(x, torch.zeros_like(state) if fresh else state.clone(), weight)
+    before = state.clone()
     got = conv_prefill(x, state, weight, fresh)
     assert got.dtype == dtype and got.shape == want.shape
     assert rel(got, want) <= (TOL if dtype == torch.float32 else 1e-2), rel(got, want)
     assert torch.equal(state, want_state), (t, fresh)
+    # into planes of c / 3 channels at rows [2, 2 + t) of a longer buffer (the layer's q, k, v planes)
+    planes = torch.zeros(3, t + 5, c // 3, dtype=dtype)
+    assert conv_prefill(x, before, weight, fresh, out=planes[:, 2:2 + t]).data_ptr() == planes[:, 2:].data_ptr()
+    assert torch.equal(planes[:, 2:2 + t].permute(1, 0, 2).reshape(t, c), got) and torch.equal(before, state)
+    assert not planes[:, :2].any() and not planes[:, 2 + t:].any()
     print(f"conv prefill T={t} fresh={fresh} {dtype}: ok")
 
 

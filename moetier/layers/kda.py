@@ -208,21 +208,25 @@ class KdaAttention(nn.Module):
     def _prefill(self, qkv, g, beta, conv, rec, batch) -> torch.Tensor:
         """Each sequence on its own (host integers): the conv from its carried state, then the chunked
         recurrence from its carried state (on CUDA: fla's kernels, _prefill_fla)."""
-        mixed = torch.empty_like(qkv)
         qs, lens = batch.query_start_host, batch.seq_lens_host
         slots = batch.state_slots_host or list(range(batch.num_seqs))
         todo = [i for i in range(batch.num_seqs) if qs[i + 1] > qs[i]]
         if qkv.is_cuda:  # one launch a sequence, no float32 copy of the chunk
             from moetier.layers.kda_conv_triton import conv_prefill
-        for i in todo:
-            a, b = qs[i], qs[i + 1]
-            fresh = lens[i] == b - a
-            if qkv.is_cuda:
-                mixed[a:b] = conv_prefill(qkv[a:b], conv[slots[i]], self.conv, fresh)
-            else:
-                c0 = torch.zeros_like(conv[slots[i]]) if fresh else conv[slots[i]]
+
+            # q, k and v planes [3, T, D], each contiguous: fla's kernels take them without a copy
+            planes = qkv.new_empty(3, qkv.shape[0], self.inner)
+            for i in todo:
+                a, b = qs[i], qs[i + 1]
+                conv_prefill(qkv[a:b], conv[slots[i]], self.conv, lens[i] == b - a, out=planes[:, a:b])
+            q, k, v = (x.view(-1, self.heads, self.d) for x in planes)
+        else:
+            mixed = torch.empty_like(qkv)
+            for i in todo:
+                a, b = qs[i], qs[i + 1]
+                c0 = torch.zeros_like(conv[slots[i]]) if lens[i] == b - a else conv[slots[i]]
                 mixed[a:b], conv[slots[i]] = causal_conv(qkv[a:b], c0, self.conv)
-        q, k, v = self._split(mixed)
+            q, k, v = self._split(mixed)
         if on_fla(qkv) and todo:
             return self._prefill_fla(q, k, v, g, beta, rec, batch, todo)
         out = qkv.new_empty(qkv.shape[0], self.heads, self.d)

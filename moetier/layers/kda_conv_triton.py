@@ -74,8 +74,10 @@ def conv_step_slots(qkv: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit(do_not_specialize=["T"])  # the chunk's tokens: one kernel for every length (a compile each, else)
-def _conv_prefill_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, T, C, FRESH: tl.constexpr,
-                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_prefill_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, stride_plane, stride_row, T, C,
+                         FRESH: tl.constexpr, W: tl.constexpr, PLANE: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    # out: channel c of token t at (c // PLANE) * stride_plane + t * stride_row + c % PLANE
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tm, cm = t < T, c < C
@@ -89,28 +91,38 @@ def _conv_prefill_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, T, C, FRESH
             v += tl.load(state_ptr + c[None, :] * (W - 1) + (W - 1 + i)[:, None], mask=ins, other=0.0).to(tl.float32)
         acc += v * tl.load(w_ptr + c * W + j, mask=cm, other=0.0)[None, :]
     y = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+    at = (c // PLANE).to(tl.int64)[None, :] * stride_plane + t.to(tl.int64)[:, None] * stride_row + (c % PLANE)[None, :]
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
 
-def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fresh: bool) -> torch.Tensor:
+def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fresh: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, C] one sequence's new inputs (rows may be strided); state: [C, W - 1] its slot's row of the
     pool, contiguous, updated in place to the last W - 1 inputs; weight: [C, 1, W] float32; fresh: the
-    sequence starts here (the state is not read). -> silu(conv) [T, C] in x's dtype."""
+    sequence starts here (the state is not read). -> silu(conv) in x's dtype: [T, C], or written into
+    out [P, T, C / P] (planes of C / P channels, e.g. q, k and v each contiguous: no copy of a split's
+    strided columns later), unit stride along channels, which it returns."""
     t, c = x.shape
     w = weight.shape[-1]
     if not state.is_contiguous() or state.shape != (c, w - 1) or x.stride(1) != 1:
         raise ValueError(f"conv_prefill: state {tuple(state.shape)} (contiguous {state.is_contiguous()}) and inputs "
                          f"{tuple(x.shape)} do not fit a conv of width {w}")
-    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(1, t, c, dtype=x.dtype, device=x.device)
+        flat = True
+    else:
+        flat = False
+        if out.dim() != 3 or out.shape[1] != t or out.shape[0] * out.shape[2] != c or out.stride(2) != 1:
+            raise ValueError(f"conv_prefill: out {tuple(out.shape)} is no [planes, {t}, channels / planes] of {c} "
+                             "channels with unit stride along them")
     if t:
         _conv_prefill_kernel[(triton.cdiv(t, PREFILL_T), triton.cdiv(c, PREFILL_C))](
-            x, x.stride(0), state, weight.reshape(c, w).contiguous(), out, t, c, FRESH=fresh, W=w,
-            BLOCK_T=PREFILL_T, BLOCK_C=PREFILL_C)
+            x, x.stride(0), state, weight.reshape(c, w).contiguous(), out, out.stride(0), out.stride(1), t, c,
+            FRESH=fresh, W=w, PLANE=out.shape[2], BLOCK_T=PREFILL_T, BLOCK_C=PREFILL_C)
         keep = w - 1
         if t >= keep:
             state.copy_(x[t - keep:].t())
         else:  # the state's newest inputs, then all of x
             prev = state.zero_() if fresh else state
             state.copy_(torch.cat([prev[:, t:], x.t().to(state.dtype)], dim=-1))
-    return out
+    return out[0] if flat else out
