@@ -126,3 +126,13 @@ def test_mhc_split_covers_every_column_once(sh):
     chunk, split = split_of(sh)
     assert chunk % BLOCK == 0 and 1 <= split <= MAX_SPLIT
     assert (split - 1) * chunk < sh <= split * chunk  # no program without columns, none left over
+
+
+def test_decode_gates_kernel_in_the_interpreter():
+    """layers/kda_gates_triton.py (a CUDA decode step's gates in one launch) against the torch ops it
+    replaces, in Triton's interpreter: tests/kda_gates_interpreter.py."""
+    pytest.importorskip("triton")
+    from tests.interpreter import run_script
+
+    lines = [x for x in run_script("kda_gates_interpreter.py").splitlines() if x.startswith("kda_gates ")]
+    assert len(lines) == 4 and sum("bfloat16" in x for x in lines) == 2 and sum("bounded=True" in x for x in lines) == 2

@@ -201,6 +201,29 @@ def test_kpool_selection_kernels_capture_and_equal_the_torch_form():
     assert_compact_with_tails(tokens.cpu(), ref.cpu(), batch.positions, kpool)
 
 
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_decode_gates_kernel_equals_the_torch_ops_and_captures(n):
+    """layers/kda_gates_triton at GLM-5.3-Flash's KDA shape (64 heads of 128, lower bound -5), bf16: gate
+    within one bf16 rounding of the batched GEMM's, g within what that moves, beta equal; the same from
+    a graph's replay."""
+    from moetier.layers.fused import kda_forget_gate
+    from moetier.layers.kda_gates_triton import kda_gates
+
+    g_ = torch.Generator().manual_seed(n)
+    heads, d = 64, 128
+    inner = heads * d
+    proj = torch.randn(n, 3 * inner + 2 * d + heads, generator=g_).bfloat16().cuda()
+    up = (torch.randn(2, inner, d, generator=g_) * d ** -0.5).bfloat16().cuda()
+    dt_bias, a_log = torch.randn(inner, generator=g_).cuda(), (torch.randn(heads, generator=g_) * 0.5).cuda()
+    low = proj[:, 3 * inner: 3 * inner + 2 * d].reshape(n, 2, d).transpose(0, 1)
+    want_up = torch.bmm(low, up.transpose(1, 2))
+    want_g = kda_forget_gate(want_up[0], dt_bias, a_log, -5.0)
+    graph, (g, gate, beta) = capture(lambda: kda_gates(proj, up, dt_bias, a_log, -5.0, inner))
+    graph.replay()
+    assert rel_err(gate, want_up[1]) < 1e-3 and rel_err(g, want_g) < 1e-3
+    assert torch.equal(beta, torch.sigmoid(proj[:, 3 * inner + 2 * d:]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_conv_over_slots_replays_from_a_graph(dtype):
     from moetier.layers.kda_conv_triton import conv_step_slots

@@ -42,6 +42,8 @@ from moetier.layers.param import param
 from moetier.layers.quant_linear import linear
 from moetier.layers.state_cache import KdaStateCache
 
+GATES_TOKENS = 64  # decode steps up to this many tokens take layers/kda_gates_triton (the graphs' sizes)
+
 
 def on_fla(x: torch.Tensor) -> bool:
     """Whether this layer's recurrence runs in fla-core's kernels (CUDA) rather than the reference.
@@ -118,9 +120,16 @@ class KdaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: AttnBatch, state: KdaStateCache) -> torch.Tensor:
         """x: [N, H] -> [N, H]; reads and writes the sequences' state slots of this layer."""
         n = x.shape[0]
-        qkv, low, gate, b = self.projections(x)
-        g = self.forget_gate(low)
-        beta = torch.sigmoid(b)
+        if x.is_cuda and batch.max_query_len == 1 and n <= GATES_TOKENS:  # decode: the gates in one launch
+            from moetier.layers.kda_gates_triton import kda_gates
+
+            proj = linear(x, self.in_proj)
+            qkv = proj[:, : 3 * self.inner]
+            g, gate, beta = kda_gates(proj, self.up_proj, self.dt_bias, self.A_log, self.lower_bound, self.inner)
+        else:
+            qkv, low, gate, b = self.projections(x)
+            g = self.forget_gate(low)
+            beta = torch.sigmoid(b)
         row = state.state_slot[self.layer]
         conv, rec = state.conv[row], state.recurrent[row]
         slots = batch.state_slots if batch.state_slots is not None else torch.arange(
