@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from moetier.bench.common import links, time_graph
-from moetier.bench.decode_steps import replay_kernels, replay_ms
+from moetier.bench.decode_steps import kernels_by_name, replay_kernels, replay_ms
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.engine import EngineConfig, LLM
 from moetier.layers.kda import KdaAttention
@@ -114,13 +114,7 @@ def part_kernels(fns: list, reps: int = 3) -> list:
             for f in fns:
                 f()
         torch.cuda.synchronize()
-    by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = by_name.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time
-    return sorted(([n[:90], c / reps, us / reps] for n, (c, us) in by_name.items()), key=lambda r: -r[2])
+    return sorted(([n[:90], c, us] for n, c, us in kernels_by_name(prof, reps)), key=lambda r: -r[2])
 
 
 def tensor_bytes(module) -> int:

@@ -160,6 +160,17 @@ def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> floa
     return start.elapsed_time(end) / reps
 
 
+def kernels_by_name(prof, reps: int) -> list[list]:
+    """A torch.profiler run's CUDA kernels by name: [name, launches, us] per rep."""
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = by_name.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    return [[n, c / reps, us / reps] for n, (c, us) in by_name.items()]
+
+
 def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict | None:
     """The kernels inside one decode step's graph (the same replays as replay_ms, under torch.profiler):
     how many a step launches, the sum of their times, every kernel by name with its launches and time
@@ -179,15 +190,9 @@ def replay_kernels(llm: LLM, batch: int, reps: int = 5, rows: int = 25) -> dict 
             for _ in range(reps):
                 graph.replay()
             torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        k = by_name.setdefault(e.name, [0, 0.0])
-        k[0] += 1
-        k[1] += e.device_time
     # every kernel of the step, most launched first: [name, launches per step, us per step]
-    kernels = sorted(([n, c / reps, us / reps] for n, (c, us) in by_name.items()), key=lambda r: (-r[1], -r[2]))
-    return {"kernels_per_step": len(events) / reps, "kernel_ms_per_step": sum(e.device_time for e in events) / reps / 1e3,
+    kernels = sorted(kernels_by_name(prof, reps), key=lambda r: (-r[1], -r[2]))
+    return {"kernels_per_step": sum(r[1] for r in kernels), "kernel_ms_per_step": sum(r[2] for r in kernels) / 1e3,
             "kernels": kernels,
             "table": prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)}
 

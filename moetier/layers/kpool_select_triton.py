@@ -17,9 +17,9 @@ these are tested against, and what the CPU runs).
 Programs: pool_scores one per (sequence, block of BLOCK_P pools), reading the sequence's one query
 row (decode steps: at most one token a sequence; a sequence without one returns at once), its block's
 tokens loaded in one tile (a loop over a pool's tokens, rolled or unrolled, measured 28 and 40 us a
-call on the H100 in the 8-layer batch-1 profile: a chain of dependent loads, docs/models.md); a block whose pools all
-end after the token stores the mask and loads nothing (the graphs' windows are wider than short
-contexts). pool_tokens one per token. Rounding follows the torch form (to nearest even, under the
+call on the H100 in the 8-layer batch-1 profile: a chain of dependent loads, docs/models.md); a
+block whose pools all end after the token stores the mask and loads nothing (the graphs' windows
+are wider than short contexts). pool_tokens one per token. Rounding follows the torch form (to nearest even, under the
 interpreter too: quant/dot.to_dot): softmax in fp32, probabilities and their products with the keys
 rounded to the keys' dtype, each pool's key summed in fp32 and rounded to it, scores in fp32. The
 sums run in another order (and exp is Triton's), so scores agree to float32 rounding, not bit for bit:

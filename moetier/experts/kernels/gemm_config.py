@@ -7,6 +7,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+
+def compute_dtype(x: torch.dtype, rows: torch.dtype, quant: str | None) -> torch.dtype:
+    """What the expert GEMMs multiply in: quantized rows dequantize to the activations' dtype, 16-bit
+    rows multiply in their own."""
+    return x if quant is not None else rows
+
+
 def h_dtype(compute: torch.dtype) -> torch.dtype:
     """The dtype of a large step's h (the SwiGLU between gate_up and down) for the kernels' compute
     dtype: down rounds h to the dot's type before every product, so a 16-bit compute stores it in that

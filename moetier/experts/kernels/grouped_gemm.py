@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from moetier.experts.kernels.fp8_gemv import expert_gemv
-from moetier.experts.kernels.gemm_config import GemmConfig
+from moetier.experts.kernels.gemm_config import GemmConfig, compute_dtype
 from moetier.experts.kernels.q4_gemv import q4_gemv
 from moetier.experts.kernels.swiglu_clamp import limit_args, swiglu_clamp
 from moetier.quant import fp8_block as fp8
@@ -373,7 +373,7 @@ def _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, i
     k = topk_ids.shape[1]
     row = dev_rows.shape[1]
     q = fp8_args(hidden, inter, quant, (gate_up[1], down[1]))
-    dot, precision, emulate = _dot_type(x.dtype if quant is not None else dev_rows.dtype)
+    dot, precision, emulate = _dot_type(compute_dtype(x.dtype, dev_rows.dtype, quant))
     bn, bk, nw, *stages = gate_up  # a fourth entry: num_stages (GemmConfig), else Triton's default
     _gate_up[_grid(programs, triton.cdiv(inter, bn), listed)](
         x, dev_rows, host_rows, slot_ids, topk_ids, order, chunk_end, starts, h, k, hidden, inter,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.experts.kernels.gemm_config import GemmConfig, h_dtype
+from moetier.experts.kernels.gemm_config import GemmConfig, compute_dtype, h_dtype
 from moetier.experts.kernels.grouped_gemm import _experts
 
 @triton.jit
@@ -90,7 +90,7 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
     passes = y is not None
     if h is None:
-        h = torch.empty(t * k, inter, dtype=h_dtype(x.dtype if quant is not None else dev_rows.dtype), device=x.device)
+        h = torch.empty(t * k, inter, dtype=h_dtype(compute_dtype(x.dtype, dev_rows.dtype, quant)), device=x.device)
     if y is None:
         y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
     out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)

@@ -211,11 +211,11 @@ def ring_large(ring: StagingRing, x: torch.Tensor, slot_ids: torch.Tensor, topk_
     unweighted outputs into one y, then one combine (grouped_gemm.combine_pairs). CUDA; on CPU tensors
     in Triton's interpreter (tests/prefill_ring_interpreter.py). -> (out [T, H] in x.dtype, rows copied)."""
     from moetier.experts.kernels.grouped_gemm import combine_pairs
-    from moetier.experts.kernels.gemm_config import h_dtype
+    from moetier.experts.kernels.gemm_config import compute_dtype, h_dtype
     from moetier.experts.kernels.grouped_gemm_large import grouped_expert_mlp_large
 
     t, k = topk_ids.shape
-    h = torch.empty(t * k, inter, dtype=h_dtype(x.dtype if quant is not None else slots.dtype), device=x.device)
+    h = torch.empty(t * k, inter, dtype=h_dtype(compute_dtype(x.dtype, slots.dtype, quant)), device=x.device)
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
 
     def run_pass(row_ids, ids, rows, max_rows):  # rows twice: no pair of a pass reads a host row
