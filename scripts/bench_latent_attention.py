@@ -9,6 +9,13 @@ call and GB/s of latent rows read, next to two baselines measured in the same ru
 
 The kernel's tiles come from tile_config unless --block-h / --block-n (or --sweep) say otherwise;
 the key splits from default_num_splits unless --splits (a list: every count is timed).
+
+--prefill N times a DSA prefill step instead: one sequence of N tokens, each with its own top-k row
+as GLM-5.3-Flash's kpool indexer writes them (--kpool consecutive keys a pick, the tail of the
+token's own pool after them), at --rope P (0 for GLM-5.3-Flash); --sweep then times PREFILL_SWEEP's
+(block_h, block_n, warps, stages, prefetch), each row's output against the default tiles' row.
+
+    python scripts/bench_latent_attention.py --out x.json --prefill 8192 --rope 0 --sweep
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ HQ, R, P = 64, 512, 64
 DEVICE = "cuda"  # a module constant so that tests can run the loop on the CPU under the interpreter
 CALLS = 20  # calls per graph: one replay's launch gap spread over many kernels
 SWEEP = [(16, 16), (16, 32), (32, 16), (32, 32), (64, 16), (64, 32)]  # (block_h, block_n) for --sweep
+# (block_h, block_n, num_warps, num_stages, prefetch) for --prefill --sweep
+PREFILL_SWEEP = [(64, 32, 8, 2, False), (64, 32, 8, 2, True), (64, 32, 8, 3, True), (64, 64, 8, 2, False),
+                 (64, 64, 8, 2, True), (32, 64, 8, 2, False), (32, 64, 8, 2, True), (32, 32, 8, 2, True),
+                 (16, 32, 4, 2, False), (16, 32, 4, 2, True)]
 
 
 def graph_us(fn, reps: int = 10) -> float:
@@ -57,7 +68,7 @@ def copy_gbps() -> float:
     return 2 * a.numel() * a.element_size() / us / 1e3
 
 
-def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generator):
+def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generator, p: int = P):
     """q [B, Hq, R+P], latent pool over shuffled pages, a decode AttnBatch at context ctx, and topk
     [B, K] (distinct random positions; -1 past the context when ctx < K) or None."""
     from moetier.layers.attention import AttnBatch
@@ -66,8 +77,8 @@ def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generat
     per_seq = -(-ctx // page)
     pages = torch.randperm(batch * per_seq + 1, generator=g, device=device).to(torch.int32)
     table = pages[: batch * per_seq].view(batch, per_seq).contiguous()
-    latent = torch.randn(batch * per_seq + 1, page, R + P, generator=g, device=device).bfloat16()
-    q = torch.randn(batch, HQ, R + P, generator=g, device=device).bfloat16()
+    latent = torch.randn(batch * per_seq + 1, page, R + p, generator=g, device=device).bfloat16()
+    q = torch.randn(batch, HQ, R + p, generator=g, device=device).bfloat16()
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=device)
@@ -80,12 +91,112 @@ def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generat
     return q, latent, attn, topk
 
 
+def kpool_rows(tokens: int, topk: int, kpool: int, g: torch.Generator) -> torch.Tensor:
+    """[tokens, topk + kpool - 1] int32 rows as kpool_indexer writes them for one sequence: each token
+    picks min(topk / kpool, its complete pools) pools by a random score, their tokens first, then
+    its own incomplete pool's tokens (place_tail), -1 after."""
+    from moetier.layers.kpool_indexer import place_tail
+
+    pools, pick = tokens // kpool, topk // kpool
+    rows = torch.full((tokens, topk + kpool - 1), -1, dtype=torch.int32, device=DEVICE)
+    ends = torch.arange(1, pools + 1, device=DEVICE) * kpool - 1
+    offsets = torch.arange(kpool, device=DEVICE)
+    for a in range(0, tokens, 1024):
+        pos = torch.arange(a, min(a + 1024, tokens), device=DEVICE)
+        visible = ends[None] <= pos[:, None]
+        score = torch.rand(len(pos), pools, generator=g, device=DEVICE).masked_fill(~visible, -1.0)
+        picked = score.topk(min(pick, pools), dim=-1).indices
+        ok = visible.gather(1, picked)
+        keys = (picked[..., None] * kpool + offsets).masked_fill(~ok[..., None], -1).flatten(1)
+        rows[a: a + len(pos), : keys.shape[1]] = keys.to(torch.int32)
+        place_tail(rows[a: a + len(pos)], ok.sum(-1), pos, kpool)
+    return rows
+
+
+def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
+    """--prefill: one DSA prefill step of args.prefill tokens, timed for the default tiles and (--sweep)
+    each of PREFILL_SWEEP, every row checked against the default's output."""
+    from moetier.layers.attention import make_batch
+    from moetier.layers.latent_attention_triton import latent_attention_triton, tile_config
+
+    n = args.prefill
+    pages = -(-n // args.page)
+    latent = torch.randn(pages, args.page, R + p, generator=g, device=DEVICE).bfloat16()
+    q = torch.randn(n, HQ, R + p, generator=g, device=DEVICE).bfloat16()
+    table = torch.randperm(pages, generator=g).tolist()
+    batch = make_batch([(0, n, table)], args.page, DEVICE)
+    topk = kpool_rows(n, args.topk, args.kpool, g)
+    flops = int((topk >= 0).sum()) * HQ * 2 * (2 * R + p)  # S over R + P, P.V over R, per walked entry
+    scale = (256 + p) ** -0.5
+    default = tile_config(HQ, R, n, True, q.dtype)
+    configs = [None] + (PREFILL_SWEEP if args.sweep else [])
+    rows, want = [], None
+    print(f"prefill {n} tokens, Hq {HQ} R {R} P {p}, top-k rows {topk.shape[1]} wide (kpool {args.kpool}), "
+          f"default tiles {default}")
+    for cfg in configs:
+        bh, bn, warps, stages, ahead = cfg or (default[0], default[2], default[3], default[4], False)
+        out = torch.empty(n, HQ, R, dtype=q.dtype, device=DEVICE)
+        us = graph_us(lambda: latent_attention_triton(q, latent, batch, scale, R, topk=topk, out=out, block_h=bh,
+                                                      block_n=bn, num_warps=warps, num_stages=stages,
+                                                      prefetch=ahead), reps=5)
+        want = out.clone() if want is None else want
+        diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        row = dict(mode="prefill", tokens=n, rope=p, kpool=args.kpool, topk=args.topk, block_h=bh, block_n=bn,
+                   num_warps=warps, num_stages=stages, prefetch=ahead, default=cfg is None, us=round(us, 1), flops=flops,
+                   tflops=round(flops / us / 1e6, 1), rel_diff_vs_default=diff)
+        assert diff <= 1e-2, f"{cfg}: output differs from the default tiles' by {diff:.2e}"
+        rows.append(row)
+        print(f"{'default' if cfg is None else ''!s:>8} {bh:>3}x{bn:<3} w{warps} s{stages} prefetch {ahead!s:5} "
+              f"{us / 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s  diff {diff:.1e}", flush=True)
+    return rows
+
+
 def torch_dense(q: torch.Tensor, rows: torch.Tensor, scale: float):
     """The baseline: q [B, Hq, R+P] against contiguous rows [B, ctx, R+P] in three torch ops."""
     def run():
         s = torch.matmul(q, rows.transpose(1, 2)).float() * scale  # [B, Hq, ctx]
         return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), rows[:, :, :R])
     return run
+
+
+def decode_rows(args, g: torch.Generator, p: int) -> list[dict]:
+    """The decode rows: every batch x context, dense and with DSA top-k, for each tile and split count."""
+    import triton
+
+    from moetier.layers.latent_attention_triton import default_num_splits, latent_attention_triton, tile_config
+
+    scale = (128 + p) ** -0.5  # GLM-5's qk_head_dim (nope 128 + rope 64); any value times the same
+    print(f"{'batch':>5} {'ctx':>6} {'topk':>5} {'tiles':>7} {'splits':>6} {'us':>8} {'GB/s':>7} {'torch us':>9}")
+    configs = SWEEP if args.sweep else [(args.block_h, args.block_n)]
+    split_counts = [int(x) for x in args.splits.split(",")] if args.splits else [None]
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            for k in (None, args.topk):
+                q, latent, attn, topk = decode_case(batch, ctx, args.page, k, g, p)
+                out = torch.empty(batch, HQ, R, dtype=q.dtype, device=DEVICE)
+                keys = min(ctx, k) if k else ctx
+                nbytes = batch * keys * (R + p) * latent.element_size()
+                torch_us = None
+                if k is None:
+                    contiguous = latent[attn.page_table.long()].flatten(1, 2)[:, :ctx].contiguous()
+                    torch_us = round(graph_us(torch_dense(q, contiguous, scale)), 2)
+                    del contiguous
+                for (want_h, want_n), splits in product(configs, split_counts):
+                    block_h, _, block_n, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
+                    splits = splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
+                    us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
+                                                                  num_splits=splits, block_h=block_h,
+                                                                  block_n=block_n, prefetch=args.prefetch))
+                    row = dict(batch=batch, ctx=ctx, topk=k, block_h=block_h, block_n=block_n, splits=splits,
+                               prefetch=args.prefetch, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), latent_bytes=nbytes,
+                               torch_us=torch_us)
+                    rows.append(row)
+                    print(f"{batch:>5} {ctx:>6} {k or '-':>5} {f'{block_h}x{block_n}':>7} {splits:>6} {us:>8.1f} "
+                          f"{row['gbps']:>7.0f} {torch_us if torch_us is not None else '-'!s:>9}")
+                del q, latent, attn, topk, out
+                torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> int:
@@ -99,53 +210,24 @@ def main() -> int:
     ap.add_argument("--block-h", type=int, default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help=f"time every (block_h, block_n) of {SWEEP}")
+    ap.add_argument("--prefill", type=int, default=0, help="tokens of a DSA prefill step to time instead of decode")
+    ap.add_argument("--kpool", type=int, default=16, help="keys a --prefill pick covers (GLM-5.3-Flash's index_kpool)")
+    ap.add_argument("--rope", type=int, default=P, help="rope dims of a latent row (0: GLM-5.3-Flash's NoPE)")
+    ap.add_argument("--prefetch", action="store_true", help="decode rows with each tile's rows resolved a tile ahead")
     args = ap.parse_args()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_latent_attention: needs a CUDA device; none is visible", file=sys.stderr)
         return 2
 
-    import triton
-
     from moetier.bench.common import commit, machine, write_json
-    from moetier.layers.latent_attention_triton import default_num_splits, latent_attention_triton, tile_config
 
-    scale = (128 + P) ** -0.5  # GLM-5's qk_head_dim (nope 128 + rope 64); any value times the same
     g = torch.Generator(device=DEVICE).manual_seed(0)
     ceiling = copy_gbps()
-    print(f"device copy: {ceiling:.0f} GB/s (read + write); Hq {HQ} R {R} P {P} bf16, page {args.page}")
-    print(f"{'batch':>5} {'ctx':>6} {'topk':>5} {'tiles':>7} {'splits':>6} {'us':>8} {'GB/s':>7} {'torch us':>9}")
-    configs = SWEEP if args.sweep else [(args.block_h, args.block_n)]
-    split_counts = [int(x) for x in args.splits.split(",")] if args.splits else [None]
-    rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            for k in (None, args.topk):
-                q, latent, attn, topk = decode_case(batch, ctx, args.page, k, g)
-                out = torch.empty(batch, HQ, R, dtype=q.dtype, device=DEVICE)
-                keys = min(ctx, k) if k else ctx
-                nbytes = batch * keys * (R + P) * latent.element_size()
-                torch_us = None
-                if k is None:
-                    contiguous = latent[attn.page_table.long()].flatten(1, 2)[:, :ctx].contiguous()
-                    torch_us = round(graph_us(torch_dense(q, contiguous, scale)), 2)
-                    del contiguous
-                for (want_h, want_n), splits in product(configs, split_counts):
-                    block_h, _, block_n, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
-                    splits = splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
-                    us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
-                                                                  num_splits=splits, block_h=block_h,
-                                                                  block_n=block_n))
-                    row = dict(batch=batch, ctx=ctx, topk=k, block_h=block_h, block_n=block_n, splits=splits,
-                               us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), latent_bytes=nbytes,
-                               torch_us=torch_us)
-                    rows.append(row)
-                    print(f"{batch:>5} {ctx:>6} {k or '-':>5} {f'{block_h}x{block_n}':>7} {splits:>6} {us:>8.1f} "
-                          f"{row['gbps']:>7.0f} {torch_us if torch_us is not None else '-'!s:>9}")
-                del q, latent, attn, topk, out
-                torch.cuda.empty_cache()
+    print(f"device copy: {ceiling:.0f} GB/s (read + write); Hq {HQ} R {R} P {args.rope} bf16, page {args.page}")
+    rows = prefill_rows(args, g, args.rope) if args.prefill else decode_rows(args, g, args.rope)
     write_json(args.out, {"benchmark": "latent_attention", "machine": machine(), "commit": commit(),
                           "command": " ".join(["python", *sys.argv]), "copy_gbps": round(ceiling, 1),
-                          "shape": {"hq": HQ, "kv_lora_rank": R, "rope_dim": P, "dtype": "bfloat16",
+                          "shape": {"hq": HQ, "kv_lora_rank": R, "rope_dim": args.rope, "dtype": "bfloat16",
                                     "page_size": args.page},
                           "rows": rows})
     print(f"wrote {args.out}")

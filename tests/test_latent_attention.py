@@ -78,7 +78,8 @@ def test_default_tiles_compile_for_h200_without_spills(hq, max_q, dsa, dtype):
     splits = 16
     consts = dict(HQ=hq, R=R, P=P, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=R, BLOCK_P=P,
                   PAGE_SIZE=64, SPLIT=splits > 1, TOPK=dsa, INTERPRET=False,
-                  PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)
+                  PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False,
+                  PREFETCH=False)
     ptr = {"q_ptr": elem, "latent_ptr": elem, "o_ptr": "fp32", "lse_ptr": "fp32"}
     fn = lat._mla
     runtime = [a for i, a in enumerate(fn.arg_names) if i not in fn.constexprs]
@@ -126,12 +127,16 @@ def test_gpu_matches_reference(hq, page, step, num_splits, dsa):
         assert torch.equal(latent_attention(q, latent, batch, scale, R, topk), out)
 
 
-@pytest.mark.parametrize("block_h,block_n", [(16, 16), (16, 32), (32, 32), (64, 16), (64, 32)])
+@pytest.mark.parametrize("block_h,block_n,warps,stages,prefetch", [
+    (16, 16, None, None, False), (16, 32, None, None, False), (32, 32, None, None, False),
+    (64, 16, None, None, False), (64, 32, None, None, False), (64, 32, 8, 3, True), (64, 64, 8, 2, True),
+    (32, 64, 8, 2, False), (16, 32, 4, 2, True)])
 @pytest.mark.parametrize("dsa", [False, True])
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_tuning_knobs_keep_the_result(block_h, block_n, dsa):
-    """The tiles the benchmark can pick (--block-h, --block-n) on a mixed step at Hq 64."""
+def test_gpu_tuning_knobs_keep_the_result(block_h, block_n, warps, stages, prefetch, dsa):
+    """The tiles the benchmark can pick (--block-h, --block-n, and its prefill sweep's warps,
+    stages and prefetch) on a mixed step at Hq 64."""
     from moetier.layers.latent_attention import latent_attention_reference
     from moetier.layers.latent_attention_triton import latent_attention_triton
 
@@ -139,7 +144,8 @@ def test_gpu_tuning_knobs_keep_the_result(block_h, block_n, dsa):
     specs = [(1, 4000), (1, 300), (64, 2500)]
     q, latent, batch, topk, scale = h.make_case(specs, 64, R, P, 64, torch.bfloat16, seed=5, device="cuda",
                                                 topk_k=K if dsa else None)
-    got = latent_attention_triton(q, latent, batch, scale, R, topk=topk, block_h=block_h, block_n=block_n)
+    got = latent_attention_triton(q, latent, batch, scale, R, topk=topk, block_h=block_h, block_n=block_n,
+                                  num_warps=warps, num_stages=stages, prefetch=prefetch)
     err = h.rel_err(got, latent_attention_reference(q, latent, batch, scale, R, topk))
     assert err <= h.TOL[torch.bfloat16], err
 
@@ -219,6 +225,45 @@ sys.argv = ["bench", "--out", sys.argv[1], "--batches", "2", "--contexts", "40",
             "--splits", "2"]
 sys.exit(bench.main())
 """
+
+
+PREFILL_ON_CPU = """
+import sys
+sys.path.insert(0, "scripts")
+import bench_latent_attention as bench
+bench.DEVICE = "cpu"
+bench.HQ, bench.R = 16, 32
+bench.graph_us = lambda fn, reps=10: (fn(), 1.0)[1]
+bench.copy_gbps = lambda: 1.0
+bench.PREFILL_SWEEP = [(16, 16, 4, 2, True), (16, 32, 4, 1, False)]
+sys.argv = ["bench", "--out", sys.argv[1], "--prefill", "70", "--topk", "32", "--kpool", "4", "--page", "16",
+            "--rope", "0", "--sweep"]
+sys.exit(bench.main())
+"""
+
+
+def test_bench_prefill_sweep_runs_in_the_interpreter(tmp_path):
+    """--prefill --sweep on the CPU: kpool rows (each token's picks, then its own pool's tail), the
+    default tiles' row and each swept row, checked against the default's output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    p = subprocess.run([sys.executable, "-c", PREFILL_ON_CPU, str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=root, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["default"], r["block_h"], r["block_n"], r["prefetch"]) for r in rows] == \
+        [(True, 16, 64, False), (False, 16, 16, True), (False, 16, 32, False)], rows
+    assert all(r["rel_diff_vs_default"] <= 1e-2 and r["tokens"] == 70 for r in rows), rows
+    # walked entries: token s sees its complete pools (at most 32 / 4 of them, 4 keys each) and its own
+    # pool's (s + 1) % 4 keys; 16 heads x 2 x (2 x 32) flops each
+    walked = sum(4 * min(8, (s + 1) // 4) + (s + 1) % 4 for s in range(70))
+    assert all(r["flops"] == walked * 16 * 128 for r in rows), rows
 
 
 def test_bench_loop_runs_in_the_interpreter(tmp_path):

@@ -47,11 +47,10 @@ MIN_KEYS_PER_SPLIT = 32
 
 
 @triton.jit
-def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, pos, pos_max, qk_scale,
-          stride_lp, stride_ls, R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGE_SIZE: tl.constexpr, TOPK: tl.constexpr,
-          PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # One tile of BLOCK_N keys: entries [start, start + BLOCK_N) of the walk, cut at hi.
+def _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N: tl.constexpr,
+          PAGE_SIZE: tl.constexpr, TOPK: tl.constexpr):
+    # Where the tile of entries [start, start + BLOCK_N) of the walk (cut at hi) reads: its keys'
+    # positions, whether each counts, and their latent rows' offsets
     idx = start + tl.arange(0, BLOCK_N)
     if TOPK:
         key = tl.load(topk_row + idx, mask=idx < hi, other=-1).to(tl.int32)
@@ -60,7 +59,14 @@ def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, 
         key = idx
         ok = idx < hi
     page = tl.load(pt_row + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-    row_off = page * stride_lp + (key % PAGE_SIZE).to(tl.int64) * stride_ls
+    return key, ok, page * stride_lp + (key % PAGE_SIZE).to(tl.int64) * stride_ls
+
+
+@triton.jit
+def _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R: tl.constexpr,
+          P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+          UPCAST: tl.constexpr):
+    # One tile of keys (_rows): S, the online softmax, P . V
     r = tl.arange(0, BLOCK_R)
     kv = tl.load(latent_ptr + row_off[:, None] + r[None, :], mask=ok[:, None] & (r < R)[None, :],
                  other=0.0)  # [BLOCK_N, BLOCK_R]: keys' c_kv and the values
@@ -93,7 +99,7 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
          HQ: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGE_SIZE: tl.constexpr,
          SPLIT: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-         UPCAST: tl.constexpr):
+         UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
     # SPLIT: the grid's third axis splits the keys (partials and their log-sum-exp out); the count is
     # the grid's, so one kernel serves every count
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_H
@@ -143,18 +149,35 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     pt_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    # PREFETCH: the next tile's rows resolved while this one computes (_rows' two loads leave the chain)
+    if PREFETCH:
+        key, ok, row_off = _rows(pt_row, topk_row, lo, hi, pos_max, stride_lp, stride_ls, BLOCK_N, PAGE_SIZE, TOPK)
     if INTERPRET:  # the interpreter cannot take a loaded value as a `range` bound
         start = lo
         while start < hi:
-            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, pos,
-                                  pos_max, qk_scale, stride_lp, stride_ls, R, P, BLOCK_N, BLOCK_R, BLOCK_P,
-                                  PAGE_SIZE, TOPK, PRECISION, UPCAST)
+            if PREFETCH:
+                nxt = _rows(pt_row, topk_row, start + BLOCK_N, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
+                            PAGE_SIZE, TOPK)
+            else:
+                key, ok, row_off = _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
+                                         PAGE_SIZE, TOPK)
+            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R, P,
+                                  BLOCK_R, BLOCK_P, PRECISION, UPCAST)
+            if PREFETCH:
+                key, ok, row_off = nxt
             start += BLOCK_N
     else:  # a `for` loop, so the compiler can pipeline the latent loads (num_stages)
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, pt_row, topk_row, start, hi, pos,
-                                  pos_max, qk_scale, stride_lp, stride_ls, R, P, BLOCK_N, BLOCK_R, BLOCK_P,
-                                  PAGE_SIZE, TOPK, PRECISION, UPCAST)
+            if PREFETCH:
+                key_n, ok_n, off_n = _rows(pt_row, topk_row, start + BLOCK_N, hi, pos_max, stride_lp, stride_ls,
+                                           BLOCK_N, PAGE_SIZE, TOPK)
+            else:
+                key, ok, row_off = _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
+                                         PAGE_SIZE, TOPK)
+            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R, P,
+                                  BLOCK_R, BLOCK_P, PRECISION, UPCAST)
+            if PREFETCH:
+                key, ok, row_off = key_n, ok_n, off_n
 
     live = l_i > 0  # false for an empty split, a dead row, or a DSA row with no valid entry here
     o = acc / tl.where(live, l_i, 1.0)[:, None]
@@ -276,7 +299,8 @@ def compile_variants(hq: int, r: int, p: int, page_size: int, dtype: torch.dtype
 def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale: float, kv_lora_rank: int,
                             topk: torch.Tensor | None = None, out: torch.Tensor | None = None,
                             num_splits: int | None = None, *, block_h: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                            prefetch: bool = False) -> torch.Tensor:
     """q: [N, Hq, R + P]; latent: [pages, page_size, R + P] of one layer (this step's rows already
     written); batch: attention.AttnBatch; topk: None or [N', K] int32/int64 token positions (-1
     unused), N' >= batch.num_tokens. -> [N, Hq, R] in q.dtype; rows past batch.num_tokens are not
@@ -311,8 +335,8 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
 
     block_r = max(16, triton.next_power_of_2(r))
     block_p = max(16, triton.next_power_of_2(p)) if p else 16
-    block_h, block_t, block_n, num_warps, num_stages = tile_config(hq, r, max_q, topk is not None, q.dtype, block_h,
-                                                                   block_n)
+    block_h, block_t, block_n, warps, stages = tile_config(hq, r, max_q, topk is not None, q.dtype, block_h, block_n)
+    num_warps, num_stages = num_warps or warps, num_stages or stages
     num_q_blocks = triton.cdiv(max_q, block_t)
     head_blocks = triton.cdiv(hq, block_h)
     if num_splits is None:
@@ -341,7 +365,7 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
         *o_strides, *lse_strides, batch.page_table.stride(0),
         HQ=hq, R=r, P=p, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         PAGE_SIZE=page_size, SPLIT=num_splits > 1, TOPK=topk is not None, INTERPRET=interpret,
-        PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         splits_pad, block_c, warps = combine_config(num_splits, r)
         _combine[(num_tokens * hq, triton.cdiv(r, block_c))](
