@@ -227,6 +227,23 @@ sys.exit(bench.main())
 """
 
 
+def bench_rows_on_cpu(script: str, tmp_path: Path) -> list[dict]:
+    """Runs a BENCH_ON_CPU-style script (the benchmark under TRITON_INTERPRET, its timer stubbed) in a
+    subprocess and returns the rows of its JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    p = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=root, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(out.read_text())["rows"]
+
+
 PREFILL_ON_CPU = """
 import sys
 sys.path.insert(0, "scripts")
@@ -245,18 +262,7 @@ sys.exit(bench.main())
 def test_bench_prefill_sweep_runs_in_the_interpreter(tmp_path):
     """--prefill --sweep on the CPU: kpool rows (each token's picks, then its own pool's tail), the
     default tiles' row and each swept row, checked against the default's output."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[1]
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, "-c", PREFILL_ON_CPU, str(out)], capture_output=True, text=True, timeout=600,
-                       cwd=root, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows_on_cpu(PREFILL_ON_CPU, tmp_path)
     assert [(r["default"], r["block_h"], r["block_n"], r["prefetch"]) for r in rows] == \
         [(True, 16, 64, False), (False, 16, 16, True), (False, 16, 32, False)], rows
     assert all(r["rel_diff_vs_default"] <= 1e-2 and r["tokens"] == 70 for r in rows), rows
@@ -269,18 +275,7 @@ def test_bench_prefill_sweep_runs_in_the_interpreter(tmp_path):
 def test_bench_loop_runs_in_the_interpreter(tmp_path):
     """The benchmark's cases, calls and JSON, on the CPU: the kernel under TRITON_INTERPRET and the
     timer replaced, so only the CUDA timing is left to the GPU run."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[1]
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, "-c", BENCH_ON_CPU, str(out)], capture_output=True, text=True, timeout=600,
-                       cwd=root, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows_on_cpu(BENCH_ON_CPU, tmp_path)
     assert [(r["batch"], r["ctx"], r["topk"]) for r in rows] == [(2, 40, None), (2, 40, 32)], rows
     # 2 sequences x 40 (dense) or min(40, 32) (DSA) rows of 576 bf16, timed at the stub's 1 us
     assert [r["latent_bytes"] for r in rows] == [2 * 40 * 1152, 2 * 32 * 1152]
