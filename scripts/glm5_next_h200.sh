@@ -5,8 +5,8 @@
 # device wheels in .whl/ (fla-core 0.6.0 and einops: glm5_next's KDA on CUDA); records under $OUT,
 # a table last. The device returns few files: run as
 #   d=$OUT; OUT=/tmp/g29 bash scripts/glm5_next_h200.sh [STAGE ...]; tar czf $d/g29.tgz -C /tmp/g29 --exclude '*.mtrace' .
-# STAGE: any of decode profile prefill prefill-chunk profile-prefill (default all; the trace always runs,
-# the table last).
+# STAGE: any of decode profile prefill prefill-chunk profile-prefill mla-prefill (default all; the trace
+# always runs, the table last).
 # A cold machine's decode took 306 s (Triton compiling), a warm one 241 s: alone in a call, or with prefill.
 #
 # Stages (records in $OUT):
@@ -22,6 +22,9 @@
 #   profile-prefill  scripts/profile_prefill.py, resident, 512 and 8,192 tokens (chunks of 2,048): the
 #            prefill's GPU time by part (attention, indexer, MoE, MLP, mHC) and its kernels
 #                                                                                      -> prefill-profile-*.json
+#   mla-prefill  scripts/bench_latent_attention.py --prefill 8192 --rope 0 --sweep: the indexed layers'
+#            attention alone at the 8,192-token step (kpool rows), its tiles, warps, stages and the
+#            prefetch walk, each row checked against the default tiles'                 -> mla-prefill.json
 #   table    the issue's targets: resident batch 1 at least 60% of its HBM roofline; KDA decode per
 #            layer within 1.5x of its bytes at HBM speed; prefill of 8,192 tokens at least 50,000 tok/s
 set -uo pipefail
@@ -32,7 +35,7 @@ M=(--preset glm-5.3-flash --layers 8)
 trace=$out/glm53-5.mtrace
 
 python3 -c "import fla" 2>/dev/null || echo "error: fla-core is missing: glm5_next cannot run on CUDA (carry it and einops in .whl/)"
-STAGES=" ${*:-decode profile prefill prefill-chunk profile-prefill} "
+STAGES=" ${*:-decode profile prefill prefill-chunk profile-prefill mla-prefill} "
 on() { case "$STAGES" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage trace 30 "${mt[@]}" trace synth --preset glm-5.3-like --experts 288 --layers 5 --tokens 8192 --out "$trace"
 on decode && stage decode 400 "${mt[@]}" bench decode "${M[@]}" --trace "$trace" --backends resident,slots --expert-budget 50% \
@@ -51,6 +54,8 @@ for n in 512 8192; do
   stage prefill-profile-$n 90 python3 scripts/profile_prefill.py --preset glm-5.3-flash --layers 8 --prompt-len $n \
     --trace "$trace" --out "$out/prefill-profile-$n.json"
 done
+on mla-prefill && stage mla-prefill 200 python3 scripts/bench_latent_attention.py --out "$out/mla-prefill.json" \
+  --prefill 8192 --rope 0 --sweep
 
 python3 - "$out" <<'EOF' | tee "$out/table.txt"
 import json, sys
@@ -110,6 +115,13 @@ for n in (512, 8192):
     if p:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["parts_ms"].items(), key=lambda x: -x[1]))
         print(f"prefill profile {n} tokens: {p['ms']:.1f} ms; GPU ms by part: {parts}")
+m = load("mla-prefill.json")
+if m:
+    rows = sorted(m["rows"], key=lambda r: r["us"])
+    base = next(r for r in m["rows"] if r["default"])
+    print(f"MLA prefill 8,192 tokens: default tiles {base['us'] / 1e3:.2f} ms ({base['tflops']:.0f} TFLOP/s); fastest "
+          + ", ".join(f"{r['block_h']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+                      f"{' prefetch' if r['prefetch'] else ''} {r['us'] / 1e3:.2f} ms" for r in rows[:3]))
 print("targets:", targets)
 (out / "summary.json").write_text(json.dumps({"targets": targets}, indent=1))
 EOF
