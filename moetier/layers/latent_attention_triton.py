@@ -149,35 +149,24 @@ def _mla(q_ptr, latent_ptr, topk_ptr, o_ptr, lse_ptr, query_start_ptr, seq_lens_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     pt_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    if INTERPRET:  # the interpreter cannot take a loaded value as a `range` bound
+        walk_lo, walk_hi = int(lo), int(hi)
+    else:  # loaded bounds: the compiler pipelines the `for` loop's latent loads (num_stages)
+        walk_lo, walk_hi = lo, hi
     # PREFETCH: the next tile's rows resolved while this one computes (_rows' two loads leave the chain)
     if PREFETCH:
         key, ok, row_off = _rows(pt_row, topk_row, lo, hi, pos_max, stride_lp, stride_ls, BLOCK_N, PAGE_SIZE, TOPK)
-    if INTERPRET:  # the interpreter cannot take a loaded value as a `range` bound
-        start = lo
-        while start < hi:
-            if PREFETCH:
-                nxt = _rows(pt_row, topk_row, start + BLOCK_N, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
-                            PAGE_SIZE, TOPK)
-            else:
-                key, ok, row_off = _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
-                                         PAGE_SIZE, TOPK)
-            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R, P,
-                                  BLOCK_R, BLOCK_P, PRECISION, UPCAST)
-            if PREFETCH:
-                key, ok, row_off = nxt
-            start += BLOCK_N
-    else:  # a `for` loop, so the compiler can pipeline the latent loads (num_stages)
-        for start in range(lo, hi, BLOCK_N):
-            if PREFETCH:
-                key_n, ok_n, off_n = _rows(pt_row, topk_row, start + BLOCK_N, hi, pos_max, stride_lp, stride_ls,
-                                           BLOCK_N, PAGE_SIZE, TOPK)
-            else:
-                key, ok, row_off = _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
-                                         PAGE_SIZE, TOPK)
-            m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R, P,
-                                  BLOCK_R, BLOCK_P, PRECISION, UPCAST)
-            if PREFETCH:
-                key, ok, row_off = key_n, ok_n, off_n
+    for start in range(walk_lo, walk_hi, BLOCK_N):
+        if PREFETCH:
+            key_n, ok_n, off_n = _rows(pt_row, topk_row, start + BLOCK_N, hi, pos_max, stride_lp, stride_ls, BLOCK_N,
+                                       PAGE_SIZE, TOPK)
+        else:
+            key, ok, row_off = _rows(pt_row, topk_row, start, hi, pos_max, stride_lp, stride_ls, BLOCK_N, PAGE_SIZE,
+                                     TOPK)
+        m_i, l_i, acc = _tile(q_nope, q_pe, m_i, l_i, acc, latent_ptr, key, ok, row_off, pos, qk_scale, R, P, BLOCK_R,
+                              BLOCK_P, PRECISION, UPCAST)
+        if PREFETCH:
+            key, ok, row_off = key_n, ok_n, off_n
 
     live = l_i > 0  # false for an empty split, a dead row, or a DSA row with no valid entry here
     o = acc / tl.where(live, l_i, 1.0)[:, None]
