@@ -123,7 +123,7 @@ def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
     pages = -(-n // args.page)
     latent = torch.randn(pages, args.page, R + p, generator=g, device=DEVICE).bfloat16()
     q = torch.randn(n, HQ, R + p, generator=g, device=DEVICE).bfloat16()
-    table = torch.randperm(pages, generator=g).tolist()
+    table = torch.randperm(pages, generator=g, device=DEVICE).tolist()
     batch = make_batch([(0, n, table)], args.page, DEVICE)
     topk = kpool_rows(n, args.topk, args.kpool, g)
     flops = int((topk >= 0).sum()) * HQ * 2 * (2 * R + p)  # S over R + P, P.V over R, per walked entry
