@@ -91,26 +91,19 @@ def decode_case(batch: int, ctx: int, page: int, k: int | None, g: torch.Generat
     return q, latent, attn, topk
 
 
-def kpool_rows(tokens: int, topk: int, kpool: int, g: torch.Generator) -> torch.Tensor:
-    """[tokens, topk + kpool - 1] int32 rows as kpool_indexer writes them for one sequence: each token
-    picks min(topk / kpool, its complete pools) pools by a random score, their tokens first, then
-    its own incomplete pool's tokens (place_tail), -1 after."""
-    from moetier.layers.kpool_indexer import place_tail
+def kpool_rows(batch, pages: int, page: int, topk: int, kpool: int, g: torch.Generator) -> torch.Tensor:
+    """[tokens, topk + kpool - 1] int32 top-k rows of batch's one sequence, as the kpool indexer writes
+    them (kpool_indexer.select_pools_reference itself, over random index keys, queries and head
+    weights at a small indexer width: only the rows' shape matters here)."""
+    from moetier.layers.kpool_indexer import select_pools_reference
 
-    pools, pick = tokens // kpool, topk // kpool
-    rows = torch.full((tokens, topk + kpool - 1), -1, dtype=torch.int32, device=DEVICE)
-    ends = torch.arange(1, pools + 1, device=DEVICE) * kpool - 1
-    offsets = torch.arange(kpool, device=DEVICE)
-    for a in range(0, tokens, 1024):
-        pos = torch.arange(a, min(a + 1024, tokens), device=DEVICE)
-        visible = ends[None] <= pos[:, None]
-        score = torch.rand(len(pos), pools, generator=g, device=DEVICE).masked_fill(~visible, -1.0)
-        picked = score.topk(min(pick, pools), dim=-1).indices
-        ok = visible.gather(1, picked)
-        keys = (picked[..., None] * kpool + offsets).masked_fill(~ok[..., None], -1).flatten(1)
-        rows[a: a + len(pos), : keys.shape[1]] = keys.to(torch.int32)
-        place_tail(rows[a: a + len(pos)], ok.sum(-1), pos, kpool)
-    return rows
+    heads, d = 4, 16
+    n = batch.num_tokens
+    index_k = torch.randn(pages, page, 2 * d, generator=g, device=DEVICE).bfloat16()
+    q = torch.randn(n, heads, d, generator=g, device=DEVICE).bfloat16()
+    w = torch.rand(n, heads, generator=g, device=DEVICE)
+    ape = torch.randn(kpool, d, generator=g, device=DEVICE).bfloat16()
+    return select_pools_reference(q, w, index_k, ape, batch, topk, kpool, d ** -0.5)
 
 
 def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
@@ -125,7 +118,7 @@ def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
     q = torch.randn(n, HQ, R + p, generator=g, device=DEVICE).bfloat16()
     table = torch.randperm(pages, generator=g, device=DEVICE).tolist()
     batch = make_batch([(0, n, table)], args.page, DEVICE)
-    topk = kpool_rows(n, args.topk, args.kpool, g)
+    topk = kpool_rows(batch, pages, args.page, args.topk, args.kpool, g)
     flops = int((topk >= 0).sum()) * HQ * 2 * (2 * R + p)  # S over R + P, P.V over R, per walked entry
     scale = (256 + p) ** -0.5
     default = tile_config(HQ, R, n, True, q.dtype)
@@ -142,8 +135,8 @@ def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
         want = out.clone() if want is None else want
         diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
         row = dict(mode="prefill", tokens=n, rope=p, kpool=args.kpool, topk=args.topk, block_h=bh, block_n=bn,
-                   num_warps=warps, num_stages=stages, prefetch=ahead, default=cfg is None, us=round(us, 1), flops=flops,
-                   tflops=round(flops / us / 1e6, 1), rel_diff_vs_default=diff)
+                   num_warps=warps, num_stages=stages, prefetch=ahead, default=cfg is None, us=round(us, 1),
+                   flops=flops, tflops=round(flops / us / 1e6, 1), rel_diff_vs_default=diff)
         assert diff <= 1e-2, f"{cfg}: output differs from the default tiles' by {diff:.2e}"
         rows.append(row)
         print(f"{'default' if cfg is None else ''!s:>8} {bh:>3}x{bn:<3} w{warps} s{stages} prefetch {ahead!s:5} "
@@ -189,8 +182,8 @@ def decode_rows(args, g: torch.Generator, p: int) -> list[dict]:
                                                                   num_splits=splits, block_h=block_h,
                                                                   block_n=block_n, prefetch=args.prefetch))
                     row = dict(batch=batch, ctx=ctx, topk=k, block_h=block_h, block_n=block_n, splits=splits,
-                               prefetch=args.prefetch, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), latent_bytes=nbytes,
-                               torch_us=torch_us)
+                               prefetch=args.prefetch, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                               latent_bytes=nbytes, torch_us=torch_us)
                     rows.append(row)
                     print(f"{batch:>5} {ctx:>6} {k or '-':>5} {f'{block_h}x{block_n}':>7} {splits:>6} {us:>8.1f} "
                           f"{row['gbps']:>7.0f} {torch_us if torch_us is not None else '-'!s:>9}")
@@ -215,6 +208,15 @@ def main() -> int:
     ap.add_argument("--rope", type=int, default=P, help="rope dims of a latent row (0: GLM-5.3-Flash's NoPE)")
     ap.add_argument("--prefetch", action="store_true", help="decode rows with each tile's rows resolved a tile ahead")
     args = ap.parse_args()
+    bad = (f"--prefill {args.prefill}: give a token count >= 0" if args.prefill < 0 else
+           f"--kpool {args.kpool}: give a positive key count" if args.kpool < 1 else
+           f"--topk {args.topk} must be a positive multiple of --kpool {args.kpool}"
+           if args.prefill and (args.topk < 1 or args.topk % args.kpool) else
+           f"--rope {args.rope}: give a width >= 0" if args.rope < 0 else
+           f"--page {args.page}: give a power of two" if args.page < 1 or args.page & (args.page - 1) else None)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_latent_attention: needs a CUDA device; none is visible", file=sys.stderr)
         return 2

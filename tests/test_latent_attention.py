@@ -296,6 +296,23 @@ def test_bench_refuses_without_cuda(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--prefill", "-1"], "--prefill -1"), (["--prefill", "64", "--kpool", "0"], "--kpool 0"),
+    (["--prefill", "64", "--topk", "40", "--kpool", "16"], "multiple of --kpool 16"),
+    (["--rope", "-8"], "--rope -8"), (["--page", "48"], "--page 48")])
+def test_bench_refuses_nonsense_options(tmp_path, args, message):
+    """One line and exit 2 before any CUDA check, for the options' nonsense values."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(root / "scripts" / "bench_latent_attention.py"), "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: ") and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
 @pytest.mark.parametrize("hq", [16, 32, 64, 128])
 @pytest.mark.parametrize("dsa", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
