@@ -14,6 +14,7 @@ Heads and channels not powers of two (padded), kpool 2, 3 and 4, a window shorte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -28,12 +29,19 @@ from moetier.layers.kpool_indexer import (pool_scores_fixed, pool_tokens_fixed, 
 TOL = 1e-5  # float32 sums in another order; the bf16 pool keys equal (both round to nearest even)
 
 
-def case(seqs, page, d, hi, kpool, topk, dtype, seed) -> str:
+def case(seqs, page, d, hi, kpool, topk, dtype, seed, narrow: bool = False) -> str:
+    """narrow: the page table a column view of a wider one (a decode graph's narrow context bucket,
+    engine/graphs.py), its rows strided by the wide table's width, the extra columns other pages."""
     g = torch.Generator().manual_seed(seed)
     num_pages = max(p for _, _, pages in seqs for p in pages) + 2
     index_k = torch.rand(num_pages, page, 2 * d, generator=g).to(dtype)
     ape = torch.rand(kpool, d, generator=g).to(dtype)
     batch = make_batch(seqs, page, "cpu")
+    if narrow:
+        table = batch.page_table
+        wide = torch.randint(0, num_pages, (table.shape[0], table.shape[1] + 3), generator=g, dtype=table.dtype)
+        wide[:, :table.shape[1]] = table
+        batch = dataclasses.replace(batch, page_table=wide[:, :table.shape[1]])
     n = batch.num_tokens
     q = torch.rand(n, hi, d, generator=g).to(dtype)
     w = torch.rand(n, hi, generator=g)
@@ -63,6 +71,7 @@ def main() -> None:
         lines.append(case(seqs, 4, 24, 5, 4, 32, dtype, seed=2))  # every visible pool picked
     lines.append(case([(1, 1, [0]), (0, 1, [1])], 4, 16, 16, 4, 8, torch.float32, seed=3))  # no complete pool
     lines.append(case(seqs, 4, 8, 9, 3, 6, torch.bfloat16, seed=4))  # kpool 3: padded pool lanes
+    lines.append(case(seqs, 4, 8, 3, 2, 4, torch.float32, seed=5, narrow=True) + " narrow-table")
     print("\n".join(lines))
 
 

@@ -116,17 +116,21 @@ class DecodeGraphs:
         self.width = width = max_pages_per_seq
         # The static inputs are views of two device blocks with pinned host twins, so a step fills
         # them with two copies. int64: ids, positions, KV slots, top_k, noise seeds, sample steps, state
-        # slots, and last the step's count of real rows; 32-bit: context lengths, page table (int32), then
-        # temperature and top_p (float32 bits).
-        self._dev64 = torch.zeros(7 * b + 1, dtype=torch.int64, device=dev)
+        # slots, the rows of the previous step's tokens that are this step's ids (overlapped scheduling:
+        # run's src), and last the step's count of real rows; 32-bit: context lengths, page table
+        # (int32), then temperature and top_p (float32 bits). Two host twins, used in turn: a step writes
+        # the pair its step-before-last uploaded (whose tokens the caller has read back since, which
+        # orders that upload before this write), never the pair an overlapped step may still be reading.
+        self._dev64 = torch.zeros(8 * b + 1, dtype=torch.int64, device=dev)
         self._dev32 = torch.zeros(b * (3 + width), dtype=torch.int32, device=dev)
-        self._host64 = torch.zeros(7 * b + 1, dtype=torch.int64, pin_memory=True)
-        self._host32 = torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)
-        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps, self.state_slots = \
-            self._dev64[:7 * b].view(7, b)
+        self._hosts = [(torch.zeros(8 * b + 1, dtype=torch.int64, pin_memory=True),
+                        torch.zeros(b * (3 + width), dtype=torch.int32, pin_memory=True)) for _ in range(2)]
+        self._turn = 0
+        self.ids, self.positions, self.slots, self.top_k, self.seeds, self.steps, self.state_slots, self.src = \
+            self._dev64[:8 * b].view(8, b)
         # [1]: the rows before the padding; a route hook that counts tokens (traces/hooks.Replayer) reads it
         # inside a replay, where its own row count is the captured size
-        model.real_rows = self._dev64[7 * b:]
+        model.real_rows = self._dev64[8 * b:]
         state = getattr(kv, "state", None)  # the recurrent-state pool (layers/state_cache.py) or None
         self.has_state = state is not None
         # the pool's spare slot (engine/kv_setup.py: index max_num_seqs; the slots above it hold prefix-cache
@@ -136,7 +140,10 @@ class DecodeGraphs:
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.page_rows = PageRows(self._host_views()[7], scratch_page)
+        self._page_rows = []  # each host twin's page table, written incrementally
+        for turn in (1, 0):
+            self._turn = turn  # ends at 0: the twin the capture uploads
+            self._page_rows.insert(0, PageRows(self._host_views()[7], scratch_page))
         # context buckets (module docstring): only for a model whose decode reads the table's whole width
         self.buckets = graph_widths(width, kv.page_size, bool(getattr(kv, "index_slot", None)),
                                     piecewise or self.switching, bucket_tokens)
@@ -154,17 +161,19 @@ class DecodeGraphs:
     def _host_views(self):
         # numpy views of the pinned blocks: a host step writes a few dozen scalars, and a numpy store
         # costs ~0.1 us against a torch op's few us (the host part of a decode step is serial).
+        # (this turn's twin; the last two: state slots, src)
         b, w = self.max_batch, self.width
-        h64, h32 = self._host64.numpy()[:7 * b].reshape(7, b), self._host32.numpy()
+        host64, host32 = self._hosts[self._turn]
+        h64, h32 = host64.numpy()[:8 * b].reshape(8, b), host32.numpy()
         return (*h64[:6], h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b),
-                h64[6])
+                h64[6], h64[7])
 
     def _set_real_rows(self, n: int) -> None:
-        self._host64.numpy()[7 * self.max_batch] = n
+        self._hosts[self._turn][0].numpy()[8 * self.max_batch] = n
 
     def _pad_host(self) -> None:
-        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state = self._host_views()
-        for t in (ids, pos, top_k, seeds, steps, temp):
+        ids, pos, slot, top_k, seeds, steps, lens, table, temp, top_p, state, src = self._host_views()
+        for t in (ids, pos, top_k, seeds, steps, temp, src):
             t.fill(0)
         slot.fill(self.scratch * self.kv.page_size)
         state.fill(self.scratch_state)
@@ -172,8 +181,9 @@ class DecodeGraphs:
         top_p.fill(1.0)  # the page table's padding rows: PageRows
 
     def _upload(self) -> None:
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        host64, host32 = self._hosts[self._turn]
+        self._dev64.copy_(host64, non_blocking=True)
+        self._dev32.copy_(host32, non_blocking=True)
 
     def _sampler(self, logits: torch.Tensor, n: int, mode: str) -> torch.Tensor:
         return sample_rows(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n],
@@ -276,16 +286,22 @@ class DecodeGraphs:
             s.num_tokens == 1 and s.sample and (s.start > 0 or not self.has_state) for s in seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqStep], sample: bool = True) -> torch.Tensor | None:
+    def run(self, seqs: list[SeqStep], sample: bool = True,
+            src: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor | None:
         """Replay the decode step for these one-token steps -> sampled token ids [len(seqs)] (device);
-        sample=False (a worker rank: rank 0 samples) replays the model only and returns None."""
+        sample=False (a worker rank: rank 0 samples) replays the model only and returns None.
+        src (overlapped scheduling, engine/overlap.py): (tokens [m] on the device, rows [len(seqs)]):
+        row i's input id is tokens[rows[i]], gathered on the device (seqs' own token ids are ignored)."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
         page = self.kv.page_size
-        # NOTE: the host blocks are rewritten each step; the previous step's copies have finished,
-        # because the caller read its sampled tokens back to the host.
+        # NOTE: the host twins alternate (see __init__): the one written now was uploaded two steps
+        # ago, and the caller has read that step's sampled tokens back since.
+        self._turn ^= 1
         self._pad_host()
-        ids, pos, slot, top_k, seeds, steps, lens, _, temp, top_p, state = self._host_views()
+        ids, pos, slot, top_k, seeds, steps, lens, _, temp, top_p, state, rows = self._host_views()
+        if src is not None:
+            rows[:n] = src[1]
         for i, s in enumerate(seqs):
             p = s.start
             ids[i] = s.token_ids[0]
@@ -295,9 +311,11 @@ class DecodeGraphs:
             top_k[i], seeds[i], steps[i] = s.params.top_k, s.seed, s.sample_index
             temp[i], top_p[i] = s.params.temperature, s.params.top_p
             state[i] = s.state_slot
-        self.page_rows.write([s.pages for s in seqs])
+        self._page_rows[self._turn].write([s.pages for s in seqs])
         self._set_real_rows(n)
         self._upload()
+        if src is not None:  # after the upload (which wrote ids too), in stream order before the replay
+            self.ids[:n].copy_(src[0][self.src[:n]])
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
         at = self.last[size] = self.by_width[size, self.width_of(seqs)]

@@ -27,6 +27,7 @@ from moetier.engine.config import EngineConfig
 from moetier.engine.graphs import captures, decode_graphs
 from moetier.engine.piecewise import needs_pieces
 from moetier.engine.output import OutputProcessor, RequestOutput
+from moetier.engine.overlap import Overlap
 from moetier.engine.metrics import engine_metrics, expert_stats_per_rank, last_stats
 from moetier.engine.kv_setup import auto_chunk, engine_kv, engine_moves, engine_scheduler, page_bytes
 from moetier.engine.request import Request
@@ -273,6 +274,10 @@ class LLM:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
+        # overlapped scheduling (overlap.py): one process, no trace recorder (it reads each step's rows)
+        self.overlap = None
+        if config.async_scheduling and self._workers is None and self.recorder is None and not config.drafts_with_mtp:
+            self.overlap = Overlap(self.scheduler, self.runner)
         # large steps: above decode_tokens, the large-step expert path (with slots each streams every
         # missing expert of a layer once, however few its tokens; docs/prefix-cache.md)
         self._ids, self.steps, self.large_steps, self.large_step_tokens = itertools.count(), 0, 0, 0
@@ -321,9 +326,12 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, sample, detokenize: one step. Returns an output per request that changed."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        step = plan.step()
-        result = self.runner.execute(step)
+        if self.overlap is not None:  # async_scheduling: the step in flight, its successor launched first
+            plan, step, result = self.overlap.step()
+        else:
+            plan = self.scheduler.schedule()
+            step = plan.step()
+            result = self.runner.execute(step)
         got = self.scheduler.update(plan, result.sampled, self.eos_ids, result.logprobs, result.prompt_logprobs,
                                     result.emitted, result.drafts, result.emitted_logprobs)
         drafts = any(s.num_draft for s in step.seqs)
@@ -341,7 +349,10 @@ class LLM:
         if step.num_tokens > self.config.decode_tokens:
             self.large_steps, self.large_step_tokens = self.large_steps + 1, self.large_step_tokens + step.num_tokens
             self.large_step_seconds += seconds
-        return [self.outputs.process(req, self.scheduler.finish) for req in got]
+        outputs = [self.outputs.process(req, self.scheduler.finish) for req in got]
+        if self.overlap is not None:
+            self.overlap.settle()
+        return outputs
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
                  | None = None) -> list[RequestOutput]:

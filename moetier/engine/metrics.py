@@ -61,6 +61,9 @@ def engine_metrics(llm) -> dict:
         "expert_hit_rate": stats["hits"] / looked if looked else None,
         "expert_stats": stats,
         "expert_stats_per_rank": per_rank,
+        # overlapped scheduling (engine/overlap.py): steps launched before the previous step's tokens were
+        # read back; absent without it
+        **({} if llm.overlap is None else {"steps_launched_ahead": llm.overlap.launched_ahead}),
         # speculative decoding, vLLM's names (engine/speculation.py); absent without it
         **({} if s.spec is None else s.spec.counters.as_dict()),
     }

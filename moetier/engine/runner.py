@@ -14,6 +14,7 @@ import torch
 
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_moves import KVMoves
+from moetier.engine.overlap import Launched
 from moetier.engine.prompt_logprobs import prompt_logprobs
 from moetier.engine.spec_step import MtpDrafter, verify
 from moetier.engine.step import RankQuery, SeqStep, StepInput, StepOutput, StepVerdict
@@ -45,6 +46,7 @@ class ModelRunner:
         # rank 0 of a parallel engine (dist/executor.DistributedRunner): sends the step's verdict to the
         # workers where shares_verdict() holds, after verifying and before the MTP passes
         self.on_verdict: Callable[[StepVerdict], None] | None = None
+        self._host_tokens: list[torch.Tensor] = []  # launch(): two pinned buffers the sampled tokens land in, in turn
 
     def shares_verdict(self, seqs: list[SeqStep]) -> bool:
         """Whether the workers of a parallel engine need this step's verdict (step.StepVerdict): to run
@@ -102,6 +104,55 @@ class ModelRunner:
             out.drafts = self.mtp.run(seqs, hidden, batch, out.sampled, out.emitted)
         return out
 
+    @staticmethod
+    def can_launch(step: StepInput) -> bool:
+        """Whether launch() runs this step: one-token rows that sample and need nothing but their token
+        read back (no drafts, logprobs, prompt logprobs, state checkpoints; an engine without MTP passes)."""
+        return bool(step.seqs) and all(
+            s.num_tokens == 1 and s.sample and not s.num_draft and not s.prompt_targets and s.params.logprobs is None
+            and s.restore_checkpoint < 0 and s.save_checkpoint < 0 for s in step.seqs)
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput, after: Launched | None = None) -> Launched:
+        """Start the step (can_launch(step) holds, and the runner drafts with no MTP layer) without waiting
+        for it: the forward (a graph replay where one fits), the sampler, and the copy of the sampled
+        tokens to pinned host memory. after: the step launched before this one, still in flight, whose
+        sampled tokens are this step's input ids (every row's request was in it; the rows' own token ids
+        are placeholders). collect() reads the tokens."""
+        seqs, dev = step.seqs, self.model.device
+        src = None if after is None else (after.tokens, [after.rows[s.request_id] for s in seqs])
+        replay = self.replays(seqs)
+        self.moves.before(step, layered=not replay)
+        if replay:
+            tokens = self.graphs.run(seqs, src=src)
+            self.graph_steps += 1
+            logits = self.graphs.logits_of(len(seqs)) if self.keep_logits else None
+        else:
+            ids = None if src is None else src[0][torch.tensor(src[1], device=dev)]
+            hidden = self._forward(seqs, ids)[0]
+            logits = self.model.logits(hidden)  # one row a sequence
+            tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.sample_index for s in seqs])
+        self._keep(seqs, logits)
+        kept = self.kept_logits[-1][0] if self.keep_logits else None
+        host, event = tokens, None
+        if tokens.is_cuda:
+            n = tokens.shape[0]
+            if not self._host_tokens or self._host_tokens[0].shape[0] < n:
+                self._host_tokens = [torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._host_tokens.reverse()  # the other buffer: the last launch's copy may still be landing in this one
+            host = self._host_tokens[0][:n]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return Launched([s.request_id for s in seqs], tokens, host, event, step.num_tokens, kept)
+
+    @staticmethod
+    def collect(launched: Launched) -> StepOutput:
+        """Wait for a launched step's tokens (its own work only, not what was launched after it)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        return StepOutput(dict(zip(launched.ids, launched.host.tolist())), launched.num_tokens)
+
     def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:
         if self.keep_logits:
             n = min(self.keep_logits, len(seqs))
@@ -152,13 +203,19 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def _forward(self, seqs: list[SeqStep]):
+    def _forward(self, seqs: list[SeqStep], ids_dev: torch.Tensor | None = None):
+        """ids_dev: the input ids already on the device (launch() after an overlapped step); None: the
+        seqs' token ids. -> (hidden [N, H], batch, ids: the host ids, or ids_dev)"""
         dev = self.model.device
-        # numpy, not torch.tensor(list): a prefill chunk is thousands of Python ints, converted on the host
-        ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64)
+        if ids_dev is None:
+            # numpy, not torch.tensor(list): a prefill chunk is thousands of Python ints, converted on the host
+            ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64)
+            ids_dev = torch.from_numpy(ids).to(dev)
+        else:
+            ids = ids_dev
         slots = [s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else None  # models with state
         batch = make_batch([(s.start, s.num_tokens, s.pages) for s in seqs], self.kv.page_size, dev, slots)
-        hidden = self.model.forward(torch.from_numpy(ids).to(dev), batch, self.kv)
+        hidden = self.model.forward(ids_dev, batch, self.kv)
         self.moves.after(seqs)
         return hidden, batch, ids
 

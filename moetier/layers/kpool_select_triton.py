@@ -42,7 +42,7 @@ H_CHUNK = 8  # heads scored together ([H_CHUNK, BLOCK_P, D] products)
 
 @triton.jit
 def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_table_ptr, out_ptr,
-                 P, W, stride_qn, stride_qh, scale,
+                 P, stride_pt, stride_qn, stride_qh, scale,
                  HI: tl.constexpr, D: tl.constexpr, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                  HI_B: tl.constexpr, D_B: tl.constexpr, KP_B: tl.constexpr, H_CHUNK: tl.constexpr,
                  BLOCK_P: tl.constexpr, EMULATE: tl.constexpr):
@@ -63,7 +63,7 @@ def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_ta
             t = (p[:, None] * KPOOL + i[None, :]).reshape(BLOCK_P * KP_B)
             lane = (tl.zeros([BLOCK_P, KP_B], tl.int32) + i[None, :]).reshape(BLOCK_P * KP_B) < KPOOL
             tm = lane & (t < P * KPOOL)
-            table = page_table_ptr + b.to(tl.int64) * W
+            table = page_table_ptr + b.to(tl.int64) * stride_pt  # a graph's narrow bucket: a view of the wide table
             row = (tl.load(table + t // PAGE, mask=tm, other=0).to(tl.int64) * PAGE + t % PAGE) * (2 * D)
             d = tl.arange(0, D_B)
             dm = d < D
@@ -125,7 +125,8 @@ def pool_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: to
     if q.stride(2) != 1 or not (w.is_contiguous() and index_k.is_contiguous() and ape.is_contiguous()):
         raise ValueError("pool_scores needs q unit-stride along D and contiguous w, index_k and ape")
     grid = (batch.query_start.shape[0] - 1, triton.cdiv(p, BLOCK_P))
-    _pool_scores[grid](q, w, index_k, ape, batch.positions, batch.query_start, batch.page_table, out, p, width,
+    _pool_scores[grid](q, w, index_k, ape, batch.positions, batch.query_start, batch.page_table, out, p,
+                       batch.page_table.stride(0),
                        q.stride(0), q.stride(1), scale, HI=hi, D=d, KPOOL=kpool, PAGE=page,
                        HI_B=max(H_CHUNK, triton.next_power_of_2(hi)), D_B=triton.next_power_of_2(d),
                        KP_B=triton.next_power_of_2(kpool), H_CHUNK=H_CHUNK, BLOCK_P=BLOCK_P,
