@@ -89,8 +89,8 @@ def test_engine_logits_and_greedy_match_transformers(checkpoint):
     dict(max_num_tokens=16, page_size=4),  # prompts split over several steps, next to decode
     dict(kv_tokens=96, page_size=8, max_num_tokens=64),  # 12 pages for five requests: preemption
     dict(max_num_seqs=2),  # two state slots: requests wait for one
-    dict(max_num_seqs=2, async_scheduling=False),  # the others overlap steps (the default): this one not
-], ids=["chunked", "preempting", "two-slots", "sync"])
+    dict(max_num_seqs=2, async_scheduling=True),  # overlapped steps run past an ended request's state
+], ids=["chunked", "preempting", "two-slots", "async"])
 def test_batch_equals_each_alone(checkpoint, alone, engine):
     llm = LLM(checkpoint[0], dtype="float32", device="cpu", **engine)
     outs = llm.generate(prompts(), greedy(8))

@@ -67,11 +67,11 @@ def run(llm: LLM, ps, params, arrive_at: int = 2, abort_at: int = 4) -> list[tup
     dict(max_num_seqs=2),  # requests wait for a running one to end: no step ahead while one could start
 ], ids=["plain", "preempting", "two-seqs"])
 def test_outputs_equal_the_synchronous_loop(tiny_ckpt, engine):
-    sync = LLM(tiny_ckpt, device="cpu", async_scheduling=False, **engine)
+    sync = LLM(tiny_ckpt, device="cpu", **engine)
     ps = prompts()
     params = mixed_params(sync, ps)
     want = run(sync, ps, params)
-    llm = LLM(tiny_ckpt, device="cpu", **engine)  # async_scheduling: the default
+    llm = LLM(tiny_ckpt, device="cpu", async_scheduling=True, **engine)
     assert run(llm, ps, params) == want
     assert llm.overlap.launched_ahead > 10  # the pipeline ran: steps launched before their predecessor's read
     assert want[0][2] is None and len(want[0][0]) < 9  # aborted before its max_tokens
@@ -80,12 +80,12 @@ def test_outputs_equal_the_synchronous_loop(tiny_ckpt, engine):
 
 
 def test_generate_and_metrics_with_async_scheduling(tiny_ckpt):
-    llm = LLM(tiny_ckpt, device="cpu")
+    llm = LLM(tiny_ckpt, device="cpu", async_scheduling=True)
     outs = llm.generate([[1, 2, 3], [4] * 17], SamplingParams(max_tokens=11, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [11, 11]
     m = llm.metrics()
     assert m["steps"] == 11 and m["steps_launched_ahead"] == 9  # the prefill and the first decode step: not ahead
-    assert "steps_launched_ahead" not in LLM(tiny_ckpt, device="cpu", async_scheduling=False).metrics()
+    assert "steps_launched_ahead" not in LLM(tiny_ckpt, device="cpu").metrics()
 
 
 def scheduler(pages: int = 8, page_size: int = 4, max_num_seqs: int = 4) -> Scheduler:

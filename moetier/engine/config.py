@@ -39,9 +39,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Overlapped scheduling (engine/overlap.py, docs/engine.md): while the GPU runs decode step N, the
     # host schedules and launches step N+1, its input ids taken on the device from step N's samples, and
-    # only then reads step N's tokens back (vLLM's name). Measured faster (docs/engine.md) with the same
-    # tokens; False: every step synchronous. One process only: several ranks step synchronously.
-    async_scheduling: bool = True
+    # only then reads step N's tokens back. vLLM's name (--async-scheduling). Off until measured on a GPU.
+    async_scheduling: bool = False
     record_trace: str | Path | None = None  # write the routing of this run (docs/traces.md)
     replay_trace: str | Path | None = None  # route by this trace instead of the router
     trace_meta: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +130,9 @@ class EngineConfig:
             out.append(f"experts must be an ExpertOptions (experts/placement.py), got {type(self.experts).__name__}")
         if not isinstance(self.async_scheduling, bool):
             out.append(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        elif self.async_scheduling and self.world_size > 1:
+            out.append("async_scheduling with several ranks is not supported yet: the workers follow rank 0's "
+                       "step records one at a time; run one process, or leave async_scheduling off")
         if not isinstance(self.enable_prefix_caching, bool):
             out.append(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 0:

@@ -274,8 +274,7 @@ class LLM:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
-        # overlapped scheduling (overlap.py): one process (the workers take rank 0's step records one at a
-        # time), no trace recorder (it reads each step's rows), no MTP passes (they read the verdict)
+        # overlapped scheduling (overlap.py): one process, no trace recorder (it reads each step's rows)
         self.overlap = None
         if config.async_scheduling and self._workers is None and self.recorder is None and not config.drafts_with_mtp:
             self.overlap = Overlap(self.scheduler, self.runner)
