@@ -32,6 +32,8 @@ def test_seed_and_sampling_flags():
     a = json.loads(run(*args).stdout)
     b = json.loads(run(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
+    c = json.loads(run(*args, "--async-scheduling").stdout)  # overlapped steps: the same seeded tokens
+    assert c["token_ids"] == a["token_ids"]
 
 
 def test_errors_are_one_clear_line(tmp_path):

@@ -84,8 +84,9 @@ def test_abort_and_metrics(tiny_ckpt):
     assert llm.metrics()["kv_pages_used"] == 0
 
 
-def test_async_streams_match_the_batch(tiny_ckpt):
-    llm = LLM(tiny_ckpt, device="cpu")
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_async_streams_match_the_batch(tiny_ckpt, overlap):
+    llm = LLM(tiny_ckpt, device="cpu", async_scheduling=overlap)
     prompts, params = workload(n=6, seed=1)
     want = [o.outputs[0].text for o in llm.generate(prompts, params)]
     engine = AsyncLLM(llm)
@@ -107,8 +108,9 @@ def test_async_streams_match_the_batch(tiny_ckpt):
         engine.shutdown()
 
 
-def test_async_cancel_frees_pages(tiny_ckpt):
-    llm = LLM(tiny_ckpt, device="cpu")
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_async_cancel_frees_pages(tiny_ckpt, overlap):
+    llm = LLM(tiny_ckpt, device="cpu", async_scheduling=overlap)
     engine = AsyncLLM(llm)
 
     async def take_two():

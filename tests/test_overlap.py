@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from moetier.engine import LLM
+from moetier.engine.config import EngineConfig
+from moetier.errors import MoetierError
 from moetier.engine.overlap import ahead_step, plan_ahead
 from moetier.engine.pages import PagePool
 from moetier.engine.request import Request
@@ -134,3 +136,10 @@ def test_plan_ahead_refuses_what_it_cannot_know():
     s3.abort("f")
     s3.finish(e, "length")
     assert plan_ahead(s3, plan) is None  # nothing left running
+
+
+def test_several_ranks_are_refused_in_one_line():
+    with pytest.raises(MoetierError, match="async_scheduling with several ranks"):
+        EngineConfig.of(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(MoetierError, match="async_scheduling must be True or False"):
+        EngineConfig.of(async_scheduling="yes")

@@ -87,7 +87,7 @@ def bench_engine(bed: Bed, trace: Trace, trace_path: str, backend: str, budget: 
                           max_num_tokens=max(512, max(batches) * prompt_len),
                           kv_tokens=max(batches) * (prompt_len + args["warmup"] + args["tokens"] + drafts + 16),
                           cuda_graphs=mode != "eager", experts=ExpertOptions(prefetch=prefetch),
-                          speculative_config=spec)
+                          speculative_config=spec, async_scheduling=args.get("async_scheduling", False))
     t0 = time.perf_counter()
     llm = LLM.from_model(bed.model, bed.tokenizer, config)
     warm_all(bed.model)

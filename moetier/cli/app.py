@@ -45,6 +45,7 @@ def generate(
     prefill_stream: opt.PrefillStream = opt.EXPERTS.prefill_stream,
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
+    async_scheduling: opt.AsyncScheduling = opt.ENGINE.async_scheduling,
     max_model_len: opt.MaxModelLen = opt.ENGINE.max_model_len,
     gpu_memory: opt.GpuMemory = None,
     host_memory: opt.HostMemory = None,
@@ -91,7 +92,7 @@ def generate(
         config = opt.engine_config(model_dir, max_model_len, max_num_seqs=opt.ONE_REQUEST, decode_tokens=decode_tokens,
                                    max_num_tokens=max_num_tokens,
                                    enable_prefix_caching=enable_prefix_caching,
-                                   kv_host_bytes=opt.kv_host_memory(kv_host_memory),
+                                   kv_host_bytes=opt.kv_host_memory(kv_host_memory), async_scheduling=async_scheduling,
                                    record_trace=record_trace, replay_trace=replay_trace,
                                    tensor_parallel_size=tp, expert_parallel_size=ep, dense_weights=dense_weights,
                                    distributed_executor=opt.executor(distributed_executor),
@@ -157,6 +158,7 @@ def serve(
     enable_prefix_caching: opt.PrefixCaching = opt.ENGINE.enable_prefix_caching,
     kv_host_memory: opt.KvHostMemory = opt.CLI_DEFAULTS["--kv-host-memory"],
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
+    async_scheduling: opt.AsyncScheduling = opt.ENGINE.async_scheduling,
     preset: Optional[str] = typer.Option(None, "--preset", help="Serve random weights of this shape, made in "
                                          f"memory, instead of --model ({', '.join(presets.names())})."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --preset: keep its first N layers."),
@@ -201,7 +203,7 @@ def serve(
                   "expert_parallel_size": ep, "distributed_executor": opt.executor(distributed_executor),
                   "max_num_tokens": max_num_tokens,
                   "dense_weights": dense_weights, "enable_prefix_caching": enable_prefix_caching,
-                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory),
+                  "kv_host_bytes": opt.kv_host_memory(kv_host_memory), "async_scheduling": async_scheduling,
                   "speculative_config": opt.speculative_config(speculative_config)}
         if preset is not None:
             from moetier.cli.bench_common import parse_budget

@@ -119,6 +119,7 @@ def bench_decode(
     pinned_experts_file: opt.PinnedExpertsFile = opt.CLI_DEFAULTS["--pinned-experts-file"],
     expert_slots_file: opt.ExpertSlotsFile = opt.CLI_DEFAULTS["--expert-slots-file"],
     speculative_config: opt.SpeculativeConfigOption = opt.ENGINE.speculative_config,
+    async_scheduling: opt.AsyncScheduling = opt.ENGINE.async_scheduling,
     out: Optional[Path] = typer.Option(None, "--out", metavar="<file>", help="Write the JSON record here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="<file>",
                                         help="Write a PNG of tok/s against expert budget."),
@@ -219,7 +220,8 @@ def bench_decode(
             "host_kernel": host_kernel, "host_threads": host_threads, "hybrid_graphs": modes, "prefetch": prefetches,
             "host_profile": str(host_profile) if host_profile else None, "dtype": dtype, "layers": layers,
             "parallel": parallel, "step_record_group": step_records, "expert_split": expert_split,
-            "pinned": pinned, "slots_per_layer": per_layer, "speculative_config": speculative_config}
+            "pinned": pinned, "slots_per_layer": per_layer, "speculative_config": speculative_config,
+            "async_scheduling": async_scheduling}
     data = record("decode", decode.run(cfg, str(trace), budgets, list(batch), names, args,
                                        str(model) if model else None, dtypes=tuple(dtypes), layouts=tuple(layouts)))
     if out:

@@ -30,7 +30,7 @@ ENGINE_FIELDS = {
     "--ep": "expert_parallel_size", "--distributed-executor": "distributed_executor",
     "--step-record-group": "step_record_group", "--dense-weights": "dense_weights",
     "--enable-prefix-caching": "enable_prefix_caching", "--kv-host-memory": "kv_host_bytes",
-    "--speculative-config": "speculative_config",
+    "--speculative-config": "speculative_config", "--async-scheduling": "async_scheduling",
 }
 EXPERT_FIELDS = {"--expert-backend": "backend", "--expert-slots": "slots", "--expert-slots-file": "slots_per_layer",
                  "--cache-policy": "policy", "--expert-split": "split", "--pinned-experts-file": "pinned",
@@ -101,6 +101,10 @@ PrefixCaching = Annotated[bool, typer.Option(
     "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV pages of prompt prefixes already "
     "computed (full pages, hash-keyed, shared, evicted least recently used): a prompt whose start is cached skips "
     "its prefill. On by default.")]
+AsyncScheduling = Annotated[bool, typer.Option(
+    "--async-scheduling/--no-async-scheduling", help="Plan and launch each decode step while the GPU runs the one "
+    "before it, its input tokens taken on the GPU (the same tokens as stepping one at a time; docs/engine.md). "
+    "Off by default.")]
 DecodeTokens = Annotated[int, typer.Option(
     "--decode-tokens", help="Steps of up to this many tokens are decode steps (CUDA graphs, the expert cache); "
     "larger ones (prefill) bypass the cache.")]
