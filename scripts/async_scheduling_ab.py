@@ -16,15 +16,22 @@ from moetier.bench.decode_steps import decode_once
 from moetier.checkpoint.random_bed import RandomModel
 from moetier.engine import LLM
 from moetier.engine.overlap import Overlap
+from moetier.errors import MoetierError
 
 
 def main() -> None:
     if len(sys.argv) != 5 or sys.argv[3] not in ("resident", "slots") or not sys.argv[2].isdigit():
-        sys.exit("usage: python scripts/async_scheduling_ab.py PRESET LAYERS resident|slots OUT.json")
+        print("error: usage: python scripts/async_scheduling_ab.py PRESET LAYERS resident|slots OUT.json",
+              file=sys.stderr)
+        sys.exit(2)
     preset, layers, backend, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     # slots: half of each layer's routed experts in HBM, routed by the random router (no trace)
-    llm = LLM.from_random(RandomModel(preset, layers, backend=backend, budget=0.5), dtype="bfloat16", device="cuda",
-                          max_num_seqs=32, kv_tokens=16384)
+    try:
+        llm = LLM.from_random(RandomModel(preset, layers, backend=backend, budget=0.5), dtype="bfloat16",
+                              device="cuda", max_num_seqs=32, kv_tokens=16384)
+    except (MoetierError, KeyError, ValueError) as e:  # an unknown preset, a layer count it does not have
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     rows = []
     for b in (1, 8):
         tok_s, same = {False: [], True: []}, True

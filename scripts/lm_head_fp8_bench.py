@@ -44,7 +44,8 @@ def graph_us(fn, reps: int = 50) -> tuple[float, torch.Tensor]:
 
 def main() -> None:
     if len(sys.argv) != 2 or not torch.cuda.is_available():
-        sys.exit("usage: python scripts/lm_head_fp8_bench.py OUT.json (needs CUDA)")
+        print("error: usage: python scripts/lm_head_fp8_bench.py OUT.json (needs CUDA)", file=sys.stderr)
+        sys.exit(2)
     torch.manual_seed(0)
     rows = []
     for name, vocab, hidden in SHAPES:

@@ -140,10 +140,8 @@ class DecodeGraphs:
         self.page_table = self._dev32[b:b * (1 + width)].view(b, width)
         self.temperature, self.top_p = self._dev32[b * (1 + width):].view(torch.float32).view(2, b)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self._page_rows = []  # each host twin's page table, written incrementally
-        for turn in (1, 0):
-            self._turn = turn  # ends at 0: the twin the capture uploads
-            self._page_rows.insert(0, PageRows(self._host_views()[7], scratch_page))
+        # each host twin's page table, written incrementally
+        self._page_rows = [PageRows(self._host_views(turn)[7], scratch_page) for turn in (0, 1)]
         # context buckets (module docstring): only for a model whose decode reads the table's whole width
         self.buckets = graph_widths(width, kv.page_size, bool(getattr(kv, "index_slot", None)),
                                     piecewise or self.switching, bucket_tokens)
@@ -158,12 +156,12 @@ class DecodeGraphs:
                          self.page_table[:n, :width], list(range(n + 1)), [max_ctx] * n, 1,
                          state_slots=self.state_slots[:n] if self.has_state else None)
 
-    def _host_views(self):
+    def _host_views(self, turn: int | None = None):
         # numpy views of the pinned blocks: a host step writes a few dozen scalars, and a numpy store
         # costs ~0.1 us against a torch op's few us (the host part of a decode step is serial).
-        # (this turn's twin; the last two: state slots, src)
+        # (twin `turn`, default this turn's; the last two: state slots, src)
         b, w = self.max_batch, self.width
-        host64, host32 = self._hosts[self._turn]
+        host64, host32 = self._hosts[self._turn if turn is None else turn]
         h64, h32 = host64.numpy()[:8 * b].reshape(8, b), host32.numpy()
         return (*h64[:6], h32[:b], h32[b:b * (1 + w)].reshape(b, w), *h32[b * (1 + w):].view(np.float32).reshape(2, b),
                 h64[6], h64[7])
@@ -315,7 +313,7 @@ class DecodeGraphs:
         self._set_real_rows(n)
         self._upload()
         if src is not None:  # after the upload (which wrote ids too), in stream order before the replay
-            self.ids[:n].copy_(src[0][self.src[:n]])
+            torch.index_select(src[0], 0, self.src[:n], out=self.ids[:n])
         mode = mode_of([s.params for s in seqs])
         bias = bias_of([s.params for s in seqs], self.model.device)  # copied up before the replay: no wait
         at = self.last[size] = self.by_width[size, self.width_of(seqs)]

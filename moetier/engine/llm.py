@@ -274,9 +274,10 @@ class LLM:
             from moetier.dist.executor import DistributedRunner
 
             self.runner = DistributedRunner(self.runner, self._workers)
-        # overlapped scheduling (overlap.py): one process, no trace recorder (it reads each step's rows)
+        # overlapped scheduling (overlap.py; one process: the config refuses it with several ranks), no trace
+        # recorder (it reads each step's rows), no MTP passes (they read the step's verdict on the host)
         self.overlap = None
-        if config.async_scheduling and self._workers is None and self.recorder is None and not config.drafts_with_mtp:
+        if config.async_scheduling and self.recorder is None and not config.drafts_with_mtp:
             self.overlap = Overlap(self.scheduler, self.runner)
         # large steps: above decode_tokens, the large-step expert path (with slots each streams every
         # missing expert of a layer once, however few its tokens; docs/prefix-cache.md)

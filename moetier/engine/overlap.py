@@ -42,16 +42,11 @@ if TYPE_CHECKING:
 @dataclass
 class Launched:
     """A step started by ModelRunner.launch and not yet collected."""
-    ids: list[str]  # request ids, one per row
+    ids: list[str]  # request ids, one per row (one token each)
     tokens: torch.Tensor  # [rows] int64 sampled tokens, on the model's device (the next step's ids)
     host: torch.Tensor  # [rows] int64: pinned host memory the tokens land in (the CPU: tokens itself)
     event: torch.cuda.Event | None  # recorded after the copy to host; None on the CPU
-    num_tokens: int
     kept: list[str] | None = None  # bench output check: the request ids of the logits this step kept
-
-    @property
-    def rows(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.ids)}
 
 
 def plan_ahead(scheduler: Scheduler, prev: SchedulerOutput) -> SchedulerOutput | None:

@@ -46,7 +46,9 @@ class ModelRunner:
         # rank 0 of a parallel engine (dist/executor.DistributedRunner): sends the step's verdict to the
         # workers where shares_verdict() holds, after verifying and before the MTP passes
         self.on_verdict: Callable[[StepVerdict], None] | None = None
-        self._host_tokens: list[torch.Tensor] = []  # launch(): two pinned buffers the sampled tokens land in, in turn
+        # launch(): two (pinned buffer, event) pairs the sampled tokens land in, in turn; a pair is reused
+        # two launches later, after the overlap loop has collected the launch that held it
+        self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
     def shares_verdict(self, seqs: list[SeqStep]) -> bool:
         """Whether the workers of a parallel engine need this step's verdict (step.StepVerdict): to run
@@ -120,7 +122,10 @@ class ModelRunner:
         sampled tokens are this step's input ids (every row's request was in it; the rows' own token ids
         are placeholders). collect() reads the tokens."""
         seqs, dev = step.seqs, self.model.device
-        src = None if after is None else (after.tokens, [after.rows[s.request_id] for s in seqs])
+        src = None
+        if after is not None:
+            row = {r: i for i, r in enumerate(after.ids)}
+            src = (after.tokens, [row[s.request_id] for s in seqs])
         replay = self.replays(seqs)
         self.moves.before(step, layered=not replay)
         if replay:
@@ -137,21 +142,22 @@ class ModelRunner:
         host, event = tokens, None
         if tokens.is_cuda:
             n = tokens.shape[0]
-            if not self._host_tokens or self._host_tokens[0].shape[0] < n:
-                self._host_tokens = [torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._host_tokens.reverse()  # the other buffer: the last launch's copy may still be landing in this one
-            host = self._host_tokens[0][:n]
+            if not self._landing or self._landing[0][0].shape[0] < n:
+                self._landing = [(torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                                 for _ in range(2)]
+            self._landing.reverse()  # the other pair: the last launch's copy may still be landing in this one
+            buffer, event = self._landing[0]
+            host = buffer[:n]
             host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
-        return Launched([s.request_id for s in seqs], tokens, host, event, step.num_tokens, kept)
+        return Launched([s.request_id for s in seqs], tokens, host, event, kept)
 
     @staticmethod
     def collect(launched: Launched) -> StepOutput:
         """Wait for a launched step's tokens (its own work only, not what was launched after it)."""
         if launched.event is not None:
             launched.event.synchronize()
-        return StepOutput(dict(zip(launched.ids, launched.host.tolist())), launched.num_tokens)
+        return StepOutput(dict(zip(launched.ids, launched.host.tolist())), len(launched.ids))
 
     def _keep(self, seqs: list[SeqStep], logits: torch.Tensor | None) -> None:
         if self.keep_logits:
