@@ -127,7 +127,7 @@ def prefill_rows(args, g: torch.Generator, p: int) -> list[dict]:
     print(f"prefill {n} tokens, Hq {HQ} R {R} P {p}, top-k rows {topk.shape[1]} wide (kpool {args.kpool}), "
           f"default tiles {default}")
     for cfg in configs:
-        bh, bn, warps, stages, ahead = cfg or (default[0], default[2], default[3], default[4], False)
+        bh, bn, warps, stages, ahead = cfg or (default[0], default[2], default[3], default[4], default[5])
         out = torch.empty(n, HQ, R, dtype=q.dtype, device=DEVICE)
         us = graph_us(lambda: latent_attention_triton(q, latent, batch, scale, R, topk=topk, out=out, block_h=bh,
                                                       block_n=bn, num_warps=warps, num_stages=stages,
@@ -176,7 +176,7 @@ def decode_rows(args, g: torch.Generator, p: int) -> list[dict]:
                     torch_us = round(graph_us(torch_dense(q, contiguous, scale)), 2)
                     del contiguous
                 for (want_h, want_n), splits in product(configs, split_counts):
-                    block_h, _, block_n, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
+                    block_h, _, block_n, _, _, _ = tile_config(HQ, R, 1, k is not None, q.dtype, want_h, want_n)
                     splits = splits or default_num_splits(batch * triton.cdiv(HQ, block_h), keys, q.device)
                     us = graph_us(lambda: latent_attention_triton(q, latent, attn, scale, R, topk=topk, out=out,
                                                                   num_splits=splits, block_h=block_h,

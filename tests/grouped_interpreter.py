@@ -119,9 +119,11 @@ def case(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, seed
     return f"grouped t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} chunks={len(chunks)} err={err:.2e}"
 
 
-def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, block_m: int, seed: int) -> str:
+def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str, block_m: int, seed: int,
+               dense: bool = False) -> str:
     """The large-step path (grouped_expert_mlp_large): its sorted plan, bit-equality of slots, host and
-    resident rows (the same chunks again), the oracle, and the decode path's values within rounding."""
+    resident rows (the same chunks again), the oracle, and the decode path's values within rounding.
+    dense: the step counts as dense in pairs (GemmConfig.large_blocks), its block_m from those fields."""
     from moetier.experts.kernels.gemm_config import GemmConfig
 
     g = torch.Generator().manual_seed(seed)
@@ -133,6 +135,11 @@ def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str
     ids = (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if ids_kind == "distinct"
            else torch.randint(0, 3, (t, k), generator=g))  # "dup": groups far longer than a chunk
     cfg = GemmConfig(large_block_m=block_m, large_gate_up=(32, 32, 4), large_down=(32, 32, 4))
+    if dense:  # the sparse fields at other blocks, so that the selection check below tells them apart
+        cfg = GemmConfig(large_block_m=block_m // 2, large_gate_up=(16, 16, 4), large_down=(16, 16, 4),
+                         large_dense_pairs=t * k, large_dense_block_m=block_m, large_dense_gate_up=(32, 32, 4),
+                         large_dense_down=(32, 32, 4))
+    assert cfg.large_blocks(t * k)[0] == block_m and cfg.large_blocks(t * k - 1)[0] == (block_m // 2 if dense else block_m)
     cached = torch.randperm(e, generator=g)[: e // 2]
     slot_of = torch.full((e,), -1, dtype=torch.int32)
     slot_of[cached] = torch.randperm(e // 2, generator=g).int()
@@ -171,14 +178,15 @@ def case_large(t: int, k: int, h: int, i: int, dtype: torch.dtype, ids_kind: str
         small = run(x, ids.int(), ids, w, rows, rows, layout, grouped.GemmScratch.make(64 * 8, h, i, torch.device("cpu")))
         torch.testing.assert_close(out_res.float(), small.float(), rtol=0,
                                    atol=BATCH_ATOL[dtype] * small.float().abs().max().item())
-    return (f"large t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} block_m={block_m} "
+    return (f"large t={t} k={k} h={h} i={i} {str(dtype)[6:]} {ids_kind} block_m={block_m}{' dense' if dense else ''} "
             f"chunks={listed.numel()} err={err:.2e}")
 
 
-LARGE_CASES = [  # (t, k, h, i, ids, block_m)
-    (40, 4, 72, 40, "distinct", 16),
-    (96, 2, 64, 32, "dup", 16),
-    (70, 8, 72, 40, "dup", 64),
+LARGE_CASES = [  # (t, k, h, i, ids, block_m, dense)
+    (40, 4, 72, 40, "distinct", 16, False),
+    (96, 2, 64, 32, "dup", 16, False),
+    (70, 8, 72, 40, "dup", 64, False),
+    (48, 4, 64, 32, "dup", 32, True),
 ]
 
 CASES = [  # (t, k, h, i, ids)
@@ -196,7 +204,7 @@ if __name__ == "__main__":
     for n, (t, k, h, i, kind) in enumerate(CASES):
         for dtype in (torch.float32, torch.bfloat16):
             print(case(t, k, h, i, dtype, kind, seed=n), flush=True)
-    for n, (t, k, h, i, kind, bm) in enumerate(LARGE_CASES):
+    for n, (t, k, h, i, kind, bm, dense) in enumerate(LARGE_CASES):
         for dtype in (torch.float32, torch.bfloat16):
-            print(case_large(t, k, h, i, dtype, kind, bm, seed=100 + n), flush=True)
+            print(case_large(t, k, h, i, dtype, kind, bm, seed=100 + n, dense=dense), flush=True)
     sys.exit(0)

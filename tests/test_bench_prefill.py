@@ -13,6 +13,7 @@ from moetier.bench import chunk, prefill
 from moetier.checkpoint.random_bed import random_bed, use_backend
 from moetier.cli.app import app
 from moetier.engine.config import EngineConfig
+from moetier.experts.kernels.gemm_config import GemmConfig
 from moetier.engine.llm import LLM
 from moetier.presets import preset
 from moetier.sampling_params import SamplingParams
@@ -27,8 +28,11 @@ def test_link_rows_count_a_chunk_per_block_of_pairs_of_each_expert_not_in_hbm():
     # one step, one layer: expert 0 has 130 pairs (3 chunks of 64), expert 1 has 2, expert 2 has 64
     ids = np.array([0] * 130 + [1] * 2 + [2] * 64).reshape(-1, 2)
     in_hbm = {5: np.array([False, True, False, True])}
-    link, hbm = prefill.step_rows(Log([{5: ids}]), in_hbm, block_m=64)
+    link, hbm = prefill.step_rows(Log([{5: ids}]), in_hbm, GemmConfig(large_block_m=64))
     assert (link, hbm) == (3 + 1, 1)
+    # a step dense in pairs reads in its own chunks: 130 pairs are 2 chunks of 128
+    dense = GemmConfig(large_block_m=64, large_dense_pairs=ids.size, large_dense_block_m=128)
+    assert prefill.step_rows(Log([{5: ids}]), in_hbm, dense) == (2 + 1, 1)
 
 
 def row(backend, budget, n, b, tok_s):

@@ -87,10 +87,14 @@ def test_fp8_graph_replay_equals_eager_resident():
     assert st["misses"] > 100 and st["overflow"] > 0
 
 
-def large_step_against_oracle(host, layout, seed: int = 5) -> None:
+def large_step_against_oracle(host, layout, seed: int = 5, dense: bool = False) -> None:
     """A step of 200 tokens (above decode_tokens: the large-step grouped GEMM) over quantized host rows
-    [E, R]: slots (8 warm) and uva bit-exact against resident, resident within bf16 of the oracle."""
+    [E, R]: slots (8 warm) and uva bit-exact against resident, resident within bf16 of the oracle.
+    dense: with the blocks of steps dense in pairs (GemmConfig.large_blocks; a real one is 4,096 tokens)."""
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
+    from moetier.experts.kernels.gemm_config import GemmConfig
+
+    gemm = GemmConfig(large_dense_pairs=0 if dense else GemmConfig().large_dense_pairs)
 
     e = host.shape[0]
     g = torch.Generator().manual_seed(seed)
@@ -98,20 +102,21 @@ def large_step_against_oracle(host, layout, seed: int = 5) -> None:
     x = torch.randn(t, layout.hidden, generator=g).to(torch.bfloat16).cuda()
     ids = random_ids(g, t, QK, e).cuda()
     w = torch.rand(t, QK, generator=g).to(torch.bfloat16).cuda()
-    resident = ResidentExperts(host.cuda(), layout, QK).forward(x, ids, w)
-    slots = SlotExperts(host, layout, QK, num_slots=8, device="cuda")
+    resident = ResidentExperts(host.cuda(), layout, QK, gemm=gemm).forward(x, ids, w)
+    slots = SlotExperts(host, layout, QK, num_slots=8, device="cuda", gemm=gemm)
     slots.cache.warm(list(range(8)))
     slots.slots.copy_(host[:8].cuda())
     assert torch.equal(slots.forward(x, ids, w), resident)
-    assert torch.equal(UvaExperts(host, layout, QK, device="cuda").forward(x, ids, w), resident)
+    assert torch.equal(UvaExperts(host, layout, QK, device="cuda", gemm=gemm).forward(x, ids, w), resident)
     want = oracle(x.cpu(), ids.cpu(), w.cpu(), host, layout)
     err = ((resident.double().cpu() - want).norm() / want.norm()).item()
     assert err <= 1e-2, err
 
 
-def test_fp8_large_step_vs_reference_and_backends():
+@pytest.mark.parametrize("dense", [False, True])
+def test_fp8_large_step_vs_reference_and_backends(dense):
     store, layout = fp8_store(e=32, seed=2)
-    large_step_against_oracle(store.rows(0), layout)
+    large_step_against_oracle(store.rows(0), layout, dense=dense)
 
 
 def test_fp8_checkpoint_on_gpu(tmp_path):

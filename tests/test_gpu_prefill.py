@@ -10,12 +10,13 @@ from tests.test_gpu import QE, QH, QK, qwen_rows, random_ids
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("t,dup", [(65, False), (512, False), (1024, True)])
+@pytest.mark.parametrize("t,dup", [(65, False), (512, False), (1024, True), (4096, False)])
 def test_large_step_backends_vs_float64_exact_and_without_host_sync(t, dup):
     """Issue 16: steps above the decode limit take the large-step grouped GEMM on every backend: within
     bf16 tolerance of a float64 oracle, bit-exact between resident, slots (half the experts in slots,
     misses read across the link) and uva, and no host synchronisation anywhere in the step (CUDA's
-    sync-debug mode raises on one). The ring prefill stream (the default, experts/prefill/ring.py) reads
+    sync-debug mode raises on one). 4,096 tokens at top-8 take the blocks of steps dense in pairs
+    (GemmConfig.large_blocks). The ring prefill stream (the default, experts/prefill/ring.py) reads
     its miss list on the host once per layer: it is held to the same bits outside sync-debug mode."""
     from moetier.experts.backends import ResidentExperts, SlotExperts, UvaExperts
     from moetier.experts.reference import combine, expert_pairs

@@ -17,6 +17,7 @@ def test_grouped_kernel_in_the_interpreter():
     # the all-on-one-expert case of 64 x 8 pairs took 32 chunks of BLOCK_M = 16
     assert any("t=64 k=8" in line and " one " in line and "chunks=32" in line for line in lines), out
     large = [line for line in out.splitlines() if line.startswith("large ")]
-    assert len(large) == 6, out
+    assert len(large) == 8, out
+    assert sum(" dense " in line for line in large) == 2, out
     # 96 tokens x 2 on 3 experts: runs of ~64 pairs per row cut into chunks of 16
     assert all(int(line.split("chunks=")[1].split()[0]) >= 12 for line in large if "t=96" in line), out

@@ -39,10 +39,11 @@ def test_4bit_graph_replay_equals_eager_resident(quant):
     assert st["misses"] > 50 and st["overflow"] > 0
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("quant", FORMATS)
-def test_4bit_large_step_vs_reference_and_backends(quant):
+def test_4bit_large_step_vs_reference_and_backends(quant, dense):
     store, layout = q4_store(quant, e=32, seed=2)
-    large_step_against_oracle(store.rows(0), layout)
+    large_step_against_oracle(store.rows(0), layout, dense=dense)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-dsv3", "tiny-glm5-next"])

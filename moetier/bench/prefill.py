@@ -9,8 +9,8 @@ length (kernel compilation, allocator growth); then the median of --reps runs (f
 of a row pass 2 s), each with the same routing; a row reports the median run's tok/s and the
 spread (min-max) of its runs. Bytes over the link are counted on an untimed repeat
 with the same routing (the replay cursor is set back): the large-step kernel reads a host row once
-per chunk of up to large_block_m of its pairs, so per step and layer link rows = sum over the experts
-not in HBM of ceil(pairs / large_block_m). The bounds: link bytes / measured host-to-device
+per chunk of up to block_m of its pairs (GemmConfig.large_blocks: larger for steps dense in pairs),
+so per step and layer link rows = sum over the experts not in HBM of ceil(pairs / block_m). The bounds: link bytes / measured host-to-device
 bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 matmul rate).
 
 Slots rows run once per prefill cache policy (--prefill-cache: bypass leaves the cache alone, refresh
@@ -81,13 +81,14 @@ class RouteLog:
             b.route_hook = self._orig[b.layer]
 
 
-def step_rows(log: RouteLog, in_hbm: dict[int, np.ndarray], block_m: int) -> tuple[float, float]:
-    """Expert rows read over the link and from HBM, summed over the logged steps and layers."""
+def step_rows(log: RouteLog, in_hbm: dict[int, np.ndarray], gemm: GemmConfig) -> tuple[float, float]:
+    """Expert rows read over the link and from HBM, summed over the logged steps and layers: a row
+    once per chunk of its pairs, the chunk of the step's size (GemmConfig.large_blocks)."""
     link = hbm = 0
     for step in log.ids:
         for layer, ids in step.items():
             experts, pairs = np.unique(ids, return_counts=True)
-            chunks = np.ceil(pairs / block_m)
+            chunks = np.ceil(pairs / gemm.large_blocks(ids.size)[0])
             on_gpu = in_hbm[layer][experts]
             link += chunks[~on_gpu].sum()
             hbm += chunks[on_gpu].sum()
@@ -218,13 +219,13 @@ def bench_backend(bed: Bed, trace_path: str, backend: str, budget: float, length
                     # the rows filled, once each, then the experts not in slots after the refresh (exact
                     # when the prompt is one step; a chunked prompt's earlier steps saw earlier slots)
                     now = {b.layer: b.experts.cache.expert_slot.cpu().numpy() >= 0 for b in blocks}
-                    link_rows, hbm_rows = step_rows(log, now, gemm.large_block_m)
+                    link_rows, hbm_rows = step_rows(log, now, gemm)
                     link_rows += bed.model.expert_stats()["refreshed"]
                 elif ringed:  # each missing row copied once (the backends' count), then read from HBM
-                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
+                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm)
                     link_rows, hbm_rows = float(streamed), hbm_rows + link_rows
                 else:
-                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm.large_block_m)
+                    link_rows, hbm_rows = step_rows(log, in_hbm, gemm)
                 tokens = b * n
                 link_bytes = link_rows * bed.row_bytes
                 hbm_bytes = hbm_rows * bed.row_bytes + len(log.ids) * bed.dense_bytes

@@ -220,9 +220,9 @@ def default_num_splits(programs: int, keys: int, device: torch.device) -> int:
 
 
 def tile_config(hq: int, r: int, max_q: int, dsa: bool, dtype: torch.dtype, block_h: int | None = None,
-                block_n: int | None = None) -> tuple[int, int, int, int, int]:
-    """-> (block_h, block_t, block_n, num_warps, num_stages) for Hq heads, kv_lora_rank r and the
-    step's longest query chunk. Register counts from ptxas for sm_90a at R 512, P 64, bf16, no spills
+                block_n: int | None = None) -> tuple[int, int, int, int, int, bool]:
+    """-> (block_h, block_t, block_n, num_warps, num_stages, prefetch) for Hq heads, kv_lora_rank r and
+    the step's longest query chunk. Register counts from ptxas for sm_90a at R 512, P 64, bf16, no spills
     (tests/test_latent_attention.py holds them there): block_h 16, block_n 16, 4 warps: 139
     registers, 3 programs per SM; block_h 32, block_n 16, 8 warps: 128 registers, 2 per SM, and
     each latent tile read by Hq / 32 programs instead of Hq / 16 (the re-reads hit L2, but at Hq 64
@@ -236,11 +236,15 @@ def tile_config(hq: int, r: int, max_q: int, dsa: bool, dtype: torch.dtype, bloc
         block_t = 1
     else:  # prefill chunks: tokens share key tiles; accumulator [block_t * block_h, R] float32
         block_t = max(1, min(triton.next_power_of_2(max_q), (32 if wide else 64) // block_h))
+    # DSA prefill (a key list per token, chunks of many tokens): 64-key tiles with each tile's rows
+    # resolved a tile ahead (the walk's prefetch) beat 32-key tiles by 1.3x at 8,192 tokens
+    # (docs/models.md); decode keeps 32, its measured best, and so its own bits
+    dsa_prefill = dsa and max_q > 1 and dtype != torch.float32
     if block_n is None:
-        block_n = 16 if wide and dtype == torch.float32 else 32 if wide else 64
+        block_n = 16 if wide and dtype == torch.float32 else 64 if dsa_prefill or not wide else 32
     wide_acc = block_t * block_h * max(16, triton.next_power_of_2(r)) >= 32 * 512
     num_warps = 8 if wide_acc or (wide and dtype == torch.float32) else 4
-    return block_h, block_t, block_n, num_warps, 1 if dtype == torch.float32 else 2
+    return block_h, block_t, block_n, num_warps, 1 if dtype == torch.float32 else 2, dsa_prefill
 
 
 def combine_config(num_splits: int, r: int) -> tuple[int, int, int]:
@@ -289,12 +293,13 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
                             topk: torch.Tensor | None = None, out: torch.Tensor | None = None,
                             num_splits: int | None = None, *, block_h: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                            prefetch: bool = False) -> torch.Tensor:
+                            prefetch: bool | None = None) -> torch.Tensor:
     """q: [N, Hq, R + P]; latent: [pages, page_size, R + P] of one layer (this step's rows already
     written); batch: attention.AttnBatch; topk: None or [N', K] int32/int64 token positions (-1
     unused), N' >= batch.num_tokens. -> [N, Hq, R] in q.dtype; rows past batch.num_tokens are not
     written. num_splits: key splits per program (None: default_num_splits); out: optional
-    [N, Hq, R] buffer (CUDA graphs). block_h, block_n: heads per program and keys per tile, for tuning."""
+    [N, Hq, R] buffer (CUDA graphs). block_h, block_n, num_warps, num_stages, prefetch (each tile's rows
+    resolved a tile ahead): tile_config's unless given, for tuning."""
     assert q.dim() == 3 and latent.dim() == 3, f"q {tuple(q.shape)} must be [N, Hq, R+P], latent " \
         f"{tuple(latent.shape)} [pages, page_size, R+P]"
     n, hq, width = q.shape
@@ -324,8 +329,10 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, batch, scale:
 
     block_r = max(16, triton.next_power_of_2(r))
     block_p = max(16, triton.next_power_of_2(p)) if p else 16
-    block_h, block_t, block_n, warps, stages = tile_config(hq, r, max_q, topk is not None, q.dtype, block_h, block_n)
+    block_h, block_t, block_n, warps, stages, ahead = tile_config(hq, r, max_q, topk is not None, q.dtype, block_h,
+                                                                 block_n)
     num_warps, num_stages = num_warps or warps, num_stages or stages
+    prefetch = ahead if prefetch is None else prefetch
     num_q_blocks = triton.cdiv(max_q, block_t)
     head_blocks = triton.cdiv(hq, block_h)
     if num_splits is None:

@@ -42,6 +42,14 @@ class GemmConfig:
     large_block_m: int = 64
     large_gate_up: tuple[int, ...] = (128, 64, 4)
     large_down: tuple[int, ...] = (128, 64, 4)
+    # Large steps dense in pairs (at least large_dense_pairs (token, expert) pairs: 4,096 tokens at
+    # top-8, over a hundred pairs per expert at 288 experts): chunks of 128 pairs, 8 warps, deeper
+    # pipelines; at fewer pairs they waste a chunk's rows (docs/measured-defaults.md). Chosen by the
+    # step's pair count alone, so every backend of a step runs the same chunks.
+    large_dense_pairs: int = 32768
+    large_dense_block_m: int = 128
+    large_dense_gate_up: tuple[int, ...] = (128, 64, 8, 4)
+    large_dense_down: tuple[int, ...] = (128, 64, 8, 3)
     # FP8 rows at decode: half the bytes per tile, so other blocks win. BLOCK_K must divide 128 here:
     # wider K tiles gather a scale per element.
     fp8_gate_up: tuple[int, int, int] = (32, 128, 4)
@@ -58,6 +66,12 @@ class GemmConfig:
     # One-token steps on 4-bit rows (q4_gemv.py): BLOCK_K a power of two.
     q4_gemv_gate_up: tuple[int, int, int] = (16, 512, 4)
     q4_gemv_down: tuple[int, int, int] = (16, 512, 4)
+
+    def large_blocks(self, pairs: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(block_m, gate_up, down) of a large step of `pairs` (token, expert) pairs."""
+        if pairs >= self.large_dense_pairs:
+            return self.large_dense_block_m, self.large_dense_gate_up, self.large_dense_down
+        return self.large_block_m, self.large_gate_up, self.large_down
 
     def _names(self, quant: str | None) -> tuple[str, str]:
         return {"fp8": ("fp8_gate_up", "fp8_down"), None: ("gate_up", "down")}.get(quant, ("q4_gate_up", "q4_down"))

@@ -79,14 +79,14 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
                              quant: str | None = None, h: torch.Tensor | None = None,
                              y: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
     """The same SwiGLU experts for a step of any size (prefill): the plan by a device sort, chunks of
-    config.large_block_m pairs of one row (a row read over the link crosses once per chunk), the grid
+    config.large_blocks' block_m pairs of one row (a row read over the link crosses once per chunk), the grid
     bounded by the chunk count. Arguments as grouped_expert_mlp (limit: the SwiGLU clamp); max_rows:
     distinct rows possible (slots + host experts). Scratch is allocated per call (eager). -> out [T, H] in x.dtype.
     With y ([T*k, H] float32; h [T*k, I] in gemm_config.h_dtype with it, or one is allocated): no combine; the pair
     outputs of the pairs whose id is >= 0 land in y (the other rows untouched) and y is returned,
     for a caller that computes a step in several passes and combines once (experts/prefill/ring.py)."""
     t, k = topk_ids.shape
-    bm = config.large_block_m
+    bm, gate_up, down = config.large_blocks(t * k)
     order, chunk_end, starts = plan_large(slot_ids, topk_ids, bm, max_rows)
     passes = y is not None
     if h is None:
@@ -95,6 +95,6 @@ def grouped_expert_mlp_large(x: torch.Tensor, slot_ids: torch.Tensor, topk_ids: 
         y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
     out = y if passes else torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     _experts(x, slot_ids, topk_ids, topk_weights, dev_rows, host_rows, hidden, inter, order, chunk_end, starts,
-             starts.numel(), h, y, out, bm, config.large_gate_up, config.large_down, listed=True, quant=quant,
+             starts.numel(), h, y, out, bm, gate_up, down, listed=True, quant=quant,
              combine=not passes, limit=limit)
     return out
