@@ -23,3 +23,34 @@ def run_script(name: str) -> str:
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
+
+
+def narrow_table(batch, num_pages: int, g):
+    """batch with its page table a column view of a wider one (a decode graph's narrow context bucket,
+    engine/graphs.py): rows strided by the wide table's width, the extra columns other pages."""
+    import dataclasses
+
+    import torch
+
+    table = batch.page_table
+    wide = torch.randint(0, num_pages, (table.shape[0], table.shape[1] + 3), generator=g, dtype=table.dtype)
+    wide[:, :table.shape[1]] = table
+    return dataclasses.replace(batch, page_table=wide[:, :table.shape[1]])
+
+
+def decode_rows(seqs, page: int, row_width: int, d: int, hi: int, dtype, g, narrow: bool = False, ape: int = 0):
+    """An indexer's decode inputs over make_batch(seqs), uniform in [0, 1): (index_k [pages, page,
+    row_width] in dtype, kpool's position embedding [ape, d] in dtype or None, the batch (narrow:
+    narrow_table's), q [N, hi, d] in dtype, w [N, hi] float32), drawn from g in that order."""
+    import torch
+
+    from moetier.layers.attention import make_batch
+
+    num_pages = max(p for _, _, pages in seqs for p in pages) + 2
+    index_k = torch.rand(num_pages, page, row_width, generator=g).to(dtype)
+    pos_emb = torch.rand(ape, d, generator=g).to(dtype) if ape else None
+    batch = make_batch(seqs, page, "cpu")
+    if narrow:
+        batch = narrow_table(batch, num_pages, g)
+    n = batch.num_tokens
+    return index_k, pos_emb, batch, torch.rand(n, hi, d, generator=g).to(dtype), torch.rand(n, hi, generator=g)

@@ -14,7 +14,6 @@ Heads and channels not powers of two (padded), kpool 2, 3 and 4, a window shorte
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -22,9 +21,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from moetier.layers import kpool_select_triton as kernels  # noqa: E402
-from moetier.layers.attention import make_batch  # noqa: E402
 from moetier.layers.kpool_indexer import (pool_scores_fixed, pool_tokens_fixed, select_pools_cuda,  # noqa: E402
                                           select_pools_fixed)
+from tests.interpreter import decode_rows  # noqa: E402
 
 TOL = 1e-5  # float32 sums in another order; the bf16 pool keys equal (both round to nearest even)
 
@@ -33,18 +32,8 @@ def case(seqs, page, d, hi, kpool, topk, dtype, seed, narrow: bool = False) -> s
     """narrow: the page table a column view of a wider one (a decode graph's narrow context bucket,
     engine/graphs.py), its rows strided by the wide table's width, the extra columns other pages."""
     g = torch.Generator().manual_seed(seed)
-    num_pages = max(p for _, _, pages in seqs for p in pages) + 2
-    index_k = torch.rand(num_pages, page, 2 * d, generator=g).to(dtype)
-    ape = torch.rand(kpool, d, generator=g).to(dtype)
-    batch = make_batch(seqs, page, "cpu")
-    if narrow:
-        table = batch.page_table
-        wide = torch.randint(0, num_pages, (table.shape[0], table.shape[1] + 3), generator=g, dtype=table.dtype)
-        wide[:, :table.shape[1]] = table
-        batch = dataclasses.replace(batch, page_table=wide[:, :table.shape[1]])
+    index_k, ape, batch, q, w = decode_rows(seqs, page, 2 * d, d, hi, dtype, g, narrow, ape=kpool)
     n = batch.num_tokens
-    q = torch.rand(n, hi, d, generator=g).to(dtype)
-    w = torch.rand(n, hi, generator=g)
     want = pool_scores_fixed(q, w, index_k, ape, batch, kpool, 0.3)
     got = kernels.pool_scores(q, w, index_k, ape, batch, kpool, 0.3)
     low = torch.finfo(torch.float32).min

@@ -77,6 +77,42 @@ def test_fixed_shape_selection_captures_and_equals_the_reference():
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_decode_scoring_kernel_at_glm5_sizes_and_in_a_graph(narrow):
+    """layers/dsa_select_triton.key_scores at GLM-5's indexer shape (32 heads of 128, pages of 64, top
+    2048) over contexts of 5 to 3,000 tokens in a window of 64 pages (a narrow one: a column view of a
+    wider table, as a graph bucket): -inf where the torch form masks, the rest within float32
+    rounding, and the same keys picked (positive inputs: no exact ties), replayed from a graph."""
+    import dataclasses
+
+    from moetier.layers.attention import make_batch
+    from moetier.layers.dsa_indexer import key_scores_fixed, topk_positions
+    from moetier.layers.dsa_select_triton import key_scores
+    from tests.test_gpu import capture
+
+    g = torch.Generator().manual_seed(6)
+    pages = torch.randperm(256, generator=g)
+    seqs = [(4, 1, pages[:1].tolist()), (700, 1, pages[1:12].tolist()), (2999, 1, pages[12:59].tolist()),
+            (2100, 1, pages[59:93].tolist())]
+    batch = make_batch(seqs, 64, "cuda")
+    width = 64
+    table = torch.zeros(len(seqs), width + (5 if narrow else 0), dtype=batch.page_table.dtype, device="cuda")
+    table[:, :batch.page_table.shape[1]] = batch.page_table
+    batch = dataclasses.replace(batch, page_table=table[:, :width])
+    index_k = torch.rand(256, 64, 128, generator=g).bfloat16().cuda()
+    q = torch.rand(len(seqs), 32, 128, generator=g).bfloat16().cuda()
+    w = torch.rand(len(seqs), 32, generator=g).cuda()
+    want = key_scores_fixed(q, w, index_k, batch, 128 ** -0.5)
+    graph, got = capture(lambda: key_scores(q, w, index_k, batch, 128 ** -0.5))
+    graph.replay()
+    inf = float("-inf")
+    assert torch.equal(got == inf, want == inf)
+    live = want != inf
+    assert ((got[live] - want[live]).abs() / want[live].abs()).max().item() <= 1e-5
+    # the same keys picked (their order may part where two scores agree to float32 rounding)
+    assert torch.equal(topk_positions(got, 2048).sort(-1).values, topk_positions(want, 2048).sort(-1).values)
+
+
 @pytest.mark.parametrize("e,n_group,topk_group", [(256, 8, 4), (256, 1, 1), (288, 1, 1)])
 def test_grouped_router_kernel_on_gpu_and_in_a_graph(e, n_group, topk_group):
     """DeepSeek-V3's router shape (256 experts, 8 groups keep 4, top-8), GLM-5's (one group) and

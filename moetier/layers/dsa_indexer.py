@@ -11,7 +11,8 @@ layout): for each new token, the positions of the index_topk earlier tokens its 
 
 The reference (CPU, prefill) uses the same ops in the same order as transformers' GlmMoeDsaIndexer
 and the same torch.topk over one sequence's row of scores, so exact ties (relu makes many scores
-exactly 0) break the same way. Decode on CUDA takes a fixed-shape, graph-safe torch path.
+exactly 0) break the same way. Decode on CUDA scores the keys in place (layers/dsa_select_triton.py,
+graph-safe; its oracle here is key_scores_fixed), then topk.
 """
 
 from __future__ import annotations
@@ -59,28 +60,38 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
     return out
 
 
-def select_topk_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch, topk: int,
-                      scale: float) -> torch.Tensor:
-    """select_topk_reference in fixed shapes from device tensors only (graph-safe): every token
-    scores all W * page_size rows of its sequence's page table ([N, Hi, W * page_size] float32),
-    positions past its own masked. For decode steps, where N is the batch; a prefill would
-    materialise N copies of the keys.
-
-    NOTE: equal scores (relu zeroes many) may break differently from the reference, whose rows end
-    at the context length; the CUDA kernel that replaces this should score page by page instead of
-    gathering, and keep the reference's tie order where it can."""
+def key_scores_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch,
+                     scale: float) -> torch.Tensor:
+    """The indexer's scores in fixed shapes from device tensors only (graph-safe) -> [N, W * page_size]
+    float32: every token scores all W * page_size rows of its sequence's page table ([N, Hi, W *
+    page_size] float32 products), -inf past its own position. For decode steps, where N is the batch;
+    a prefill would materialise N copies of the keys. The oracle of dsa_select_triton.key_scores,
+    which CUDA decode runs instead (it reads the keys in place)."""
     n = q.shape[0]
     seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
     keys = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, D]
     scores = F.relu(torch.einsum("nhd,nsd->nhs", q.float(), keys.float()) * scale)
     index = torch.einsum("nh,nhs->ns", w, scores)
     past = torch.arange(keys.shape[1], device=q.device)[None, :] > batch.positions[:, None]
-    index = index.masked_fill(past, float("-inf"))
-    k = min(topk, keys.shape[1])
-    vals, ids = index.topk(k, dim=-1)
-    out = torch.full((n, topk), -1, dtype=torch.int32, device=q.device)
+    return index.masked_fill(past, float("-inf"))
+
+
+def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [N, S] float32 (-inf: not a key) -> [N, topk] int32 positions, best first, -1 unused."""
+    k = min(topk, scores.shape[1])
+    vals, ids = scores.topk(k, dim=-1)
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
     out[:, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
     return out
+
+
+def select_topk_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch, topk: int,
+                      scale: float) -> torch.Tensor:
+    """select_topk_reference in fixed shapes (graph-safe): topk_positions of key_scores_fixed.
+
+    NOTE: equal scores (relu zeroes many) may break differently from the reference, whose rows end
+    at the context length."""
+    return topk_positions(key_scores_fixed(q, w, index_k, batch, scale), topk)
 
 
 class DsaIndexer(nn.Module):
@@ -112,5 +123,8 @@ class DsaIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, self.d)[batch.slot_mapping] = k
         w = linear(x.float(), self.weights_proj) * self.hi ** -0.5
-        select = select_topk_fixed if q.is_cuda and batch.max_query_len == 1 else select_topk_reference
-        return select(q, w, index_k, batch, self.topk, self.d ** -0.5)
+        if q.is_cuda and batch.max_query_len == 1:
+            from moetier.layers.dsa_select_triton import key_scores
+
+            return topk_positions(key_scores(q, w, index_k, batch, self.d ** -0.5), self.topk)
+        return select_topk_reference(q, w, index_k, batch, self.topk, self.d ** -0.5)

@@ -81,13 +81,13 @@ class GlmMoeDsaConfig(MlaMoeConfig):
                 "indexer_types": list(self.indexer_types), "head_dim": self.qk_rope_head_dim}
 
     def decode_selection_activations(self, rows: int, context: int, dtype: torch.dtype) -> list[int]:
-        """layers/dsa_indexer.select_topk_fixed: the gathered keys [N, C, D] (live throughout), the
-        float32 scores [N, Hi, C] twice (einsum, then scaled; relu replaces one) or the float32 keys
-        beside the first, whichever is more."""
+        """The CUDA decode selection (layers/dsa_select_triton.key_scores, then dsa_indexer.topk_positions;
+        the kernel reads the keys in place): the float32 scores [N, C], topk's values [N, K] float32
+        and indices [N, K] int64 (K = min(index_topk, C)), the positions [N, index_topk] int32."""
         if not self.index_layers:
             return []
-        keys, scores = rows * context * self.index_head_dim, rows * self.index_n_heads * context * 4
-        return [keys * dtype.itemsize, scores, max(keys * 4, scores)]
+        picks = min(self.index_topk, context)
+        return [rows * context * 4, rows * picks * 4, rows * picks * 8, rows * self.index_topk * 4]
 
     def attention_parameters(self, layer: int) -> int:
         n = super().attention_parameters(layer)
