@@ -318,6 +318,25 @@ def test_decode_scoring_kernel_in_the_interpreter():
     assert any("bfloat16" in line and "narrow-table" in line for line in lines), out
 
 
+def test_decode_scoring_kernel_compiles_for_h200_without_spills():
+    """The scoring kernel at GLM-5's indexer shape (32 heads of 128, pages of 64), compiled for sm_90a
+    here (no GPU needed): it must compile and not spill."""
+    pytest.importorskip("triton")
+    from moetier.layers import dsa_select_triton as kernels
+    from tests.triton_aot import compile_sm90, ptxas
+
+    if ptxas() is None:
+        pytest.skip("this triton wheel ships no ptxas")
+    fn = kernels._key_scores
+    runtime = [a for i, a in enumerate(fn.arg_names) if i not in fn.constexprs]
+    ptr = {"q_ptr": "bf16", "w_ptr": "fp32", "k_ptr": "bf16", "pos_ptr": "i64", "query_start_ptr": "i32",
+           "page_table_ptr": "i32", "out_ptr": "fp32"}
+    sig = {a: f"*{ptr[a]}" if a.endswith("_ptr") else "fp32" if a == "scale" else "i32" for a in runtime}
+    consts = dict(HI=32, D=128, PAGE=64, HI_B=32, D_B=128, H_CHUNK=kernels.H_CHUNK, BLOCK_S=kernels.BLOCK_S)
+    got = compile_sm90(fn, sig, consts, [a for a in runtime if a.endswith("_ptr")], kernels.NUM_WARPS, 1)
+    assert got.spill_bytes == 0 and got.registers <= 128, got
+
+
 def test_references_in_query_chunks_equal_one_pass(monkeypatch):
     """A long prefill runs the references in runs of queries (scores within a byte budget); runs of 3
     tokens give what one pass gives."""

@@ -27,6 +27,9 @@ from moetier.layers.attention import AttnBatch
 
 BLOCK_S = 16  # keys a program scores
 H_CHUNK = 8  # heads scored together
+# at GLM-5's indexer shape (32 heads of 128) compiled for sm_90a: 104 registers a thread with 8 warps, 184
+# with 4, neither spilling (tests/test_mla.py)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -79,5 +82,5 @@ def key_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: A
     _key_scores[grid](q, w, index_k, batch.positions, batch.query_start, batch.page_table, out, s,
                       batch.page_table.stride(0), q.stride(0), q.stride(1), scale, HI=hi, D=d, PAGE=page,
                       HI_B=max(H_CHUNK, triton.next_power_of_2(hi)), D_B=triton.next_power_of_2(d),
-                      H_CHUNK=H_CHUNK, BLOCK_S=BLOCK_S, num_warps=4)
+                      H_CHUNK=H_CHUNK, BLOCK_S=BLOCK_S, num_warps=NUM_WARPS)
     return out
