@@ -75,7 +75,8 @@ def test_plan_counts_the_indexers_decode_selection():
     """The fixed-shape decode selection scores every page-table row, so the graph pool grows with the
     model length: GLM-5.3-Flash at batch 64 and 32,768 tokens, the kernels' float32 scores of 2,048
     pools a row, topk's 128 picks (values and indices) and the 2,063 tokens a row (the [k | gate]
-    rows are read in place); GLM-5's DSA keys and [N, 32, C] float32 scores; none for Qwen3."""
+    rows are read in place); GLM-5's [N, C] float32 scores (its kernel reads the keys in place), topk's
+    2,048 picks and the 2,048 positions a row; none for Qwen3."""
     from moetier.plan.memory import PlanRequest, count
     from moetier.presets import preset
 
@@ -83,8 +84,8 @@ def test_plan_counts_the_indexers_decode_selection():
     cfg = preset("glm-5.3-flash")
     assert cfg.decode_selection_activations(64, 32768, bf) == [64 * 2048 * 4, 64 * 128 * 4, 64 * 128 * 8, 64 * 2063 * 4]
     dsa = preset("glm-5")
-    keys, scores = 64 * 32768 * 128, 64 * 32 * 32768 * 4
-    assert dsa.decode_selection_activations(64, 32768, bf) == [keys * 2, scores, max(keys * 4, scores)]
+    assert dsa.decode_selection_activations(64, 32768, bf) == [64 * 32768 * 4, 64 * 2048 * 4, 64 * 2048 * 8,
+                                                               64 * 2048 * 4]
     assert preset("qwen3-30b-a3b").decode_selection_activations(64, 32768, bf) == []
 
     def pool(c, length):
