@@ -6,6 +6,7 @@ is learned, so its traces are real routing, not noise.
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 from moetier.errors import MoetierError
@@ -17,3 +18,11 @@ def default_model_dir() -> Path:
     if not (ASSET / "model.safetensors").is_file():
         raise MoetierError(f"the embedded model is missing from {ASSET}; reinstall moetier, or pass --model")
     return ASSET
+
+
+def held_out_files(limit: int | None = None) -> list[Path]:
+    """The standard-library files tiny-stdlib was not trained on (held_out.txt, scripts/train_tiny.py),
+    those this Python has, in the list's order, at most `limit`: the scripts' held-out text."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = [lib / name for name in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
+    return [f for f in files if f.is_file()][:limit]

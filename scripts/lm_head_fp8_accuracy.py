@@ -15,13 +15,12 @@ import argparse
 import json
 import math
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
 
 from moetier.bench.common import record
-from moetier.default_model import ASSET
+from moetier.default_model import held_out_files
 from moetier.engine.llm import LLM
 from moetier.quant.fp8_block import dequantize, quantize
 from moetier.sampling_params import SamplingParams
@@ -37,9 +36,7 @@ def main() -> None:
         print("error: --files takes at least 1 and --prompt-len at least 2", file=sys.stderr)
         sys.exit(2)
     llm = LLM(None, device="cpu")
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = [lib / name for name in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
-    files = [f for f in files if f.is_file()][:args.files]
+    files = held_out_files(args.files)
     prompts = [llm.tokenizer.encode(f.read_text(encoding="utf-8", errors="replace"))[:args.prompt_len] for f in files]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     plain = llm.generate(prompts, params)

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 from pathlib import Path
 
 import torch
 
-from moetier.default_model import ASSET
+from moetier.default_model import held_out_files
 from moetier.engine.llm import LLM
 from moetier.experts.cache.slots import MISSES, OVERFLOW, SlotCache, policy_for
 from moetier.layers.norm import rms_norm
@@ -121,9 +120,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     llm = LLM(None, device="cpu", dtype="float32", max_num_tokens=args.prompt_len)
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = [lib / n for n in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
-    files = [f for f in files if f.is_file()][:args.files]
+    files = held_out_files(args.files)
     prompts = [llm.tokenizer.encode(f.read_text(encoding="utf-8"))[:args.prompt_len] for f in files]
     starts = torch.tensor([0] + [len(p) for p in prompts]).cumsum(0)[:-1]  # each file's first token
     got = capture(llm, prompts)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sysconfig
-from pathlib import Path
 
-from moetier.default_model import ASSET
+from moetier.default_model import held_out_files
 from moetier.engine.llm import LLM
 from moetier.engine.spec_step import MtpDrafter
 from moetier.sampling_params import SamplingParams
@@ -53,9 +52,7 @@ def main() -> None:
         argmax_drafts()
     spec = {"method": args.method, "num_speculative_tokens": args.k, "expert_aware_k": False}
     plain, llm = LLM(None, device="cpu"), LLM(None, device="cpu", speculative_config=spec)
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = [lib / name for name in (ASSET / "held_out.txt").read_text(encoding="utf-8").split()]
-    files = [f for f in files if f.is_file()][:args.prompts]
+    files = held_out_files(args.prompts)
     sampled = args.temperature > 0
     rows, equal = [], None if sampled else True
     for i, f in enumerate(files):
@@ -70,7 +67,7 @@ def main() -> None:
     m = llm.metrics()
     mean = sum(r["tokens_per_target_step"] for r in rows) / len(rows)
     print(json.dumps({"method": args.method, "k": args.k, "temperature": args.temperature,
-                      "argmax_drafts": args.argmax_drafts, "stdlib": str(lib), "files": len(files),
+                      "argmax_drafts": args.argmax_drafts, "stdlib": sysconfig.get_paths()["stdlib"], "files": len(files),
                       "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
                       "acceptance_rate": m["spec_decode_acceptance_rate"],
                       "mean_acceptance_length": m["spec_decode_mean_acceptance_length"],

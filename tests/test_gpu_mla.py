@@ -63,15 +63,17 @@ def test_engine_on_gpu_backends_and_batch_equal_alone(tmp_path, preset, graphs):
 
 
 def test_fixed_shape_selection_captures_and_equals_the_reference():
+    """The decode selection as the indexer runs it on CUDA (the scoring kernel, then topk), captured."""
     from moetier.layers.attention import make_batch
-    from moetier.layers.dsa_indexer import select_topk_fixed, select_topk_reference
+    from moetier.layers.dsa_indexer import select_topk_reference, topk_positions
+    from moetier.layers.dsa_select_triton import key_scores
     from tests.test_gpu import capture
 
     g = torch.Generator().manual_seed(4)
     index_k = torch.rand(12, 4, 16, generator=g).cuda()
     batch = make_batch([(9, 1, [3, 7, 1]), (13, 1, [5, 11, 4, 9]), (2, 1, [6, 8])], 4, "cuda")
     q, w = torch.rand(3, 3, 16, generator=g).cuda(), torch.rand(3, 3, generator=g).cuda()
-    graph, got = capture(lambda: select_topk_fixed(q, w, index_k, batch, 5, 0.25))
+    graph, got = capture(lambda: topk_positions(key_scores(q, w, index_k, batch, 0.25), 5))
     graph.replay()
     want = select_topk_reference(q, w, index_k, batch, 5, 0.25)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)

@@ -291,9 +291,9 @@ def test_latent_attention_reads_only_the_chosen_positions():
 
 
 def test_fixed_shape_selection_equals_the_reference():
-    """The graph-safe selection (decode on CUDA) picks what the reference picks, on a mixed batch
+    """The graph-safe torch form (the decode kernel's oracle) picks what the reference picks, on a mixed batch
     over shared, shuffled pages; scores kept positive so that no two tie."""
-    from moetier.layers.dsa_indexer import select_topk_fixed, select_topk_reference
+    from moetier.layers.dsa_indexer import key_scores_fixed, select_topk_reference, topk_positions
 
     g = torch.Generator().manual_seed(4)
     index_k = torch.rand(12, 4, 16, generator=g)
@@ -301,14 +301,14 @@ def test_fixed_shape_selection_equals_the_reference():
     n = batch.num_tokens
     q, w = torch.rand(n, 3, 16, generator=g), torch.rand(n, 3, generator=g)
     want = select_topk_reference(q, w, index_k, batch, 5, 0.25)
-    got = select_topk_fixed(q, w, index_k, batch, 5, 0.25)
+    got = topk_positions(key_scores_fixed(q, w, index_k, batch, 0.25), 5)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     assert (want == -1).any() and (want[:, -1] >= 0).any()  # both short and full rows were checked
 
 
 def test_decode_scoring_kernel_in_the_interpreter():
     """The CUDA decode path's scoring kernel (layers/dsa_select_triton.py) under Triton's interpreter
-    against key_scores_fixed and select_topk_fixed (tests/dsa_select_interpreter.py)."""
+    against key_scores_fixed and its topk (tests/dsa_select_interpreter.py)."""
     pytest.importorskip("triton")
     from tests.interpreter import run_script
 

@@ -10,8 +10,9 @@ of a row pass 2 s), each with the same routing; a row reports the median run's t
 spread (min-max) of its runs. Bytes over the link are counted on an untimed repeat
 with the same routing (the replay cursor is set back): the large-step kernel reads a host row once
 per chunk of up to block_m of its pairs (GemmConfig.large_blocks: larger for steps dense in pairs),
-so per step and layer link rows = sum over the experts not in HBM of ceil(pairs / block_m). The bounds: link bytes / measured host-to-device
-bandwidth, and max(HBM bytes / measured HBM bandwidth, FLOPs / measured bf16 matmul rate).
+so per step and layer link rows = sum over the experts not in HBM of ceil(pairs / block_m). The
+bounds: link bytes / measured host-to-device bandwidth, and max(HBM bytes / measured HBM bandwidth,
+FLOPs / measured bf16 matmul rate).
 
 Slots rows run once per prefill cache policy (--prefill-cache: bypass leaves the cache alone, refresh
 moves the prompt's most used experts in; experts/prefill/cache_policy.py), each run from the same warm

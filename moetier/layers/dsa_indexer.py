@@ -37,10 +37,10 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
 
     A per-sequence loop over host integers (batch.query_start_host): not graph-safe; the CPU path
     and the oracle, whose torch.topk over exactly one sequence's row breaks ties as transformers'
-    does. Decode on CUDA takes select_topk_fixed."""
+    does. Decode on CUDA scores with layers/dsa_select_triton.py, then topk_positions."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("select_topk_reference loops over host integers and cannot be captured in a CUDA "
-                           "graph; decode steps go through select_topk_fixed")
+                           "graph; decode steps go through dsa_select_triton.key_scores")
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     qs, lens = batch.query_start_host, batch.seq_lens_host
     for i in range(batch.num_seqs):
@@ -66,7 +66,8 @@ def key_scores_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ba
     float32: every token scores all W * page_size rows of its sequence's page table ([N, Hi, W *
     page_size] float32 products), -inf past its own position. For decode steps, where N is the batch;
     a prefill would materialise N copies of the keys. The oracle of dsa_select_triton.key_scores,
-    which CUDA decode runs instead (it reads the keys in place)."""
+    which CUDA decode runs instead (it reads the keys in place). Ties (relu zeroes many) may leave
+    topk in another order than select_topk_reference's, whose rows end at the context length."""
     n = q.shape[0]
     seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
     keys = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, D]
@@ -83,15 +84,6 @@ def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
     out[:, :k] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
     return out
-
-
-def select_topk_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch, topk: int,
-                      scale: float) -> torch.Tensor:
-    """select_topk_reference in fixed shapes (graph-safe): topk_positions of key_scores_fixed.
-
-    NOTE: equal scores (relu zeroes many) may break differently from the reference, whose rows end
-    at the context length."""
-    return topk_positions(key_scores_fixed(q, w, index_k, batch, scale), topk)
 
 
 class DsaIndexer(nn.Module):

@@ -1,18 +1,18 @@
 """The DSA indexer's decode scores on CUDA (GLM-5, glm_moe_dsa): one launch that reads each key of the
 sequence's page-table window in place, once, and skips the keys after the token, in place of
-select_topk_fixed's gather of the whole window ([N, W * page_size, D] copied) and its [N, Hi, W *
-page_size] float32 products (layers/dsa_indexer.py; that torch form stays the oracle and the CPU path).
+the torch form's gather of the whole window ([N, W * page_size, D] copied) and its [N, Hi, W *
+page_size] float32 products (layers/dsa_indexer.key_scores_fixed, which stays the oracle).
 
     key_scores(q [N, Hi, D], w [N, Hi] fp32, index_k [pages, page_size, D], batch, scale) -> [N, S] fp32
         S = W * page_size (W the table's width); for the sequence's one query row n this step,
         score(n, j) = sum_h w[n, h] relu(scale q[n, h] . k[j]) for the window's key j <= the token's
-        position, -inf after (what select_topk_fixed computes before its topk)
-    select_topk_scored(...) -> [N, topk] int32: torch.topk over those scores, -1 where fewer keys
+        position, -inf after (what key_scores_fixed computes); the indexer takes their
+        dsa_indexer.topk_positions
 
 Programs: one per (sequence, block of BLOCK_S keys), the sequence's one query row (decode steps: at
 most one token a sequence; a sequence without one returns at once); a block whose keys all lie after
 the token stores -inf and loads nothing (a graph's window is wider than a short context). The heads
-run H_CHUNK at a time over the block's keys ([H_CHUNK, BLOCK_S, D] products). Products of the bf16
+run H_CHUNK at a time over the block's keys ([H_CHUNK, BLOCK_S, D] products: head_weighted_scores). Products of the bf16
 inputs are exact in float32, as in the torch form; the sums run in another order, so scores agree to
 float32 rounding, not bit for bit: keys whose scores tie to within that may leave topk in another order.
 """
@@ -30,6 +30,26 @@ H_CHUNK = 8  # heads scored together
 # at GLM-5's indexer shape (32 heads of 128) compiled for sm_90a: 104 registers a thread with 8 warps, 184
 # with 4, neither spilling (tests/test_mla.py)
 NUM_WARPS = 8
+
+
+@triton.jit
+def head_weighted_scores(q_ptr, w_ptr, n, keys, stride_qn, stride_qh, scale, HI: tl.constexpr, D: tl.constexpr,
+                         HI_B: tl.constexpr, D_B: tl.constexpr, H_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The indexer score of BLOCK keys [BLOCK, D_B] float32 for query row n: sum_h w[n, h] relu(scale
+    q[n, h] . key) -> [BLOCK] float32, the heads H_CHUNK at a time ([H_CHUNK, BLOCK, D_B] products).
+    Shared by this kernel and the kpool indexer's pool scores (layers/kpool_select_triton.py)."""
+    d = tl.arange(0, D_B)
+    dm = d < D
+    index = tl.zeros([BLOCK], tl.float32)
+    for h0 in tl.static_range(0, HI_B, H_CHUNK):
+        h = h0 + tl.arange(0, H_CHUNK)
+        hm = h < HI
+        q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + h[:, None] * stride_qh + d[None, :],
+                    mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        s = tl.maximum(tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale, 0.0)  # [HC, BLOCK]
+        w = tl.load(w_ptr + n.to(tl.int64) * HI + h, mask=hm, other=0.0)
+        index += tl.sum(w[:, None] * s, axis=0)
+    return index
 
 
 @triton.jit
@@ -52,15 +72,8 @@ def _key_scores(q_ptr, w_ptr, k_ptr, pos_ptr, query_start_ptr, page_table_ptr, o
             d = tl.arange(0, D_B)
             dm = d < D
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            index = tl.zeros([BLOCK_S], tl.float32)
-            for h0 in tl.static_range(0, HI_B, H_CHUNK):  # [HC, BS, D_B] products a chunk of heads at a time
-                h = h0 + tl.arange(0, H_CHUNK)
-                hm = h < HI
-                q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + h[:, None] * stride_qh + d[None, :],
-                            mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-                s = tl.maximum(tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale, 0.0)  # [HC, BS]
-                w = tl.load(w_ptr + n.to(tl.int64) * HI + h, mask=hm, other=0.0)
-                index += tl.sum(w[:, None] * s, axis=0)
+            index = head_weighted_scores(q_ptr, w_ptr, n, k, stride_qn, stride_qh, scale, HI, D, HI_B, D_B, H_CHUNK,
+                                         BLOCK_S)
             tl.store(out_ptr + n.to(tl.int64) * S + j, tl.where(j <= pos, index, float("-inf")), mask=jm)
 
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from moetier.layers.attention import AttnBatch
+from moetier.layers.dsa_select_triton import head_weighted_scores
 from moetier.quant.dot import dot_type as _dot_type
 from moetier.quant.dot import to_dot
 
@@ -78,15 +79,9 @@ def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_ta
             prob = to_dot(e / tl.sum(e, axis=1)[:, None, :], dt, EMULATE).to(tl.float32)  # softmax, rounded
             prod = to_dot(prob * k.reshape(BLOCK_P, KP_B, D_B).to(tl.float32), dt, EMULATE).to(tl.float32)
             key = to_dot(tl.sum(prod, axis=1), dt, EMULATE).to(tl.float32)  # [BP, D_B]: the pool keys
-            index = tl.zeros([BLOCK_P], tl.float32)
-            for h0 in tl.static_range(0, HI_B, H_CHUNK):  # the heads a chunk at a time: [HC, BP, D_B]
-                h = h0 + tl.arange(0, H_CHUNK)
-                hm = h < HI
-                q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + h[:, None] * stride_qh + d[None, :],
-                            mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-                s = tl.maximum(tl.sum(q[:, None, :] * key[None, :, :], axis=2) * scale, 0.0)  # [HC, BP]
-                w = tl.load(w_ptr + n.to(tl.int64) * HI + h, mask=hm, other=0.0)
-                index += tl.sum(w[:, None] * s, axis=0)
+            # the heads a chunk at a time: [HC, BP, D_B]
+            index = head_weighted_scores(q_ptr, w_ptr, n, key, stride_qn, stride_qh, scale, HI, D, HI_B, D_B, H_CHUNK,
+                                         BLOCK_P)
             visible = (p + 1) * KPOOL - 1 <= pos
             tl.store(out_ptr + n.to(tl.int64) * P + p, tl.where(visible, index, low), mask=pm)
 
