@@ -7,7 +7,8 @@ case, decode rows over shuffled pages (a sequence without a token among them):
     others within float32 rounding (exact products, sums in another order);
   - the whole selection (positive scores: no near ties) equal to the torch form's, entry for entry.
 Heads and channels not powers of two (padded), a window wider than the context, a narrow page table
-(a column view of a wider one, as a decode graph's bucket), top-k wider than the window.
+(a column view of a wider one, as a decode graph's bucket), top-k wider than the window; and verify
+steps: several rows a sequence (k + 1 positions, fewer for some, none for one).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def case(seqs, page, d, hi, topk, dtype, seed, narrow: bool = False) -> str:
     assert err <= TOL, (seqs, dtype, err)
     picked = topk_positions(got, topk)
     assert torch.equal(picked, topk_positions(want, topk)), (picked, seqs)
-    return (f"dsa_select n={n} S={got.shape[1]} d={d} hi={hi} topk={topk} {str(dtype)[6:]} "
+    return (f"dsa_select n={n} rows={batch.max_query_len} S={got.shape[1]} d={d} hi={hi} topk={topk} {str(dtype)[6:]} "
             f"scores_err={err:.1e} whole=equal{' narrow-table' if narrow else ''}")
 
 
@@ -50,6 +51,9 @@ def main() -> None:
         lines.append(case(seqs, 4, 8, 3, 5, dtype, seed=1))
         lines.append(case(seqs, 4, 24, 10, 64, dtype, seed=2))  # top-k wider than every window
     lines.append(case(seqs, 8, 16, 9, 6, torch.bfloat16, seed=3, narrow=True))
+    verify = [(9, 3, [3, 7, 1]), (0, 2, [0]), (13, 0, [5, 11, 4, 9]), (4, 1, [6, 8]), (27, 4, [12, 13, 14, 15, 16, 17, 18, 19])]
+    lines.append(case(verify, 4, 24, 10, 7, torch.bfloat16, seed=4))
+    lines.append(case(verify, 4, 16, 9, 5, torch.float32, seed=5, narrow=True))
     print("\n".join(lines))
 
 

@@ -306,16 +306,17 @@ def test_fixed_shape_selection_equals_the_reference():
     assert (want == -1).any() and (want[:, -1] >= 0).any()  # both short and full rows were checked
 
 
-def test_decode_scoring_kernel_in_the_interpreter():
-    """The CUDA decode path's scoring kernel (layers/dsa_select_triton.py) under Triton's interpreter
+def test_scoring_kernel_in_the_interpreter():
+    """The CUDA decode and verify scoring kernel (layers/dsa_select_triton.py) under Triton's interpreter
     against key_scores_fixed and its topk (tests/dsa_select_interpreter.py)."""
     pytest.importorskip("triton")
     from tests.interpreter import run_script
 
     out = run_script("dsa_select_interpreter.py")
     lines = [line for line in out.splitlines() if line.startswith("dsa_select ")]
-    assert len(lines) == 5 and all("whole=equal" in line for line in lines), out
+    assert len(lines) == 7 and all("whole=equal" in line for line in lines), out
     assert any("bfloat16" in line and "narrow-table" in line for line in lines), out
+    assert sum(" rows=4 " in line for line in lines) == 2, out  # verify steps: k + 1 = 4 rows at most
 
 
 def test_decode_scoring_kernel_compiles_for_h200_without_spills():

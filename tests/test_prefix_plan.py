@@ -94,8 +94,8 @@ def test_plan_command_lists_the_host_tier_beside_the_expert_store():
 
 def test_verify_graphs_counted_for_ngram_speculation_only():
     """n-gram speculation captures verify graphs (engine/verify_graphs.py) beside the decode graphs: the
-    plan counts their inputs and grows the pool to the largest verify step; MTP drafting, models with
-    recurrent state and the indexers capture none."""
+    plan counts their inputs and grows the pool to the largest verify step (with the DSA indexer's
+    scores of every verified row); MTP drafting and models with recurrent state capture none."""
     from moetier.plan import residents as r
 
     assert r.verify_shapes((1, 2, 4, 8, 16, 32, 64), 3, 64) == [
@@ -113,3 +113,8 @@ def test_verify_graphs_counted_for_ngram_speculation_only():
     glm = presets.preset("tiny-glm5-next")
     names = [i.name for i in count(PlanRequest(glm, BF16, "cuda", draft_tokens=3, **base)).device]
     assert "verify graph inputs" not in names  # KDA state: its verify steps stay eager
+    dsa = presets.preset("tiny-glm5")
+    pool = {d: {i.name: i.bytes for i in count(PlanRequest(dsa, BF16, "cuda", draft_tokens=d, **base)).device}
+            for d in (0, 3)}
+    assert "verify graph inputs" in pool[3]
+    assert pool[3]["CUDA graph pool"] > pool[0]["CUDA graph pool"]

@@ -1,8 +1,8 @@
 """CUDA graphs of the verify step (engine/verify_graphs.py): n-gram speculation replays them, and its
 tokens equal both the eager verify step's (the same engine with the graphs set aside) and plain
 decoding's, greedy and sampled with filters, over a batch whose sequences drafted different numbers
-of tokens (padded rows) and a captured size above the step's (padding sequences); the plan's graph
-pool holds what the capture allocated.
+of tokens (padded rows) and a captured size above the step's (padding sequences); GLM-5's DSA indexer
+scoring the verified rows in place; the plan's graph pool holds what the capture allocated.
 
 NOTE: float32 on the embedded tiny model leaves no near-tie (tests/test_spec_gpu.py), so the tokens
 must be equal; a mismatch is a bug to look at before it is called rounding."""
@@ -63,6 +63,31 @@ def test_a_batch_above_the_verify_graphs_runs_eagerly_and_equal():
     got = tokens(llm.generate(ps, params))
     assert llm.runner.verify_graph_steps > 0
     assert got == tokens(LLM(None, device="cuda", dtype="float32", max_num_seqs=4, decode_tokens=8).generate(ps, params))
+
+
+def test_dsa_verify_graphs_equal_plain_decoding(tmp_path):
+    """tiny-glm5 (DSA indexer, index_topk 8: prompts longer than it, so the selection matters): the
+    verify graphs score each verified row in place, and with drafts that are right up to one spoiled
+    draft per request (tests/test_spec_engine.oracle) the tokens equal plain decoding's and the eager
+    verify step's."""
+    from moetier.checkpoint.writer import make_checkpoint
+    from tests.test_spec_engine import oracle
+
+    path = make_checkpoint(tmp_path / "glm5", "tiny-glm5", seed=5, dtype="float32")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (12, 30, 9)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(path, device="cuda", dtype="float32")
+    want = tokens(plain.generate(prompts, params))
+    plain.close()
+    llm = LLM(path, device="cuda", dtype="float32", speculative_config=NGRAM)
+    assert llm.runner.verify is not None
+    seen = oracle(llm, {tuple(p): w for p, w in zip(prompts, want)}, {tuple(p): 4 + i for i, p in enumerate(prompts)})
+    assert tokens(llm.generate(prompts, params)) == want
+    assert llm.runner.verify_graph_steps > 0 and max(seen) == 3 and min(seen) < 3, seen
+    llm.runner.verify = None  # the same engine, its verify steps eager
+    assert tokens(llm.generate(prompts, params)) == want
+    llm.scheduler.check()
 
 
 def test_the_plan_holds_the_verify_graphs(tiny_ckpt):

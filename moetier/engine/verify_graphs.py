@@ -10,8 +10,9 @@ sequence without drafts draws from the sampler in an eager step, whose noise the
 draw does not repeat); the step's most drafts k >= 1 and a (size, k + 1) graph that holds it. Which
 engines capture them (captures_verify): one process, n-gram drafting (an MTP engine reads the verified
 tokens on the host between its passes), and a model whose decode keeps no recurrent state (KDA rolls
-back per sequence) and reads no indexer over the page table's width (DSA, kpool: their selection for
-several query rows of a sequence is the host-looped reference), on a backend that needs no pieces.
+back per sequence; that also leaves out kpool's indexer, glm5_next's, whose selection for several rows
+of a sequence is the host-looped reference), on a backend that needs no pieces. The DSA indexer (GLM-5)
+scores a verify step's rows in place (layers/dsa_select_triton.py), over the whole table.
 
 Padding. A sequence with d < k drafts fills rows d + 1 .. k with its last token at the following
 positions: they write the scratch page (their slot mapping), attend within its own table whose later
@@ -46,7 +47,7 @@ MODES = ("greedy", "sample", "filter")
 def captures_verify(kv, spec_config, pieces: bool, parallel: bool) -> bool:
     """Whether an engine captures verify graphs beside its decode graphs (the module docstring)."""
     return (spec_config is not None and spec_config.method == "ngram" and not pieces and not parallel
-            and getattr(kv, "state", None) is None and not getattr(kv, "index_slot", None))
+            and getattr(kv, "state", None) is None)
 
 
 def verify_graphs(model, kv, config, max_len: int, graphs, parallel: bool) -> VerifyGraphs | None:

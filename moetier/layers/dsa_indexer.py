@@ -11,8 +11,8 @@ layout): for each new token, the positions of the index_topk earlier tokens its 
 
 The reference (CPU, prefill) uses the same ops in the same order as transformers' GlmMoeDsaIndexer
 and the same torch.topk over one sequence's row of scores, so exact ties (relu makes many scores
-exactly 0) break the same way. Decode on CUDA scores the keys in place (layers/dsa_select_triton.py,
-graph-safe; its oracle here is key_scores_fixed), then topk.
+exactly 0) break the same way. Decode and verify steps on CUDA score the keys in place
+(layers/dsa_select_triton.py, graph-safe; its oracle here is key_scores_fixed), then topk.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
 from moetier.layers.quant_linear import linear
 from moetier.layers.rotary import apply_rope_interleave
+from moetier.spec.config import MAX_SPECULATIVE_TOKENS
 
 K_NORM_EPS = 1e-6  # the reference's nn.LayerNorm(head_dim, eps=1e-6)
+# On CUDA, steps of at most this many rows a sequence (decode: 1; a verify step: k + 1) score in place
+# (dsa_select_triton.key_scores, graph-safe, [N, S] float32 scores); longer ones (prefill) take the
+# reference, whose transient query_chunks bounds.
+IN_PLACE_ROWS = MAX_SPECULATIVE_TOKENS + 1
 
 
 def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: AttnBatch, topk: int,
@@ -37,7 +42,7 @@ def select_topk_reference(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tenso
 
     A per-sequence loop over host integers (batch.query_start_host): not graph-safe; the CPU path
     and the oracle, whose torch.topk over exactly one sequence's row breaks ties as transformers'
-    does. Decode on CUDA scores with layers/dsa_select_triton.py, then topk_positions."""
+    does. Decode and verify steps on CUDA score with layers/dsa_select_triton.py, then topk_positions."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("select_topk_reference loops over host integers and cannot be captured in a CUDA "
                            "graph; decode steps go through dsa_select_triton.key_scores")
@@ -64,9 +69,9 @@ def key_scores_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ba
                      scale: float) -> torch.Tensor:
     """The indexer's scores in fixed shapes from device tensors only (graph-safe) -> [N, W * page_size]
     float32: every token scores all W * page_size rows of its sequence's page table ([N, Hi, W *
-    page_size] float32 products), -inf past its own position. For decode steps, where N is the batch;
-    a prefill would materialise N copies of the keys. The oracle of dsa_select_triton.key_scores,
-    which CUDA decode runs instead (it reads the keys in place). Ties (relu zeroes many) may leave
+    page_size] float32 products), -inf past its own position. For decode and verify steps, where N is a
+    few rows a sequence; a prefill would materialise N copies of the keys. The oracle of
+    dsa_select_triton.key_scores, which CUDA decode and verify run instead (it reads the keys in place). Ties (relu zeroes many) may leave
     topk in another order than select_topk_reference's, whose rows end at the context length."""
     n = q.shape[0]
     seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
@@ -115,7 +120,7 @@ class DsaIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, self.d)[batch.slot_mapping] = k
         w = linear(x.float(), self.weights_proj) * self.hi ** -0.5
-        if q.is_cuda and batch.max_query_len == 1:
+        if q.is_cuda and batch.max_query_len <= IN_PLACE_ROWS:
             from moetier.layers.dsa_select_triton import key_scores
 
             return topk_positions(key_scores(q, w, index_k, batch, self.d ** -0.5), self.topk)

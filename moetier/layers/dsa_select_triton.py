@@ -1,20 +1,22 @@
-"""The DSA indexer's decode scores on CUDA (GLM-5, glm_moe_dsa): one launch that reads each key of the
-sequence's page-table window in place, once, and skips the keys after the token, in place of
+"""The DSA indexer's decode and verify scores on CUDA (GLM-5, glm_moe_dsa): one launch that reads the
+keys of each sequence's page-table window in place and skips the keys after the token, in place of
 the torch form's gather of the whole window ([N, W * page_size, D] copied) and its [N, Hi, W *
 page_size] float32 products (layers/dsa_indexer.key_scores_fixed, which stays the oracle).
 
     key_scores(q [N, Hi, D], w [N, Hi] fp32, index_k [pages, page_size, D], batch, scale) -> [N, S] fp32
-        S = W * page_size (W the table's width); for the sequence's one query row n this step,
-        score(n, j) = sum_h w[n, h] relu(scale q[n, h] . k[j]) for the window's key j <= the token's
-        position, -inf after (what key_scores_fixed computes); the indexer takes their
+        S = W * page_size (W the table's width); for each query row n of the step,
+        score(n, j) = sum_h w[n, h] relu(scale q[n, h] . k[j]) for its sequence's window key j <= the
+        row's position, -inf after (what key_scores_fixed computes); the indexer takes their
         dsa_indexer.topk_positions
 
-Programs: one per (sequence, block of BLOCK_S keys), the sequence's one query row (decode steps: at
-most one token a sequence; a sequence without one returns at once); a block whose keys all lie after
-the token stores -inf and loads nothing (a graph's window is wider than a short context). The heads
-run H_CHUNK at a time over the block's keys ([H_CHUNK, BLOCK_S, D] products: head_weighted_scores). Products of the bf16
-inputs are exact in float32, as in the torch form; the sums run in another order, so scores agree to
-float32 rounding, not bit for bit: keys whose scores tie to within that may leave topk in another order.
+Programs: one per (sequence, block of BLOCK_S keys, query row r of the sequence), r below the step's
+most rows a sequence (decode: one; a verify step: its k + 1 positions; a sequence with fewer rows, or
+none, leaves at once); a block whose keys all lie after the row's token stores -inf and loads nothing
+(a graph's window is wider than a short context). A sequence's rows read the same keys, the rows after
+the first from L2 (a few rows a step). The heads run H_CHUNK at a time over the block's keys
+([H_CHUNK, BLOCK_S, D] products: head_weighted_scores). Products of the bf16 inputs are exact in
+float32, as in the torch form; the sums run in another order, so scores agree to float32 rounding, not
+bit for bit: keys whose scores tie to within that may leave topk in another order.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def _key_scores(q_ptr, w_ptr, k_ptr, pos_ptr, query_start_ptr, page_table_ptr, o
                 D_B: tl.constexpr, H_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr):
     # HI_B, D_B: heads and channels padded to powers of two
     b = tl.program_id(0)
-    n = tl.load(query_start_ptr + b)
-    if tl.load(query_start_ptr + b + 1) > n:  # the sequence's one query row this step
+    n = tl.load(query_start_ptr + b) + tl.program_id(2)  # the sequence's query row r = program_id(2)
+    if tl.load(query_start_ptr + b + 1) > n:
         pos = tl.load(pos_ptr + n)
         s0 = tl.program_id(1) * BLOCK_S
         j = s0 + tl.arange(0, BLOCK_S)  # [BS] positions in the window
@@ -91,7 +93,7 @@ def key_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, batch: A
         raise ValueError("key_scores needs q unit-stride along D and contiguous w and index_k")
     if index_k.shape[2] != d:
         raise ValueError(f"index_k rows are {index_k.shape[2]} wide, q's heads {d}")
-    grid = (batch.query_start.shape[0] - 1, triton.cdiv(s, BLOCK_S))
+    grid = (batch.query_start.shape[0] - 1, triton.cdiv(s, BLOCK_S), max(batch.max_query_len, 1))
     _key_scores[grid](q, w, index_k, batch.positions, batch.query_start, batch.page_table, out, s,
                       batch.page_table.stride(0), q.stride(0), q.stride(1), scale, HI=hi, D=d, PAGE=page,
                       HI_B=max(H_CHUNK, triton.next_power_of_2(hi)), D_B=triton.next_power_of_2(d),

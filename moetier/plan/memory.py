@@ -276,9 +276,11 @@ def count(req: PlanRequest) -> Plan:
         peak = r.step_activations(cfg, b, dt, 0) + selection + [r.sampler_transient(b, cfg.vocab_size)]
         # n-gram speculation's verify graphs, in the same pool (engine/verify_graphs.captures_verify)
         verify = r.verify_shapes(sizes, req.draft_tokens, req.decode_tokens) if req.draft_tokens and not (
-            req.draft_distributions or spec.state_bytes_per_seq(dt) or selection or kind.host_compute) else []
+            req.draft_distributions or spec.state_bytes_per_seq(dt) or kind.host_compute) else []
         if verify:
             vin, vkept, vpeak = r.verify_graph_parts(cfg, verify, req.draft_tokens, width, dt)
+            # the DSA indexer scores every verified row over the whole table (its kernel's [rows, C])
+            vpeak = vpeak + cfg.decode_selection_activations(max(n * q for n, q in verify), width * req.page_size, dt)
             dev.append(_item("verify graph inputs", "capture", vin, f"{len(verify)} (batch, k + 1) shapes"))
             kept, peak, gin = kept + vkept, max(peak, vpeak, key=r.segments), gin + vin
         pool = r.segments(kept) + r.segments(peak)
