@@ -9,7 +9,8 @@ shuffled pages (a sequence without a token among them):
   - pool_tokens on the topk of the kernel's own scores: equal, entry for entry, to the torch form's
     tokens from the same scores (the same topk, so no tie can part them);
   - the whole selection against select_pools_fixed (positive scores, so no near ties): the same tokens.
-Heads and channels not powers of two (padded), kpool 2, 3 and 4, a window shorter than a pool.
+Heads and channels not powers of two (padded), kpool 2, 3 and 4, a window shorter than a pool; and
+verify steps: several rows a sequence (k + 1 positions, fewer for some, none for one).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def case(seqs, page, d, hi, kpool, topk, dtype, seed, narrow: bool = False) -> s
     assert torch.equal(tokens, pool_tokens_fixed(got, batch.positions, topk, kpool)), (tokens, got)
     whole = select_pools_cuda(q, w, index_k, ape, batch, topk, kpool, 0.3)
     assert torch.equal(whole, select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.3)), seqs
-    return (f"kpool_select n={n} P={got.shape[1]} d={d} hi={hi} kpool={kpool} {str(dtype)[6:]} "
+    return (f"kpool_select n={n} rows={batch.max_query_len} P={got.shape[1]} d={d} hi={hi} kpool={kpool} {str(dtype)[6:]} "
             f"scores_err={err:.1e} tokens=exact whole=equal")
 
 
@@ -60,6 +61,8 @@ def main() -> None:
         lines.append(case(seqs, 4, 24, 5, 4, 32, dtype, seed=2))  # every visible pool picked
     lines.append(case([(1, 1, [0]), (0, 1, [1])], 4, 16, 16, 4, 8, torch.float32, seed=3))  # no complete pool
     lines.append(case(seqs, 4, 8, 9, 3, 6, torch.bfloat16, seed=4))  # kpool 3: padded pool lanes
+    verify = [(9, 3, [3, 7, 1]), (0, 2, [0]), (13, 0, [5, 11, 4, 9]), (4, 1, [6, 8]), (27, 4, [12, 13, 14, 15, 16, 17, 18, 19])]
+    lines.append(case(verify, 4, 24, 5, 4, 8, torch.bfloat16, seed=6))
     lines.append(case(seqs, 4, 8, 3, 2, 4, torch.float32, seed=5, narrow=True) + " narrow-table")
     print("\n".join(lines))
 

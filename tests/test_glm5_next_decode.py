@@ -129,13 +129,14 @@ def test_fixed_kpool_selection_equals_the_reference():
 
 
 def test_kpool_selection_kernels_in_the_interpreter():
-    """layers/kpool_select_triton.py (decode on CUDA) against the torch form, in Triton's interpreter:
+    """layers/kpool_select_triton.py (decode and verify on CUDA) against the torch form, in Triton's interpreter:
     tests/kpool_select_interpreter.py."""
     pytest.importorskip("triton")
     out = run_script("kpool_select_interpreter.py")
     lines = [line for line in out.splitlines() if line.startswith("kpool_select ")]
-    assert len(lines) == 7 and all("tokens=exact whole=equal" in line for line in lines), out
+    assert len(lines) == 8 and all("tokens=exact whole=equal" in line for line in lines), out
     assert any("bfloat16" in line for line in lines) and any(" P=1 " in line for line in lines), out
+    assert any(" rows=4 " in line for line in lines), out  # a verify step: k + 1 = 4 rows at most
     assert lines[-1].endswith("narrow-table"), out  # a graph bucket's strided page table
 
 

@@ -80,6 +80,21 @@ def oracle(llm: LLM, want: dict[tuple, list[int]], spoil: dict[tuple, int]) -> l
     return seen
 
 
+def oracle_against_plain(path, lens: tuple[int, ...], seed: int, device: str, **plain_kw):
+    """Prompts of the given lengths (random ids below 512, the tiny presets' vocabulary), 24 greedy
+    tokens each from a plain engine (plain_kw: its options), and an n-gram engine whose drafts are
+    those tokens with draft 3 + i of request i spoiled (oracle). -> (prompts, params, the plain
+    tokens, the plain engine, the n-gram engine, its accepted lengths so far)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
+    params = greedy(24)
+    plain = LLM(path, device=device, dtype="float32", **plain_kw)
+    want = tokens(plain.generate(prompts, params))
+    llm = LLM(path, device=device, dtype="float32", speculative_config=NGRAM)
+    seen = oracle(llm, {tuple(p): w for p, w in zip(prompts, want)}, {tuple(p): 3 + i for i, p in enumerate(prompts)})
+    return prompts, params, want, plain, llm, seen
+
+
 def test_ngram_greedy_equals_plain_on_the_embedded_model():
     plain = LLM(None, device="cpu", dtype="float32")
     ps = [plain.encode(p) for p in CODE]

@@ -1,7 +1,7 @@
 """Speculative decoding on CUDA (docs/speculative.md): the eager verify steps against the same engine
 without speculation (decode steps replayed from CUDA graphs), greedy, float32, for n-gram drafts on
 the embedded model and MTP drafts on a tiny DeepSeek-V3 with its MTP layer (every step eager there),
-resident and slots backends; expert-aware k's timed costs on the GPU (the link slower than HBM, an
+resident and slots backends; glm5_next's eager verify steps (state rollback, the kpool kernels); expert-aware k's timed costs on the GPU (the link slower than HBM, an
 eager step dearer than a graph replay).
 
 NOTE: the verify step runs k + 1 tokens per sequence through kernels that may round differently from
@@ -55,6 +55,21 @@ def test_mtp_on_cuda_equals_plain(tmp_path):
     assert tokens(llm.generate(ps, params)) == want
     m = llm.metrics()
     assert m["spec_decode_num_draft_tokens"] > 0
+    llm.scheduler.check()
+
+
+def test_glm5_next_eager_verify_on_cuda_equals_graph_decode(tmp_path):
+    """tiny-glm5-next (KDA state rolled back on a rejection, the kpool indexer selecting a verify
+    step's rows with its kernels): with drafts right up to one spoiled draft per request
+    (tests/test_spec_engine.oracle), the eager verify steps give the graph-decoded tokens."""
+    pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core==0.6.0)")
+    from tests.test_spec_engine import oracle_against_plain
+
+    path = make_checkpoint(tmp_path / "g", "tiny-glm5-next", seed=5, dtype="float32")
+    prompts, params, want, plain, llm, seen = oracle_against_plain(path, (9, 40, 21), 2, "cuda")
+    assert plain.runner.graph_steps > 0
+    assert tokens(llm.generate(prompts, params)) == want
+    assert max(seen) == 3 and min(seen) < 3, seen
     llm.scheduler.check()
 
 

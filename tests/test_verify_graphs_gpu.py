@@ -71,18 +71,12 @@ def test_dsa_verify_graphs_equal_plain_decoding(tmp_path):
     draft per request (tests/test_spec_engine.oracle) the tokens equal plain decoding's and the eager
     verify step's."""
     from moetier.checkpoint.writer import make_checkpoint
-    from tests.test_spec_engine import oracle
+    from tests.test_spec_engine import oracle_against_plain
 
     path = make_checkpoint(tmp_path / "glm5", "tiny-glm5", seed=5, dtype="float32")
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (12, 30, 9)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(path, device="cuda", dtype="float32")
-    want = tokens(plain.generate(prompts, params))
+    prompts, params, want, plain, llm, seen = oracle_against_plain(path, (12, 30, 9), 3, "cuda")
     plain.close()
-    llm = LLM(path, device="cuda", dtype="float32", speculative_config=NGRAM)
     assert llm.runner.verify is not None
-    seen = oracle(llm, {tuple(p): w for p, w in zip(prompts, want)}, {tuple(p): 4 + i for i, p in enumerate(prompts)})
     assert tokens(llm.generate(prompts, params)) == want
     assert llm.runner.verify_graph_steps > 0 and max(seen) == 3 and min(seen) < 3, seen
     llm.runner.verify = None  # the same engine, its verify steps eager

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.layers.attention import AttnBatch, query_chunks, sequence_rows
-from moetier.layers.dsa_indexer import K_NORM_EPS
+from moetier.layers.dsa_indexer import IN_PLACE_ROWS, K_NORM_EPS
 from moetier.layers.kv_cache import MlaKVCache
 from moetier.layers.param import param
 from moetier.layers.quant_linear import linear
@@ -105,7 +105,8 @@ def select_pools_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, 
                        batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
     """select_pools_reference in fixed shapes from device tensors only (graph-safe): every token
     scores the pools of all W * page_size rows of its sequence's page table, those that end past its
-    position masked. For decode steps (N the batch): a prefill would gather N copies of the keys.
+    position masked. For decode and verify steps (a few rows a sequence): a prefill would gather N
+    copies of the keys.
     NOTE: equal scores may break differently from the reference (its rows end at the context).
     The torch form of the CUDA kernels (select_pools_cuda) and their test oracle."""
     return pool_tokens_fixed(pool_scores_fixed(q, w, index_k, ape, batch, kpool, scale), batch.positions,
@@ -148,7 +149,7 @@ def pool_tokens_fixed(index: torch.Tensor, positions: torch.Tensor, topk: int, k
 def select_pools_cuda(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: torch.Tensor,
                       batch: AttnBatch, topk: int, kpool: int, scale: float) -> torch.Tensor:
     """select_pools_fixed in two Triton launches around torch.topk (layers/kpool_select_triton.py):
-    decode steps on CUDA (graph-safe). Scores agree with the torch form to float32 rounding."""
+    decode and verify steps on CUDA (graph-safe). Scores agree with the torch form to float32 rounding."""
     from moetier.layers import kpool_select_triton as kernels  # Triton: CUDA (or the interpreter)
 
     index = kernels.pool_scores(q, w.contiguous(), index_k, ape, batch, kpool, scale)
@@ -189,5 +190,5 @@ class KpoolIndexer(nn.Module):
         index_k = kv.index_k[kv.index_slot[self.layer]]
         index_k.view(-1, 2 * d)[batch.slot_mapping] = torch.cat([k, proj[:, d: 2 * d]], dim=-1)
         w = proj[:, 2 * d:].float() * self.hi ** -0.5
-        select = select_pools_cuda if q.is_cuda and batch.max_query_len == 1 else select_pools_reference
+        select = select_pools_cuda if q.is_cuda and batch.max_query_len <= IN_PLACE_ROWS else select_pools_reference
         return select(q, w, index_k, self.ape, batch, self.topk, self.kpool, self.d ** -0.5)

@@ -1,22 +1,22 @@
-"""The kpool indexer's decode selection on CUDA: two launches around torch.topk, in place of the some
+"""The kpool indexer's decode and verify selection on CUDA: two launches around torch.topk, in place of the some
 fifty small torch ops of its fixed-shape form (layers/kpool_indexer.select_pools_fixed, the reference
 these are tested against, and what the CPU runs).
 
     pool_scores(q [N, Hi, D], w [N, Hi] fp32, index_k [pages, page_size, 2D], ape [kpool, D], batch,
                 kpool, scale) -> [N, P] fp32
-        every pool of the token's sequence's page-table window (P = W * page_size // kpool, W the
+        every pool of each query row's sequence's page-table window (P = W * page_size // kpool, W the
         table's width) scored as select_pools_fixed scores it: the pool's key (softmax over its
         kpool tokens of gate + ape, per channel, weighting their keys), then
-        sum_h w[h] relu(scale q[h] . key); pools that end after the token's position masked to
+        sum_h w[h] relu(scale q[h] . key); pools that end after the row's position masked to
         float32's lowest (they sort last)
     pool_tokens(picked [N, S] int64 (topk of the scores, best first) or None, positions [N], kpool,
                 width) -> [N, width] int32
         the picked pools' tokens (the visible ones, which come first), then the token's own
         incomplete pool (place_tail's layout), -1 after
 
-Programs: pool_scores one per (sequence, block of BLOCK_P pools), reading the sequence's one query
-row (decode steps: at most one token a sequence; a sequence without one returns at once), its block's
-tokens loaded in one tile (a loop over a pool's tokens, rolled or unrolled, measured 28 and 40 us a
+Programs: pool_scores one per (sequence, block of BLOCK_P pools, query row r of the sequence), r below
+the step's most rows a sequence (decode: one; a verify step: its k + 1 positions; a sequence with fewer,
+or none, leaves at once), its block's tokens loaded in one tile (a loop over a pool's tokens, rolled or unrolled, measured 28 and 40 us a
 call on the H100 in the 8-layer batch-1 profile: a chain of dependent loads, docs/models.md); a
 block whose pools all end after the token stores the mask and loads nothing (the graphs' windows
 are wider than short contexts). pool_tokens one per token. Rounding follows the torch form (to nearest even, under the
@@ -49,8 +49,8 @@ def _pool_scores(q_ptr, w_ptr, k_ptr, ape_ptr, pos_ptr, query_start_ptr, page_ta
                  BLOCK_P: tl.constexpr, EMULATE: tl.constexpr):
     # HI_B, D_B, KP_B: heads, channels and a pool's tokens padded to powers of two
     b = tl.program_id(0)
-    n = tl.load(query_start_ptr + b)
-    if tl.load(query_start_ptr + b + 1) > n:  # the sequence's one query row this step
+    n = tl.load(query_start_ptr + b) + tl.program_id(2)  # the sequence's query row r = program_id(2)
+    if tl.load(query_start_ptr + b + 1) > n:
         pos = tl.load(pos_ptr + n)
         p0 = tl.program_id(1) * BLOCK_P
         p = p0 + tl.arange(0, BLOCK_P)  # [BP] pools
@@ -119,7 +119,7 @@ def pool_scores(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ape: to
         return out
     if q.stride(2) != 1 or not (w.is_contiguous() and index_k.is_contiguous() and ape.is_contiguous()):
         raise ValueError("pool_scores needs q unit-stride along D and contiguous w, index_k and ape")
-    grid = (batch.query_start.shape[0] - 1, triton.cdiv(p, BLOCK_P))
+    grid = (batch.query_start.shape[0] - 1, triton.cdiv(p, BLOCK_P), max(batch.max_query_len, 1))
     _pool_scores[grid](q, w, index_k, ape, batch.positions, batch.query_start, batch.page_table, out, p,
                        batch.page_table.stride(0),
                        q.stride(0), q.stride(1), scale, HI=hi, D=d, KPOOL=kpool, PAGE=page,
