@@ -141,7 +141,9 @@ def cursor_kept(llm: LLM):
 
 def replay_ms(llm: LLM, batch: int, reps: int = 20, whole: bool = False) -> float | None:
     """GPU time of one decode step alone: the step's graphs replayed back to back on the last step's
-    inputs (so the slot cache only hits). Against the step time it splits host from device time.
+    inputs. Without a replayed trace the slot cache then only hits; with one, the cursor advances inside
+    the graph, so each replay routes the trace's next rows and fills its misses as a real step does.
+    Against the step time it splits host from device time.
     whole: a hybrid engine's whole-step graph (what its switch replays when the pieces do not pay; None
     without one), so its GPU time can be held to slots' own graph."""
     graphs = step_graph(llm, batch, whole)
