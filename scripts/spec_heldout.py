@@ -67,7 +67,8 @@ def main() -> None:
     m = llm.metrics()
     mean = sum(r["tokens_per_target_step"] for r in rows) / len(rows)
     print(json.dumps({"method": args.method, "k": args.k, "temperature": args.temperature,
-                      "argmax_drafts": args.argmax_drafts, "stdlib": sysconfig.get_paths()["stdlib"], "files": len(files),
+                      "argmax_drafts": args.argmax_drafts, "stdlib": sysconfig.get_paths()["stdlib"],
+                      "files": len(files),
                       "equal_to_plain": equal, "mean_tokens_per_target_step": mean,
                       "acceptance_rate": m["spec_decode_acceptance_rate"],
                       "mean_acceptance_length": m["spec_decode_mean_acceptance_length"],

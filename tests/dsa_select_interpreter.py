@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from moetier.layers import dsa_select_triton as kernels  # noqa: E402
 from moetier.layers.dsa_indexer import key_scores_fixed, topk_positions  # noqa: E402
-from tests.interpreter import decode_rows  # noqa: E402
+from tests.interpreter import DECODE_SEQS, VERIFY_SEQS, decode_rows  # noqa: E402
 
 TOL = 1e-5  # float32 sums in another order
 
@@ -39,21 +39,20 @@ def case(seqs, page, d, hi, topk, dtype, seed, narrow: bool = False) -> str:
     assert err <= TOL, (seqs, dtype, err)
     picked = topk_positions(got, topk)
     assert torch.equal(picked, topk_positions(want, topk)), (picked, seqs)
-    return (f"dsa_select n={n} rows={batch.max_query_len} S={got.shape[1]} d={d} hi={hi} topk={topk} {str(dtype)[6:]} "
+    return (f"dsa_select n={n} rows={batch.max_query_len} S={got.shape[1]} d={d} hi={hi} topk={topk} "
+            f"{str(dtype)[6:]} "
             f"scores_err={err:.1e} whole=equal{' narrow-table' if narrow else ''}")
 
 
 def main() -> None:
-    seqs = [(9, 1, [3, 7, 1]), (0, 1, [0]), (13, 0, [5, 11, 4, 9]), (2, 1, [6, 8]), (6, 1, [2, 10]),
-            (30, 1, [12, 13, 14, 15, 16, 17, 18, 19, 20])]
+    seqs = DECODE_SEQS
     lines = []
     for dtype in (torch.float32, torch.bfloat16):
         lines.append(case(seqs, 4, 8, 3, 5, dtype, seed=1))
         lines.append(case(seqs, 4, 24, 10, 64, dtype, seed=2))  # top-k wider than every window
     lines.append(case(seqs, 8, 16, 9, 6, torch.bfloat16, seed=3, narrow=True))
-    verify = [(9, 3, [3, 7, 1]), (0, 2, [0]), (13, 0, [5, 11, 4, 9]), (4, 1, [6, 8]), (27, 4, [12, 13, 14, 15, 16, 17, 18, 19])]
-    lines.append(case(verify, 4, 24, 10, 7, torch.bfloat16, seed=4))
-    lines.append(case(verify, 4, 16, 9, 5, torch.float32, seed=5, narrow=True))
+    lines.append(case(VERIFY_SEQS, 4, 24, 10, 7, torch.bfloat16, seed=4))
+    lines.append(case(VERIFY_SEQS, 4, 16, 9, 5, torch.float32, seed=5, narrow=True))
     print("\n".join(lines))
 
 

@@ -38,6 +38,15 @@ def narrow_table(batch, num_pages: int, g):
     return dataclasses.replace(batch, page_table=wide[:, :table.shape[1]])
 
 
+# The indexer scripts' steps over shuffled pages, (tokens before, new tokens, page table) a sequence:
+# decode (one row a sequence, one sequence without a token) and verify (k + 1 = 4 rows at most, fewer
+# for some, none for one)
+DECODE_SEQS = [(9, 1, [3, 7, 1]), (0, 1, [0]), (13, 0, [5, 11, 4, 9]), (2, 1, [6, 8]), (6, 1, [2, 10]),
+               (30, 1, [12, 13, 14, 15, 16, 17, 18, 19, 20])]
+VERIFY_SEQS = [(9, 3, [3, 7, 1]), (0, 2, [0]), (13, 0, [5, 11, 4, 9]), (4, 1, [6, 8]),
+               (27, 4, [12, 13, 14, 15, 16, 17, 18, 19])]
+
+
 def decode_rows(seqs, page: int, row_width: int, d: int, hi: int, dtype, g, narrow: bool = False, ape: int = 0):
     """An indexer's decode inputs over make_batch(seqs), uniform in [0, 1): (index_k [pages, page,
     row_width] in dtype, kpool's position embedding [ape, d] in dtype or None, the batch (narrow:

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from moetier.layers import kpool_select_triton as kernels  # noqa: E402
 from moetier.layers.kpool_indexer import (pool_scores_fixed, pool_tokens_fixed, select_pools_cuda,  # noqa: E402
                                           select_pools_fixed)
-from tests.interpreter import decode_rows  # noqa: E402
+from tests.interpreter import DECODE_SEQS, VERIFY_SEQS, decode_rows  # noqa: E402
 
 TOL = 1e-5  # float32 sums in another order; the bf16 pool keys equal (both round to nearest even)
 
@@ -48,21 +48,20 @@ def case(seqs, page, d, hi, kpool, topk, dtype, seed, narrow: bool = False) -> s
     assert torch.equal(tokens, pool_tokens_fixed(got, batch.positions, topk, kpool)), (tokens, got)
     whole = select_pools_cuda(q, w, index_k, ape, batch, topk, kpool, 0.3)
     assert torch.equal(whole, select_pools_fixed(q, w, index_k, ape, batch, topk, kpool, 0.3)), seqs
-    return (f"kpool_select n={n} rows={batch.max_query_len} P={got.shape[1]} d={d} hi={hi} kpool={kpool} {str(dtype)[6:]} "
+    return (f"kpool_select n={n} rows={batch.max_query_len} P={got.shape[1]} d={d} hi={hi} kpool={kpool} "
+            f"{str(dtype)[6:]} "
             f"scores_err={err:.1e} tokens=exact whole=equal")
 
 
 def main() -> None:
     lines = []
-    seqs = [(9, 1, [3, 7, 1]), (0, 1, [0]), (13, 0, [5, 11, 4, 9]), (2, 1, [6, 8]), (6, 1, [2, 10]),
-            (30, 1, [12, 13, 14, 15, 16, 17, 18, 19, 20])]
+    seqs = DECODE_SEQS
     for dtype in (torch.float32, torch.bfloat16):
         lines.append(case(seqs, 4, 8, 3, 2, 4, dtype, seed=1))  # 2 pools picked of up to 15
         lines.append(case(seqs, 4, 24, 5, 4, 32, dtype, seed=2))  # every visible pool picked
     lines.append(case([(1, 1, [0]), (0, 1, [1])], 4, 16, 16, 4, 8, torch.float32, seed=3))  # no complete pool
     lines.append(case(seqs, 4, 8, 9, 3, 6, torch.bfloat16, seed=4))  # kpool 3: padded pool lanes
-    verify = [(9, 3, [3, 7, 1]), (0, 2, [0]), (13, 0, [5, 11, 4, 9]), (4, 1, [6, 8]), (27, 4, [12, 13, 14, 15, 16, 17, 18, 19])]
-    lines.append(case(verify, 4, 24, 5, 4, 8, torch.bfloat16, seed=6))
+    lines.append(case(VERIFY_SEQS, 4, 24, 5, 4, 8, torch.bfloat16, seed=6))
     lines.append(case(seqs, 4, 8, 3, 2, 4, torch.float32, seed=5, narrow=True) + " narrow-table")
     print("\n".join(lines))
 

@@ -129,8 +129,8 @@ def test_fixed_kpool_selection_equals_the_reference():
 
 
 def test_kpool_selection_kernels_in_the_interpreter():
-    """layers/kpool_select_triton.py (decode and verify on CUDA) against the torch form, in Triton's interpreter:
-    tests/kpool_select_interpreter.py."""
+    """layers/kpool_select_triton.py (decode and verify on CUDA) against the torch form, in Triton's
+    interpreter: tests/kpool_select_interpreter.py."""
     pytest.importorskip("triton")
     out = run_script("kpool_select_interpreter.py")
     lines = [line for line in out.splitlines() if line.startswith("kpool_select ")]

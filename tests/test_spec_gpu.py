@@ -1,8 +1,9 @@
 """Speculative decoding on CUDA (docs/speculative.md): the eager verify steps against the same engine
 without speculation (decode steps replayed from CUDA graphs), greedy, float32, for n-gram drafts on
 the embedded model and MTP drafts on a tiny DeepSeek-V3 with its MTP layer (every step eager there),
-resident and slots backends; glm5_next's eager verify steps (state rollback, the kpool kernels); expert-aware k's timed costs on the GPU (the link slower than HBM, an
-eager step dearer than a graph replay).
+resident and slots backends; glm5_next's eager verify steps (state rollback, the kpool kernels);
+expert-aware k's timed costs on the GPU (the link slower than HBM, an eager step dearer than a graph
+replay).
 
 NOTE: the verify step runs k + 1 tokens per sequence through kernels that may round differently from
 the one-token decode graph's; float32 on these tiny models leaves no near-tie, so the tokens must be

@@ -71,8 +71,9 @@ def key_scores_fixed(q: torch.Tensor, w: torch.Tensor, index_k: torch.Tensor, ba
     float32: every token scores all W * page_size rows of its sequence's page table ([N, Hi, W *
     page_size] float32 products), -inf past its own position. For decode and verify steps, where N is a
     few rows a sequence; a prefill would materialise N copies of the keys. The oracle of
-    dsa_select_triton.key_scores, which CUDA decode and verify run instead (it reads the keys in place). Ties (relu zeroes many) may leave
-    topk in another order than select_topk_reference's, whose rows end at the context length."""
+    dsa_select_triton.key_scores, which CUDA decode and verify run instead (it reads the keys in
+    place). Ties (relu zeroes many) may leave topk in another order than select_topk_reference's,
+    whose rows end at the context length."""
     n = q.shape[0]
     seq_of = torch.searchsorted(batch.query_start[1:].long(), torch.arange(n, device=q.device), right=True)
     keys = index_k[batch.page_table.long()[seq_of]].flatten(1, 2)  # [N, W * page_size, D]

@@ -1,5 +1,5 @@
-"""The kpool indexer's decode and verify selection on CUDA: two launches around torch.topk, in place of the some
-fifty small torch ops of its fixed-shape form (layers/kpool_indexer.select_pools_fixed, the reference
+"""The kpool indexer's decode and verify selection on CUDA: two launches around torch.topk, in place of
+the some fifty small torch ops of its fixed-shape form (layers/kpool_indexer.select_pools_fixed, the reference
 these are tested against, and what the CPU runs).
 
     pool_scores(q [N, Hi, D], w [N, Hi] fp32, index_k [pages, page_size, 2D], ape [kpool, D], batch,
@@ -16,8 +16,9 @@ these are tested against, and what the CPU runs).
 
 Programs: pool_scores one per (sequence, block of BLOCK_P pools, query row r of the sequence), r below
 the step's most rows a sequence (decode: one; a verify step: its k + 1 positions; a sequence with fewer,
-or none, leaves at once), its block's tokens loaded in one tile (a loop over a pool's tokens, rolled or unrolled, measured 28 and 40 us a
-call on the H100 in the 8-layer batch-1 profile: a chain of dependent loads, docs/models.md); a
+or none, leaves at once), its block's tokens loaded in one tile (a loop over a pool's tokens, rolled
+or unrolled, measured 28 and 40 us a call on the H100 in the 8-layer batch-1 profile: a chain of
+dependent loads, docs/models.md); a
 block whose pools all end after the token stores the mask and loads nothing (the graphs' windows
 are wider than short contexts). pool_tokens one per token. Rounding follows the torch form (to nearest even, under the
 interpreter too: quant/dot.to_dot): softmax in fp32, probabilities and their products with the keys

@@ -280,7 +280,8 @@ def count(req: PlanRequest) -> Plan:
         if verify:
             vin, vkept, vpeak = r.verify_graph_parts(cfg, verify, req.draft_tokens, width, dt)
             # the DSA indexer scores every verified row over the whole table (its kernel's [rows, C])
-            vpeak = vpeak + cfg.decode_selection_activations(max(n * q for n, q in verify), width * req.page_size, dt)
+            verified = max(n * q for n, q in verify)  # the largest verify step's rows
+            vpeak = vpeak + cfg.decode_selection_activations(verified, width * req.page_size, dt)
             dev.append(_item("verify graph inputs", "capture", vin, f"{len(verify)} (batch, k + 1) shapes"))
             kept, peak, gin = kept + vkept, max(peak, vpeak, key=r.segments), gin + vin
         pool = r.segments(kept) + r.segments(peak)
